@@ -48,20 +48,23 @@ class MemoryConnection:
     async def send(self, frame: Frame) -> None:
         if self._closed or self._state.close_reason is not None:
             await trio.lowlevel.checkpoint()
-            raise ConnectionClosed(self._state.close_reason or "connection closed",
-                                   self._state.close_code)
+            raise ConnectionClosed(
+                self._state.close_reason or "connection closed", self._state.close_code
+            )
         try:
             await self._send.send(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise ConnectionClosed(self._state.close_reason or "connection closed",
-                                   self._state.close_code) from None
+            raise ConnectionClosed(
+                self._state.close_reason or "connection closed", self._state.close_code
+            ) from None
 
     async def receive(self) -> Frame:
         try:
             return await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ConnectionClosed(self._state.close_reason or "connection closed",
-                                   self._state.close_code) from None
+            raise ConnectionClosed(
+                self._state.close_reason or "connection closed", self._state.close_code
+            ) from None
 
     async def aclose(self, code: int = 1000, reason: str = "") -> None:
         if not self._closed:

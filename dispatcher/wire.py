@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
-from typing import Any, ClassVar, Final, Literal, TypeAlias, Union
+from typing import Any, ClassVar, Final, Literal, TypeAlias
 
 import attrs
 import cattrs
@@ -231,27 +231,25 @@ class TunnelCancel:
     tunnel_id: str
 
 
-RunEvent: TypeAlias = Union[RunStarted, RunDelta, RunUsage, RunCompleted, RunFailed, RunCancelled]
-TerminalEvent: TypeAlias = Union[RunCompleted, RunFailed, RunCancelled]
+RunEvent: TypeAlias = RunStarted | RunDelta | RunUsage | RunCompleted | RunFailed | RunCancelled
+TerminalEvent: TypeAlias = RunCompleted | RunFailed | RunCancelled
 TERMINAL_EVENTS: Final = (RunCompleted, RunFailed, RunCancelled)
 
-NodeMessage: TypeAlias = Union[
-    Hello,
-    Capacity,
-    Pong,
-    RunStarted,
-    RunDelta,
-    RunUsage,
-    RunCompleted,
-    RunFailed,
-    RunCancelled,
-    TunnelStart,
-    TunnelEnd,
-]
-EdgeMessage: TypeAlias = Union[
-    Welcome, Ping, RunRequest, RunCancel, TunnelRequest, TunnelCancel
-]
-Message: TypeAlias = Union[NodeMessage, EdgeMessage]
+NodeMessage: TypeAlias = (
+    Hello
+    | Capacity
+    | Pong
+    | RunStarted
+    | RunDelta
+    | RunUsage
+    | RunCompleted
+    | RunFailed
+    | RunCancelled
+    | TunnelStart
+    | TunnelEnd
+)
+EdgeMessage: TypeAlias = Welcome | Ping | RunRequest | RunCancel | TunnelRequest | TunnelCancel
+Message: TypeAlias = NodeMessage | EdgeMessage
 
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     Hello,
@@ -306,12 +304,9 @@ def _make_converter() -> cattrs.Converter:
     converter = make_converter(forbid_extra_keys=False)
     for kind in (str, int, float, bool):
         converter.register_structure_hook(kind, _strict(kind))
-    converter.register_structure_hook_func(
-        lambda t: t == JSONObject, _structure_json_object
-    )
-    configure_tagged_union(
-        Message, converter, tag_generator=lambda cls: cls.TYPE, tag_name="type"
-    )
+    converter.register_structure_hook_func(lambda t: t == JSONObject, _structure_json_object)
+    tags: dict[type[Any], str] = {cls: cls.TYPE for cls in MESSAGE_TYPES}
+    configure_tagged_union(Message, converter, tag_generator=tags.__getitem__, tag_name="type")
     return converter
 
 
@@ -360,7 +355,7 @@ def decode(frame: str | bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {tag!r}")
     try:
-        message: Message = converter.structure(raw, Message)
+        message: Message = converter.structure(raw, Message)  # type: ignore[arg-type]
     except Exception as exc:  # cattrs raises several kinds; all mean the same to a peer
         raise ProtocolError(f"invalid {tag!r} message: {_describe(exc)}") from None
     return message
