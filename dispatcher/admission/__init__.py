@@ -1,0 +1,40 @@
+"""Admission: per-model-group queues with bounded slots across a pool of candidates.
+
+Two layers (see ``docs/admission.md``):
+
+* :class:`AdmissionCore`, a synchronous sans-IO state machine: inputs carry ``now`` and
+  return :data:`Decision` lists (:class:`Admit`, :class:`Reject`);
+* :class:`Admission`, the Trio layer: ``async with admission.open_slot(model, needs) as
+  slot`` parks until admitted, raises an :class:`AdmissionError` when rejected, and gives
+  the slot back on exit.
+"""
+
+from ._candidates import CAPABILITIES as CAPABILITIES
+from ._candidates import Candidate as Candidate
+from ._candidates import CandidateKey as CandidateKey
+from ._candidates import Needs as Needs
+from ._candidates import Predicate as Predicate
+from ._candidates import RequestClass as RequestClass
+from ._candidates import needs_from_body as needs_from_body
+from ._core import AdmissionCore as AdmissionCore
+from ._core import AdmissionStatistics as AdmissionStatistics
+from ._core import Admit as Admit
+from ._core import AdmitReason as AdmitReason
+from ._core import CandidateStatistics as CandidateStatistics
+from ._core import Decision as Decision
+from ._core import GroupStatistics as GroupStatistics
+from ._core import Reject as Reject
+from ._core import RejectCause as RejectCause
+from ._core import SlotId as SlotId
+from ._core import WaiterId as WaiterId
+from ._errors import AdmissionError as AdmissionError
+from ._errors import NoCapableCandidate as NoCapableCandidate
+from ._errors import QueueFull as QueueFull
+from ._errors import QueueTimeout as QueueTimeout
+from ._errors import UnknownModel as UnknownModel
+from ._errors import error_for as error_for
+from ._policy import Policy as Policy
+from ._policy import PolicySnapshot as PolicySnapshot
+from ._queue import Admission as Admission
+from ._queue import Slot as Slot
+from ._queue import open_admission as open_admission

@@ -1,0 +1,198 @@
+"""Candidates (one model on one provider on one node generation) and a request's needs.
+
+Sans-IO: no Trio, no clock. :func:`needs_from_body` derives :class:`Needs` from an OpenAI
+chat-completions body; :meth:`Needs.unfit` says, as a readable reason, why a candidate cannot
+serve the request (or ``None`` when it can).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final, Literal, TypeAlias
+
+import attrs
+
+from dispatcher.wire import ExecutionPath, ModelInfo, ProviderInfo
+
+RequestClass: TypeAlias = Literal["short", "long"]
+"""``"long"`` for requests of at least the group's ``long_context_tokens`` estimated tokens."""
+
+CAPABILITIES: Final = ("tools", "json", "vision")
+"""The capability names :class:`Needs` can ask for, in the order reasons name them."""
+
+
+@attrs.frozen(order=True)
+class CandidateKey:
+    """Identifies a candidate; ``model`` is the public model group name."""
+
+    node_id: str
+    generation: int
+    provider_id: str
+    model: str
+
+
+def _frozenset(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
+@attrs.frozen(kw_only=True)
+class Candidate:
+    """One public model group served by one provider of one node session (generation).
+
+    ``slots`` is its total concurrency; ``long_context_slots`` how many of them long requests
+    may hold (see ``docs/admission.md`` for the exact rule).
+    """
+
+    node_id: str
+    generation: int
+    provider_id: str
+    provider_type: str
+    adapter: str
+    model: str
+    served_model: str
+    path: ExecutionPath = "normalized"
+    capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=_frozenset)
+    slots: int = 1
+    long_context_slots: int = 0
+    context_window: int | None = None
+    node_label: str = ""
+
+    @property
+    def key(self) -> CandidateKey:
+        return CandidateKey(self.node_id, self.generation, self.provider_id, self.model)
+
+    @property
+    def label(self) -> str:
+        """``node/provider``, the prefix of every reason about this candidate."""
+        return f"{self.node_id}/{self.provider_id}"
+
+    @classmethod
+    def from_info(
+        cls,
+        *,
+        node_id: str,
+        generation: int,
+        provider: ProviderInfo,
+        model: ModelInfo,
+        node_label: str = "",
+    ) -> Candidate:
+        """The candidate a node's ``hello`` announces for ``model`` on ``provider``."""
+        return cls(
+            node_id=node_id,
+            generation=generation,
+            provider_id=provider.id,
+            provider_type=provider.type,
+            adapter=provider.adapter,
+            model=model.name,
+            served_model=model.served_name,
+            path=provider.path,
+            capabilities=frozenset(model.capabilities),
+            slots=model.slots,
+            long_context_slots=model.long_context_slots,
+            context_window=model.context_window,
+            node_label=node_label,
+        )
+
+
+Predicate: TypeAlias = Callable[[Candidate], str | None]
+"""An extra test of a candidate: a rejection reason, or ``None`` when it may serve. It must be
+pure (same answer for the same candidate), because the core applies it again while queued."""
+
+
+@attrs.frozen(kw_only=True)
+class Needs:
+    """What a request needs of a candidate. ``exclude`` holds candidates that already failed
+    for this request (recovery); ``session_id`` asks for the node that served the session
+    last, when it has a free slot."""
+
+    tools: bool = False
+    json: bool = False
+    vision: bool = False
+    estimated_tokens: int = 0
+    predicate: Predicate | None = attrs.field(default=None, eq=False)
+    exclude: frozenset[CandidateKey] = frozenset()
+    session_id: str | None = None
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        wanted = (self.tools, self.json, self.vision)
+        return frozenset(name for name, want in zip(CAPABILITIES, wanted, strict=True) if want)
+
+    def request_class(self, long_context_tokens: int | None) -> RequestClass:
+        if long_context_tokens is not None and self.estimated_tokens >= long_context_tokens:
+            return "long"
+        return "short"
+
+    def unfit(self, candidate: Candidate, request_class: RequestClass = "short") -> str | None:
+        """Why ``candidate`` cannot serve this request (``"node/provider: ..."``), or None."""
+        label = candidate.label
+        if candidate.key in self.exclude:
+            return f"{label}: already failed for this request"
+        for name in CAPABILITIES:
+            if getattr(self, name) and name not in candidate.capabilities:
+                return f"{label}: lacks capability {name!r}"
+        window = candidate.context_window
+        if window is not None and self.estimated_tokens > window:
+            return f"{label}: context window {window} < {self.estimated_tokens} estimated tokens"
+        if request_class == "long" and candidate.long_context_slots <= 0:
+            return (
+                f"{label}: no long-context slots for a long request "
+                f"({self.estimated_tokens} estimated tokens)"
+            )
+        if self.predicate is not None:
+            try:
+                reason = self.predicate(candidate)
+            except Exception as exc:  # user code must not break the core mid-operation
+                return f"{label}: predicate raised {type(exc).__name__}: {exc}"
+            if reason is not None:
+                return f"{label}: {reason}"
+        return None
+
+
+_IMAGE_PARTS: Final = frozenset({"image_url", "input_image"})
+_JSON_FORMATS: Final = frozenset({"json_object", "json_schema"})
+
+
+def needs_from_body(body: Mapping[str, Any], *, session_id: str | None = None) -> Needs:
+    """The needs of an OpenAI chat-completions body.
+
+    ``tools`` / ``functions`` present -> tools; ``response_format.type`` ``json_object`` or
+    ``json_schema`` -> json; a content part of type ``image_url`` / ``input_image`` -> vision;
+    estimated tokens = characters of all message text / 4 (rounded up) + ``max_tokens``
+    (or ``max_completion_tokens``, or 0). Malformed parts are ignored: validating the body is
+    the API layer's job, this only has to be cheap and never raise.
+    """
+    tools = bool(body.get("tools")) or bool(body.get("functions"))
+    response_format = body.get("response_format")
+    json = isinstance(response_format, Mapping) and response_format.get("type") in _JSON_FORMATS
+    vision = False
+    chars = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, Mapping):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if not isinstance(part, Mapping):
+                        continue
+                    if part.get("type") in _IMAGE_PARTS:
+                        vision = True
+                    text = part.get("text")
+                    if isinstance(text, str):
+                        chars += len(text)
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_completion_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        max_tokens = 0
+    return Needs(
+        tools=tools,
+        json=json,
+        vision=vision,
+        estimated_tokens=(chars + 3) // 4 + max_tokens,
+        session_id=session_id,
+    )

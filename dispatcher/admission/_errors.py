@@ -1,0 +1,75 @@
+"""Why a request got no slot. Each error carries the HTTP status it maps to.
+
+::
+
+    AdmissionError          .status .code .retry_after
+     +-- UnknownModel         404  model_not_found
+     +-- NoCapableCandidate   400  no_capable_candidate   (.reasons: one per candidate)
+     +-- QueueFull            429  queue_full             (.retry_after)
+     +-- QueueTimeout         503  queue_timeout          (.retry_after)
+
+:func:`error_for` is the one place a core :class:`~._core.Reject` becomes an exception.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ._core import Reject
+
+
+class AdmissionError(Exception):
+    """The request got no slot. ``str()`` is a message fit for the client."""
+
+    status: ClassVar[int] = 503
+    code: ClassVar[str] = "admission_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        reasons: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+        self.reasons = reasons
+
+
+class UnknownModel(AdmissionError):
+    status = 404
+    code = "model_not_found"
+
+
+class NoCapableCandidate(AdmissionError):
+    """Every candidate failed the request's needs; ``reasons`` says why, one per candidate.
+    Raised before any slot or queue position was taken."""
+
+    status = 400
+    code = "no_capable_candidate"
+
+
+class QueueFull(AdmissionError):
+    status = 429
+    code = "queue_full"
+
+
+class QueueTimeout(AdmissionError):
+    status = 503
+    code = "queue_timeout"
+
+
+_BY_CAUSE: dict[str, type[AdmissionError]] = {
+    "unknown_model": UnknownModel,
+    "no_capable_candidate": NoCapableCandidate,
+    "queue_full": QueueFull,
+    "timeout": QueueTimeout,
+}
+
+
+def error_for(reject: Reject) -> AdmissionError:
+    """The exception a rejection means."""
+    return _BY_CAUSE[reject.cause](
+        reject.message, retry_after=reject.retry_after, reasons=reject.reasons
+    )

@@ -1,0 +1,65 @@
+"""Admission policy: per model group limits, and the snapshot the core works from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+
+def _non_negative(_: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+def _positive(_: Any, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Policy:
+    """How one model group admits requests. Times are in seconds.
+
+    ``max_queue``: waiters at most (both classes) before new ones get ``queue_full``.
+    ``queue_timeout_s``: longest wait for a slot before ``timeout``.
+    ``per_candidate_cap``: lowers every candidate's announced ``slots`` to at most this.
+    ``long_context_tokens``: requests of at least this many estimated tokens are class
+    ``"long"``; ``None`` means one class for all.
+    ``drain_timeout_s``: how long a cancelled run's slot stays occupied waiting for the node to
+    confirm the cancel. ``retry_after_s``: the Retry-After of ``queue_full`` and ``timeout``.
+    """
+
+    max_queue: int = attrs.field(default=256, validator=_non_negative)
+    queue_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
+    per_candidate_cap: int | None = attrs.field(default=None, validator=_positive)
+    long_context_tokens: int | None = attrs.field(default=None, validator=_positive)
+    drain_timeout_s: float = attrs.field(default=5.0, validator=_non_negative)
+    retry_after_s: float = attrs.field(default=1.0, validator=_non_negative)
+
+
+def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value))
+
+
+@attrs.frozen(kw_only=True)
+class PolicySnapshot:
+    """The whole admission configuration at one moment: a default policy, per-group
+    overrides, and aliases (public name -> group). Replaced as a unit."""
+
+    default: Policy = Policy()
+    groups: Mapping[str, Policy] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+    aliases: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+
+    def policy_for(self, group: str) -> Policy:
+        return self.groups.get(group, self.default)
+
+    def resolve(self, model: str) -> str:
+        """The group a public model name means (itself unless it is an alias)."""
+        return self.aliases.get(model, model)
+
+    def knows(self, group: str) -> bool:
+        """True when the configuration names ``group`` (an override or an alias target)."""
+        return group in self.groups or group in self.aliases.values()

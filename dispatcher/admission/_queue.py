@@ -1,0 +1,248 @@
+"""The Trio layer of admission: parks waiters and drives the core's clock.
+
+The core decides; this layer only carries decisions out (wakes the parked task the decision
+is for) and feeds the core its inputs with ``trio.current_time()``. One driver task,
+:meth:`Admission.run`, sleeps until the core's next deadline and ticks it.
+
+Ownership is lexical: a slot exists only inside ``async with admission.open_slot(...)``, and
+leaving the block (normally, by an error, or cancelled) releases it exactly once, without an
+``await`` (so it works inside a cancelled scope).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from ._candidates import Candidate, CandidateKey, Needs, RequestClass
+from ._core import (
+    AdmissionCore,
+    AdmissionStatistics,
+    Admit,
+    AdmitReason,
+    Decision,
+    SlotId,
+    WaiterId,
+)
+from ._errors import error_for
+from ._policy import PolicySnapshot
+
+
+@attrs.define(eq=False)
+class _Parked:
+    event: trio.Event = attrs.Factory(trio.Event)
+    decision: Decision | None = None
+
+
+class Slot:
+    """An admitted request's slot, valid inside its ``open_slot`` block.
+
+    By default the slot is released when the block exits. :meth:`drain` asks instead that it
+    be handed to the core as *draining* (a cancel was sent to the node; the slot stays
+    occupied until :meth:`Admission.confirm_drain` or the drain timeout). :meth:`release`
+    frees it early (the run ended before the block did).
+    """
+
+    def __init__(self, admission: Admission, admit: Admit) -> None:
+        self._admission = admission
+        self._admit = admit
+        self._drain = False
+        self._done = False
+
+    @property
+    def slot_id(self) -> SlotId:
+        return self._admit.slot_id
+
+    @property
+    def candidate(self) -> Candidate:
+        return self._admit.candidate
+
+    @property
+    def queue_reason(self) -> AdmitReason:
+        """``"immediate"``, ``"queued"`` or ``"requeued"``."""
+        return self._admit.reason
+
+    @property
+    def queue_wait(self) -> float:
+        """Seconds spent waiting in the queue."""
+        return self._admit.queued_for
+
+    @property
+    def request_class(self) -> RequestClass:
+        return self._admit.request_class
+
+    @property
+    def released(self) -> bool:
+        """True once the slot was handed back (released or draining)."""
+        return self._done
+
+    def drain(self) -> None:
+        """On exit, hand the slot to the core as draining instead of releasing it."""
+        self._drain = True
+
+    def release(self) -> None:
+        """Release the slot now (idempotent; exiting the block then does nothing)."""
+        self._finish(drain=False)
+
+    def _finish(self, *, drain: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        if drain:
+            self._admission._carry_out(
+                self._admission._core.begin_drain(self.slot_id, trio.current_time())
+            )
+        else:
+            self._admission._carry_out(
+                self._admission._core.release(self.slot_id, trio.current_time())
+            )
+
+    def __repr__(self) -> str:
+        state = "released" if self._done else "held"
+        return f"<Slot {self.slot_id} on {self.candidate.label} ({state})>"
+
+
+class Admission:
+    """Admission queues for every model group, over one :class:`AdmissionCore`.
+
+    Start :meth:`run` in a long-lived nursery (or use :func:`open_admission`), then
+    ``async with admission.open_slot(model, needs) as slot:``. The registry reports nodes
+    with the sync methods :meth:`node_joined`, :meth:`node_left` and
+    :meth:`capacity_changed`; :meth:`set_policy` swaps the configuration.
+    """
+
+    def __init__(self, policy: PolicySnapshot | None = None) -> None:
+        self._core = AdmissionCore(policy)
+        self._parked: dict[WaiterId, _Parked] = {}
+        self._ids = itertools.count()
+        self._wakeup = trio.Event()
+        self._armed = math.inf
+        self._running = False
+
+    @property
+    def policy(self) -> PolicySnapshot:
+        return self._core.policy
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The driver: sleeps until the core's next deadline (re-armed when an input brings
+        it closer) and ticks the core. Never returns; cancel it to stop."""
+        if self._running:
+            raise RuntimeError("Admission.run() is already running")
+        self._running = True
+        try:
+            task_status.started()
+            while True:
+                deadline = self._core.next_deadline()
+                self._armed = math.inf if deadline is None else deadline
+                self._wakeup = trio.Event()
+                with trio.move_on_at(self._armed):
+                    await self._wakeup.wait()
+                self._carry_out(self._core.tick(trio.current_time()))
+        finally:
+            self._running = False
+            self._armed = math.inf
+
+    @asynccontextmanager
+    async def open_slot(
+        self, model: str, needs: Needs, *, requeue: bool = False
+    ) -> AsyncIterator[Slot]:
+        """Wait for a slot of ``model`` (a group or an alias) that meets ``needs``.
+
+        Raises an :class:`~._errors.AdmissionError` subclass when rejected. Cancelled while
+        waiting, the waiter leaves the queue at once and never holds a slot. ``requeue`` is
+        for a retry of a request that already held a slot (see ``AdmissionCore.submit``).
+        """
+        if not self._running:
+            raise RuntimeError("Admission.run() must be running to open slots")
+        await trio.lowlevel.checkpoint()
+        waiter_id = next(self._ids)
+        parked = self._parked[waiter_id] = _Parked()
+        try:
+            self._carry_out(
+                self._core.submit(waiter_id, model, needs, trio.current_time(), requeue=requeue)
+            )
+            if parked.decision is None:
+                await parked.event.wait()
+        except BaseException:
+            self._abandon(waiter_id, parked)
+            raise
+        finally:
+            self._parked.pop(waiter_id, None)
+        decision = parked.decision
+        if not isinstance(decision, Admit):
+            assert decision is not None
+            raise error_for(decision)
+        slot = Slot(self, decision)
+        try:
+            yield slot
+        finally:
+            slot._finish(drain=slot._drain)
+
+    def confirm_drain(self, slot_id: SlotId) -> None:
+        """The node confirmed the cancel of the run on this slot: it is free."""
+        self._carry_out(self._core.confirm_drain(slot_id, trio.current_time()))
+
+    def node_joined(self, candidates: Sequence[Candidate]) -> None:
+        self._carry_out(self._core.node_joined(candidates, trio.current_time()))
+
+    def node_left(self, node_id: str, generation: int) -> None:
+        self._carry_out(self._core.node_left(node_id, generation, trio.current_time()))
+
+    def capacity_changed(self, key: CandidateKey, slots: int, long_context_slots: int) -> None:
+        self._carry_out(
+            self._core.capacity_changed(key, slots, long_context_slots, trio.current_time())
+        )
+
+    def set_policy(self, policy: PolicySnapshot) -> None:
+        self._carry_out(self._core.set_policy(policy, trio.current_time()))
+
+    def statistics(self) -> AdmissionStatistics:
+        return self._core.statistics()
+
+    # ------------------------------------------------------------------ internals
+
+    def _abandon(self, waiter_id: int, parked: _Parked) -> None:
+        """The waiting task is leaving (cancelled or failed): end the waiter in the core, or
+        give back a slot it was granted but will never use."""
+        self._parked.pop(waiter_id, None)
+        now = trio.current_time()
+        if parked.decision is None:
+            self._carry_out(self._core.cancel(waiter_id, now))
+        elif isinstance(parked.decision, Admit):
+            self._carry_out(self._core.release(parked.decision.slot_id, now))
+
+    def _carry_out(self, decisions: Sequence[Decision]) -> None:
+        """Hand each decision to its parked task; an admission for a task that is gone is
+        released at once (which may admit someone else)."""
+        pending = deque(decisions)
+        while pending:
+            decision = pending.popleft()
+            parked = self._parked.get(decision.waiter_id)
+            if parked is not None and parked.decision is None:
+                parked.decision = decision
+                parked.event.set()
+            elif isinstance(decision, Admit):
+                pending.extend(self._core.release(decision.slot_id, trio.current_time()))
+        deadline = self._core.next_deadline()
+        if deadline is not None and deadline < self._armed:
+            self._armed = deadline
+            self._wakeup.set()
+
+
+@asynccontextmanager
+async def open_admission(policy: PolicySnapshot | None = None) -> AsyncIterator[Admission]:
+    """An :class:`Admission` with its driver running in a nursery of its own; the driver
+    stops when the block exits."""
+    admission = Admission(policy)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(admission.run)
+        try:
+            yield admission
+        finally:
+            nursery.cancel_scope.cancel(reason="admission closed")
