@@ -1,0 +1,165 @@
+"""The edge's HTTP surface: one handler for our server, routing to the API modules.
+
+Errors from every route are turned into the OpenAI error body here, in one place.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import orjson
+
+from ..errors import (
+    BadRequest,
+    DispatcherError,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    error_status_and_body,
+)
+from ..http import BodyTooLarge, Handler, PeerGone, Request, Responder, WebSocket, WebSocketClosed
+from ..nodelink import serve_node_connection
+from ..transport import ConnectionClosed
+from . import openai
+
+if TYPE_CHECKING:
+    from ..service import Dispatcher
+
+log = logging.getLogger("dispatcher.api")
+
+NODE_CONNECT_PATH = "/v1/nodes/connect"
+
+
+class ServerWebSocketConnection:
+    """A :class:`dispatcher.transport.Connection` over our server's websocket."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self._ws = ws
+
+    async def send(self, frame: str | bytes) -> None:
+        try:
+            await self._ws.send(frame)
+        except WebSocketClosed as exc:
+            raise ConnectionClosed(exc.reason or "websocket closed", exc.code) from None
+        except PeerGone as exc:
+            raise ConnectionClosed(str(exc) or "peer gone") from None
+
+    async def receive(self) -> str | bytes:
+        try:
+            return await self._ws.receive()
+        except WebSocketClosed as exc:
+            raise ConnectionClosed(exc.reason or "websocket closed", exc.code) from None
+        except PeerGone as exc:
+            raise ConnectionClosed(str(exc) or "peer gone") from None
+
+    async def aclose(self, code: int = 1000, reason: str = "") -> None:
+        try:
+            await self._ws.aclose(code, reason)
+        except (WebSocketClosed, PeerGone):
+            pass
+
+
+Route = Callable[
+    ["Dispatcher", Request, Responder, tuple[tuple[bytes, bytes], ...]], Awaitable[None]
+]
+
+
+def make_handler(dispatcher: Dispatcher) -> Handler:
+    api_keys = [key.encode() for key in dispatcher.config.client_api_keys()]
+
+    def authorize(request: Request) -> None:
+        if not api_keys:
+            return
+        header = request.header(b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        ok = False
+        for key in api_keys:
+            ok |= hmac.compare_digest(token.strip(), key)
+        if not ok:
+            raise Unauthorized("invalid API key")
+
+    async def handler(request: Request, responder: Responder) -> None:
+        request_id = (request.header(b"x-request-id") or secrets.token_hex(8).encode())[:64]
+        headers = ((b"x-request-id", request_id),)
+        try:
+            path, method = request.path, request.method
+            if path == NODE_CONNECT_PATH:
+                if not request.is_websocket_upgrade:
+                    raise BadRequest("this endpoint takes a websocket upgrade from a node")
+                ws = await responder.accept_websocket()
+                client = request.client
+                peer = f"{client.host}:{client.port}" if client else "unknown"
+                await serve_node_connection(
+                    ServerWebSocketConnection(ws),
+                    dispatcher.registry,
+                    dispatcher.nodelink_settings,
+                    on_capacity=dispatcher.on_capacity,
+                    peer=peer,
+                )
+                return
+            if path == "/healthz":
+                body = orjson.dumps({"status": "ok", "nodes": len(dispatcher.registry.sessions)})
+                await responder.respond(200, (*openai.JSON_HEADERS, *headers), body)
+                return
+            route = _ROUTES.get(path)
+            if route is None:
+                raise NotFound(f"no route for {method} {path}", code="unknown_url")
+            allowed, func = route
+            if method != allowed and not (method == "HEAD" and allowed == "GET"):
+                raise DispatcherError(
+                    f"{method} is not allowed on {path}; use {allowed}",
+                    status=405,
+                    code="method_not_allowed",
+                )
+            authorize(request)
+            await func(dispatcher, request, responder, headers)
+        except BodyTooLarge:
+            await _respond_error(
+                responder, PayloadTooLarge("request body is over the size limit"), headers
+            )
+        except DispatcherError as exc:
+            await _respond_error(responder, exc, headers)
+
+    return handler
+
+
+async def _respond_error(
+    responder: Responder, exc: BaseException, headers: tuple[tuple[bytes, bytes], ...]
+) -> None:
+    status, body, retry_after = error_status_and_body(exc)
+    extra = list(headers)
+    if retry_after is not None:
+        extra.append((b"retry-after", str(max(1, round(retry_after))).encode()))
+    if status >= 500:
+        log.info("answering %d: %s", status, exc)
+    await responder.respond(status, (*openai.JSON_HEADERS, *extra), body)
+
+
+async def _chat(
+    dispatcher: Dispatcher,
+    request: Request,
+    responder: Responder,
+    headers: tuple[tuple[bytes, bytes], ...],
+) -> None:
+    await openai.chat_completions(dispatcher, request, responder, headers)
+
+
+async def _models(
+    dispatcher: Dispatcher,
+    request: Request,
+    responder: Responder,
+    headers: tuple[tuple[bytes, bytes], ...],
+) -> None:
+    await openai.list_models(dispatcher, responder, headers)
+
+
+_ROUTES: dict[str, tuple[str, Route]] = {
+    "/v1/chat/completions": ("POST", _chat),
+    "/v1/models": ("GET", _models),
+}

@@ -1,0 +1,286 @@
+"""OpenAI-compatible routes: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+
+Streaming follows OpenAI's ``chat.completion.chunk`` SSE shape. Nothing is sent to the client
+until the run's first content (or its end): until then a failure is still an HTTP status. After
+that, a failure becomes an SSE error event and the stream ends without ``[DONE]`` -- never a
+silent clean end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import orjson
+import trio
+
+from .. import wire
+from ..errors import BadRequest, RunFailedError, openai_error_object
+from ..http import HTTPStream, Request, Responder
+from ..runs import Run, RunSpec
+
+if TYPE_CHECKING:
+    from ..service import Dispatcher
+
+JSON_HEADERS = ((b"content-type", b"application/json"),)
+SSE_HEADERS = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@attrs.frozen(kw_only=True)
+class ChatRequest:
+    model: str
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """Validate a chat-completions body; raise :class:`BadRequest` naming the bad field."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+
+    def bad(param: str, reason: str) -> BadRequest:
+        return BadRequest(f"'{param}': {reason}", param=param, code="invalid_value")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "a non-empty string is required")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "a non-empty array of messages is required")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise bad(where, "each message must be an object")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise bad(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise bad(f"{where}.content", "must be a string, an array of parts, or null")
+        if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
+            raise bad(f"{where}.content", "each content part must be an object")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad("stream", "must be a boolean")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad("stream_options", "must be an object")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad("stream_options.include_usage", "must be a boolean")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise bad(name, "must be a positive integer")
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None and (type(value) not in (int, float)):
+            raise bad(name, "must be a number")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad("n", "only n=1 is supported")
+    return ChatRequest(model=model, body=body, stream=stream, include_usage=include_usage)
+
+
+def _usage_object(usage: wire.Usage | None) -> dict[str, int]:
+    prompt = usage.prompt_tokens if usage else 0
+    completion = usage.completion_tokens if usage else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _failure(event: wire.RunFailed) -> RunFailedError:
+    return RunFailedError(
+        f"the model run failed: {event.message} ({event.code})",
+        code=event.code,
+        retryable=event.retryable,
+    )
+
+
+async def chat_completions(
+    dispatcher: Dispatcher,
+    request: Request,
+    responder: Responder,
+    headers: Sequence[tuple[bytes, bytes]],
+) -> None:
+    chat = parse_chat_request(await request.body())
+    spec = RunSpec(model=chat.model, body=chat.body)
+    async with dispatcher.open_run(spec) as run:
+        run_headers = (
+            *headers,
+            (b"x-dispatcher-node", run.candidate.node_id.encode()),
+            (b"x-dispatcher-provider", run.candidate.provider_id.encode()),
+            (b"x-dispatcher-queue-ms", f"{run.slot.queue_wait * 1000:.1f}".encode()),
+        )
+        if chat.stream:
+            await _stream(dispatcher, chat, run, responder, run_headers)
+        else:
+            await _complete(chat, run, responder, run_headers)
+
+
+async def _complete(
+    chat: ChatRequest, run: Run, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
+) -> None:
+    parts: list[str] = []
+    usage: wire.Usage | None = None
+    finish = "stop"
+    async for event in run:
+        if isinstance(event, wire.RunDelta):
+            parts.append(event.text)
+        elif isinstance(event, wire.RunUsage):
+            usage = event.usage
+        elif isinstance(event, wire.RunCompleted):
+            finish = event.finish_reason
+        elif isinstance(event, wire.RunFailed):
+            raise _failure(event)
+        elif isinstance(event, wire.RunCancelled):
+            raise RunFailedError("the node cancelled the run", code="cancelled", retryable=True)
+    body = {
+        "id": f"chatcmpl-{run.run_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": chat.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(parts)},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": _usage_object(usage),
+    }
+    await responder.respond(200, (*JSON_HEADERS, *headers), orjson.dumps(body))
+
+
+class _ChunkWriter:
+    """Builds ``chat.completion.chunk`` SSE events for one response."""
+
+    def __init__(self, chat: ChatRequest, run: Run) -> None:
+        self._prefix = (
+            b'data: {"id":"chatcmpl-'
+            + run.run_id.encode()
+            + b'","object":"chat.completion.chunk","created":'
+            + str(int(time.time())).encode()
+            + b',"model":'
+            + orjson.dumps(chat.model)
+            + b',"system_fingerprint":null,"choices":'
+        )
+        self._suffix = b',"usage":null}\n\n' if chat.include_usage else b"}\n\n"
+
+    def choice(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._prefix + orjson.dumps([choice]) + self._suffix
+
+    def usage(self, usage: wire.Usage | None) -> bytes:
+        return self._prefix + b'[],"usage":' + orjson.dumps(_usage_object(usage)) + b"}\n\n"
+
+
+def sse_error(message: str, code: str) -> bytes:
+    body = openai_error_object(message, error_type="server_error", code=code)
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+async def _stream(
+    dispatcher: Dispatcher,
+    chat: ChatRequest,
+    run: Run,
+    responder: Responder,
+    headers: Sequence[tuple[bytes, bytes]],
+) -> None:
+    writer = _ChunkWriter(chat, run)
+    usage: wire.Usage | None = None
+    # Hold the response until the first content or the end: a failure before that is
+    # still an HTTP status.
+    pending: list[wire.RunEvent] = []
+    async for event in run:
+        if isinstance(event, wire.RunFailed):
+            raise _failure(event)
+        if isinstance(event, wire.RunCancelled):
+            raise RunFailedError("the node cancelled the run", code="cancelled", retryable=True)
+        pending.append(event)
+        if (isinstance(event, wire.RunDelta) and (event.text or event.tool_calls)) or isinstance(
+            event, wire.RunCompleted
+        ):
+            break
+    stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
+    with dispatcher.stream_scope() as scope:
+        out = [writer.choice({"role": "assistant", "content": ""})]
+        ended = False
+        for event in pending:
+            usage, ended = _render(writer, event, usage, out)
+        await stream.send(b"".join(out))
+        while not ended:
+            event = await run.__anext__()
+            out = []
+            usage, ended = _render(writer, event, usage, out)
+            for ready in run.ready_events():
+                if ended:
+                    break
+                usage, ended = _render(writer, ready, usage, out)
+            if out:
+                await stream.send(b"".join(out))
+        if isinstance(run.terminal, wire.RunCompleted):
+            tail = [writer.usage(usage)] if chat.include_usage else []
+            tail.append(b"data: [DONE]\n\n")
+            await stream.send(b"".join(tail))
+    if scope.cancelled_caught:
+        with trio.move_on_after(1, shield=True):
+            await stream.send(sse_error("the dispatcher is shutting down", "shutting_down"))
+
+
+def _render(
+    writer: _ChunkWriter, event: wire.RunEvent, usage: wire.Usage | None, out: list[bytes]
+) -> tuple[wire.Usage | None, bool]:
+    """Append the SSE bytes for ``event``; return the usage so far and whether it ended."""
+    if isinstance(event, wire.RunDelta):
+        delta: dict[str, Any] = {"content": event.text}
+        if event.tool_calls:
+            delta["tool_calls"] = list(event.tool_calls)
+        out.append(writer.choice(delta))
+    elif isinstance(event, wire.RunUsage):
+        return event.usage, False
+    elif isinstance(event, wire.RunCompleted):
+        out.append(writer.choice({}, event.finish_reason))
+        return usage, True
+    elif isinstance(event, wire.RunFailed):
+        out.append(sse_error(f"the model run failed: {event.message}", event.code))
+        return usage, True
+    elif isinstance(event, wire.RunCancelled):
+        out.append(sse_error("the node cancelled the run", "cancelled"))
+        return usage, True
+    return usage, False
+
+
+async def list_models(
+    dispatcher: Dispatcher, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
+) -> None:
+    created = int(dispatcher.started_at)
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "trio-dispatcher"}
+        for name in sorted(dispatcher.registry.models())
+    ]
+    body = orjson.dumps({"object": "list", "data": data})
+    await responder.respond(200, (*JSON_HEADERS, *headers), body)
+
+
+__all__ = ["HTTPStream", "chat_completions", "list_models", "parse_chat_request"]

@@ -1,0 +1,41 @@
+"""From node sessions and the edge config to what admission works with: candidates and the
+policy snapshot."""
+
+from __future__ import annotations
+
+import attrs
+
+from .admission import Candidate, Policy, PolicySnapshot
+from .config import EdgeConfig, QueuePolicySettings
+from .registry import NodeSession
+
+
+def candidates_for_session(session: NodeSession) -> list[Candidate]:
+    """Every (provider, model) the session's ``hello`` announced, as candidates of its
+    generation."""
+    return [
+        Candidate.from_info(
+            node_id=session.node_id,
+            generation=session.generation,
+            provider=provider,
+            model=model,
+            node_label=session.label,
+        )
+        for provider in session.hello.providers
+        for model in provider.models
+    ]
+
+
+def _policy(base: Policy, settings: QueuePolicySettings) -> Policy:
+    return attrs.evolve(base, **settings.overrides())
+
+
+def policy_snapshot_from_config(config: EdgeConfig) -> PolicySnapshot:
+    """The admission policy in force for ``config``: ``[admission]`` is the default,
+    ``[models.NAME]`` overrides it per group and may name aliases of the group."""
+    default = _policy(Policy(), config.admission)
+    groups = {name: _policy(default, settings) for name, settings in config.models.items()}
+    aliases = {
+        alias: name for name, settings in config.models.items() for alias in settings.aliases
+    }
+    return PolicySnapshot(default=default, groups=groups, aliases=aliases)

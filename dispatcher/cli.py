@@ -1,0 +1,130 @@
+"""The ``dispatcher`` command: ``dispatcher serve`` (the edge) and ``dispatcher node``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from .config import ConfigError, EdgeConfig, load_edge_config
+
+log = logging.getLogger("dispatcher.cli")
+
+DEFAULT_EDGE_URL = "ws://127.0.0.1:8700/v1/nodes/connect"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dispatcher", description="One OpenAI-compatible endpoint in front of your LLMs."
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the edge (the OpenAI-compatible HTTP endpoint)")
+    serve.add_argument("--config", help="edge config file (TOML)")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8700; 0 = any)")
+    serve.add_argument(
+        "--no-local-node",
+        action="store_true",
+        help="do not start the in-process node serving the built-in 'echo' model",
+    )
+
+    node = sub.add_parser("node", help="run a node that dials the edge and serves models")
+    node.add_argument("--edge", default=None, help=f"edge websocket URL ({DEFAULT_EDGE_URL})")
+    node.add_argument("--config", help="node config file (TOML)")
+    node.add_argument("--token", help="node token, if the edge requires one")
+    node.add_argument("--id", dest="node_id", help="node id (default: from config or hostname)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.command == "serve":
+            config = load_edge_config(args.config)
+            if args.no_local_node:
+                config = attrs.evolve(config, local_node=False)
+            trio.run(_serve, config, args.host, args.port)
+        else:
+            return _node(args)
+    except ConfigError as exc:
+        print(f"dispatcher: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> None:
+    from .http import Server
+    from .service import open_dispatcher
+
+    async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
+        if config.local_node:
+            await dispatcher.attach_local_node()
+
+        async def serve(task_status: trio.TaskStatus[Server]) -> None:
+            await dispatcher.serve(host=host, port=port, task_status=task_status)
+            # Graceful shutdown is complete: stop listening for signals too.
+            nursery.cancel_scope.cancel(reason="server stopped")
+
+        server: Server = await nursery.start(serve)
+        address = server.address
+        tls = config.http.tls_certificate is not None
+        base = f"{'https' if tls else 'http'}://{address.host}:{address.port}"
+        models = ", ".join(sorted(dispatcher.registry.models())) or "none yet"
+        print(
+            f"trio-dispatcher edge listening on {base}/v1\n"
+            f"  models: {models}\n"
+            f"  nodes connect to {'wss' if tls else 'ws'}://{address.host}:{address.port}"
+            "/v1/nodes/connect\n"
+            "  Ctrl-C or SIGTERM shuts down gracefully",
+            flush=True,
+        )
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if server.shutting_down:
+                    log.warning("second signal: stopping now")
+                    nursery.cancel_scope.cancel(reason="second signal")
+                    return
+                log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                server.shutdown()
+
+
+def _node(args: argparse.Namespace) -> int:
+    from nodes.agent import NodeRejected, serve_node
+    from nodes.config import NodeConfigError, default_node_config, load_node_config
+
+    try:
+        config = load_node_config(args.config) if args.config else default_node_config()
+    except NodeConfigError as exc:
+        print(f"dispatcher node: configuration error: {exc}", file=sys.stderr)
+        return 2
+    changes: dict[str, object] = {}
+    if args.edge:
+        changes["edge_url"] = args.edge
+    if args.token:
+        changes["token"] = args.token
+    if args.node_id:
+        changes["node_id"] = args.node_id
+    config = attrs.evolve(config, **changes)
+    print(f"trio-dispatcher node {config.node_id} dialling {config.edge_url}", flush=True)
+    try:
+        trio.run(serve_node, config)
+    except NodeRejected as exc:
+        print(f"dispatcher node: the edge refused this node: {exc}", file=sys.stderr)
+        return 3
+    return 0

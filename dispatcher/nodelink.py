@@ -1,0 +1,218 @@
+"""The edge's side of one node connection: handshake, authentication, heartbeats, routing.
+
+:func:`serve_node_connection` owns one connection from ``hello`` to close. It is transport
+agnostic: the HTTP endpoint runs it over our server's websocket, and embedded apps and tests
+run it over an in-memory connection. Whatever the node sends that breaks the protocol closes
+*that* session (code 1002, with the reason) and is logged; nothing it sends can hurt the edge
+or other nodes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from . import wire
+from .registry import NodeGone, NodeSession, Registry, SessionProtocolError
+from .transport import Connection, ConnectionClosed
+
+log = logging.getLogger("dispatcher.nodes")
+
+CLOSE_PROTOCOL_ERROR = 1002
+CLOSE_POLICY = 1008
+CLOSE_GOING_AWAY = 1001
+CLOSE_AUTH_FAILED = 4001
+CLOSE_SUPERSEDED = 4002
+CLOSE_HEARTBEAT = 4003
+
+
+@attrs.frozen(kw_only=True)
+class NodeLinkSettings:
+    node_tokens: tuple[str, ...] = attrs.field(default=(), repr=False)
+    """When non-empty, ``hello.token`` must equal one of these."""
+    hello_timeout: float = 10.0
+    heartbeat_interval: float = 5.0
+    heartbeat_timeout: float = 15.0
+    """A node silent for this long is dropped and its runs fail."""
+
+
+class _Closing(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _token_ok(token: str | None, allowed: Sequence[str]) -> bool:
+    if not allowed:
+        return True
+    if token is None:
+        return False
+    given = token.encode()
+    ok = False
+    for candidate in allowed:  # no early exit: constant time over the configured tokens
+        ok |= hmac.compare_digest(given, candidate.encode())
+    return ok
+
+
+async def serve_node_connection(
+    conn: Connection,
+    registry: Registry,
+    settings: NodeLinkSettings,
+    *,
+    on_capacity: Callable[[NodeSession, wire.Capacity], None] | None = None,
+    peer: str = "in-memory",
+) -> None:
+    """Serve one node connection until it closes. Never raises for anything the node does."""
+    session: NodeSession | None = None
+    close_code, close_reason = CLOSE_GOING_AWAY, "session ended"
+    try:
+        hello = await _receive_hello(conn, settings)
+        session = registry.register(hello, conn)
+        log.info(
+            "node %s (%s) joined from %s, generation %d, models: %s",
+            hello.node_id,
+            hello.label or "-",
+            peer,
+            session.generation,
+            ", ".join(sorted({m.name for p in hello.providers for m in p.models})) or "none",
+        )
+        await session.send(
+            wire.Welcome(
+                protocol=wire.PROTOCOL_VERSION,
+                generation=session.generation,
+                heartbeat_interval=settings.heartbeat_interval,
+            )
+        )
+        closing = await _serve_session(conn, session, settings, on_capacity)
+        if closing is not None:
+            close_code, close_reason = closing.code, closing.reason
+            log.warning("node %s: closing session: %s", session.node_id, closing.reason)
+    except _Closing as closing:
+        close_code, close_reason = closing.code, closing.reason
+        log.warning("node connection from %s refused: %s", peer, closing.reason)
+    except (ConnectionClosed, NodeGone) as exc:
+        log.info("node connection from %s lost: %s", peer, exc)
+    except Exception:
+        log.exception("node connection from %s failed", peer)
+        close_code, close_reason = 1011, "internal error"
+    finally:
+        if session is not None:
+            if session.closed_reason is not None and session.closed_reason.startswith("superseded"):
+                close_code, close_reason = CLOSE_SUPERSEDED, session.closed_reason
+            registry.unregister(session, close_reason)
+            log.info(
+                "node %s generation %d left: %s", session.node_id, session.generation, close_reason
+            )
+        with trio.move_on_after(2, shield=True):
+            await conn.aclose(close_code, close_reason)
+
+
+async def _receive_hello(conn: Connection, settings: NodeLinkSettings) -> wire.Hello:
+    with trio.move_on_after(settings.hello_timeout) as scope:
+        frame = await conn.receive()
+    if scope.cancelled_caught:
+        raise _Closing(CLOSE_POLICY, f"no hello within {settings.hello_timeout} s")
+    if isinstance(frame, bytes):
+        raise _Closing(CLOSE_PROTOCOL_ERROR, "expected a hello text frame, got binary")
+    try:
+        message = wire.decode(frame)
+    except wire.ProtocolError as exc:
+        raise _Closing(CLOSE_PROTOCOL_ERROR, f"bad hello: {exc}") from None
+    if not isinstance(message, wire.Hello):
+        raise _Closing(CLOSE_PROTOCOL_ERROR, f"expected hello, got {message.TYPE!r}")
+    if message.protocol != wire.PROTOCOL_VERSION:
+        raise _Closing(
+            CLOSE_PROTOCOL_ERROR,
+            f"protocol version {message.protocol} is not supported "
+            f"(this edge speaks {wire.PROTOCOL_VERSION})",
+        )
+    if not _token_ok(message.token, settings.node_tokens):
+        reason = "missing node token" if message.token is None else "invalid node token"
+        raise _Closing(CLOSE_AUTH_FAILED, reason)
+    return message
+
+
+async def _serve_session(
+    conn: Connection,
+    session: NodeSession,
+    settings: NodeLinkSettings,
+    on_capacity: Callable[[NodeSession, wire.Capacity], None] | None,
+) -> _Closing | None:
+    """Run the session until the connection ends (None) or it must be closed (the reason)."""
+    last_seen = trio.current_time()
+    closing: _Closing | None = None
+
+    async def heartbeat(scope: trio.CancelScope) -> None:
+        nonlocal closing
+        nonce = 0
+        try:
+            while True:
+                await trio.sleep(settings.heartbeat_interval)
+                silent = trio.current_time() - last_seen
+                if silent >= settings.heartbeat_timeout:
+                    closing = _Closing(
+                        CLOSE_HEARTBEAT, f"heartbeat timeout: node silent for {silent:.1f} s"
+                    )
+                    break
+                nonce += 1
+                await session.send(wire.Ping(nonce=nonce))
+        except NodeGone:
+            pass
+        scope.cancel()
+
+    async def superseded(scope: trio.CancelScope) -> None:
+        await session.ended.wait()
+        scope.cancel()
+
+    async def receive_loop() -> None:
+        nonlocal last_seen
+        while True:
+            frame = await conn.receive()
+            last_seen = trio.current_time()
+            if isinstance(frame, bytes):
+                raise _Closing(CLOSE_PROTOCOL_ERROR, "binary frame for no open tunnel")
+            try:
+                message = wire.decode(frame)
+            except wire.ProtocolError as exc:
+                raise _Closing(CLOSE_PROTOCOL_ERROR, str(exc)) from None
+            if isinstance(message, wire.Pong):
+                continue
+            if isinstance(message, _RUN_EVENTS):
+                try:
+                    session.route(message)
+                except SessionProtocolError as exc:
+                    raise _Closing(CLOSE_PROTOCOL_ERROR, str(exc)) from None
+            elif isinstance(message, wire.Capacity):
+                if on_capacity is not None:
+                    on_capacity(session, message)
+            else:
+                raise _Closing(
+                    CLOSE_PROTOCOL_ERROR, f"unexpected {message.TYPE!r} message from a node"
+                )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(heartbeat, nursery.cancel_scope)
+        nursery.start_soon(superseded, nursery.cancel_scope)
+        try:
+            await receive_loop()
+        except _Closing as exc:
+            closing = exc
+        except ConnectionClosed:
+            pass
+        nursery.cancel_scope.cancel()
+    return closing
+
+
+_RUN_EVENTS = (
+    wire.RunStarted,
+    wire.RunDelta,
+    wire.RunUsage,
+    wire.RunCompleted,
+    wire.RunFailed,
+    wire.RunCancelled,
+)

@@ -1,0 +1,209 @@
+"""Normalized runs: ``open_run`` is the ownership rule of the design, in one ``async with``.
+
+::
+
+    async with runs.open_run(spec) as run:      # queue wait -> slot -> subscribe -> send
+        async for event in run:                 # normalized events, in order, up to the
+            ...                                 # terminal one
+    # however the block is left, the node is told to cancel if the run is not finished
+    # (shielded, bounded), the subscription is closed, and the slot is released -- once.
+
+The slot is freed at the first of: the terminal event arriving (the node is done), or the
+block exiting. A run left unfinished hands its slot to admission as *draining* until the
+node confirms the cancel (``run.cancelled``) or the drain deadline passes, so the queue never
+over-admits onto a node that is still generating for a client that left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from . import wire
+from .admission import Admission, Candidate, Needs, Slot, needs_from_body
+from .errors import NodeUnavailable, StaleGeneration
+from .registry import NodeGone, NodeSession, Registry, Subscription
+
+CANCEL_SEND_TIMEOUT = 2.0
+"""Bound on the shielded send of ``run.cancel`` when a run's block is left early."""
+
+EndReason = Literal[
+    "completed",  # the node sent run.completed
+    "failed",  # the node sent run.failed
+    "node_lost",  # the node's connection ended mid-run
+    "stale_generation",  # the node reconnected mid-run (or before the send)
+    "cancelled",  # the block was left before the end by a cancellation (client gone, ...)
+    "abandoned",  # the block was left early without an error
+    "error",  # the block was left early by an exception
+    "send_error",  # the run request could not be sent
+]
+
+
+@attrs.frozen(kw_only=True)
+class RunSpec:
+    """What to run: the public model group and the OpenAI chat body."""
+
+    model: str
+    body: dict[str, Any]
+    needs: Needs | None = None
+    """Derived from ``body`` when not given."""
+
+
+@attrs.define(eq=False)
+class Run:
+    """The handle ``open_run`` yields. Iterate it for the run's events, terminal included."""
+
+    run_id: str
+    candidate: Candidate
+    session: NodeSession
+    slot: Slot
+    _subscription: Subscription
+    started_at: float
+    _done: bool = False
+    end_reason: EndReason | None = None
+    """How the run ended, set once when its block is left."""
+
+    @property
+    def node_id(self) -> str:
+        return self.candidate.node_id
+
+    @property
+    def finished(self) -> bool:
+        """A terminal event arrived (from the node, or synthesized when it was lost)."""
+        return self._subscription.finished
+
+    @property
+    def terminal(self) -> wire.RunEvent | None:
+        return self._subscription.terminal
+
+    def ready_events(self) -> list[wire.RunEvent]:
+        """Events already buffered (up to and including the terminal one), without waiting:
+        lets a consumer batch several tokens into one write."""
+        ready: list[wire.RunEvent] = []
+        while not self._done:
+            event = self._subscription.receive_nowait()
+            if event is None:
+                break
+            ready.append(event)
+            if wire.is_terminal(event):
+                self._done = True
+        return ready
+
+    def __aiter__(self) -> Run:
+        return self
+
+    async def __anext__(self) -> wire.RunEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._subscription.receive()
+        if wire.is_terminal(event):
+            self._done = True
+        return event
+
+
+@attrs.define(eq=False)
+class RunStatistics:
+    opened: int = 0
+    ended: dict[str, int] = attrs.field(factory=dict)
+    cancels_sent: int = 0
+
+
+@attrs.define(eq=False)
+class Runs:
+    """Opens normalized runs on the node that admission selects."""
+
+    registry: Registry
+    admission: Admission
+    _prefix: str = attrs.field(factory=lambda: secrets.token_hex(4))
+    _counter: Iterator[int] = attrs.field(factory=itertools.count)
+    stats: RunStatistics = attrs.field(factory=RunStatistics)
+
+    def new_run_id(self) -> str:
+        return f"run-{self._prefix}-{next(self._counter)}"
+
+    @asynccontextmanager
+    async def open_run(self, spec: RunSpec) -> AsyncIterator[Run]:
+        needs = spec.needs if spec.needs is not None else needs_from_body(spec.body)
+        async with (
+            self.admission.open_slot(spec.model, needs) as slot,
+            self._dispatch(spec, slot) as run,
+        ):
+            yield run
+
+    @asynccontextmanager
+    async def _dispatch(self, spec: RunSpec, slot: Slot) -> AsyncIterator[Run]:
+        candidate = slot.candidate
+        session = self.registry.current(candidate.node_id, candidate.generation)
+        if session is None:
+            self._count("stale_generation")
+            raise StaleGeneration(
+                f"node {candidate.node_id} reconnected while the request was being dispatched",
+                retry_after=0,
+            )
+        run_id = self.new_run_id()
+        with session.subscribe(run_id) as subscription:
+            subscription.on_terminal = lambda _event: slot.release()
+            run = Run(run_id, candidate, session, slot, subscription, time.monotonic())
+            body = {**spec.body, "model": candidate.served_model}
+            request = wire.RunRequest(
+                run_id=run_id,
+                provider_id=candidate.provider_id,
+                model=spec.model,
+                served_model=candidate.served_model,
+                body=body,
+            )
+            try:
+                await session.send(request)
+            except NodeGone as exc:
+                self._count("send_error")
+                raise NodeUnavailable(str(exc)) from exc
+            self.stats.opened += 1
+            try:
+                yield run
+            except BaseException as exc:
+                run.end_reason = self._reason(run, exc)
+                raise
+            else:
+                run.end_reason = self._reason(run, None)
+            finally:
+                self._count(run.end_reason or "error")
+                if not run.finished:
+                    await self._abandon(run)
+
+    async def _abandon(self, run: Run) -> None:
+        """The block was left before the terminal event: drain the slot and tell the node."""
+        run.slot.drain()
+        slot_id = run.slot.slot_id
+        run._subscription.on_late_terminal = lambda _event: self.admission.confirm_drain(slot_id)
+        reason = "client went away" if run.end_reason == "cancelled" else "run abandoned"
+        with trio.move_on_after(CANCEL_SEND_TIMEOUT, shield=True):
+            try:
+                await run.session.send(wire.RunCancel(run_id=run.run_id, reason=reason))
+                self.stats.cancels_sent += 1
+            except NodeGone:
+                pass  # the session is over: leaving the registry voided its slots
+
+    @staticmethod
+    def _reason(run: Run, exc: BaseException | None) -> EndReason:
+        terminal = run.terminal
+        if isinstance(terminal, wire.RunCompleted):
+            return "completed"
+        if isinstance(terminal, wire.RunFailed):
+            if terminal.code in ("node_lost", "stale_generation"):
+                return terminal.code  # type: ignore[return-value]
+            return "failed"
+        if isinstance(terminal, wire.RunCancelled):
+            return "cancelled"
+        if isinstance(exc, trio.Cancelled):
+            return "cancelled"
+        return "abandoned" if exc is None else "error"
+
+    def _count(self, reason: str) -> None:
+        self.stats.ended[reason] = self.stats.ended.get(reason, 0) + 1

@@ -1,0 +1,202 @@
+"""The :class:`Dispatcher` and ``open_dispatcher``: the embedding entry point.
+
+``open_dispatcher`` owns the root nursery: the admission driver, node sessions attached in
+memory, and (when asked) the HTTP server all live in it, so leaving the ``async with`` stops
+everything::
+
+    async with open_dispatcher(EdgeConfig()) as dispatcher:
+        await dispatcher.attach_local_node()          # the built-in echo model, no sockets
+        async with dispatcher.open_run(RunSpec(model="echo", body=body)) as run:
+            async for event in run:
+                ...
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from . import wire
+from .admission import Admission, Candidate, PolicySnapshot
+from .catalog import candidates_for_session, policy_snapshot_from_config
+from .config import EdgeConfig
+from .nodelink import NodeLinkSettings, serve_node_connection
+from .registry import NodeSession, Registry
+from .runs import Run, Runs, RunSpec
+from .transport import Connection, memory_connection_pair
+
+if TYPE_CHECKING:
+    from nodes.config import NodeConfig
+
+    from .http import Server
+
+log = logging.getLogger("dispatcher")
+
+
+@attrs.define(eq=False)
+class Dispatcher:
+    """The edge. Create it with :func:`open_dispatcher`."""
+
+    config: EdgeConfig
+    registry: Registry
+    admission: Admission
+    runs: Runs
+    nodelink_settings: NodeLinkSettings
+    _nursery: trio.Nursery
+    started_at: float = attrs.field(factory=time.time)
+    _stream_scopes: set[trio.CancelScope] = attrs.field(factory=set)
+    shutting_down: bool = False
+
+    def open_run(self, spec: RunSpec) -> AbstractAsyncContextManager[Run]:
+        """Queue, take a slot, subscribe, send; see :mod:`dispatcher.runs`."""
+        return self.runs.open_run(spec)
+
+    # -- nodes ------------------------------------------------------------------------
+
+    async def attach_node(self, conn: Connection, *, peer: str = "in-memory") -> None:
+        """Serve a node connection (for instance one end of ``memory_connection_pair``) in
+        the dispatcher's nursery until it closes."""
+        self._nursery.start_soon(self.serve_node_connection, conn, peer)
+        await trio.lowlevel.checkpoint()
+
+    async def serve_node_connection(self, conn: Connection, peer: str = "in-memory") -> None:
+        await serve_node_connection(
+            conn, self.registry, self.nodelink_settings, on_capacity=self.on_capacity, peer=peer
+        )
+
+    async def attach_local_node(self, node_config: NodeConfig | None = None) -> str:
+        """Run an in-process node (default: the built-in ``echo`` model) over an in-memory
+        connection, in the dispatcher's nursery. Returns once it has registered."""
+        from nodes.agent import serve_node_session
+        from nodes.config import default_node_config
+
+        config = node_config or default_node_config(node_id="local")
+        edge_end, node_end = memory_connection_pair()
+
+        async def run_node() -> None:
+            try:
+                await serve_node_session(node_end, config)
+            finally:
+                with trio.move_on_after(1, shield=True):
+                    await node_end.aclose()
+
+        await self.attach_node(edge_end)
+        self._nursery.start_soon(run_node)
+        while config.node_id not in self.registry.sessions:
+            await self.registry.wait_changed()
+        return config.node_id
+
+    def on_capacity(self, session: NodeSession, change: wire.Capacity) -> None:
+        for candidate in candidates_for_session(session):
+            if candidate.provider_id == change.provider_id and candidate.model == change.model:
+                self.admission.capacity_changed(
+                    candidate.key, change.slots, change.long_context_slots
+                )
+
+    def _node_joined(self, session: NodeSession) -> None:
+        self.admission.node_joined(candidates_for_session(session))
+
+    def _node_left(self, session: NodeSession) -> None:
+        self.admission.node_left(session.node_id, session.generation)
+
+    def candidates(self) -> list[Candidate]:
+        return [c for s in self.registry.sessions.values() for c in candidates_for_session(s)]
+
+    # -- HTTP -------------------------------------------------------------------------
+
+    @contextmanager
+    def stream_scope(self) -> Iterator[trio.CancelScope]:
+        """A scope for one streamed response; graceful shutdown cancels it so the handler
+        can send its final event before the server's grace period ends."""
+        with trio.CancelScope() as scope:
+            self._stream_scopes.add(scope)
+            try:
+                if self.shutting_down:
+                    scope.cancel()
+                yield scope
+            finally:
+                self._stream_scopes.discard(scope)
+
+    async def begin_shutdown(self) -> None:
+        """End open streams cleanly (each sends a final error event)."""
+        self.shutting_down = True
+        for scope in list(self._stream_scopes):
+            scope.cancel()
+        await trio.lowlevel.checkpoint()
+
+    async def serve(
+        self,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve the HTTP API (OpenAI routes and the node websocket) until cancelled or
+        shut down through the server handle passed to ``task_status``."""
+        from .api.app import make_handler
+        from .http import Limits, serve_http
+
+        http = self.config.http
+        limits = Limits(
+            max_header_size=http.max_header_size,
+            max_body_size=http.max_body_size,
+            header_timeout=http.header_timeout,
+            keepalive_timeout=http.keepalive_timeout,
+            write_timeout=http.write_timeout,
+            max_connections=http.max_connections,
+            shutdown_grace=http.shutdown_grace,
+        )
+        ssl_context = None
+        if http.tls_certificate and http.tls_private_key:
+            import ssl
+
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(http.tls_certificate, http.tls_private_key)
+        await serve_http(
+            make_handler(self),
+            host=host if host is not None else self.config.host,
+            port=port if port is not None else self.config.port,
+            limits=limits,
+            ssl_context=ssl_context,
+            on_shutdown=self.begin_shutdown,
+            task_status=task_status,
+        )
+
+    def set_policy(self, snapshot: PolicySnapshot) -> None:
+        self.admission.set_policy(snapshot)
+
+
+@asynccontextmanager
+async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dispatcher]:
+    """The embedding entry point: a running dispatcher, stopped when the block exits."""
+    config = config or EdgeConfig()
+    registry = Registry()
+    admission = Admission(policy_snapshot_from_config(config))
+    settings = NodeLinkSettings(
+        node_tokens=config.node_tokens(),
+        hello_timeout=config.nodes.hello_timeout,
+        heartbeat_interval=config.nodes.heartbeat_interval,
+        heartbeat_timeout=config.nodes.heartbeat_timeout,
+    )
+    async with trio.open_nursery() as nursery:
+        dispatcher = Dispatcher(
+            config=config,
+            registry=registry,
+            admission=admission,
+            runs=Runs(registry, admission),
+            nodelink_settings=settings,
+            nursery=nursery,
+        )
+        registry.on_join(dispatcher._node_joined)
+        registry.on_leave(dispatcher._node_left)
+        await nursery.start(admission.run)
+        try:
+            yield dispatcher
+        finally:
+            nursery.cancel_scope.cancel(reason="dispatcher closed")

@@ -1,0 +1,266 @@
+"""The ownership rule of ``open_run``, one test per way out of the block.
+
+After each: no slot in use or draining, the subscription is gone, and where the run had
+started and did not finish, the node saw ``run.cancel``. Virtual time throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from dispatcher import wire
+from dispatcher.admission import QueueTimeout
+from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
+from dispatcher.errors import StaleGeneration
+from dispatcher.runs import RunSpec
+from dispatcher.service import Dispatcher, open_dispatcher
+from dispatcher.transport import memory_connection_pair
+
+from .fakes import ScriptedNode, connect, hello, wait_until
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+SPEC = RunSpec(model="m", body=BODY)
+
+
+def config(**admission: float) -> EdgeConfig:
+    return EdgeConfig(
+        local_node=False,
+        nodes=NodeSettings(heartbeat_interval=5, heartbeat_timeout=15),
+        admission=QueuePolicySettings(**admission),  # type: ignore[arg-type]
+    )
+
+
+# pytest-trio only installs a clock the test function itself asks for, so every test here
+# takes ``autojump_clock``; the fixture asks for it too so that it runs under the same clock.
+@pytest.fixture
+async def dispatcher(autojump_clock: trio.testing.MockClock) -> AsyncIterator[Dispatcher]:
+    async with open_dispatcher(config(queue_timeout_s=10, drain_timeout_s=5)) as d:
+        yield d
+
+
+def assert_clean(d: Dispatcher) -> None:
+    stats = d.admission.statistics()
+    assert stats.in_use == 0
+    assert stats.draining == 0
+    assert stats.waiting == 0
+    for session in d.registry.sessions.values():
+        assert session.runs == {}
+
+
+async def test_completed(dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock) -> None:
+    node = await connect(dispatcher, hello())
+    async with trio.open_nursery() as nursery:
+
+        async def node_side() -> None:
+            request = await node.receive_run()
+            assert request.served_model == "m-served"
+            assert request.body["model"] == "m-served"
+            await node.emit(
+                request.run_id,
+                ("run.started", {}),
+                ("run.delta", {"text": "hello"}),
+                ("run.usage", {"usage": wire.Usage(prompt_tokens=1, completion_tokens=1)}),
+                ("run.completed", {"finish_reason": "stop"}),
+            )
+
+        nursery.start_soon(node_side)
+        async with dispatcher.open_run(SPEC) as run:
+            assert dispatcher.admission.statistics().in_use == 1
+            events = [event async for event in run]
+        assert [type(e) for e in events] == [
+            wire.RunStarted,
+            wire.RunDelta,
+            wire.RunUsage,
+            wire.RunCompleted,
+        ]
+        assert run.end_reason == "completed"
+    assert node.cancels() == []
+    assert_clean(dispatcher)
+
+
+async def test_slot_freed_by_terminal_event_before_block_exit(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello())
+    async with dispatcher.open_run(SPEC) as run:
+        request = await node.receive_run()
+        await node.emit(request.run_id, ("run.completed", {}))
+        await wait_until(lambda: run.finished)
+        # The node is done: the slot is free even though the block is still open.
+        assert dispatcher.admission.statistics().in_use == 0
+    assert node.cancels() == []
+    assert_clean(dispatcher)
+
+
+async def test_node_run_failed(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello())
+    async with dispatcher.open_run(SPEC) as run:
+        request = await node.receive_run()
+        await node.emit(
+            request.run_id,
+            ("run.failed", {"code": "boom", "message": "exploded", "retryable": False}),
+        )
+        events = [event async for event in run]
+    assert isinstance(events[-1], wire.RunFailed)
+    assert events[-1].code == "boom"
+    assert run.end_reason == "failed"
+    assert node.cancels() == []
+    assert_clean(dispatcher)
+
+
+async def test_client_disconnect_mid_stream(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello())
+    run_ids: list[str] = []
+    with trio.move_on_after(3) as client:  # the client leaves after 3 s
+        async with dispatcher.open_run(SPEC) as run:
+            request = await node.receive_run()
+            run_ids.append(request.run_id)
+            await node.emit(request.run_id, ("run.started", {}), ("run.delta", {"text": "a"}))
+            async for _ in run:
+                pass
+    assert client.cancelled_caught
+    assert run.end_reason == "cancelled"
+    # The node is told at once; the slot drains until the node confirms.
+    cancel = await node.receive()
+    assert isinstance(cancel, wire.RunCancel)
+    assert cancel.run_id == run_ids[0]
+    stats = dispatcher.admission.statistics()
+    assert (stats.in_use, stats.draining) == (0, 1)
+    await node.send(wire.RunCancelled(run_id=run_ids[0], seq=2))
+    await wait_until(lambda: dispatcher.admission.statistics().draining == 0)
+    assert_clean(dispatcher)
+
+
+async def test_drain_deadline_frees_slot_when_node_ignores_cancel(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(node.answer_pings)
+        with trio.move_on_after(1):
+            async with dispatcher.open_run(SPEC):
+                await trio.sleep_forever()
+        assert dispatcher.admission.statistics().draining == 1
+        start = trio.current_time()
+        await wait_until(lambda: dispatcher.admission.statistics().draining == 0, timeout=30)
+        assert trio.current_time() - start == pytest.approx(5, abs=0.01)
+        nursery.cancel_scope.cancel()
+    assert node.cancels()
+    assert_clean(dispatcher)
+
+
+async def test_node_connection_dropped_mid_run(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello())
+    async with dispatcher.open_run(SPEC) as run:
+        request = await node.receive_run()
+        await node.emit(request.run_id, ("run.started", {}))
+        await node.conn.aclose()
+        events = [event async for event in run]
+    assert isinstance(events[-1], wire.RunFailed)
+    assert events[-1].code == "node_lost"
+    assert events[-1].retryable
+    assert run.end_reason == "node_lost"
+    assert dispatcher.registry.sessions == {}
+    assert_clean(dispatcher)
+
+
+async def test_heartbeat_timeout_drops_silent_node(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello())
+    async with dispatcher.open_run(SPEC) as run:
+        await node.receive_run()
+        # The node goes silent: no pongs. The edge gives up after the timeout.
+        start = trio.current_time()
+        events = [event async for event in run]
+        elapsed = trio.current_time() - start
+    assert isinstance(events[-1], wire.RunFailed)
+    assert events[-1].code == "node_lost"
+    assert 15 <= elapsed <= 20
+    assert_clean(dispatcher)
+
+
+async def test_queue_timeout(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello(slots=1))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(node.answer_pings)
+        async with dispatcher.open_run(SPEC):
+            start = trio.current_time()
+            with pytest.raises(QueueTimeout):
+                async with dispatcher.open_run(SPEC):
+                    pytest.fail("admitted beyond the node's slots")
+            assert trio.current_time() - start == pytest.approx(10)
+            assert dispatcher.admission.statistics().waiting == 0
+        nursery.cancel_scope.cancel()
+    # The first run was left unfinished: its slot drains, then frees.
+    await wait_until(lambda: dispatcher.admission.statistics().draining == 0, timeout=30)
+    assert_clean(dispatcher)
+
+
+async def test_edge_shutdown_cancels_runs(autojump_clock: trio.testing.MockClock) -> None:
+    seen: list[wire.Message] = []
+    node: ScriptedNode | None = None
+    async with open_dispatcher(config()) as d:
+        node = await connect(d, hello())
+        async with trio.open_nursery() as requests:  # what the HTTP server's nursery is
+
+            async def request() -> None:
+                async with d.open_run(SPEC):
+                    await trio.sleep_forever()
+
+            requests.start_soon(request)
+            await node.receive_run()
+            requests.cancel_scope.cancel(reason="edge shutting down")
+        message = await node.receive()
+        seen.append(message)
+    assert isinstance(seen[0], wire.RunCancel)
+
+
+async def test_stale_generation_between_admission_and_send(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A node reconnects after a waiter was admitted to its old session but before the run
+    request went out: nothing is sent on the old connection and the request fails cleanly."""
+    old = await connect(dispatcher, hello(slots=1))
+    outcome: list[BaseException] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(old.answer_pings)
+        async with dispatcher.open_run(SPEC) as first:
+
+            async def second() -> None:
+                try:
+                    async with dispatcher.open_run(SPEC):
+                        pytest.fail("dispatched to a stale generation")
+                except StaleGeneration as exc:
+                    outcome.append(exc)
+
+            nursery.start_soon(second)
+            await wait_until(lambda: dispatcher.admission.statistics().waiting == 1)
+            # In one synchronous step: the slot frees (admitting the waiter to the old
+            # generation) and the node reconnects, before the waiter's task runs again.
+            first.slot.release()
+            new_edge_end, new_node_end = memory_connection_pair()
+            new_session = dispatcher.registry.register(hello(slots=1), new_edge_end)
+            assert new_session.generation > first.candidate.generation
+            await wait_until(lambda: bool(outcome))
+        nursery.cancel_scope.cancel()
+    assert isinstance(outcome[0], StaleGeneration)
+    requests = [m for m in old.seen if isinstance(m, wire.RunRequest)]
+    assert [r.run_id for r in requests] == [first.run_id]
+    with trio.move_on_after(1) as nothing:
+        await new_node_end.receive()
+    assert nothing.cancelled_caught, "the request was sent on the new connection"
+    dispatcher.registry.unregister(new_session)
+    assert_clean(dispatcher)
