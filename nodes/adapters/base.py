@@ -1,0 +1,143 @@
+"""The adapter seam: what an engine adapter implements and what the runner gives it.
+
+An :class:`Adapter` runs one request and reports through a :class:`RunOutput`::
+
+    class MyAdapter:
+        async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+            async for piece in upstream(request.body):
+                await out.delta(piece.text)          # a checkpoint; may wait (backpressure)
+                out.usage(piece.prompt_tokens, piece.completion_tokens)
+            out.finish("stop")
+
+The runner turns that into wire events (``run.started``, ``run.delta``..., ``run.usage``, then
+exactly one terminal event). Errors:
+
+* :class:`AdapterError` -- an upstream failure with a code: ``run.failed`` with that code,
+  message and ``retryable`` flag;
+* any other ``Exception`` -- a bug: ``run.failed`` code ``internal``, not retryable, logged;
+* :class:`DropConnection` -- fault injection only: the node's whole connection is dropped;
+* cancellation (``run.cancel``) arrives as ``trio.Cancelled`` at the adapter's next
+  checkpoint; the adapter's HTTP request or child process dies with its cancel scope.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dispatcher import wire
+
+if TYPE_CHECKING:
+    from nodes.config import ProviderConfig
+
+
+class AdapterError(Exception):
+    """An upstream failure, reported as ``run.failed`` with ``code``, ``message`` and
+    ``retryable`` (may another attempt, on this or another candidate, succeed?)."""
+
+    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class DropConnection(Exception):
+    """Drop the node's whole edge connection at once (a fault-injection knob of ``echo``).
+
+    Not a run outcome: no terminal event is sent for any run; the agent aborts the
+    connection (close code 1011) and reconnects as after any connection loss.
+    """
+
+
+class RunOutput(Protocol):
+    """What a running adapter reports to. Provided by the runner, one per run."""
+
+    async def delta(self, text: str) -> None:
+        """Emit generated text. Always a checkpoint. Waits when too much text is still
+        unsent (the connection is slower than the adapter); pending pieces may be coalesced
+        into one ``run.delta`` frame."""
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """Record the latest known usage (totals so far, not increments)."""
+
+    def finish(self, reason: str) -> None:
+        """Set the finish reason ``run.completed`` will carry (default ``"stop"``)."""
+
+    def ignore_cancel(self) -> None:
+        """Fault injection: ``run.cancel`` is ignored for this run, which runs to its natural
+        end. (A lost connection still cancels it.)"""
+
+
+class Adapter(Protocol):
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None: ...
+
+
+AdapterFactory = Callable[["ProviderConfig"], Adapter]
+"""Builds the adapter for one configured provider."""
+
+OptionsValidator = Callable[[Mapping[str, Any]], None]
+"""Checks a provider's ``options`` table; raises ``nodes.config.OptionsError``."""
+
+
+# --------------------------------------------------------------------------- estimates
+
+_WORD_START = re.compile(r"\s\S")
+
+
+def estimate_tokens(text: str) -> int:
+    """A rough token count for text whose real count is unknown: the larger of its word count
+    and a quarter of its length in characters, rounded up (English averages ~4 characters
+    and ~0.75 words per token)."""
+    return max(len(text.split()), math.ceil(len(text) / 4))
+
+
+class TokenEstimator:
+    """:func:`estimate_tokens` computed incrementally over a stream of pieces, without keeping
+    the text (a word split across two pieces counts once)."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.words = 0
+        self._after_space = True
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        self.chars += len(text)
+        self.words += len(_WORD_START.findall((" " if self._after_space else "x") + text))
+        self._after_space = text[-1].isspace()
+
+    @property
+    def tokens(self) -> int:
+        return max(self.words, math.ceil(self.chars / 4))
+
+
+def message_text(message: Any) -> str:
+    """The text of one chat message: its string ``content``, or the ``text`` parts of a list
+    ``content`` joined by newlines. Anything else (images, tool calls, junk) counts as no
+    text."""
+    if not isinstance(message, dict):
+        return ""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def estimate_prompt_tokens(body: wire.JSONObject) -> int:
+    """:func:`estimate_tokens` over the text of every message of a chat request body."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    return sum(estimate_tokens(message_text(m)) for m in messages)

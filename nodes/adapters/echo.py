@@ -1,0 +1,169 @@
+"""The built-in deterministic ``echo`` model: streams the last user message back, word by word.
+
+Each token is a word with the whitespace that follows it (leading whitespace goes with the
+first word), so the concatenated deltas equal the echoed text exactly. Usage:
+``prompt_tokens`` is the number of words of all messages, ``completion_tokens`` the number of
+tokens emitted; the finish reason is ``"stop"``, or ``"length"`` when ``max_completion_tokens``
+(or else ``max_tokens``) cut the reply short.
+
+Knobs (:class:`EchoOptions`) come from the provider's ``options`` table and can be overridden
+per request by an object under the request body key ``"echo"``, e.g.
+``{"model": "echo", "messages": [...], "echo": {"token_delay": 0.05, "fail_after_tokens": 3}}``.
+They make echo a test double for every way a real engine misbehaves.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from dispatcher import wire
+from nodes.adapters.base import AdapterError, DropConnection, RunOutput, message_text
+from nodes.config import OptionsError, ProviderConfig
+
+_TOKEN = re.compile(r"\s*\S+\s*")
+
+
+@attrs.frozen(kw_only=True)
+class EchoOptions:
+    token_delay: float = 0.0
+    """Seconds to wait before each token. 0: tokens go out as fast as the connection takes
+    them (the runner coalesces what piles up)."""
+    fail_before_first_token: bool = False
+    """Fail (``run.failed``, code ``echo_fault``, retryable) before any text."""
+    fail_after_tokens: int | None = None
+    """Fail the same way after this many tokens."""
+    stall_after_tokens: int | None = None
+    """Emit nothing more after this many tokens, forever (until cancelled)."""
+    drop_connection_after_tokens: int | None = None
+    """Drop the node's whole connection after this many tokens (no terminal event)."""
+    ignore_cancel: bool = False
+    """Ignore ``run.cancel``: run to the natural end and send ``run.completed``."""
+    reply: str | None = None
+    """Stream this text instead of the last user message."""
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> EchoOptions:
+        """Parse an ``options`` table. Raises :class:`~nodes.config.OptionsError`."""
+        return cls(**_parse_fields(raw))
+
+    def with_overrides(self, raw: Mapping[str, Any]) -> EchoOptions:
+        """These options with the fields of a per-request ``"echo"`` object replaced. Raises
+        :class:`~nodes.config.OptionsError`."""
+        return attrs.evolve(self, **_parse_fields(raw))
+
+
+def validate_echo_options(raw: Mapping[str, Any]) -> None:
+    EchoOptions.from_mapping(raw)
+
+
+def _parse_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "token_delay":
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                raise OptionsError(key, f"expected a number >= 0, got {value!r}")
+            fields[key] = float(value)
+        elif key in ("fail_before_first_token", "ignore_cancel"):
+            if type(value) is not bool:
+                raise OptionsError(key, f"expected true or false, got {value!r}")
+            fields[key] = value
+        elif key in ("fail_after_tokens", "stall_after_tokens", "drop_connection_after_tokens"):
+            if value is not None and (type(value) is not int or value < 0):
+                raise OptionsError(key, f"expected an integer >= 0, got {value!r}")
+            fields[key] = value
+        elif key == "reply":
+            if value is not None and not isinstance(value, str):
+                raise OptionsError(key, f"expected a string, got {value!r}")
+            fields[key] = value
+        else:
+            raise OptionsError(key, "unknown echo option")
+    return fields
+
+
+def split_tokens(text: str) -> list[str]:
+    """``text`` as echo's tokens: words with their following whitespace; ``"".join`` of the
+    result is ``text``."""
+    tokens = _TOKEN.findall(text)
+    if not tokens and text:  # whitespace only
+        tokens = [text]
+    return tokens
+
+
+@attrs.frozen
+class EchoAdapter:
+    options: EchoOptions = EchoOptions()
+
+    @classmethod
+    def from_provider(cls, provider: ProviderConfig) -> EchoAdapter:
+        return cls(EchoOptions.from_mapping(provider.options))
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        body = request.body
+        options = self.options
+        if "echo" in body:
+            overrides = body["echo"]
+            if not isinstance(overrides, dict):
+                raise AdapterError("invalid_request", "echo: expected an object")
+            try:
+                options = options.with_overrides(overrides)
+            except OptionsError as exc:
+                raise AdapterError("invalid_request", f"echo.{exc.key}: {exc.reason}") from None
+        if options.ignore_cancel:
+            out.ignore_cancel()
+
+        messages = body.get("messages", [])
+        if not isinstance(messages, list):
+            raise AdapterError("invalid_request", "messages: expected an array")
+        prompt_tokens = sum(len(message_text(m).split()) for m in messages)
+        if options.reply is not None:
+            text = options.reply
+        else:
+            users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            if not users:
+                raise AdapterError("invalid_request", "echo needs a user message to echo")
+            text = message_text(users[-1])
+
+        tokens = split_tokens(text)
+        finish = "stop"
+        limit = _max_tokens(body)
+        if limit is not None and len(tokens) > limit:
+            tokens, finish = tokens[:limit], "length"
+
+        if options.fail_before_first_token:
+            raise AdapterError(
+                "echo_fault", "injected failure before the first token", retryable=True
+            )
+        out.usage(prompt_tokens, 0)
+        for emitted in range(len(tokens) + 1):
+            if emitted == options.fail_after_tokens:
+                raise AdapterError(
+                    "echo_fault", f"injected failure after {emitted} tokens", retryable=True
+                )
+            if emitted == options.stall_after_tokens:
+                await trio.sleep_forever()
+            if emitted == options.drop_connection_after_tokens:
+                raise DropConnection(f"echo: drop_connection_after_tokens={emitted}")
+            if emitted == len(tokens):
+                break
+            if options.token_delay:
+                await trio.sleep(options.token_delay)
+            await out.delta(tokens[emitted])
+            out.usage(prompt_tokens, emitted + 1)
+        out.finish(finish)
+
+
+def _max_tokens(body: wire.JSONObject) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if type(value) is not int or value < 1:
+            raise AdapterError("invalid_request", f"{key}: expected a positive integer")
+        return value
+    return None
