@@ -10,8 +10,9 @@ For each request the handler does exactly one of:
 * ``ws = await responder.accept_websocket(subprotocol=...)`` on an upgrade request, then
   ``send`` / ``receive`` / ``aclose``.
 
-If the handler returns without answering, the driver sends 500. If it raises before answering, the driver logs the error and sends 500; after answering it
-aborts the connection. Either way only that connection is affected.
+If the handler returns without answering, the driver sends 500. If it raises before
+answering, the driver logs the error and sends 500; after answering it aborts the
+connection. Either way only that connection is affected.
 
 When the client goes away, the handler's cancel scope is cancelled (reason "client
 disconnected"); a send to a peer that is gone raises :class:`PeerGone` (a
@@ -40,6 +41,15 @@ class PeerGone(trio.BrokenResourceError, HTTPError):
 
 class BodyTooLarge(HTTPError):
     """The request body is over ``Limits.max_body_size``; the driver answers 413."""
+
+
+class RequestTimeout(HTTPError):
+    """The request body stalled for longer than ``Limits.body_timeout``; the driver answers
+    408."""
+
+
+class BadRequest(HTTPError):
+    """The request body is malformed (e.g. broken chunked framing); the driver answers 400."""
 
 
 class WebSocketClosed(HTTPError):
@@ -93,6 +103,7 @@ class Request(Protocol):
     @property
     def target(self) -> str:
         """The raw request target, e.g. ``/v1/models?x=1``."""
+
     @property
     def path(self) -> str: ...
     @property

@@ -1,0 +1,818 @@
+"""One client connection: the h11 driver, its reader task, and the per-request objects.
+
+Each connection runs as two tasks. The *connection task* parses requests, runs the handler
+(in its own cancel scope) and does every HTTP write. The *reader task* is the only one that
+reads the socket: it appends to a buffer the connection task feeds to h11 on demand, and
+while a handler runs it is what notices the client leaving (EOF or reset), at which point
+it cancels the handler's scope with the reason "client disconnected". After a websocket
+upgrade the reader feeds wsproto instead. The reader stops reading while enough unparsed
+bytes (or unread websocket messages) are waiting, so a pipelining client cannot grow the
+buffer without bound.
+
+Every write goes through :meth:`Connection.send_bytes`: a checkpoint, bounded by
+``Limits.write_timeout``; a failed or timed-out write cuts the connection off (the handler
+is cancelled) and raises :class:`PeerGone`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Final
+
+import h11
+import trio
+from wsproto.utilities import generate_accept_token
+
+from ._sync import Waiter
+from ._types import (
+    Address,
+    BadRequest,
+    BodyTooLarge,
+    Headers,
+    HTTPStream,
+    PeerGone,
+    RequestTimeout,
+    WebSocket,
+)
+from ._websocket import GOING_AWAY, INTERNAL_ERROR, NORMAL_CLOSURE, ServerWebSocket
+
+if TYPE_CHECKING:
+    from ._server import Server
+
+logger = logging.getLogger("dispatcher.http")
+
+CLOSE_TIMEOUT: Final = 1.0
+"""Bound on closing a stream gracefully (a TLS close_notify)."""
+
+_REASONS: Final = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
+
+# Response states of one request.
+_NOT_STARTED: Final = 0
+_STREAMING: Final = 1
+_DONE: Final = 2
+_WEBSOCKET: Final = 3
+
+_CLOSED_STATES: Final = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+
+
+class _DateCache:
+    """The ``Date`` header value, formatted once per second."""
+
+    second = -1
+    value = b""
+
+    @classmethod
+    def get(cls) -> bytes:
+        now = int(time.time())
+        if now != cls.second:
+            cls.second = now
+            cls.value = formatdate(now, usegmt=True).encode("ascii")
+        return cls.value
+
+
+def _reason(status: int) -> bytes:
+    return _REASONS.get(status, b"")
+
+
+def _head_size(event: h11.Request) -> int:
+    """Size of the request line and headers as sent, give or take optional whitespace."""
+    size = len(event.method) + len(event.target) + 14  # "M T HTTP/1.1\r\n" + final "\r\n"
+    for name, value in event.headers:
+        size += len(name) + len(value) + 4  # ": " and "\r\n"
+    return size
+
+
+def _raw_response(status: int, body: bytes) -> bytes:
+    """An error response built without h11 (for when its state machine cannot send)."""
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+        % (status, _reason(status), len(body), body)
+    )
+
+
+def _peer_address(stream: trio.SocketStream) -> Address | None:
+    try:
+        peer = stream.socket.getpeername()
+    except OSError:
+        return None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return Address(str(peer[0]), int(peer[1]))
+    return None
+
+
+def _status_for(exc: BaseException) -> int | None:
+    """The status the driver answers for a handler failure; None for a gone peer."""
+    if isinstance(exc, BaseExceptionGroup):
+        statuses = {_status_for(inner) for inner in exc.exceptions}
+        if statuses == {None}:
+            return None
+        statuses.discard(None)
+        return statuses.pop() if len(statuses) == 1 else 500
+    if isinstance(exc, PeerGone):
+        return None
+    if isinstance(exc, BodyTooLarge):
+        return 413
+    if isinstance(exc, RequestTimeout):
+        return 408
+    if isinstance(exc, BadRequest):
+        return 400
+    return 500
+
+
+class Connection:
+    """The driver of one client connection (see the module docstring)."""
+
+    __slots__ = (
+        "_aborted",
+        "_discard",
+        "_eof",
+        "_expect_pending",
+        "_h11",
+        "_handler_scope",
+        "_inbuf",
+        "_main",
+        "_method",
+        "_opened_at",
+        "_raw",
+        "_reader_wake",
+        "_served",
+        "_stream",
+        "_ws",
+        "client",
+        "server",
+    )
+
+    def __init__(self, server: Server, stream: trio.SocketStream) -> None:
+        self.server = server
+        self._raw = stream
+        self._stream: trio.abc.Stream = stream
+        self.client = _peer_address(stream)
+        self._h11 = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=server.limits.max_header_size
+        )
+        self._inbuf = bytearray()
+        self._eof = False
+        """The reader is done: the client closed or reset the connection (or we did)."""
+        self._aborted = False
+        """We cut the connection off (failed or timed-out write): nothing more is sent."""
+        self._discard = False
+        self._main = Waiter()
+        self._reader_wake = Waiter()
+        self._handler_scope: trio.CancelScope | None = None
+        self._ws: ServerWebSocket | None = None
+        self._method = b""
+        self._expect_pending = False
+        self._served = 0
+        self._opened_at = trio.current_time()
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            ssl_context = self.server.ssl_context
+            if ssl_context is not None:
+                self._stream = trio.SSLStream(
+                    self._raw, ssl_context, server_side=True, https_compatible=True
+                )
+                if not await self._tls_handshake():
+                    return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_loop)
+                try:
+                    await self._serve()
+                finally:
+                    nursery.cancel_scope.cancel(reason="connection closing")
+            if not self._aborted:
+                with trio.move_on_after(min(CLOSE_TIMEOUT, self.server.limits.write_timeout)):
+                    await self._stream.aclose()
+        finally:
+            if self._aborted:
+                self._reset_on_close()
+            with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                await trio.aclose_forcefully(self._stream)
+
+    async def _tls_handshake(self) -> bool:
+        stream = self._stream
+        assert isinstance(stream, trio.SSLStream)
+        with trio.move_on_after(self.server.limits.header_timeout):
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError as exc:
+                logger.debug("TLS handshake with %s failed: %r", self.client, exc.__cause__)
+                return False
+            return True
+        logger.debug("TLS handshake with %s timed out", self.client)
+        return False
+
+    def _reset_on_close(self) -> None:
+        """Make the close a reset: the kernel drops what the dead client did not read."""
+        try:
+            self._raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+
+    def notify_shutdown(self) -> ServerWebSocket | None:
+        """Graceful shutdown began: an idle connection closes now; returns the websocket."""
+        self._main.wake()
+        return self._ws
+
+    # --- the reader task --------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        stream = self._stream
+        read_size = self.server.limits.read_size
+        pause_at = 2 * read_size
+        try:
+            while True:
+                ws = self._ws
+                if ws is not None:
+                    paused = ws.backlogged
+                else:
+                    paused = len(self._inbuf) >= pause_at and not self._discard
+                if paused:
+                    await self._reader_wake.wait()
+                    continue
+                data = await stream.receive_some(read_size)
+                if not data:
+                    break
+                ws = self._ws
+                if ws is not None:
+                    await ws.feed(data)
+                elif not self._discard:
+                    self._inbuf += data
+                    self._main.wake()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        self._eof = True
+        self._main.wake()
+        if self._ws is not None:
+            self._ws.connection_lost()
+        if self._handler_scope is not None:
+            self._handler_scope.cancel(reason="client disconnected")
+
+    def resume_reading(self) -> None:
+        self._reader_wake.wake()
+
+    # --- writing ----------------------------------------------------------------------
+
+    async def send_bytes(self, data: bytes) -> None:
+        """Write ``data``: a checkpoint; PeerGone if the client is gone or too slow."""
+        if self._aborted:
+            await trio.lowlevel.checkpoint()
+            raise PeerGone("the connection to the client was cut off")
+        timeout = self.server.limits.write_timeout
+        with trio.move_on_after(timeout):
+            try:
+                await self._stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._abort("client connection broken")
+                raise PeerGone("the client is gone") from exc
+            return
+        self._abort("write timed out")
+        raise PeerGone(f"the client did not read for {timeout} s")
+
+    def _abort(self, reason: str) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        if self._handler_scope is not None:
+            self._handler_scope.cancel(reason=reason)
+        self._main.wake()
+        if self._ws is not None:
+            self._ws.connection_lost()
+
+    async def _reject(self, status: int, *, linger: bool = True) -> None:
+        """Answer an error status with ``Connection: close`` (the caller then closes)."""
+        h = self._h11
+        reason = _reason(status)
+        body = b"%d %s\n" % (status, reason)
+        data = None
+        if h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            headers = [
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", b"%d" % len(body)),
+                (b"connection", b"close"),
+                (b"date", _DateCache.get()),
+            ]
+            try:
+                data = h.send(h11.Response(status_code=status, headers=headers, reason=reason))
+                if self._method != b"HEAD":
+                    data += h.send(h11.Data(data=body))
+                data += h.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:
+                data = None
+        if data is None:
+            data = _raw_response(status, body)
+        try:
+            await self.send_bytes(data)
+        except PeerGone:
+            return
+        if linger and self._may_have_unread_input():
+            await self._linger()
+
+    def _may_have_unread_input(self) -> bool:
+        if self._eof or self._aborted:
+            return False
+        h = self._h11
+        return h.their_state not in _CLOSED_STATES or bool(self._inbuf or h.trailing_data[0])
+
+    async def _linger(self) -> None:
+        """Lingering close: stop sending, then drain the client's bytes for a while, so the
+        kernel does not answer them with a reset that could destroy our last response."""
+        limits = self.server.limits
+        self._discard = True
+        self._inbuf.clear()
+        self._reader_wake.wake()
+        stream = self._stream
+        if isinstance(stream, trio.abc.HalfCloseableStream):
+            with trio.move_on_after(limits.write_timeout):
+                try:
+                    await stream.send_eof()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+        with trio.move_on_after(limits.linger_timeout):
+            while not self._eof:
+                await self._main.wait()
+
+    # --- reading ----------------------------------------------------------------------
+
+    def _feed(self) -> None:
+        self._h11.receive_data(bytes(self._inbuf))
+        self._inbuf.clear()
+        self._reader_wake.wake()
+
+    async def _receive_request_head(self) -> h11.Request | None:
+        """The next request's head, or None when the connection should close."""
+        h = self._h11
+        server = self.server
+        limits = server.limits
+        first = self._served == 0
+        got_bytes = False
+        deadline = self._opened_at + limits.header_timeout if first else None
+        while True:
+            if self._aborted:
+                return None
+            try:
+                event = h.next_event()
+            except h11.RemoteProtocolError as exc:
+                if not self._eof:
+                    await self._reject(exc.error_status_hint)
+                return None
+            if event is h11.NEED_DATA:
+                if self._inbuf:
+                    if not got_bytes:
+                        got_bytes = True
+                        if not first:
+                            deadline = trio.current_time() + limits.header_timeout
+                    self._feed()
+                    continue
+                if self._eof:
+                    h.receive_data(b"")
+                    continue
+                if deadline is None:
+                    if h.trailing_data[0]:  # part of a pipelined request was read already
+                        got_bytes = True
+                        deadline = trio.current_time() + limits.header_timeout
+                    else:
+                        deadline = trio.current_time() + limits.keepalive_timeout
+                if not got_bytes and server.shutting_down:
+                    return None
+                if trio.current_time() >= deadline:
+                    if got_bytes:
+                        await self._reject(408, linger=False)
+                    return None
+                with trio.move_on_at(deadline):
+                    await self._main.wait()
+                continue
+            if type(event) is h11.Request:
+                return event
+            return None  # ConnectionClosed
+
+    async def receive_body_chunk(self) -> bytes | None:
+        """The next piece of the request body, or None at its end."""
+        await trio.lowlevel.checkpoint()
+        h = self._h11
+        if self._expect_pending:
+            self._expect_pending = False
+            if h.they_are_waiting_for_100_continue:
+                await self.send_bytes(
+                    h.send(h11.InformationalResponse(status_code=100, headers=[]))
+                )
+        deadline = None
+        while True:
+            if self._aborted:
+                raise PeerGone("the connection to the client was cut off")
+            try:
+                event = h.next_event()
+            except h11.RemoteProtocolError as exc:
+                if self._eof:
+                    raise PeerGone("the client left in the middle of the body") from exc
+                raise BadRequest(f"malformed request body: {exc}") from exc
+            if type(event) is h11.Data:
+                return bytes(event.data)
+            if event is h11.NEED_DATA:
+                if self._inbuf:
+                    self._feed()
+                    continue
+                if self._eof:
+                    h.receive_data(b"")
+                    continue
+                timeout = self.server.limits.body_timeout
+                if deadline is None:
+                    deadline = trio.current_time() + timeout
+                elif trio.current_time() >= deadline:
+                    raise RequestTimeout(f"no request body data for {timeout} s")
+                with trio.move_on_at(deadline):
+                    await self._main.wait()
+                continue
+            return None  # EndOfMessage (or PAUSED after it)
+
+    def _skip_buffered_body(self) -> None:
+        """Discard the rest of an unread request body if it has already arrived."""
+        h = self._h11
+        while True:
+            try:
+                event = h.next_event()
+            except h11.RemoteProtocolError:
+                return
+            if event is h11.NEED_DATA:
+                if not self._inbuf:
+                    return
+                self._feed()
+            elif type(event) is not h11.Data:
+                return
+
+    # --- requests ---------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        while True:
+            self._method = b""
+            event = await self._receive_request_head()
+            if event is None:
+                return
+            if not await self._handle_request(event):
+                return
+            if self.server.shutting_down:
+                return
+            self._h11.start_next_cycle()
+
+    async def _handle_request(self, event: h11.Request) -> bool:
+        """Run the handler for one request; True if the connection can be reused."""
+        server = self.server
+        limits = server.limits
+        self._served += 1
+        self._method = event.method
+        if _head_size(event) > limits.max_header_size:
+            await self._reject(431)
+            return False
+        request = _Request(self, event)
+        length = request.header(b"content-length")
+        if length is not None and int(length) > limits.max_body_size:
+            await self._reject(413)  # at once, even under Expect: 100-continue
+            return False
+        self._expect_pending = self._h11.they_are_waiting_for_100_continue
+        responder = _Responder(self, request)
+        scope = trio.CancelScope()
+        if self._eof or self._aborted:
+            scope.cancel(reason="client disconnected")
+        self._handler_scope = scope
+        failure: Exception | None = None
+        try:
+            with scope:
+                await server.handler(request, responder)
+        except Exception as exc:
+            failure = exc
+        finally:
+            self._handler_scope = None
+        return await self._finish_request(request, responder, failure)
+
+    async def _finish_request(
+        self, request: _Request, responder: _Responder, failure: Exception | None
+    ) -> bool:
+        ws = self._ws
+        if ws is not None:
+            await self._finish_websocket(ws, failure)
+            return False
+        gone = self._eof or self._aborted
+        if failure is not None:
+            status = _status_for(failure)
+            if status == 500:
+                logger.error(
+                    "handler failed on %s %s", request.method, request.target, exc_info=failure
+                )
+            if status is None or gone:
+                return False
+            if responder.state == _NOT_STARTED:
+                await self._reject(status)
+            else:
+                self._abort("handler failed after answering")
+            return False
+        if gone:
+            return False
+        if responder.state == _NOT_STARTED:
+            logger.error("handler returned without answering %s %s", request.method, request.target)
+            await self._reject(500)
+            return False
+        if responder.stream is not None:
+            try:
+                await responder.stream.end()
+            except PeerGone:
+                return False
+        h = self._h11
+        if h.their_state is h11.SEND_BODY and not self._expect_pending:
+            self._skip_buffered_body()
+        if h.our_state is h11.DONE and h.their_state is h11.DONE:
+            return True
+        if self._may_have_unread_input():
+            await self._linger()
+        return False
+
+    async def _finish_websocket(self, ws: ServerWebSocket, failure: Exception | None) -> None:
+        code = NORMAL_CLOSURE
+        if failure is not None and _status_for(failure) is not None:
+            logger.error("websocket handler failed", exc_info=failure)
+            code = INTERNAL_ERROR
+        if not (self._eof or self._aborted or ws.closed):
+            await ws.aclose(code)
+
+    async def accept_websocket(
+        self, request: _Request, subprotocol: str | None, headers: Headers
+    ) -> ServerWebSocket:
+        while await self.receive_body_chunk() is not None:
+            pass  # reach the end of the upgrade request, so that h11 can switch protocols
+        h = self._h11
+        key = request.header(b"sec-websocket-key") or b""
+        response_headers = [
+            (b"upgrade", b"websocket"),
+            (b"connection", b"Upgrade"),
+            (b"sec-websocket-accept", generate_accept_token(key)),
+        ]
+        if subprotocol is not None:
+            response_headers.append((b"sec-websocket-protocol", subprotocol.encode("ascii")))
+        response_headers.extend(headers)
+        response = h.send(
+            h11.InformationalResponse(
+                status_code=101, headers=response_headers, reason=b"Switching Protocols"
+            )
+        )
+        limits = self.server.limits
+        ws = ServerWebSocket(
+            self,
+            subprotocol,
+            max_message_size=limits.max_websocket_message_size,
+            close_wait=limits.linger_timeout,
+        )
+        # Bytes that came after the request (even in the same read) belong to the
+        # websocket: hand them over before anything else can be read.
+        leftover = h.trailing_data[0] + bytes(self._inbuf)
+        self._inbuf.clear()
+        self._ws = ws
+        ws.ingest(leftover)
+        self._reader_wake.wake()
+        await ws.send_handshake(response)
+        if self.server.shutting_down:
+            await ws.send_close(GOING_AWAY, "server shutting down")
+        return ws
+
+
+class _Request:
+    """Implements the :class:`~dispatcher.http.Request` protocol."""
+
+    __slots__ = (
+        "_body",
+        "_conn",
+        "_done",
+        "_received",
+        "_started",
+        "client",
+        "headers",
+        "http_version",
+        "method",
+        "target",
+    )
+
+    def __init__(self, conn: Connection, event: h11.Request) -> None:
+        self._conn = conn
+        self.method = event.method.decode("ascii")
+        self.target = event.target.decode("latin-1")
+        self.http_version = event.http_version.decode("ascii")
+        self.headers: Headers = event.headers
+        self.client = conn.client
+        self._body: bytes | None = None
+        self._started = False
+        self._done = False
+        self._received = 0
+
+    @property
+    def path(self) -> str:
+        return self.target.partition("?")[0]
+
+    @property
+    def query(self) -> str:
+        return self.target.partition("?")[2]
+
+    @property
+    def is_websocket_upgrade(self) -> bool:
+        """A valid websocket handshake: GET, Upgrade: websocket, Connection: upgrade,
+        a key and version 13."""
+        if self.method != "GET":
+            return False
+        upgrade = self.header(b"upgrade")
+        if upgrade is None or upgrade.strip().lower() != b"websocket":
+            return False
+        connection = self.header(b"connection") or b""
+        if b"upgrade" not in (token.strip().lower() for token in connection.split(b",")):
+            return False
+        return (
+            self.header(b"sec-websocket-key") is not None
+            and self.header(b"sec-websocket-version") == b"13"
+        )
+
+    @property
+    def websocket_subprotocols(self) -> list[str]:
+        """The subprotocols the client offered, in its order of preference."""
+        offered: list[str] = []
+        for name, value in self.headers:
+            if name == b"sec-websocket-protocol":
+                offered.extend(
+                    token.strip() for token in value.decode("latin-1").split(",") if token.strip()
+                )
+        return offered
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def iter_body(self) -> AsyncIterator[bytes]:
+        return _BodyIterator(self, self._body)
+
+    async def body(self) -> bytes:
+        if self._body is not None:
+            await trio.lowlevel.checkpoint()
+            return self._body
+        if self._started:
+            await trio.lowlevel.checkpoint()
+            raise RuntimeError("the body was already (partly) read with iter_body()")
+        chunks = []
+        while (chunk := await self._next_chunk()) is not None:
+            chunks.append(chunk)
+        self._body = b"".join(chunks)
+        return self._body
+
+    async def _next_chunk(self) -> bytes | None:
+        if self._done:
+            await trio.lowlevel.checkpoint()
+            return None
+        self._started = True
+        chunk = await self._conn.receive_body_chunk()
+        if chunk is None:
+            self._done = True
+            return None
+        self._received += len(chunk)
+        limit = self._conn.server.limits.max_body_size
+        if self._received > limit:
+            raise BodyTooLarge(f"the request body is over {limit} bytes")
+        return chunk
+
+
+class _BodyIterator:
+    __slots__ = ("_cached", "_request")
+
+    def __init__(self, request: _Request, cached: bytes | None) -> None:
+        self._request = request
+        self._cached = cached
+
+    def __aiter__(self) -> _BodyIterator:
+        return self
+
+    async def __anext__(self) -> bytes:
+        cached = self._cached
+        if cached is not None:
+            self._cached = None
+            await trio.lowlevel.checkpoint()
+            if cached:
+                return cached
+            raise StopAsyncIteration
+        chunk = await self._request._next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+
+class _Responder:
+    """Implements the :class:`~dispatcher.http.Responder` protocol."""
+
+    __slots__ = ("_conn", "_request", "state", "stream")
+
+    def __init__(self, conn: Connection, request: _Request) -> None:
+        self._conn = conn
+        self._request = request
+        self.state = _NOT_STARTED
+        self.stream: _HTTPStream | None = None
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._conn.server.shutting_down
+
+    async def _check(self) -> None:
+        if self._conn._eof:
+            await trio.lowlevel.checkpoint()
+            raise PeerGone("the client disconnected")
+        if self.state != _NOT_STARTED:
+            await trio.lowlevel.checkpoint()
+            raise RuntimeError("this request was already answered")
+
+    def _headers(self, headers: Headers) -> list[tuple[bytes, bytes]]:
+        out = list(headers)
+        out.append((b"date", _DateCache.get()))
+        if self._conn.server.shutting_down:
+            out.append((b"connection", b"close"))
+        return out
+
+    async def respond(self, status: int, headers: Headers = (), body: bytes = b"") -> None:
+        await self._check()
+        conn = self._conn
+        h = conn._h11
+        all_headers = self._headers(headers)
+        if status not in (204, 304) and not any(
+            name.lower() == b"content-length" for name, _ in headers
+        ):
+            all_headers.append((b"content-length", b"%d" % len(body)))
+        data = h.send(h11.Response(status_code=status, headers=all_headers, reason=_reason(status)))
+        if body and self._request.method != "HEAD":
+            data += h.send(h11.Data(data=body))
+        data += h.send(h11.EndOfMessage())
+        self.state = _DONE
+        await conn.send_bytes(data)
+
+    async def start_stream(self, status: int, headers: Headers = ()) -> HTTPStream:
+        await self._check()
+        conn = self._conn
+        data = conn._h11.send(
+            h11.Response(status_code=status, headers=self._headers(headers), reason=_reason(status))
+        )
+        head_only = self._request.method == "HEAD" or status in (204, 304)
+        stream = _HTTPStream(conn, head_only=head_only)
+        self.state = _STREAMING
+        self.stream = stream
+        await conn.send_bytes(data)
+        return stream
+
+    async def accept_websocket(
+        self, subprotocol: str | None = None, headers: Headers = ()
+    ) -> WebSocket:
+        await self._check()
+        request = self._request
+        if not request.is_websocket_upgrade:
+            raise ValueError("accept_websocket() on a request that is not a websocket upgrade")
+        if subprotocol is not None and subprotocol not in request.websocket_subprotocols:
+            raise ValueError(
+                f"subprotocol {subprotocol!r} was not offered by the client "
+                f"(offered: {request.websocket_subprotocols})"
+            )
+        self.state = _WEBSOCKET
+        return await self._conn.accept_websocket(request, subprotocol, headers)
+
+
+class _HTTPStream:
+    """Implements the :class:`~dispatcher.http.HTTPStream` protocol."""
+
+    __slots__ = ("_conn", "_ended", "_head_only")
+
+    def __init__(self, conn: Connection, *, head_only: bool) -> None:
+        self._conn = conn
+        self._head_only = head_only
+        self._ended = False
+
+    async def send(self, data: bytes) -> None:
+        conn = self._conn
+        if self._ended:
+            await trio.lowlevel.checkpoint()
+            raise RuntimeError("the response stream has ended")
+        if conn._eof:
+            await trio.lowlevel.checkpoint()
+            raise PeerGone("the client disconnected")
+        if self._head_only or not data:
+            await trio.lowlevel.checkpoint()
+            return
+        await conn.send_bytes(conn._h11.send(h11.Data(data=data)))
+
+    async def end(self) -> None:
+        conn = self._conn
+        if self._ended:
+            await trio.lowlevel.checkpoint()
+            return
+        if conn._eof:
+            await trio.lowlevel.checkpoint()
+            raise PeerGone("the client disconnected")
+        self._ended = True
+        await conn.send_bytes(conn._h11.send(h11.EndOfMessage()))
