@@ -1,0 +1,329 @@
+"""The runner: every run is a task with its own cancel scope in one nursery, keyed by run id.
+
+::
+
+    async with open_runner(send, adapters=adapters) as runner:
+        runner.start(run_request)          # run.started, run.delta..., run.usage, terminal
+        runner.cancel(run_id, "client gone")
+
+Guarantees:
+
+* every run that ends -- completed, failed, cancelled, adapter bug -- emits exactly one
+  terminal event, and nothing after it; events carry ``seq`` 0, 1, 2... per run;
+* ``run.usage`` precedes ``run.completed`` (and ``run.failed`` when anything is known);
+  ``run.cancelled`` carries the partial usage. When the adapter never reported usage the
+  runner estimates it (:func:`~nodes.adapters.base.estimate_tokens`: the larger of the word
+  count and characters / 4, for the generated text and for the prompt's messages);
+* leaving the ``async with`` block (the connection is gone) cancels every run and sends
+  nothing more;
+* one writer task sends all runs' events, so sends never interleave; it serves runs in turn
+  and coalesces a run's consecutive unsent text into one ``run.delta`` frame when the
+  connection is slower than the adapter. Unsent text is bounded per run
+  (:data:`MAX_PENDING_CHARS`): past it, ``out.delta()`` waits for the connection.
+
+A :class:`~nodes.adapters.base.DropConnection` raised by an adapter is not a run outcome: it
+propagates out of the block (cancelling every run, sending nothing) for the agent to drop the
+connection.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Final
+
+import attrs
+import trio
+
+from dispatcher import wire
+from nodes.adapters.base import (
+    Adapter,
+    AdapterError,
+    DropConnection,
+    RunOutput,
+    TokenEstimator,
+    estimate_prompt_tokens,
+)
+
+log = logging.getLogger("nodes.runner")
+
+Send = Callable[[wire.NodeMessage], Awaitable[None]]
+"""Sends one message to the edge (serialized by the caller; only the writer task calls it)."""
+
+MAX_PENDING_CHARS: Final = 64 * 1024
+"""Unsent text per run (characters) beyond which ``out.delta()`` waits for the connection."""
+MAX_DELTA_CHARS: Final = 64 * 1024
+"""Most text in one coalesced ``run.delta`` frame (well under ``wire.MAX_FRAME_SIZE`` even
+when every character needs a JSON escape)."""
+
+_EventFactory = Callable[[int], wire.NodeMessage]
+"""A run event waiting for its ``seq``."""
+
+
+@attrs.frozen
+class RunnerStatistics:
+    active_runs: int
+    """Runs started and not yet finished (their terminal event not yet sent)."""
+    runs_waiting_to_send: int
+    """Runs with events queued for the connection."""
+
+
+@attrs.define(eq=False)
+class _Run:
+    run_id: str
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    pending: collections.deque[str | _EventFactory] = attrs.Factory(collections.deque)
+    pending_chars: int = 0
+    next_seq: int = 0
+    queued: bool = False
+    ignoring_cancel: bool = False
+    terminal_sent: trio.Event = attrs.Factory(trio.Event)
+    drained: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+    reported_usage: wire.Usage | None = None
+    finish_reason: str = "stop"
+    generated: TokenEstimator = attrs.Factory(TokenEstimator)
+
+    def take_frames(self) -> list[wire.NodeMessage]:
+        """Everything pending, as messages with their seq; consecutive text coalesced."""
+        frames: list[wire.NodeMessage] = []
+        text: list[str] = []
+
+        def flush_text() -> None:
+            joined = "".join(text)
+            text.clear()
+            for start in range(0, len(joined), MAX_DELTA_CHARS):
+                frames.append(
+                    wire.RunDelta(
+                        run_id=self.run_id,
+                        seq=self._seq(),
+                        text=joined[start : start + MAX_DELTA_CHARS],
+                    )
+                )
+
+        while self.pending:
+            item = self.pending.popleft()
+            if isinstance(item, str):
+                text.append(item)
+            else:
+                flush_text()
+                frames.append(item(self._seq()))
+        flush_text()
+        self.pending_chars = 0
+        return frames
+
+    def _seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+
+@attrs.define(eq=False)
+class _Output:
+    """The :class:`~nodes.adapters.base.RunOutput` the runner gives one run's adapter."""
+
+    _runner: Runner
+    _run: _Run
+
+    async def delta(self, text: str) -> None:
+        run = self._run
+        # A cancelled run emits nothing more: check before taking the text.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if text:
+            run.generated.add(text)
+            self._runner._push(run, text)
+        if run.pending_chars > MAX_PENDING_CHARS:
+            while run.pending_chars > MAX_PENDING_CHARS:
+                await run.drained.park()
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self._run.reported_usage = wire.Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+        )
+
+    def finish(self, reason: str) -> None:
+        self._run.finish_reason = reason
+
+    def ignore_cancel(self) -> None:
+        self._run.ignoring_cancel = True
+
+
+@attrs.frozen
+class _UnknownProvider:
+    provider_id: str
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        raise AdapterError(
+            "unknown_provider",
+            f"this node has no provider {self.provider_id!r}",
+            retryable=True,
+        )
+
+
+class Runner:
+    """Runs requests on adapters. Create with :func:`open_runner`."""
+
+    def __init__(self, nursery: trio.Nursery, send: Send, adapters: Mapping[str, Adapter]) -> None:
+        self._nursery = nursery
+        self._send = send
+        self._adapters = adapters
+        self._runs: dict[str, _Run] = {}
+        self._ready: collections.deque[_Run] = collections.deque()
+        self._wakeup = trio.lowlevel.ParkingLot()
+        self._closed = False
+
+    def start(self, request: wire.RunRequest) -> None:
+        """Start a run in its own cancel scope. A run id that is already running gets a
+        ``run.failed`` (code ``duplicate_run_id``, seq 0) and the running one goes on."""
+        if self._closed:
+            raise RuntimeError("the runner is closed")
+        run_id = request.run_id
+        if run_id in self._runs:
+            log.warning("run %s: duplicate run.request ignored (already running)", run_id)
+            duplicate = _Run(run_id)
+            self._push(
+                duplicate,
+                lambda seq: wire.RunFailed(
+                    run_id=run_id,
+                    seq=seq,
+                    code="duplicate_run_id",
+                    message=f"run {run_id!r} is already running on this node",
+                ),
+            )
+            return
+        adapter = self._adapters.get(request.provider_id) or _UnknownProvider(request.provider_id)
+        run = self._runs[run_id] = _Run(run_id)
+        self._nursery.start_soon(self._run, run, adapter, request, name=f"run {run_id}")
+
+    def cancel(self, run_id: str, reason: str = "") -> None:
+        """Cancel a run (it answers ``run.cancelled``). Unknown or finished ids are ignored."""
+        run = self._runs.get(run_id)
+        if run is None:
+            log.debug("run %s: run.cancel for no active run, ignored", run_id)
+            return
+        if run.ignoring_cancel:
+            log.info("run %s: run.cancel ignored (ignore_cancel is set)", run_id)
+            return
+        run.scope.cancel(reason=f"run.cancel: {reason}" if reason else "run.cancel")
+
+    def statistics(self) -> RunnerStatistics:
+        return RunnerStatistics(active_runs=len(self._runs), runs_waiting_to_send=len(self._ready))
+
+    # ----------------------------------------------------------------------- internals
+
+    def _push(self, run: _Run, item: str | _EventFactory) -> None:
+        run.pending.append(item)
+        if isinstance(item, str):
+            run.pending_chars += len(item)
+        if not run.queued:
+            run.queued = True
+            self._ready.append(run)
+            self._wakeup.unpark_all()
+
+    async def _write_loop(self) -> None:
+        while True:
+            while not self._ready:
+                await self._wakeup.park()
+            run = self._ready.popleft()
+            run.queued = False
+            frames = run.take_frames()
+            run.drained.unpark_all()
+            for frame in frames:
+                await self._send(frame)
+                if isinstance(frame, wire.TERMINAL_EVENTS):
+                    run.terminal_sent.set()
+
+    async def _run(self, run: _Run, adapter: Adapter, request: wire.RunRequest) -> None:
+        run_id = run.run_id
+        try:
+            self._push(run, lambda seq: wire.RunStarted(run_id=run_id, seq=seq))
+            terminal = await self._execute(run, adapter, request)
+            if terminal is not wire.RunCancelled:
+                usage = self._usage_event(run, request, required=terminal is wire.RunCompleted)
+                if usage is not None:
+                    self._push(run, usage)
+            self._push(run, self._terminal_event(run, request, terminal))
+            await run.terminal_sent.wait()
+        finally:
+            if self._runs.get(run_id) is run:
+                del self._runs[run_id]
+
+    async def _execute(
+        self, run: _Run, adapter: Adapter, request: wire.RunRequest
+    ) -> type[wire.RunCompleted] | type[wire.RunCancelled] | AdapterError:
+        """Run the adapter; say how the run ended (a failure as an AdapterError)."""
+        try:
+            with run.scope:
+                await adapter.run(request, _Output(self, run))
+        except DropConnection:
+            raise
+        except AdapterError as exc:
+            if run.scope.cancel_called:
+                return wire.RunCancelled
+            log.info("run %s failed: %s: %s", run.run_id, exc.code, exc.message)
+            return exc
+        except Exception as exc:
+            if run.scope.cancel_called:
+                return wire.RunCancelled
+            log.exception("run %s: adapter %s crashed", run.run_id, type(adapter).__name__)
+            return AdapterError("internal", f"{type(exc).__name__}: {exc}", retryable=False)
+        if run.scope.cancelled_caught:
+            return wire.RunCancelled
+        return wire.RunCompleted
+
+    def _usage(self, run: _Run, request: wire.RunRequest) -> wire.Usage:
+        if run.reported_usage is not None:
+            return run.reported_usage
+        return wire.Usage(
+            prompt_tokens=estimate_prompt_tokens(request.body),
+            completion_tokens=run.generated.tokens,
+        )
+
+    def _usage_event(
+        self, run: _Run, request: wire.RunRequest, *, required: bool
+    ) -> _EventFactory | None:
+        if not required and run.reported_usage is None and not run.generated.chars:
+            return None
+        usage = self._usage(run, request)
+        return lambda seq: wire.RunUsage(run_id=run.run_id, seq=seq, usage=usage)
+
+    def _terminal_event(
+        self,
+        run: _Run,
+        request: wire.RunRequest,
+        outcome: type[wire.RunCompleted] | type[wire.RunCancelled] | AdapterError,
+    ) -> _EventFactory:
+        run_id = run.run_id
+        if isinstance(outcome, AdapterError):
+            error = outcome
+            return lambda seq: wire.RunFailed(
+                run_id=run_id,
+                seq=seq,
+                code=error.code,
+                message=error.message,
+                retryable=error.retryable,
+            )
+        if outcome is wire.RunCancelled:
+            usage = self._usage(run, request)
+            return lambda seq: wire.RunCancelled(run_id=run_id, seq=seq, usage=usage)
+        reason = run.finish_reason
+        return lambda seq: wire.RunCompleted(run_id=run_id, seq=seq, finish_reason=reason)
+
+
+@asynccontextmanager
+async def open_runner(send: Send, *, adapters: Mapping[str, Adapter]) -> AsyncIterator[Runner]:
+    """A :class:`Runner` whose runs live inside this block. ``adapters`` maps provider ids
+    to adapters (see :func:`nodes.adapters.build_adapters`); a request for another provider
+    fails with code ``unknown_provider``. Leaving the block cancels every run; nothing more
+    is sent."""
+    async with trio.open_nursery() as nursery:
+        runner = Runner(nursery, send, adapters)
+        nursery.start_soon(runner._write_loop, name="runner writer")
+        try:
+            yield runner
+        finally:
+            runner._closed = True
+            nursery.cancel_scope.cancel(reason="runner closed")

@@ -1,0 +1,225 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from dispatcher import wire
+from nodes.adapters import DropConnection, EchoAdapter, EchoOptions
+from nodes.adapters.echo import split_tokens
+from nodes.config import ModelConfig, OptionsError, ProviderConfig
+from nodes.runner import open_runner
+from tests.nodes._helpers import Recorder, assert_well_formed, request
+
+
+async def run_echo(
+    req: wire.RunRequest, options: EchoOptions | None = None, rec: Recorder | None = None
+) -> Recorder:
+    rec = rec or Recorder()
+    adapter = EchoAdapter(options or EchoOptions())
+    async with open_runner(rec.send, adapters={"echo": adapter}) as runner:
+        runner.start(req)
+        await rec.wait_terminal(req.run_id)
+    assert_well_formed(rec.events(req.run_id))
+    return rec
+
+
+def usage_of(rec: Recorder, run_id: str = "r1") -> wire.Usage:
+    (event,) = [e for e in rec.events(run_id) if isinstance(e, wire.RunUsage)]
+    usage: wire.Usage = event.usage
+    return usage
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hello world",
+        "  leading and trailing spaces  ",
+        "tabs\tand\nnew  lines\n\n",
+        "one",
+        "   ",
+        "",
+        "ünïcödé  😀 text",
+    ],
+)
+def test_split_tokens_keeps_every_character(text: str) -> None:
+    assert "".join(split_tokens(text)) == text
+    if text.strip():
+        assert len(split_tokens(text)) == len(text.split())
+
+
+async def test_echo_streams_the_last_user_message_exactly() -> None:
+    message = "  The quick\tbrown fox\n jumps  "
+    req = request(
+        messages=[
+            {"role": "system", "content": "be brief please"},
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": message},
+        ]
+    )
+    rec = await run_echo(req)
+    assert rec.text("r1") == message
+    assert rec.terminal("r1").finish_reason == "stop"
+    # prompt: 3 + 2 + 2 + 5 words; completion: 5 words
+    assert usage_of(rec) == wire.Usage(prompt_tokens=12, completion_tokens=5)
+
+
+async def test_echo_with_token_delay_sends_one_word_per_delta(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = await run_echo(request(text="a b c d"), EchoOptions(token_delay=0.5))
+    deltas = [e.text for e in rec.events("r1") if isinstance(e, wire.RunDelta)]
+    assert deltas == ["a ", "b ", "c ", "d"]
+    assert trio.current_time() == pytest.approx(2.0)
+
+
+async def test_echo_list_content_uses_the_text_parts() -> None:
+    content: list[dict[str, Any]] = [
+        {"type": "text", "text": "look at"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "this picture"},
+    ]
+    rec = await run_echo(request(messages=[{"role": "user", "content": content}]))
+    assert rec.text("r1") == "look at\nthis picture"
+    assert usage_of(rec) == wire.Usage(prompt_tokens=4, completion_tokens=4)
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_echo_max_tokens_cuts_with_finish_length(key: str) -> None:
+    limit: dict[str, Any] = {key: 3}
+    rec = await run_echo(request(text="one two three four five", **limit))
+    assert rec.text("r1") == "one two three "
+    assert rec.terminal("r1").finish_reason == "length"
+    assert usage_of(rec) == wire.Usage(prompt_tokens=5, completion_tokens=3)
+
+
+async def test_echo_max_tokens_not_reached_is_stop() -> None:
+    rec = await run_echo(request(text="one two", max_tokens=2))
+    assert rec.text("r1") == "one two"
+    assert rec.terminal("r1").finish_reason == "stop"
+
+
+async def test_echo_reply_option_and_per_request_override() -> None:
+    rec = await run_echo(request(text="ignored"), EchoOptions(reply="fixed reply"))
+    assert rec.text("r1") == "fixed reply"
+    rec = await run_echo(
+        request(text="ignored", echo={"reply": "from the request"}), EchoOptions(reply="fixed")
+    )
+    assert rec.text("r1") == "from the request"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"echo": {"token_delay": "fast"}}, "echo.token_delay: expected a number >= 0"),
+        ({"echo": {"nope": 1}}, "echo.nope: unknown echo option"),
+        ({"echo": [1]}, "echo: expected an object"),
+        ({"max_tokens": 0}, "max_tokens: expected a positive integer"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "needs a user message"),
+        ({"messages": "hi"}, "messages: expected an array"),
+    ],
+)
+async def test_echo_invalid_request(body: dict[str, Any], message: str) -> None:
+    req = request()
+    req = wire.RunRequest(
+        run_id="r1",
+        provider_id="echo",
+        model="echo",
+        served_model="echo",
+        body={**req.body, **body},
+    )
+    rec = await run_echo(req)
+    failed = rec.terminal("r1")
+    assert isinstance(failed, wire.RunFailed)
+    assert (failed.code, failed.retryable) == ("invalid_request", False)
+    assert message in failed.message
+
+
+async def test_fail_before_first_token() -> None:
+    rec = await run_echo(request(echo={"fail_before_first_token": True}))
+    assert rec.types("r1") == ["run.started", "run.failed"]
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("echo_fault", True)
+
+
+async def test_fail_after_tokens() -> None:
+    rec = await run_echo(request(text="a b c d e"), EchoOptions(fail_after_tokens=2))
+    assert rec.text("r1") == "a b "
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("echo_fault", True)
+    assert usage_of(rec) == wire.Usage(prompt_tokens=5, completion_tokens=2)
+
+
+async def test_stall_after_tokens_until_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    adapter = EchoAdapter(EchoOptions(stall_after_tokens=3))
+    async with open_runner(rec.send, adapters={"echo": adapter}) as runner:
+        runner.start(request(text="a b c d e"))
+        await rec.wait_text("r1", "a b c ")
+        await trio.sleep(3600)
+        assert rec.terminal("r1") is None
+        assert rec.text("r1") == "a b c "
+        runner.cancel("r1", "client gone")
+        cancelled = await rec.wait_terminal("r1")
+    assert_well_formed(rec.events("r1"))
+    assert cancelled == wire.RunCancelled(
+        run_id="r1",
+        seq=cancelled.seq,
+        usage=wire.Usage(prompt_tokens=5, completion_tokens=3),
+    )
+
+
+async def test_drop_connection_after_tokens() -> None:
+    rec = Recorder()
+    adapter = EchoAdapter(EchoOptions(drop_connection_after_tokens=2))
+    with pytest.RaisesGroup(DropConnection, flatten_subgroups=True):
+        async with open_runner(rec.send, adapters={"echo": adapter}) as runner:
+            runner.start(request(text="a b c d"))
+            await trio.sleep_forever()
+    assert rec.terminal("r1") is None
+    assert "c" not in rec.text("r1")
+
+
+async def test_ignore_cancel_completes_normally(autojump_clock: trio.testing.MockClock) -> None:
+    rec = Recorder()
+    adapter = EchoAdapter(EchoOptions(token_delay=1.0, ignore_cancel=True))
+    async with open_runner(rec.send, adapters={"echo": adapter}) as runner:
+        runner.start(request(text="a b c d"))
+        await rec.wait_text("r1", "a ")
+        runner.cancel("r1", "please stop")
+        completed = await rec.wait_terminal("r1")
+    assert isinstance(completed, wire.RunCompleted)
+    assert rec.text("r1") == "a b c d"
+    assert "run.cancelled" not in rec.types("r1")
+    assert trio.current_time() == pytest.approx(4.0)
+
+
+async def test_token_delay_zero_streams_a_long_reply_fast(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    words = " ".join(f"w{i}" for i in range(5000))
+    rec = await run_echo(request(text=words), rec=Recorder(delay=0.01))
+    assert rec.text("r1") == words
+    deltas = [e for e in rec.events("r1") if isinstance(e, wire.RunDelta)]
+    assert len(deltas) < 100  # coalesced: the connection is slower than echo
+
+
+def test_echo_options_from_provider_config() -> None:
+    provider = ProviderConfig(
+        id="echo",
+        type="echo",
+        options={"token_delay": 0.25, "stall_after_tokens": 4, "reply": "x"},
+        models=(ModelConfig(name="echo"),),
+    )
+    assert EchoAdapter.from_provider(provider).options == EchoOptions(
+        token_delay=0.25, stall_after_tokens=4, reply="x"
+    )
+    with pytest.raises(OptionsError, match="fail_after_tokens: expected an integer >= 0"):
+        EchoOptions.from_mapping({"fail_after_tokens": -1})
+    with pytest.raises(OptionsError, match="ignore_cancel: expected true or false"):
+        EchoOptions.from_mapping({"ignore_cancel": 1})
