@@ -86,6 +86,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def system_busy_seconds() -> float:
+    """CPU time spent by the whole machine, all CPUs, outside idle and iowait."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
+
+
+def own_cpu_seconds() -> float:
+    """CPU time of this process plus its children that have been waited for."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
 @dataclass
 class ServerProcess:
     name: str
@@ -216,6 +233,18 @@ class LoadResult:
     latencies: list[float]
     client_cpu: float
     """Load generator CPU seconds per wall second during the measured window."""
+
+    @classmethod
+    def combined(cls, parts: Sequence[LoadResult]) -> LoadResult:
+        """Several runs (rounds) of the same load as one."""
+        seconds = sum(part.seconds for part in parts)
+        return cls(
+            clients=parts[0].clients,
+            requests=sum(part.requests for part in parts),
+            seconds=seconds,
+            latencies=[latency for part in parts for latency in part.latencies],
+            client_cpu=sum(part.client_cpu * part.seconds for part in parts) / seconds,
+        )
 
     @property
     def rps(self) -> float:

@@ -13,8 +13,8 @@ The server side of this module runs as ``python -m bench.http_bench serve ours|b
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
+import os
 import signal
 import sys
 import time
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -36,23 +36,29 @@ from bench._load import (
     cpu_seconds,
     http_request,
     open_idle_streams,
+    own_cpu_seconds,
     raise_nofile_limit,
     read_event_stream,
     request_load,
     rss_kib,
     server_process,
+    system_busy_seconds,
     websocket_one_way,
 )
 from bench.bare_h11 import JSON_REPLY, SSE_EVENT, SSE_HEADERS, handle_connection, sse_count
 
 if TYPE_CHECKING:
-    from dispatcher.http._types import Request, Responder
+    from dispatcher.http import Request, Responder
 
 TIME_LIMIT = 115.0
 """The whole section is cut off after this many seconds."""
 
-WARMUP = 0.5
+ROUNDS = 3
+"""Each timed measurement is split in this many rounds, the servers taking turns."""
+WARMUP = 0.3
+"""Per round, before the timed part."""
 DURATION = 3.0
+"""Timed seconds of each JSON POST measurement per server (all rounds together)."""
 SSE_EVENTS = 200_000
 WS_MESSAGES = 100_000
 IDLE_STREAMS = 5_000
@@ -103,23 +109,11 @@ async def ours_handler(request: Request, responder: Responder) -> None:
         await responder.respond(404)
 
 
-class _Server(Protocol):
-    @property
-    def address(self) -> _Address: ...
-    def shutdown(self) -> object: ...
-
-
-class _Address(Protocol):
-    @property
-    def port(self) -> int: ...
-
-
 async def _serve_ours() -> None:
-    from dispatcher.http import serve_http
-    from dispatcher.http._types import Limits
+    from dispatcher.http import Limits, Server, serve_http
 
     async with trio.open_nursery() as nursery:
-        server: _Server = await nursery.start(
+        server: Server = await nursery.start(
             partial(
                 serve_http,
                 ours_handler,
@@ -131,9 +125,7 @@ async def _serve_ours() -> None:
         announce_port(server.address.port)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
-                result = server.shutdown()
-                if inspect.isawaitable(result):
-                    await result
+                server.shutdown()  # graceful; serve_http returns when it is over
                 break
 
 
@@ -201,10 +193,16 @@ async def _measure(
     *,
     limit: float,
 ) -> None:
-    """Run ``body``; on failure (or no server) every metric of it shows the error."""
+    """Run ``body``; on failure (or no server) every metric of it shows the error.
+
+    Skipped if one of ``metrics`` already has a cell for ``kind`` (an earlier round failed:
+    cells of interleaved measurements are only filled in at the end).
+    """
     if server is None:
         for metric in metrics:
             results.cells.setdefault((metric, kind), "server did not start")
+        return
+    if any((metric, kind) in results.cells for metric in metrics):
         return
     try:
         with trio.fail_after(limit):
@@ -216,6 +214,12 @@ async def _measure(
         results.notes.append(f"{kind}: {', '.join(metrics)}: {_error_text(exc)}")
         if tail:
             results.notes.append(f"{kind} server stderr (tail): {tail!r}")
+
+
+def _order(round_: int) -> Sequence[str]:
+    """Servers take turns, alternating who goes first, so that load from other processes
+    on the machine falls on both columns alike."""
+    return KINDS if round_ % 2 == 0 else KINDS[::-1]
 
 
 def _clients(clients: int) -> str:
@@ -230,24 +234,57 @@ def _load_metrics(clients: int) -> tuple[str, str]:
     )
 
 
-async def _json_load(results: Results, kind: str, clients: int, server: ServerProcess) -> None:
-    rps_metric, lat_metric = _load_metrics(clients)
+@dataclass
+class _Rounds:
+    """What the rounds of one measurement on one server add up to."""
+
+    loads: list[LoadResult] = field(default_factory=list)
+    events: int = 0
+    seconds: float = 0.0
+    server_cpu: float = 0.0
+
+
+async def _json_round(rounds: _Rounds, clients: int, server: ServerProcess) -> None:
     request = http_request("POST", "/echo", JSON_BODY, headers="Content-Type: application/json\r\n")
     cpu0 = cpu_seconds(server.pid)
-    result: LoadResult = await request_load(
-        server.port, request, clients=clients, duration=DURATION, warmup=WARMUP
+    rounds.loads.append(
+        await request_load(
+            server.port, request, clients=clients, duration=DURATION / ROUNDS, warmup=WARMUP
+        )
     )
-    server_cpu = (cpu_seconds(server.pid) - cpu0) / (DURATION + WARMUP)
-    results.values[(rps_metric, kind)] = result.rps
-    results.cells[(rps_metric, kind)] = fmt_int(result.rps)
-    results.cells[(lat_metric, kind)] = (
-        f"{result.percentile_ms(0.50):.2f} / {result.percentile_ms(0.99):.2f}"
-    )
-    results.notes.append(
-        f"{kind}, JSON POST, {_clients(clients)}: server CPU {server_cpu:.0%}, "
-        f"load generator CPU {result.client_cpu:.0%}, {result.requests:,} responses in "
-        f"{DURATION:g} s"
-    )
+    rounds.server_cpu += cpu_seconds(server.pid) - cpu0
+    rounds.seconds += DURATION / ROUNDS + WARMUP
+
+
+async def _json_load(
+    results: Results, servers: dict[str, ServerProcess | None], clients: int
+) -> None:
+    rps_metric, lat_metric = _load_metrics(clients)
+    rounds = {kind: _Rounds() for kind in KINDS}
+    for round_ in range(ROUNDS):
+        for kind in _order(round_):
+            await _measure(
+                results,
+                kind,
+                (rps_metric, lat_metric),
+                servers[kind],
+                partial(_json_round, rounds[kind], clients),
+                limit=DURATION / ROUNDS + WARMUP + 10,
+            )
+    for kind in KINDS:
+        if (rps_metric, kind) in results.cells:
+            continue  # failed
+        result = LoadResult.combined(rounds[kind].loads)
+        results.values[(rps_metric, kind)] = result.rps
+        results.cells[(rps_metric, kind)] = fmt_int(result.rps)
+        results.cells[(lat_metric, kind)] = (
+            f"{result.percentile_ms(0.50):.2f} / {result.percentile_ms(0.99):.2f}"
+        )
+        results.notes.append(
+            f"{kind}, JSON POST, {_clients(clients)}: server CPU "
+            f"{rounds[kind].server_cpu / rounds[kind].seconds:.0%}, load generator CPU "
+            f"{result.client_cpu:.0%}, {result.requests:,} responses in {result.seconds:g} s"
+        )
 
 
 SSE_METRIC = f"SSE chunks/s (1 stream, {SSE_EVENTS:,} events)"
@@ -255,16 +292,41 @@ WS_METRIC = f"WS messages/s (server side, {WS_MESSAGES:,})"
 IDLE_METRIC = f"RSS per idle SSE stream ({IDLE_STREAMS:,} streams)"
 
 
-async def _sse(results: Results, kind: str, server: ServerProcess) -> None:
-    await read_event_stream(server.port, "/sse?n=1000")  # warm-up
+async def _sse_round(rounds: _Rounds, events: int, server: ServerProcess) -> None:
+    if not rounds.events:
+        await read_event_stream(server.port, "/sse?n=1000")  # warm-up
     cpu0 = cpu_seconds(server.pid)
-    events, seconds = await read_event_stream(server.port, f"/sse?n={SSE_EVENTS}")
-    server_cpu = (cpu_seconds(server.pid) - cpu0) / seconds
-    if events != SSE_EVENTS:
-        raise RuntimeError(f"read {events} events, expected {SSE_EVENTS}")
-    results.values[(SSE_METRIC, kind)] = events / seconds
-    results.cells[(SSE_METRIC, kind)] = fmt_int(events / seconds)
-    results.notes.append(f"{kind}, SSE: {seconds:.2f} s, server CPU {server_cpu:.0%}")
+    received, seconds = await read_event_stream(server.port, f"/sse?n={events}")
+    rounds.server_cpu += cpu_seconds(server.pid) - cpu0
+    if received != events:
+        raise RuntimeError(f"read {received} events, expected {events}")
+    rounds.events += received
+    rounds.seconds += seconds
+
+
+async def _sse(results: Results, servers: dict[str, ServerProcess | None]) -> None:
+    rounds = {kind: _Rounds() for kind in KINDS}
+    for round_ in range(ROUNDS):
+        events = SSE_EVENTS // ROUNDS + (SSE_EVENTS % ROUNDS if round_ == 0 else 0)
+        for kind in _order(round_):
+            await _measure(
+                results,
+                kind,
+                [SSE_METRIC],
+                servers[kind],
+                partial(_sse_round, rounds[kind], events),
+                limit=30,
+            )
+    for kind in KINDS:
+        if (SSE_METRIC, kind) in results.cells:
+            continue
+        r = rounds[kind]
+        results.values[(SSE_METRIC, kind)] = r.events / r.seconds
+        results.cells[(SSE_METRIC, kind)] = fmt_int(r.events / r.seconds)
+        results.notes.append(
+            f"{kind}, SSE: {r.events:,} events in {r.seconds:.2f} s, "
+            f"server CPU {r.server_cpu / r.seconds:.0%}"
+        )
 
 
 async def _websocket(results: Results, kind: str, server: ServerProcess) -> None:
@@ -366,29 +428,14 @@ def _table(results: Results) -> Table:
 async def run() -> list[Table]:
     raise_nofile_limit()
     results = Results()
+    started, own0, busy0 = time.perf_counter(), own_cpu_seconds(), system_busy_seconds()
     try:
         with trio.fail_after(TIME_LIMIT - 5):
             async with AsyncExitStack() as stack:
                 servers = {kind: await _start(stack, results, kind) for kind in KINDS}
                 for clients in (1, 32):
-                    for kind in KINDS:
-                        await _measure(
-                            results,
-                            kind,
-                            _load_metrics(clients),
-                            servers[kind],
-                            partial(_json_load, results, kind, clients),
-                            limit=DURATION + WARMUP + 10,
-                        )
-                for kind in KINDS:
-                    await _measure(
-                        results,
-                        kind,
-                        [SSE_METRIC],
-                        servers[kind],
-                        partial(_sse, results, kind),
-                        limit=30,
-                    )
+                    await _json_load(results, servers, clients)
+                await _sse(results, servers)
                 await _measure(
                     results,
                     "ours",
@@ -409,6 +456,13 @@ async def run() -> list[Table]:
                     )
     except trio.TooSlowError:
         results.notes.append(f"section cut off after {TIME_LIMIT - 5:g} s")
+    wall = time.perf_counter() - started
+    others = (system_busy_seconds() - busy0 - (own_cpu_seconds() - own0)) / wall
+    results.notes.append(
+        f"other processes used {max(others, 0.0):.1f} of {os.cpu_count()} CPUs on average "
+        f"during the section"
+        + (" (a busy machine: expect noisier figures)" if others > 0.25 else "")
+    )
     return [_table(results)]
 
 
