@@ -180,7 +180,8 @@ async def test_client_disconnect_cancels_the_handler_quickly(nursery: trio.Nurse
     server = await start_server(nursery, handler)
     figures = []
     for _ in range(20):
-        started, cancelled, record = trio.Event(), trio.Event(), []
+        started, cancelled = trio.Event(), trio.Event()
+        record: list[Any] = []
         events.append((started, cancelled, record))
         stream = await connect(server)
         await stream.send_all(b"GET /sse HTTP/1.1\r\nhost: t\r\n\r\n")
@@ -282,7 +283,7 @@ async def test_graceful_shutdown(nursery: trio.Nursery) -> None:
     assert stopped.at - shutdown_at < grace
     assert ws_closed == [1001]
     assert saw_shutting_down == [True]
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="onnect"):
         await trio.open_tcp_stream(server.address.host, server.address.port)
 
 
