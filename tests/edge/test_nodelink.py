@@ -195,7 +195,8 @@ async def test_reconnect_supersedes_old_session(
     async with dispatcher.open_run(RunSpec(model="good", body=BODY)) as run:
         await old.receive_run()
         new = await connect(dispatcher, hello("n", model="good", token=TOKEN))
-        assert new.welcome is not None and old.welcome is not None
+        assert new.welcome is not None
+        assert old.welcome is not None
         assert new.welcome.generation > old.welcome.generation
         events = [event async for event in run]
     assert isinstance(events[-1], wire.RunFailed)
