@@ -41,6 +41,8 @@ class Server:
         self._all_closed = trio.Event()
         self._stopped = trio.Event()
         self._connections: set[Connection] = set()
+        self.writing: set[Connection] = set()
+        """Connections with a write in progress (watched for the write timeout)."""
         self._slots = trio.Semaphore(limits.max_connections)
 
     @property
@@ -111,6 +113,23 @@ class Server:
             self._slots.release()
             if self._shutting_down and not self._connections:
                 self._all_closed.set()
+
+    async def _watch_writes(self) -> None:
+        """Cut off connections whose current write is older than the write timeout.
+
+        One task for the whole server instead of a cancel scope around every write; the
+        timeout fires between 1 and 1.25 times ``write_timeout`` after the write began.
+        """
+        timeout = self.limits.write_timeout
+        tick = min(max(timeout / 4, 0.005), 1.0)
+        writing = self.writing
+        while True:
+            await trio.sleep(tick)
+            if writing:
+                started_before = trio.current_time() - timeout
+                for conn in [c for c in writing if c.write_started <= started_before]:
+                    writing.discard(conn)
+                    conn.cut_off_slow_writer()
 
     # --- graceful shutdown ------------------------------------------------------------
 
@@ -188,6 +207,7 @@ async def serve_http(  # noqa: ASYNC114
         async with trio.open_nursery() as connections:
             accept_scope = trio.CancelScope()
             connections.start_soon(server._accept_all, listeners, accept_scope, connections)
+            connections.start_soon(server._watch_writes)
             task_status.started(server)
             await server._shutdown_requested.wait()
             await server._shut_down(listeners, accept_scope, connections, on_shutdown)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from wsproto.events import AcceptConnection, CloseConnection, TextMessage
 
 from dispatcher.http import (
@@ -116,9 +117,11 @@ async def test_sending_after_the_peer_left_raises_and_checkpoints(
     ready = trio.Event()
     done = trio.Event()
     outcome: dict[str, Any] = {}
+    ticks = 0
 
     async def handler(request: Request, responder: Responder) -> None:
         channel = await open_channel(kind, responder)
+        outcome["ticks_at_start"] = ticks
         ready.set()
         sends = 0
         # Shielded (with a deadline) from the disconnect cancellation: only the send
@@ -130,11 +133,16 @@ async def test_sending_after_the_peer_left_raises_and_checkpoints(
                     sends += 1
             except (PeerGone, WebSocketClosed) as exc:
                 outcome["error"] = exc
-                outcome["ticks"] = ticks
+                outcome["ticks_at_error"] = ticks
+                # Every later send raises too, and each one is a checkpoint.
+                for _ in range(3):
+                    with trio.testing.assert_checkpoints():
+                        try:
+                            await channel.send(b"again\n")
+                        except (PeerGone, WebSocketClosed):
+                            outcome["raised_again"] = outcome.get("raised_again", 0) + 1
         outcome["sends"] = sends
         done.set()
-
-    ticks = 0
 
     async def ticker() -> None:
         nonlocal ticks
@@ -154,11 +162,12 @@ async def test_sending_after_the_peer_left_raises_and_checkpoints(
         await ready.wait()
         await stream.receive_some(1000)
     await stream.aclose()
-    ticks_at_close = ticks
     with trio.fail_after(BOUND):
         await done.wait()
     assert "error" in outcome, outcome
-    assert outcome["ticks"] > ticks_at_close  # the event loop kept running meanwhile
+    assert outcome["raised_again"] == 3
+    # The loop never froze the event loop: the ticker kept running while it sent.
+    assert outcome["ticks_at_error"] > outcome["ticks_at_start"]
     await assert_serves(server)
 
 
