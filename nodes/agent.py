@@ -14,9 +14,10 @@ One session::
       receive loop:  ping -> pong, run.request -> runner.start, run.cancel -> runner.cancel,
                      tunnel.request -> tunnel.end "tunnel not supported yet",
                      a malformed frame -> close 1002;
-      watchdog:      nothing from the edge for heartbeat_timeout_factor x heartbeat_interval
-                     -> the edge is gone, close 1001;
-      runner:        one writer task sends every run's events (see nodes.runner).
+                     watchdog: each receive has a deadline; nothing from the edge for
+                     heartbeat_timeout_factor x heartbeat_interval -> the edge is gone,
+                     close 1001;
+      runner:        the runs, and one writer task sending all their events (nodes.runner).
 
 Errors are split in two: :class:`NodeRejected` is permanent; everything else that ends a
 session (``transport.ConnectionClosed``, ``OSError``, a timeout, a protocol error, even an
