@@ -8,11 +8,14 @@
     ├── PayloadTooLarge       413 invalid_request_error
     ├── Unauthorized          401 authentication_error
     ├── ModelNotFound         404 invalid_request_error / model_not_found
-    ├── admission.AdmissionError (queue full 429, timeout 503, no capable candidate 400, ...)
     └── RunError              a dispatched run could not produce an answer
         ├── StaleGeneration   503 the node reconnected between selection and send
         ├── NodeUnavailable   502 the node connection broke before the run request went out
         └── RunFailedError    502 the node reported run.failed before anything was streamed
+
+``admission.AdmissionError`` (unknown model 404, no capable candidate 400, queue full 429,
+queue timeout 503) is the admission layer's own tree with the same ``status`` / ``code`` /
+``retry_after`` fields, mapped by the same function.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from ..admission import AdmissionError
 from ..errors import (
     BadRequest,
     DispatcherError,
@@ -123,7 +124,7 @@ def make_handler(dispatcher: Dispatcher) -> Handler:
             await _respond_error(
                 responder, PayloadTooLarge("request body is over the size limit"), headers
             )
-        except DispatcherError as exc:
+        except (DispatcherError, AdmissionError) as exc:
             await _respond_error(responder, exc, headers)
 
     return handler
