@@ -105,7 +105,7 @@ async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> None
 
 
 def _node(args: argparse.Namespace) -> int:
-    from nodes.agent import NodeRejected, serve_node
+    from nodes.agent import run_node
     from nodes.config import NodeConfigError, default_node_config, load_node_config
 
     try:
@@ -122,9 +122,4 @@ def _node(args: argparse.Namespace) -> int:
         changes["node_id"] = args.node_id
     config = attrs.evolve(config, **changes)
     print(f"trio-dispatcher node {config.node_id} dialling {config.edge_url}", flush=True)
-    try:
-        trio.run(serve_node, config)
-    except NodeRejected as exc:
-        print(f"dispatcher node: the edge refused this node: {exc}", file=sys.stderr)
-        return 3
-    return 0
+    return run_node(config)
