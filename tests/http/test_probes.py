@@ -3,7 +3,9 @@ sends after the peer left, disconnects, graceful shutdown and hard stops."""
 
 from __future__ import annotations
 
+import signal
 import statistics
+from functools import partial
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from dispatcher.http import (
     Server,
     WebSocket,
     WebSocketClosed,
+    serve_http_until_signal,
 )
 
 from ._helpers import (
@@ -32,11 +35,16 @@ from ._helpers import (
     header,
     read_until_eof,
     start_server,
+    with_ok,
 )
 
 pytestmark = pytest.mark.usefixtures("close_clients")
 
 BIG = b"x" * (1 << 20)
+
+
+async def EMPTY(request: Request, responder: Responder) -> None:
+    await responder.respond(204)
 
 
 async def open_channel(kind: str, responder: Responder) -> HTTPStream | WebSocket:
@@ -351,3 +359,56 @@ async def test_cancelling_serve_http_is_a_hard_stop() -> None:
         cancelled_at = trio.current_time()
         inner.cancel_scope.cancel()
     assert trio.current_time() - cancelled_at < 1.0
+
+
+async def test_signals_shut_down_gracefully_then_hard() -> None:
+    started = trio.Event()
+    cancelled = trio.Event()
+
+    async def handler(request: Request, responder: Responder) -> None:
+        stream = await responder.start_stream(200)
+        await stream.send(b"data: 1\n\n")
+        started.set()
+        try:
+            await trio.sleep_forever()  # ignores the graceful hint: only the 2nd signal ends it
+        finally:
+            cancelled.set()
+
+    returned_at: list[float] = []
+
+    async def run(task_status: trio.TaskStatus[Server]) -> None:
+        await serve_http_until_signal(
+            with_ok(handler), limits=Limits(shutdown_grace=30), task_status=task_status
+        )
+        returned_at.append(trio.current_time())
+
+    async with trio.open_nursery() as inner:
+        server: Server = await inner.start(run)
+        await assert_serves(server)
+        stream = await connect(server)
+        await stream.send_all(b"GET /sse HTTP/1.1\r\nhost: t\r\n\r\n")
+        with trio.fail_after(BOUND):
+            await started.wait()
+        signal.raise_signal(signal.SIGTERM)
+        with trio.fail_after(BOUND):
+            while not server.shutting_down:
+                await trio.lowlevel.checkpoint()
+        assert not cancelled.is_set()
+        second_at = trio.current_time()
+        signal.raise_signal(signal.SIGTERM)
+        with trio.fail_after(BOUND):
+            await cancelled.wait()
+    assert len(returned_at) == 1  # the hard stop is complete: it returned
+    assert returned_at[0] - second_at < 2.0
+
+
+async def test_one_signal_is_a_graceful_shutdown() -> None:
+    async with trio.open_nursery() as inner:
+        server: Server = await inner.start(
+            partial(serve_http_until_signal, with_ok(EMPTY), signals=(signal.SIGUSR1,))
+        )
+        await assert_serves(server)
+        idle = await connect(server)
+        signal.raise_signal(signal.SIGUSR1)
+        assert await read_until_eof(idle) == b""
+    assert server.shutting_down
