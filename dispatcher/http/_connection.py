@@ -582,7 +582,7 @@ class Connection:
     async def accept_websocket(
         self, request: _Request, subprotocol: str | None, headers: Headers
     ) -> ServerWebSocket:
-        while await self.receive_body_chunk() is not None:
+        while await request._next_chunk() is not None:
             pass  # reach the end of the upgrade request, so that h11 can switch protocols
         h = self._h11
         key = request.header(b"sec-websocket-key") or b""
@@ -771,9 +771,14 @@ class _Responder:
             raise RuntimeError("this request was already answered")
 
     def _headers(self, headers: Headers) -> list[tuple[bytes, bytes]]:
+        conn = self._conn
         out = list(headers)
         out.append((b"date", _DateCache.get()))
-        if self._conn.server.shutting_down:
+        if conn.server.shutting_down or (
+            conn._expect_pending and conn._h11.they_are_waiting_for_100_continue
+        ):
+            # We close after this response (in the second case the client still holds
+            # the body back, waiting for 100 Continue): say so.
             out.append((b"connection", b"close"))
         return out
 

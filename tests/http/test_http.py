@@ -180,6 +180,19 @@ async def test_expect_100_continue_is_sent_when_the_body_is_read(nursery: trio.N
     await stream.aclose()
 
 
+async def test_expect_100_continue_left_unread_closes(nursery: trio.Nursery) -> None:
+    server = await start_server(nursery, app)
+    stream = await connect(server)
+    await stream.send_all(
+        b"POST /ok HTTP/1.1\r\nhost: t\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n"
+    )
+    raw = await read_until_eof(stream)  # /ok never reads the body: no 100, and close
+    assert raw.startswith(b"HTTP/1.1 200 ")
+    assert b"100 Continue" not in raw
+    assert b"connection: close" in raw.lower()
+    await assert_serves(server)
+
+
 async def test_expect_100_continue_over_the_limit_is_413_at_once(nursery: trio.Nursery) -> None:
     called = False
 
