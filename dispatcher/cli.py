@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -76,7 +77,8 @@ async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> None
         if config.local_node:
             await dispatcher.attach_local_node()
 
-        async def serve(task_status: trio.TaskStatus[Server]) -> None:
+        # task_status is passed on to serve_http, which calls started().
+        async def serve(task_status: trio.TaskStatus[Server]) -> None:  # noqa: ASYNC128
             await dispatcher.serve(host=host, port=port, task_status=task_status)
             # Graceful shutdown is complete: stop listening for signals too.
             nursery.cancel_scope.cancel(reason="server stopped")
@@ -99,7 +101,7 @@ async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> None
                 if server.shutting_down:
                     log.warning("second signal: stopping now")
                     nursery.cancel_scope.cancel(reason="second signal")
-                    return
+                    break
                 log.info("%s: shutting down gracefully", signal.Signals(signum).name)
                 server.shutdown()
 
@@ -113,7 +115,7 @@ def _node(args: argparse.Namespace) -> int:
     except NodeConfigError as exc:
         print(f"dispatcher node: configuration error: {exc}", file=sys.stderr)
         return 2
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if args.edge:
         changes["edge_url"] = args.edge
     if args.token:

@@ -175,20 +175,21 @@ class Runs:
             finally:
                 self._count(run.end_reason or "error")
                 if not run.finished:
-                    await self._abandon(run)
+                    with trio.move_on_after(CANCEL_SEND_TIMEOUT, shield=True):
+                        await self._abandon(run)
 
     async def _abandon(self, run: Run) -> None:
-        """The block was left before the terminal event: drain the slot and tell the node."""
+        """The block was left before the terminal event: drain the slot and tell the node.
+        Called shielded, with a deadline."""
         run.slot.drain()
         slot_id = run.slot.slot_id
         run._subscription.on_late_terminal = lambda _event: self.admission.confirm_drain(slot_id)
         reason = "client went away" if run.end_reason == "cancelled" else "run abandoned"
-        with trio.move_on_after(CANCEL_SEND_TIMEOUT, shield=True):
-            try:
-                await run.session.send(wire.RunCancel(run_id=run.run_id, reason=reason))
-                self.stats.cancels_sent += 1
-            except NodeGone:
-                pass  # the session is over: leaving the registry voided its slots
+        try:
+            await run.session.send(wire.RunCancel(run_id=run.run_id, reason=reason))
+            self.stats.cancels_sent += 1
+        except NodeGone:
+            pass  # the session is over: leaving the registry voided its slots
 
     @staticmethod
     def _reason(run: Run, exc: BaseException | None) -> EndReason:

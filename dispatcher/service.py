@@ -130,7 +130,7 @@ class Dispatcher:
             scope.cancel()
         await trio.lowlevel.checkpoint()
 
-    async def serve(
+    async def serve(  # noqa: ASYNC128 (task_status is passed on to serve_http)
         self,
         *,
         host: str | None = None,
