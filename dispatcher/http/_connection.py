@@ -277,7 +277,7 @@ class Connection:
         if self._aborted:
             await trio.lowlevel.checkpoint()
             raise self._gone_error()
-        writing = self.server.writing
+        writing = self.server._writing
         self.write_started = trio.current_time()
         writing.add(self)
         try:

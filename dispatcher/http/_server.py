@@ -41,7 +41,7 @@ class Server:
         self._all_closed = trio.Event()
         self._stopped = trio.Event()
         self._connections: set[Connection] = set()
-        self.writing: set[Connection] = set()
+        self._writing: set[Connection] = set()
         """Connections with a write in progress (watched for the write timeout)."""
         self._slots = trio.Semaphore(limits.max_connections)
 
@@ -122,7 +122,7 @@ class Server:
         """
         timeout = self.limits.write_timeout
         tick = min(max(timeout / 4, 0.005), 1.0)
-        writing = self.writing
+        writing = self._writing
         while True:
             await trio.sleep(tick)
             if writing:

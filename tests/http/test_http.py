@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from dispatcher.http import BodyTooLarge, Limits, PeerGone, Request, Responder
+from dispatcher.http._connection import Connection
 
 from ._helpers import (
     BOUND,
@@ -369,3 +370,31 @@ async def test_handler_failures_are_contained(
     assert any("without answering" in m for m in messages)
     assert not any("crashed" in m for m in messages)
     await assert_serves(server)
+
+
+@pytest.mark.parametrize("part", ["_serve", "_read_loop"])
+async def test_a_crash_inside_the_driver_stays_with_its_connection(
+    nursery: trio.Nursery,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    part: str,
+) -> None:
+    original = getattr(Connection, part)
+    crashes: list[Connection] = []
+
+    async def crash_once(self: Connection) -> None:
+        if not crashes:
+            crashes.append(self)
+            raise RuntimeError("a bug in the driver")
+        await original(self)
+
+    monkeypatch.setattr(Connection, part, crash_once)
+    server = await start_server(nursery, app)
+    with caplog.at_level(logging.ERROR, logger="dispatcher.http"):
+        stream = await connect(server)
+        await stream.send_all(b"GET /ok HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert await read_until_eof(stream) == b""
+        await assert_serves(server)  # (the crash is logged right after the close)
+        await assert_serves(server)
+    assert len(crashes) == 1
+    assert any("crashed" in record.getMessage() for record in caplog.records)
