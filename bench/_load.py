@@ -233,6 +233,8 @@ class LoadResult:
     latencies: list[float]
     client_cpu: float
     """Load generator CPU seconds per wall second during the measured window."""
+    server_cpu: float = float("nan")
+    """The same for the server process, when its pid was given."""
 
     @classmethod
     def combined(cls, parts: Sequence[LoadResult]) -> LoadResult:
@@ -244,11 +246,17 @@ class LoadResult:
             seconds=seconds,
             latencies=[latency for part in parts for latency in part.latencies],
             client_cpu=sum(part.client_cpu * part.seconds for part in parts) / seconds,
+            server_cpu=sum(part.server_cpu * part.seconds for part in parts) / seconds,
         )
 
     @property
     def rps(self) -> float:
         return self.requests / self.seconds
+
+    @property
+    def per_server_cpu_second(self) -> float:
+        """Responses per second of server CPU: less sensitive than req/s to other load."""
+        return self.rps / self.server_cpu if self.server_cpu > 0 else float("nan")
 
     def percentile_ms(self, q: float) -> float:
         if not self.latencies:
@@ -258,7 +266,13 @@ class LoadResult:
 
 
 async def request_load(
-    port: int, request: bytes, *, clients: int, duration: float, warmup: float
+    port: int,
+    request: bytes,
+    *,
+    clients: int,
+    duration: float,
+    warmup: float,
+    server_pid: int | None = None,
 ) -> LoadResult:
     """``clients`` keep-alive connections, each sending ``request`` back to back.
 
@@ -275,6 +289,7 @@ async def request_load(
         measure_from = start + warmup
         stop_at = measure_from + duration
         cpu_at: list[float] = []
+        server_cpu_at: list[float] = []
 
         async def worker(sock: Sock) -> None:
             nonlocal completed
@@ -293,8 +308,12 @@ async def request_load(
         async def cpu_marks() -> None:
             await trio.sleep_until(trio.current_time() + warmup)
             cpu_at.append(time.process_time())
+            if server_pid is not None:
+                server_cpu_at.append(cpu_seconds(server_pid))
             await trio.sleep(duration)
             cpu_at.append(time.process_time())
+            if server_pid is not None:
+                server_cpu_at.append(cpu_seconds(server_pid))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cpu_marks)
@@ -303,8 +322,13 @@ async def request_load(
     finally:
         for sock in socks:
             sock.close()
-    client_cpu = (cpu_at[1] - cpu_at[0]) / duration if len(cpu_at) == 2 else float("nan")
-    return LoadResult(clients, completed, duration, latencies, client_cpu)
+
+    def rate(marks: list[float]) -> float:
+        return (marks[1] - marks[0]) / duration if len(marks) == 2 else float("nan")
+
+    return LoadResult(
+        clients, completed, duration, latencies, rate(cpu_at), server_cpu=rate(server_cpu_at)
+    )
 
 
 # --------------------------------------------------------------------------- SSE

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -159,7 +160,7 @@ class Results:
     """Per server kind: cells to print, numbers for the targets, notes."""
 
     cells: dict[tuple[str, str], str] = field(default_factory=dict)
-    values: dict[tuple[str, str], float] = field(default_factory=dict)
+    values: dict[tuple[str, ...], float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def cell(self, metric: str, kind: str) -> str:
@@ -222,6 +223,9 @@ def _order(round_: int) -> Sequence[str]:
     return KINDS if round_ % 2 == 0 else KINDS[::-1]
 
 
+_PER_CPU = "per server CPU-second"
+
+
 def _clients(clients: int) -> str:
     return f"{clients} client" if clients == 1 else f"{clients} clients"
 
@@ -242,18 +246,21 @@ class _Rounds:
     events: int = 0
     seconds: float = 0.0
     server_cpu: float = 0.0
+    client_cpu: float = 0.0
 
 
 async def _json_round(rounds: _Rounds, clients: int, server: ServerProcess) -> None:
     request = http_request("POST", "/echo", JSON_BODY, headers="Content-Type: application/json\r\n")
-    cpu0 = cpu_seconds(server.pid)
     rounds.loads.append(
         await request_load(
-            server.port, request, clients=clients, duration=DURATION / ROUNDS, warmup=WARMUP
+            server.port,
+            request,
+            clients=clients,
+            duration=DURATION / ROUNDS,
+            warmup=WARMUP,
+            server_pid=server.pid,
         )
     )
-    rounds.server_cpu += cpu_seconds(server.pid) - cpu0
-    rounds.seconds += DURATION / ROUNDS + WARMUP
 
 
 async def _json_load(
@@ -276,14 +283,16 @@ async def _json_load(
             continue  # failed
         result = LoadResult.combined(rounds[kind].loads)
         results.values[(rps_metric, kind)] = result.rps
+        results.values[(_PER_CPU, rps_metric, kind)] = result.per_server_cpu_second
         results.cells[(rps_metric, kind)] = fmt_int(result.rps)
         results.cells[(lat_metric, kind)] = (
             f"{result.percentile_ms(0.50):.2f} / {result.percentile_ms(0.99):.2f}"
         )
         results.notes.append(
-            f"{kind}, JSON POST, {_clients(clients)}: server CPU "
-            f"{rounds[kind].server_cpu / rounds[kind].seconds:.0%}, load generator CPU "
-            f"{result.client_cpu:.0%}, {result.requests:,} responses in {result.seconds:g} s"
+            f"{kind}, JSON POST, {_clients(clients)}: {result.requests:,} responses in "
+            f"{result.seconds:g} s; server CPU {result.server_cpu:.0%} "
+            f"({fmt_int(result.per_server_cpu_second)} per server CPU-second), "
+            f"load generator CPU {result.client_cpu:.0%}"
         )
 
 
@@ -295,9 +304,10 @@ IDLE_METRIC = f"RSS per idle SSE stream ({IDLE_STREAMS:,} streams)"
 async def _sse_round(rounds: _Rounds, events: int, server: ServerProcess) -> None:
     if not rounds.events:
         await read_event_stream(server.port, "/sse?n=1000")  # warm-up
-    cpu0 = cpu_seconds(server.pid)
+    cpu0, own0 = cpu_seconds(server.pid), time.process_time()
     received, seconds = await read_event_stream(server.port, f"/sse?n={events}")
     rounds.server_cpu += cpu_seconds(server.pid) - cpu0
+    rounds.client_cpu += time.process_time() - own0
     if received != events:
         raise RuntimeError(f"read {received} events, expected {events}")
     rounds.events += received
@@ -324,8 +334,9 @@ async def _sse(results: Results, servers: dict[str, ServerProcess | None]) -> No
         results.values[(SSE_METRIC, kind)] = r.events / r.seconds
         results.cells[(SSE_METRIC, kind)] = fmt_int(r.events / r.seconds)
         results.notes.append(
-            f"{kind}, SSE: {r.events:,} events in {r.seconds:.2f} s, "
-            f"server CPU {r.server_cpu / r.seconds:.0%}"
+            f"{kind}, SSE: {r.events:,} events in {r.seconds:.2f} s; server CPU "
+            f"{r.server_cpu / r.seconds:.0%} ({fmt_int(_ratio(r.events, r.server_cpu))} per "
+            f"server CPU-second), load generator CPU {r.client_cpu / r.seconds:.0%}"
         )
 
 
@@ -381,6 +392,10 @@ async def _start(stack: AsyncExitStack, results: Results, kind: str) -> ServerPr
         return None
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
 def _verdict(ok: bool, detail: str = "") -> str:
     text = "PASS" if ok else "MISS"
     return f"{text} ({detail})" if detail else text
@@ -399,7 +414,13 @@ def _table(results: Results) -> Table:
         verdict = ""
         if ours is not None and bare:
             ratio = ours / bare
-            verdict = _verdict(ratio >= TARGET_RPS_RATIO, f"{ratio:.0%} of bare")
+            per_cpu = _ratio(
+                results.values.get((_PER_CPU, rps_metric, "ours"), math.nan),
+                results.values.get((_PER_CPU, rps_metric, "bare"), math.nan),
+            )
+            verdict = _verdict(
+                ratio >= TARGET_RPS_RATIO, f"{ratio:.0%} of bare; per CPU-second {per_cpu:.0%}"
+            )
         row(rps_metric, f">= {TARGET_RPS_RATIO:.0%} of bare", verdict)
         row(lat_metric)
     sse = results.values.get((SSE_METRIC, "ours"))
