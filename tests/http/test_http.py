@@ -65,6 +65,7 @@ async def test_keep_alive_reuses_the_connection(nursery: trio.Nursery) -> None:
         ports.add(body)
     assert len(ports) == 1
     await client.aclose()
+    await assert_serves(server)
 
 
 async def test_httpx_client_roundtrip(nursery: trio.Nursery) -> None:
@@ -145,6 +146,7 @@ async def test_head_sends_no_body(nursery: trio.Nursery) -> None:
     assert raw.startswith(b"HTTP/1.1 200 ")
     assert raw.endswith(b"\r\n\r\n")
     await client.aclose()
+    await assert_serves(server)
 
 
 async def test_http_1_0_gets_close_delimited_stream(nursery: trio.Nursery) -> None:
