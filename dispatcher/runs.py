@@ -133,12 +133,14 @@ class Runs:
         needs = spec.needs if spec.needs is not None else needs_from_body(spec.body)
         async with (
             self.admission.open_slot(spec.model, needs) as slot,
-            self._dispatch(spec, slot) as run,
+            self.open_on_slot(spec, slot) as run,
         ):
             yield run
 
     @asynccontextmanager
-    async def _dispatch(self, spec: RunSpec, slot: Slot) -> AsyncIterator[Run]:
+    async def open_on_slot(self, spec: RunSpec, slot: Slot) -> AsyncIterator[Run]:
+        """Subscribe and send the run on the candidate ``slot`` holds (the rest of
+        ``open_run`` after admission; ``dispatcher.pool`` uses it after its hooks)."""
         candidate = slot.candidate
         session = self.registry.current(candidate.node_id, candidate.generation)
         if session is None:

@@ -27,6 +27,7 @@ from .admission import Admission, Candidate, PolicySnapshot
 from .catalog import candidates_for_session, policy_snapshot_from_config
 from .config import EdgeConfig
 from .nodelink import NodeLinkSettings, serve_node_connection
+from .pool import Dispatch, DispatchRequest, Pool
 from .registry import NodeSession, Registry
 from .runs import Run, Runs, RunSpec
 from .transport import Connection, memory_connection_pair
@@ -47,6 +48,7 @@ class Dispatcher:
     registry: Registry
     admission: Admission
     runs: Runs
+    pool: Pool
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
     started_at: float = attrs.field(factory=time.time)
@@ -56,6 +58,11 @@ class Dispatcher:
     def open_run(self, spec: RunSpec) -> AbstractAsyncContextManager[Run]:
         """Queue, take a slot, subscribe, send; see :mod:`dispatcher.runs`."""
         return self.runs.open_run(spec)
+
+    def open_dispatch(self, request: DispatchRequest) -> AbstractAsyncContextManager[Dispatch]:
+        """One admission over the model's provider pool, then the winning candidate's path
+        (see :mod:`dispatcher.pool`)."""
+        return self.pool.open(request)
 
     # -- nodes ------------------------------------------------------------------------
 
@@ -184,12 +191,14 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
         heartbeat_interval=config.nodes.heartbeat_interval,
         heartbeat_timeout=config.nodes.heartbeat_timeout,
     )
+    runs = Runs(registry, admission)
     async with trio.open_nursery() as nursery:
         dispatcher = Dispatcher(
             config=config,
             registry=registry,
             admission=admission,
-            runs=Runs(registry, admission),
+            runs=runs,
+            pool=Pool(runs, admission),
             nodelink_settings=settings,
             nursery=nursery,
         )

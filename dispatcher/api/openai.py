@@ -19,7 +19,8 @@ import trio
 from .. import wire
 from ..errors import BadRequest, RunFailedError, openai_error_object
 from ..http import HTTPStream, Request, Responder
-from ..runs import Run, RunSpec
+from ..pool import DispatchRequest
+from ..runs import Run
 
 if TYPE_CHECKING:
     from ..service import Dispatcher
@@ -123,13 +124,22 @@ async def chat_completions(
     headers: Sequence[tuple[bytes, bytes]],
 ) -> None:
     chat = parse_chat_request(await request.body())
-    spec = RunSpec(model=chat.model, body=chat.body)
-    async with dispatcher.open_run(spec) as run:
+    session = request.header(b"x-session-id")
+    dispatch_request = DispatchRequest(
+        model=chat.model,
+        body=chat.body,
+        route=request.path,
+        session_id=session.decode("latin-1") if session else None,
+    )
+    async with dispatcher.open_dispatch(dispatch_request) as dispatch:
+        result = dispatch.result
+        run = dispatch.run
+        assert run is not None, "tunnel candidates are answered by the tunnel relay"
         run_headers = (
             *headers,
-            (b"x-dispatcher-node", run.candidate.node_id.encode()),
-            (b"x-dispatcher-provider", run.candidate.provider_id.encode()),
-            (b"x-dispatcher-queue-ms", f"{run.slot.queue_wait * 1000:.1f}".encode()),
+            (b"x-dispatcher-node", result.node_id.encode()),
+            (b"x-dispatcher-provider", result.provider_id.encode()),
+            (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
         )
         if chat.stream:
             await _stream(dispatcher, chat, run, responder, run_headers)

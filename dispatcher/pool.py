@@ -1,0 +1,144 @@
+"""Provider-pool dispatch: one admission over every candidate of a model group, then the path
+the winning candidate needs -- a normalized run, or a tunnel.
+
+::
+
+    async with pool.open(DispatchRequest(model="llama", body=body)) as dispatch:
+        dispatch.result      # what was chosen: node, provider, served model, path, queue wait
+        dispatch.run         # a Run (normalized path), or
+        dispatch.tunnel      # whatever the tunnel hook opened (tunnel path)
+
+Optional hooks run after selection and before anything is sent: ``prepare_run`` may rewrite
+the run's spec for the chosen candidate (credentials, headers, model-specific options),
+``prepare_tunnel`` the same for a tunnel. An error in a hook leaves the block, which releases
+the slot like any other exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import attrs
+
+from .admission import Admission, Candidate, CandidateKey, Predicate, Slot, needs_from_body
+from .admission._candidates import RequestClass
+from .errors import DispatcherError
+from .runs import Run, Runs, RunSpec
+
+
+@attrs.frozen(kw_only=True)
+class DispatchRequest:
+    """One request to place: the public model name and the OpenAI body, plus what the caller
+    knows about it."""
+
+    model: str
+    body: dict[str, Any]
+    route: str = "/v1/chat/completions"
+    """The OpenAI route the client called (the tunnel path relays it as is)."""
+    session_id: str | None = None
+    """Prefer the node that served this session last, when it has a free slot."""
+    predicate: Predicate | None = attrs.field(default=None, eq=False)
+    """An embedder's extra test of each candidate: a rejection reason, or None."""
+    exclude: frozenset[CandidateKey] = frozenset()
+    """Candidates not to use (they already failed for this request)."""
+
+
+@attrs.frozen(kw_only=True)
+class DispatchResult:
+    """What the pool actually chose."""
+
+    run_id: str | None
+    node_id: str
+    node_label: str
+    model_group: str
+    adapter: str
+    served_model: str
+    provider_id: str
+    provider_type: str
+    path: str
+    session_id: str | None
+    context_class: RequestClass
+    queue_reason: str
+    queue_wait: float
+    candidate: CandidateKey
+
+
+@attrs.frozen
+class Dispatch:
+    result: DispatchResult
+    run: Run | None = None
+    tunnel: Any = None
+
+
+PrepareRun = Callable[[Candidate, RunSpec], Awaitable[RunSpec]]
+PrepareTunnel = Callable[[Candidate, DispatchRequest], Awaitable[DispatchRequest]]
+OpenTunnel = Callable[[Slot, DispatchRequest], AbstractAsyncContextManager[Any]]
+
+
+class TunnelUnavailable(DispatcherError):
+    status = 501
+    error_type = "server_error"
+    default_code = "tunnel_unavailable"
+
+
+@attrs.define(eq=False)
+class Pool:
+    runs: Runs
+    admission: Admission
+    prepare_run: PrepareRun | None = None
+    prepare_tunnel: PrepareTunnel | None = None
+    open_tunnel: OpenTunnel | None = None
+    """The tunnel transport (``dispatcher.tunnel``); None until one is installed."""
+
+    @asynccontextmanager
+    async def open(self, request: DispatchRequest) -> AsyncIterator[Dispatch]:
+        needs = attrs.evolve(
+            needs_from_body(request.body, session_id=request.session_id),
+            predicate=request.predicate,
+            exclude=request.exclude,
+        )
+        async with self.admission.open_slot(request.model, needs) as slot:
+            candidate = slot.candidate
+            if candidate.path == "tunnel":
+                async with self._tunnel(request, slot) as dispatch:
+                    yield dispatch
+                return
+            spec = RunSpec(model=candidate.model, body=request.body, needs=needs)
+            if self.prepare_run is not None:
+                spec = await self.prepare_run(candidate, spec)
+            async with self.runs.open_on_slot(spec, slot) as run:
+                yield Dispatch(self._result(request, slot, run.run_id), run=run)
+
+    @asynccontextmanager
+    async def _tunnel(self, request: DispatchRequest, slot: Slot) -> AsyncIterator[Dispatch]:
+        if self.open_tunnel is None:
+            raise TunnelUnavailable(
+                f"{slot.candidate.label} serves {request.model!r} through a tunnel, "
+                "which this edge cannot open yet"
+            )
+        if self.prepare_tunnel is not None:
+            request = await self.prepare_tunnel(slot.candidate, request)
+        async with self.open_tunnel(slot, request) as tunnel:
+            yield Dispatch(self._result(request, slot, None), tunnel=tunnel)
+
+    @staticmethod
+    def _result(request: DispatchRequest, slot: Slot, run_id: str | None) -> DispatchResult:
+        candidate = slot.candidate
+        return DispatchResult(
+            run_id=run_id,
+            node_id=candidate.node_id,
+            node_label=candidate.node_label or candidate.node_id,
+            model_group=candidate.model,
+            adapter=candidate.adapter,
+            served_model=candidate.served_model,
+            provider_id=candidate.provider_id,
+            provider_type=candidate.provider_type,
+            path=candidate.path,
+            session_id=request.session_id,
+            context_class=slot.request_class,
+            queue_reason=slot.queue_reason,
+            queue_wait=slot.queue_wait,
+            candidate=candidate.key,
+        )
