@@ -6,6 +6,7 @@ from ._server import serve_http_until_signal as serve_http_until_signal
 from ._types import Address as Address
 from ._types import BadRequest as BadRequest
 from ._types import BodyTooLarge as BodyTooLarge
+from ._types import ErrorPage as ErrorPage
 from ._types import Handler as Handler
 from ._types import Headers as Headers
 from ._types import HTTPError as HTTPError

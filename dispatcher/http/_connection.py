@@ -320,19 +320,31 @@ class Connection:
         if self._ws is not None:
             self._ws.connection_lost()
 
+    def _error_page(self, status: int, reason: bytes) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """Headers and body of an error response the driver writes itself."""
+        error_page = self.server.error_page
+        if error_page is not None:
+            try:
+                headers, body = error_page(status, reason.decode("ascii"))
+                return list(headers), body
+            except Exception:
+                logger.exception("the error_page hook failed for status %d", status)
+        return [(b"content-type", b"text/plain; charset=utf-8")], b"%d %s\n" % (status, reason)
+
     async def _reject(self, status: int, *, linger: bool = True) -> None:
         """Answer an error status with ``Connection: close`` (the caller then closes)."""
         h = self._h11
         reason = _reason(status)
-        body = b"%d %s\n" % (status, reason)
+        headers, body = self._error_page(status, reason)
         data = None
         if h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            headers = [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", b"%d" % len(body)),
-                (b"connection", b"close"),
-                (b"date", _DateCache.get()),
-            ]
+            headers.extend(
+                [
+                    (b"content-length", b"%d" % len(body)),
+                    (b"connection", b"close"),
+                    (b"date", _DateCache.get()),
+                ]
+            )
             try:
                 data = h.send(h11.Response(status_code=status, headers=headers, reason=reason))
                 if self._method != b"HEAD":
@@ -510,11 +522,11 @@ class Connection:
             await self._reject(431)
             return False
         request = _Request(self, event)
-        length = request.header(b"content-length")
-        if length is not None and int(length) > limits.max_body_size:
-            await self._reject(413)  # at once, even under Expect: 100-continue
-            return False
         self._expect_pending = self._h11.they_are_waiting_for_100_continue
+        if request.declared_too_large and self._expect_pending:
+            # At once, in the driver: the client holds the body back until we answer.
+            await self._reject(413)
+            return False
         responder = _Responder(self, request)
         scope = trio.CancelScope()
         if self._eof or self._aborted:
@@ -629,6 +641,7 @@ class _Request:
         "_received",
         "_started",
         "client",
+        "declared_too_large",
         "headers",
         "http_version",
         "method",
@@ -646,6 +659,12 @@ class _Request:
         self._started = False
         self._done = False
         self._received = 0
+        length = self.header(b"content-length")  # (h11 checked that it is digits)
+        self.declared_too_large = (
+            length is not None and int(length) > conn.server.limits.max_body_size
+        )
+        """The Content-Length is over the limit: reading the body raises BodyTooLarge at
+        once, before a byte of it is read."""
 
     @property
     def path(self) -> str:
@@ -711,6 +730,10 @@ class _Request:
             if checkpoint:
                 await trio.lowlevel.checkpoint()
             return None
+        if self.declared_too_large:
+            await trio.lowlevel.checkpoint()
+            limit = self._conn.server.limits.max_body_size
+            raise BodyTooLarge(f"the request body is over {limit} bytes")
         self._started = True
         chunk = await self._conn.receive_body_chunk(checkpoint=checkpoint)
         if chunk is None:
@@ -774,11 +797,13 @@ class _Responder:
         conn = self._conn
         out = list(headers)
         out.append((b"date", _DateCache.get()))
-        if conn.server.shutting_down or (
-            conn._expect_pending and conn._h11.they_are_waiting_for_100_continue
+        if (
+            conn.server.shutting_down
+            or self._request.declared_too_large
+            or (conn._expect_pending and conn._h11.they_are_waiting_for_100_continue)
         ):
-            # We close after this response (in the second case the client still holds
-            # the body back, waiting for 100 Continue): say so.
+            # We close after this response (an over-limit body is never read; under
+            # Expect, the client still holds the body back, waiting for 100): say so.
             out.append((b"connection", b"close"))
         return out
 

@@ -12,7 +12,7 @@ from functools import partial
 import trio
 
 from ._connection import CLOSE_TIMEOUT, Connection, logger
-from ._types import Address, Handler, Limits, ShutdownHook
+from ._types import Address, ErrorPage, Handler, Limits, ShutdownHook
 from ._websocket import ServerWebSocket
 
 _DEFAULT_LIMITS = Limits()
@@ -31,10 +31,12 @@ class Server:
         limits: Limits,
         address: Address,
         ssl_context: ssl.SSLContext | None,
+        error_page: ErrorPage | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits
         self.ssl_context = ssl_context
+        self.error_page = error_page
         self._address = address
         self._shutting_down = False
         self._shutdown_requested = trio.Event()
@@ -187,6 +189,7 @@ async def serve_http(  # noqa: ASYNC114
     limits: Limits = _DEFAULT_LIMITS,
     ssl_context: ssl.SSLContext | None = None,
     on_shutdown: ShutdownHook | None = None,
+    error_page: ErrorPage | None = None,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve HTTP/1.1 and websockets with ``handler`` until shut down.
@@ -202,6 +205,7 @@ async def serve_http(  # noqa: ASYNC114
         limits=limits,
         address=Address(str(host_port[0]), int(host_port[1])),
         ssl_context=ssl_context,
+        error_page=error_page,
     )
     try:
         async with trio.open_nursery() as connections:
@@ -227,6 +231,7 @@ async def serve_http_until_signal(  # noqa: ASYNC114
     limits: Limits = _DEFAULT_LIMITS,
     ssl_context: ssl.SSLContext | None = None,
     on_shutdown: ShutdownHook | None = None,
+    error_page: ErrorPage | None = None,
     signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM),
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -243,6 +248,7 @@ async def serve_http_until_signal(  # noqa: ASYNC114
                     limits=limits,
                     ssl_context=ssl_context,
                     on_shutdown=on_shutdown,
+                    error_page=error_page,
                 )
             )
             task_status.started(server)

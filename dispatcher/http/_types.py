@@ -166,3 +166,7 @@ class Responder(Protocol):
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
 ShutdownHook = Callable[[], Awaitable[None]]
+ErrorPage = Callable[[int, str], tuple[Headers, bytes]]
+"""``(status, reason phrase) -> (headers, body)`` of the error responses the driver writes
+itself (400, 408, 413, 431, 500...), e.g. to give them the application's JSON error format.
+The driver adds ``content-length``, ``connection: close`` and ``date``."""

@@ -10,6 +10,7 @@ PUBLIC = {
     "Address",
     "BadRequest",
     "BodyTooLarge",
+    "ErrorPage",
     "HTTPError",
     "HTTPStream",
     "Handler",
@@ -42,6 +43,7 @@ def test_serve_http_signature() -> None:
         "limits",
         "ssl_context",
         "on_shutdown",
+        "error_page",
         "task_status",
     ]
     assert parameters["host"].default == "127.0.0.1"

@@ -221,6 +221,44 @@ async def test_expect_100_continue_over_the_limit_is_413_at_once(nursery: trio.N
     await assert_serves(server)
 
 
+async def test_content_length_over_the_limit_is_the_handlers_to_answer(
+    nursery: trio.Nursery,
+) -> None:
+    seen: list[BodyTooLarge] = []
+
+    async def handler(request: Request, responder: Responder) -> None:
+        try:
+            await request.body()
+        except BodyTooLarge as exc:  # at once: nothing of the body was read
+            seen.append(exc)
+            await responder.respond(413, [(b"content-type", b"application/json")], b"{}")
+
+    server = await start_server(nursery, handler, limits=Limits(max_body_size=1000))
+    stream = await connect(server)
+    await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\n\r\n")
+    raw = await read_until_eof(stream)  # answered and closed before the body was sent
+    assert status_of(raw) == 413
+    assert raw.endswith(b"\r\n\r\n{}")
+    assert b"connection: close" in raw.lower()
+    assert len(seen) == 1
+    await assert_serves(server)
+
+
+async def test_error_page_hook_formats_driver_errors(nursery: trio.Nursery) -> None:
+    def error_page(status: int, reason: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        body = f'{{"error": {{"code": {status}, "message": "{reason}"}}}}'.encode()
+        return [(b"content-type", b"application/json")], body
+
+    server = await start_server(nursery, app, error_page=error_page)
+    stream = await connect(server)
+    await stream.send_all(b"\x00garbage\r\n\r\n")
+    raw = await read_until_eof(stream)
+    assert status_of(raw) == 400
+    assert b"content-type: application/json" in raw.lower()
+    assert raw.endswith(b'\r\n\r\n{"error": {"code": 400, "message": "Bad Request"}}')
+    await assert_serves(server)
+
+
 async def test_content_length_over_the_limit_is_413_without_reading(
     nursery: trio.Nursery,
 ) -> None:
