@@ -120,7 +120,7 @@ class Server:
         """Cut off connections whose current write is older than the write timeout.
 
         One task for the whole server instead of a cancel scope around every write; the
-        timeout fires between 1 and 1.25 times ``write_timeout`` after the write began.
+        timeout fires at most min(write_timeout / 4, 1 s) late.
         """
         timeout = self.limits.write_timeout
         tick = min(max(timeout / 4, 0.005), 1.0)
