@@ -1,7 +1,7 @@
 """Engine adapters, and the registry that builds one per configured provider by its ``type``.
 
-Only ``echo`` is implemented so far. A provider of another declared type (``ollama``,
-``openai``, ``cli``) gets an :class:`UnsupportedAdapter`, whose runs fail with code
+``echo``, ``ollama``, ``openai`` (normalized path) and ``cli`` are implemented. A provider of
+a type without a factory gets an :class:`UnsupportedAdapter`, whose runs fail with code
 ``unsupported_adapter``; adding a type means adding its factory (and, if it takes options, its
 validator) to :data:`ADAPTER_FACTORIES` / :data:`OPTION_VALIDATORS`.
 """
@@ -23,7 +23,10 @@ from nodes.adapters.base import (
     RunOutput,
     estimate_tokens,
 )
+from nodes.adapters.cli import CLIAdapter, validate_cli_options
 from nodes.adapters.echo import EchoAdapter, EchoOptions, validate_echo_options
+from nodes.adapters.ollama import OllamaAdapter, validate_ollama_options
+from nodes.adapters.openai import OpenAIAdapter, validate_openai_options
 from nodes.config import ProviderConfig
 
 __all__ = [
@@ -45,9 +48,15 @@ __all__ = [
 
 ADAPTER_FACTORIES: Final[Mapping[str, AdapterFactory]] = {
     "echo": EchoAdapter.from_provider,
+    "ollama": OllamaAdapter.from_provider,
+    "openai": OpenAIAdapter.from_provider,
+    "cli": CLIAdapter.from_provider,
 }
 OPTION_VALIDATORS: Final[Mapping[str, OptionsValidator]] = {
     "echo": validate_echo_options,
+    "ollama": validate_ollama_options,
+    "openai": validate_openai_options,
+    "cli": validate_cli_options,
 }
 
 

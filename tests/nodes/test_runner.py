@@ -218,15 +218,16 @@ async def test_duplicate_run_id_fails_the_duplicate_only() -> None:
 
 async def test_unknown_provider_and_unsupported_adapter_fail() -> None:
     rec = Recorder()
-    ollama = ProviderConfig(id="ollama", type="ollama", models=(ModelConfig(name="m"),))
-    async with open_runner(rec.send, adapters=build_adapters([ollama])) as runner:
+    # Every declared type has a factory now; a type without one is still refused per run.
+    odd = ProviderConfig(id="odd", type="llamacpp", models=(ModelConfig(name="m"),))  # type: ignore[arg-type]
+    async with open_runner(rec.send, adapters=build_adapters([odd])) as runner:
         runner.start(request("r1", provider_id="nope"))
-        runner.start(request("r2", provider_id="ollama"))
+        runner.start(request("r2", provider_id="odd"))
         unknown = await rec.wait_terminal("r1")
         unsupported = await rec.wait_terminal("r2")
     assert (unknown.code, unknown.retryable) == ("unknown_provider", True)
     assert (unsupported.code, unsupported.retryable) == ("unsupported_adapter", True)
-    assert "ollama" in unsupported.message
+    assert "llamacpp" in unsupported.message
 
 
 async def test_ignore_cancel_runs_to_completion(autojump_clock: trio.testing.MockClock) -> None:

@@ -1,0 +1,238 @@
+"""The ``ollama`` adapter: Ollama's native ``POST {base_url}/api/chat``, streamed as NDJSON.
+
+The OpenAI chat body becomes ``{"model": <served name>, "messages": [...], "stream": true,
+"options": {...}}``:
+
+* messages: ``role`` and the text of ``content`` (a string, or the ``text`` parts of a list
+  joined with newlines); ``image_url`` parts with ``data:`` URLs become ``images`` (base64);
+  other image URLs are refused (``invalid_request``: Ollama cannot fetch them). ``developer``
+  becomes ``system``. Tools are not forwarded (normalized runs cannot relay tool calls yet);
+* options: ``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``
+  as they are; ``max_completion_tokens`` (else ``max_tokens``) -> ``num_predict``; ``stop`` (a
+  string or a list) -> ``stop`` (a list). The provider's ``model_options`` (e.g.
+  ``{num_ctx = 8192}``) are the defaults under them;
+* ``response_format``: ``json_object`` -> ``format: "json"``, ``json_schema`` -> ``format:
+  <the schema>``; ``keep_alive`` from the provider's options.
+
+Each line's ``message.content`` is a delta; the ``done: true`` line gives usage
+(``prompt_eval_count``, ``eval_count``) and ``done_reason`` (``length`` -> ``length``; ``stop``,
+``load``, ``unload`` and anything else -> ``stop``). An ``{"error": ...}`` line fails the run
+(code ``upstream_error``, retryable). Default ``base_url``: ``http://127.0.0.1:11434``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from dispatcher import wire
+from nodes.adapters._http import (
+    HTTPTimeouts,
+    chat_url,
+    error_text,
+    loads_object,
+    parse_timeout_option,
+    post_stream,
+    response_lines,
+    unsupported_tool_calls,
+)
+from nodes.adapters.base import (
+    AdapterError,
+    RunOutput,
+    TokenEstimator,
+    estimate_prompt_tokens,
+    message_text,
+)
+from nodes.config import OptionsError, ProviderConfig
+
+DEFAULT_BASE_URL: Final = "http://127.0.0.1:11434"
+
+FINISH_REASONS: Final[Mapping[str, str]] = {
+    "stop": "stop",
+    "length": "length",
+    "load": "stop",
+    "unload": "stop",
+}
+"""Ollama's ``done_reason`` -> OpenAI's finish reason; anything else is ``"stop"``."""
+
+_SAME_NAME_OPTIONS: Final = (
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@attrs.frozen(kw_only=True)
+class OllamaOptions:
+    """The ``options`` table of an ``ollama`` provider."""
+
+    timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
+    """``connect_timeout`` (default 10 s) and ``read_timeout`` (default 600 s; 0: none)."""
+    keep_alive: str | int | float | None = None
+    """Sent as Ollama's ``keep_alive`` (how long the model stays loaded, e.g. ``"10m"``)."""
+    model_options: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    """Defaults for Ollama's ``options`` (e.g. ``num_ctx``); the request's mapped values win."""
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> OllamaOptions:
+        timeouts: dict[str, Any] = {}
+        fields: dict[str, Any] = {}
+        for key, value in raw.items():
+            if parse_timeout_option(key, value, timeouts):
+                continue
+            if key == "keep_alive":
+                if type(value) not in (str, int, float):
+                    raise OptionsError(key, f"expected a duration string or seconds, got {value!r}")
+                fields[key] = value
+            elif key == "model_options":
+                if not isinstance(value, dict):
+                    raise OptionsError(key, f"expected a table, got {value!r}")
+                fields[key] = dict(value)
+            else:
+                raise OptionsError(key, "unknown ollama option")
+        return cls(timeouts=HTTPTimeouts(**timeouts), **fields)
+
+
+def validate_ollama_options(raw: Mapping[str, Any]) -> None:
+    OllamaOptions.from_mapping(raw)
+
+
+@attrs.frozen(kw_only=True)
+class OllamaAdapter:
+    url: str
+    """The full ``/api/chat`` URL."""
+    options: OllamaOptions = OllamaOptions()
+
+    @classmethod
+    def from_provider(cls, provider: ProviderConfig) -> OllamaAdapter:
+        return cls(
+            url=chat_url(provider.base_url or DEFAULT_BASE_URL, "/api/chat"),
+            options=OllamaOptions.from_mapping(provider.options),
+        )
+
+    def payload(self, request: wire.RunRequest) -> dict[str, Any]:
+        """The ``/api/chat`` body for ``request``; raises ``invalid_request``."""
+        body = request.body
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise AdapterError("invalid_request", "messages: expected an array")
+        payload: dict[str, Any] = {
+            "model": request.served_model,
+            "messages": [_message(i, m) for i, m in enumerate(messages)],
+            "stream": True,
+        }
+        options = {**self.options.model_options, **_mapped_options(body)}
+        if options:
+            payload["options"] = options
+        response_format = body.get("response_format")
+        if isinstance(response_format, dict):
+            if response_format.get("type") == "json_object":
+                payload["format"] = "json"
+            elif response_format.get("type") == "json_schema":
+                schema = response_format.get("json_schema")
+                if isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
+                    payload["format"] = schema["schema"]
+        if self.options.keep_alive is not None:
+            payload["keep_alive"] = self.options.keep_alive
+        return payload
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        payload = self.payload(request)
+        generated = TokenEstimator()
+        final: dict[str, Any] | None = None
+        async with (
+            post_stream(
+                self.url,
+                payload,
+                headers={"accept": "application/x-ndjson"},
+                timeouts=self.options.timeouts,
+            ) as resp,
+            response_lines(resp) as lines,
+        ):
+            async for line in lines:
+                if not line.strip():
+                    continue
+                chunk = loads_object(line, "a line")
+                if "error" in chunk:
+                    reason = error_text(chunk) or "an error line without a message"
+                    raise AdapterError("upstream_error", f"ollama failed: {reason}", retryable=True)
+                answer = chunk.get("message")
+                if isinstance(answer, dict):
+                    if answer.get("tool_calls"):
+                        raise unsupported_tool_calls("ollama")
+                    content = answer.get("content")
+                    if isinstance(content, str) and content:
+                        generated.add(content)
+                        await out.delta(content)
+                if chunk.get("done") is True:
+                    final = chunk
+                    break
+        if final is None:
+            raise AdapterError(
+                "upstream_disconnected",
+                "ollama's stream ended without its done line",
+                retryable=True,
+            )
+        prompt_tokens = _count(final.get("prompt_eval_count"))
+        completion_tokens = _count(final.get("eval_count"))
+        out.usage(
+            estimate_prompt_tokens(request.body) if prompt_tokens is None else prompt_tokens,
+            generated.tokens if completion_tokens is None else completion_tokens,
+        )
+        done_reason = final.get("done_reason")
+        out.finish(
+            FINISH_REASONS.get(done_reason, "stop") if isinstance(done_reason, str) else "stop"
+        )
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def _mapped_options(body: wire.JSONObject) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for key in _SAME_NAME_OPTIONS:
+        value = body.get(key)
+        if value is not None:
+            options[key] = value
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is not None:
+            options["num_predict"] = value
+            break
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        options["stop"] = [stop]
+    elif isinstance(stop, list) and stop:
+        options["stop"] = stop
+    return options
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise AdapterError("invalid_request", f"messages[{index}]: expected an object with a role")
+    role = message["role"]
+    converted: dict[str, Any] = {
+        "role": "system" if role == "developer" else role,
+        "content": message_text(message),
+    }
+    content = message.get("content")
+    images = []
+    for part in content if isinstance(content, list) else ():
+        if not isinstance(part, dict) or part.get("type") != "image_url":
+            continue
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+            raise AdapterError(
+                "invalid_request",
+                f"messages[{index}]: ollama takes images only as base64 data: URLs",
+            )
+        images.append(url.partition(";base64,")[2])
+    if images:
+        converted["images"] = images
+    return converted

@@ -1,0 +1,183 @@
+"""The ``openai`` adapter (normalized path): an OpenAI-compatible ``/v1/chat/completions``
+server (vLLM, llama.cpp's server, OpenAI, ...) streamed over SSE.
+
+The request body is the client's, with ``model`` set to the served name, ``stream: true`` and
+(unless the ``include_usage`` option is false) ``stream_options.include_usage: true``. From the
+stream: ``choices[0].delta.content`` -> deltas; the choice's ``finish_reason`` -> the finish
+reason (passed through: ``stop``, ``length``, ``content_filter``...); the ``usage`` chunk ->
+usage. ``data: [DONE]`` ends the stream. An ``{"error": ...}`` event fails the run with code
+``upstream_error`` (retryable).
+
+``base_url`` is the server's root (``http://host:8000``) or its ``/v1`` prefix
+(``http://host:8000/v1``, ``https://api.openai.com/v1``); the adapter posts to
+``{root}/v1/chat/completions`` either way. Default: ``https://api.openai.com/v1``.
+
+``api_key_env`` names the environment variable holding the key, read once when the adapter
+is built (at node start): a missing or empty variable is a :class:`~nodes.config.
+NodeConfigError` then, not a failure of every later run. The key goes out as
+``Authorization: Bearer <key>`` and is never logged or shown in a repr.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from dispatcher import wire
+from nodes.adapters._http import (
+    HTTPTimeouts,
+    SSEDecoder,
+    chat_url,
+    error_text,
+    loads_object,
+    parse_timeout_option,
+    post_stream,
+    response_lines,
+    unsupported_tool_calls,
+)
+from nodes.adapters.base import AdapterError, RunOutput
+from nodes.config import NodeConfigError, OptionsError, ProviderConfig
+
+DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
+
+
+@attrs.frozen(kw_only=True)
+class OpenAIOptions:
+    """The ``options`` table of an ``openai`` provider."""
+
+    timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
+    """``connect_timeout`` (default 10 s) and ``read_timeout`` (default 600 s; 0: none)."""
+    include_usage: bool = True
+    """Ask for the usage chunk (``stream_options.include_usage``); turn off for servers that
+    reject ``stream_options``. Without it the runner estimates usage."""
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> OpenAIOptions:
+        timeouts: dict[str, Any] = {}
+        fields: dict[str, Any] = {}
+        for key, value in raw.items():
+            if parse_timeout_option(key, value, timeouts):
+                continue
+            if key == "include_usage":
+                if type(value) is not bool:
+                    raise OptionsError(key, f"expected true or false, got {value!r}")
+                fields[key] = value
+            else:
+                raise OptionsError(key, "unknown openai option")
+        return cls(timeouts=HTTPTimeouts(**timeouts), **fields)
+
+
+def validate_openai_options(raw: Mapping[str, Any]) -> None:
+    OpenAIOptions.from_mapping(raw)
+
+
+def completions_url(base_url: str) -> str:
+    """``{root}/v1/chat/completions`` for a ``base_url`` with or without the ``/v1``."""
+    root = base_url.rstrip("/")
+    if root.endswith("/v1"):
+        return chat_url(root, "/chat/completions")
+    return chat_url(root, "/v1/chat/completions")
+
+
+@attrs.frozen(kw_only=True)
+class OpenAIAdapter:
+    url: str
+    """The full chat completions URL."""
+    api_key: str | None = attrs.field(default=None, repr=False)
+    options: OpenAIOptions = OpenAIOptions()
+
+    @classmethod
+    def from_provider(
+        cls, provider: ProviderConfig, *, environ: Mapping[str, str] | None = None
+    ) -> OpenAIAdapter:
+        """Build from config; raises :class:`NodeConfigError` when ``api_key_env`` names a
+        variable that is not set (or empty) in ``environ`` (default ``os.environ``)."""
+        api_key = None
+        if provider.api_key_env is not None:
+            api_key = (os.environ if environ is None else environ).get(provider.api_key_env)
+            if not api_key:
+                raise NodeConfigError(
+                    f"provider {provider.id!r}",
+                    "api_key_env",
+                    f"environment variable {provider.api_key_env} is not set",
+                )
+        return cls(
+            url=completions_url(provider.base_url or DEFAULT_BASE_URL),
+            api_key=api_key,
+            options=OpenAIOptions.from_mapping(provider.options),
+        )
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        body = dict(request.body)
+        body["model"] = request.served_model
+        body["stream"] = True
+        if self.options.include_usage:
+            stream_options = body.get("stream_options")
+            body["stream_options"] = {
+                **(stream_options if isinstance(stream_options, dict) else {}),
+                "include_usage": True,
+            }
+        headers = {"accept": "text/event-stream"}
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key}"
+
+        finish: str | None = None
+        done = False
+        decoder = SSEDecoder()
+        async with (
+            post_stream(self.url, body, headers=headers, timeouts=self.options.timeouts) as resp,
+            response_lines(resp) as lines,
+        ):
+            async for line in lines:
+                data = decoder.feed(line)
+                if data is None:
+                    continue
+                if data.strip() == "[DONE]":
+                    done = True
+                    break
+                finish = await _take_chunk(data, out) or finish
+            else:
+                data = decoder.flush()
+                if data is not None and data.strip() == "[DONE]":
+                    done = True
+                elif data is not None:
+                    finish = await _take_chunk(data, out) or finish
+        if finish is None and not done:
+            raise AdapterError(
+                "upstream_disconnected",
+                "the stream ended without a finish_reason or [DONE]",
+                retryable=True,
+            )
+        out.finish(finish or "stop")
+
+
+async def _take_chunk(data: str, out: RunOutput) -> str | None:
+    """Report one chunk; its finish reason, if it has one."""
+    chunk = loads_object(data, "an SSE event")
+    if "error" in chunk:
+        message = error_text(chunk) or "an error event without a message"
+        raise AdapterError("upstream_error", f"the upstream failed: {message}", retryable=True)
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0:
+            out.usage(prompt, completion)
+    finish: str | None = None
+    choices = chunk.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            continue  # n > 1 is not supported: only the first choice is streamed
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("tool_calls") or delta.get("function_call"):
+                raise unsupported_tool_calls("the upstream")
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                await out.delta(content)
+        reason = choice.get("finish_reason")
+        if isinstance(reason, str) and reason:
+            finish = reason
+    return finish
