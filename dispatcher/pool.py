@@ -91,6 +91,8 @@ class Pool:
     prepare_tunnel: PrepareTunnel | None = None
     open_tunnel: OpenTunnel | None = None
     """The tunnel transport (``dispatcher.tunnel``); None until one is installed."""
+    on_admitted: Callable[[str, str, float], None] | None = None
+    """Told (model group, request class, queue wait) of every admission, for metrics."""
 
     @asynccontextmanager
     async def open(self, request: DispatchRequest) -> AsyncIterator[Dispatch]:
@@ -101,6 +103,8 @@ class Pool:
         )
         async with self.admission.open_slot(request.model, needs) as slot:
             candidate = slot.candidate
+            if self.on_admitted is not None:
+                self.on_admitted(candidate.model, slot.request_class, slot.queue_wait)
             if candidate.path == "tunnel":
                 async with self._tunnel(request, slot) as dispatch:
                     yield dispatch

@@ -236,9 +236,11 @@ class Registry:
         session.ended.set()
         if self.sessions.get(session.node_id) is session:
             del self.sessions[session.node_id]
-        session.fail_all(code, f"node {session.node_id}: {reason}")
+        # Admission hears of the leave first, so the slots that the failing runs release
+        # below are void and cannot admit a waiter onto the session that just ended.
         for callback in self._left:
             callback(session)
+        session.fail_all(code, f"node {session.node_id}: {reason}")
         self._notify()
 
     def current(self, node_id: str, generation: int) -> NodeSession | None:

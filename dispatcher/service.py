@@ -26,6 +26,7 @@ from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
 from .catalog import candidates_for_session, policy_snapshot_from_config
 from .config import EdgeConfig
+from .metrics import Metrics
 from .nodelink import NodeLinkSettings, serve_node_connection
 from .pool import Dispatch, DispatchRequest, Pool
 from .registry import NodeSession, Registry
@@ -49,6 +50,7 @@ class Dispatcher:
     admission: Admission
     runs: Runs
     pool: Pool
+    metrics: Metrics
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
     started_at: float = attrs.field(factory=time.time)
@@ -111,6 +113,15 @@ class Dispatcher:
 
     def _node_left(self, session: NodeSession) -> None:
         self.admission.node_left(session.node_id, session.generation)
+
+    def metric_model_label(self, model: str) -> str:
+        """``model`` if it names a served or configured group, else "unknown" (clients must not
+        be able to create metric series at will)."""
+        policy = self.admission.policy
+        group = policy.resolve(model)
+        if policy.knows(group) or group in self.registry.models():
+            return group
+        return "unknown"
 
     def candidates(self) -> list[Candidate]:
         return [c for s in self.registry.sessions.values() for c in candidates_for_session(s)]
@@ -192,13 +203,15 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
         heartbeat_timeout=config.nodes.heartbeat_timeout,
     )
     runs = Runs(registry, admission)
+    metrics = Metrics(admission)
     async with trio.open_nursery() as nursery:
         dispatcher = Dispatcher(
             config=config,
             registry=registry,
             admission=admission,
             runs=runs,
-            pool=Pool(runs, admission),
+            pool=Pool(runs, admission, on_admitted=metrics.observe_admission),
+            metrics=metrics,
             nodelink_settings=settings,
             nursery=nursery,
         )

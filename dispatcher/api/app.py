@@ -23,6 +23,7 @@ from ..errors import (
     error_status_and_body,
 )
 from ..http import BodyTooLarge, Handler, PeerGone, Request, Responder, WebSocket, WebSocketClosed
+from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..nodelink import serve_node_connection
 from ..transport import ConnectionClosed
 from . import openai
@@ -160,7 +161,19 @@ async def _models(
     await openai.list_models(dispatcher, responder, headers)
 
 
+async def _metrics(
+    dispatcher: Dispatcher,
+    request: Request,
+    responder: Responder,
+    headers: tuple[tuple[bytes, bytes], ...],
+) -> None:
+    body = dispatcher.metrics.render()
+    content_type = (b"content-type", METRICS_CONTENT_TYPE.encode())
+    await responder.respond(200, (content_type, *headers), body)
+
+
 _ROUTES: dict[str, tuple[str, Route]] = {
     "/v1/chat/completions": ("POST", _chat),
     "/v1/models": ("GET", _models),
+    "/metrics": ("GET", _metrics),
 }

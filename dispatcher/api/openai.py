@@ -17,7 +17,8 @@ import orjson
 import trio
 
 from .. import wire
-from ..errors import BadRequest, RunFailedError, openai_error_object
+from ..admission import AdmissionError
+from ..errors import BadRequest, RunError, RunFailedError, openai_error_object
 from ..http import HTTPStream, Request, Responder
 from ..pool import DispatchRequest
 from ..runs import Run
@@ -123,7 +124,33 @@ async def chat_completions(
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
 ) -> None:
-    chat = parse_chat_request(await request.body())
+    model = "unknown"
+    outcome = "bad_request"
+    try:
+        chat = parse_chat_request(await request.body())
+        model = dispatcher.metric_model_label(chat.model)
+        outcome = await _chat(dispatcher, chat, request, responder, headers)
+    except trio.Cancelled:
+        outcome = "client_gone"
+        raise
+    except AdmissionError:
+        outcome = "rejected"
+        raise
+    except RunError:
+        outcome = "failed"
+        raise
+    finally:
+        dispatcher.metrics.count_request(model, outcome)
+
+
+async def _chat(
+    dispatcher: Dispatcher,
+    chat: ChatRequest,
+    request: Request,
+    responder: Responder,
+    headers: Sequence[tuple[bytes, bytes]],
+) -> str:
+    """Serve one parsed chat request; return its outcome for the metrics."""
     session = request.header(b"x-session-id")
     dispatch_request = DispatchRequest(
         model=chat.model,
@@ -145,6 +172,7 @@ async def chat_completions(
             await _stream(dispatcher, chat, run, responder, run_headers)
         else:
             await _complete(chat, run, responder, run_headers)
+        return "completed" if isinstance(run.terminal, wire.RunCompleted) else "failed"
 
 
 async def _complete(
