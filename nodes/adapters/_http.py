@@ -28,13 +28,14 @@ noise for a local engine and tens of milliseconds for a remote one.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
-from typing import Any, Final, cast
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Final, TypeVar
 
 import attrs
 import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 import orjson
+import trio
 
 from nodes.adapters.base import AdapterError
 from nodes.config import OptionsError
@@ -48,6 +49,10 @@ MAX_ERROR_BODY: Final = 64 * 1024
 """How much of an error response's body is read to find the upstream's message."""
 MAX_ERROR_MESSAGE: Final = 1000
 """Characters of the upstream's message kept in an AdapterError message."""
+DRAIN_TIMEOUT: Final = 1.0
+"""Bound on finishing httpx's iterators after the response was closed (normally instant)."""
+
+_T = TypeVar("_T")
 
 
 @attrs.frozen(kw_only=True)
@@ -188,16 +193,42 @@ async def post_stream(
         ) from None
 
 
-def response_lines(response: httpx.Response) -> AbstractAsyncContextManager[AsyncIterator[str]]:
-    """``response.aiter_lines()``, closed when the block is left (also early)."""
-    return aclosing(cast("AsyncGenerator[str, None]", response.aiter_lines()))
+@asynccontextmanager
+async def response_lines(response: httpx.Response) -> AsyncIterator[AsyncIterator[str]]:
+    """``response.aiter_lines()``, finished properly however the block is left."""
+    async with _finished(response, response.aiter_lines()) as lines:
+        yield lines
+
+
+@asynccontextmanager
+async def _finished(
+    response: httpx.Response, iterator: AsyncIterator[_T]
+) -> AsyncIterator[AsyncIterator[_T]]:
+    """``iterator`` (one of httpx's response iterators), finished when the block is left.
+
+    httpx's iterators are a chain of async generators (lines over text over bytes over raw
+    over httpcore's...). ``contextlib.aclosing`` closes only the outermost one when the
+    caller stops early; the others are left suspended and Trio warns (ResourceWarning) when
+    they are garbage collected. So: close the response (and its connection), then resume the
+    chain until it ends -- the read at its bottom fails at once on the closed connection and
+    that error unwinds every generator. Shielded and bounded, so it runs when cancelled too.
+    """
+    try:
+        yield iterator
+    finally:
+        with trio.move_on_after(DRAIN_TIMEOUT, shield=True):
+            await response.aclose()
+            try:
+                async for _ in iterator:
+                    pass
+            except Exception:  # the read on the closed connection fails: expected
+                pass
 
 
 async def _status_error(response: httpx.Response, where: str) -> AdapterError:
     status = response.status_code
     raw = bytearray()
-    chunks: AsyncGenerator[bytes, None]
-    async with aclosing(cast("AsyncGenerator[bytes, None]", response.aiter_bytes())) as chunks:
+    async with _finished(response, response.aiter_bytes()) as chunks:
         async for chunk in chunks:
             raw += chunk
             if len(raw) >= MAX_ERROR_BODY:

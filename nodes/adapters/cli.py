@@ -127,6 +127,9 @@ class CLIAdapter:
                 await out.delta(text)
                 out.usage(prompt_tokens, generated.tokens)
 
+        # AdapterErrors are raised outside the nursery: Trio would wrap them in a group.
+        returncode: int | None = None
+        start_error: OSError | None = None
         stderr_tail = bytearray()
         async with trio.open_nursery() as nursery:
             try:
@@ -146,24 +149,22 @@ class CLIAdapter:
                     )
                 )
             except OSError as exc:
-                raise AdapterError(
-                    "cli_start_failed",
-                    f"cannot start {self.command[0]!r}: {exc.strerror or exc}",
-                    retryable=False,
-                ) from None
-            assert process.stdout is not None
-            assert process.stderr is not None
-            with trio.CancelScope() as helpers:
-                async with trio.open_nursery() as io:
-                    io.start_soon(_collect_tail, process.stderr, stderr_tail)
-                    if process.stdin is not None:
-                        text = prompt if prompt.endswith("\n") else prompt + "\n"
-                        io.start_soon(_feed, process.stdin, text.encode())
-                    await _pump(process.stdout, emit, line_mode=options.chunk == "line")
-                    returncode = await process.wait()
-                    # stdout is done and the child is gone: give stderr a moment to drain
-                    # (a grandchild may still hold it open), then stop the helpers.
-                    helpers.deadline = trio.current_time() + STDERR_AFTER_EXIT
+                start_error = exc
+            else:
+                returncode = await _converse(
+                    process,
+                    prompt,
+                    emit,
+                    line_mode=options.chunk == "line",
+                    stderr_tail=stderr_tail,
+                )
+        if start_error is not None:
+            raise AdapterError(
+                "cli_start_failed",
+                f"cannot start {self.command[0]!r}: {start_error.strerror or start_error}",
+                retryable=False,
+            )
+        assert returncode is not None
         if returncode != 0:
             tail = bytes(stderr_tail).decode("utf-8", errors="replace").strip()
             status = (
@@ -177,6 +178,31 @@ class CLIAdapter:
                 retryable=False,
             )
         out.finish("stop")
+
+
+async def _converse(
+    process: trio.Process,
+    prompt: str,
+    emit: Callable[[str], Awaitable[None]],
+    *,
+    line_mode: bool,
+    stderr_tail: bytearray,
+) -> int:
+    """Feed stdin, keep stderr's tail, stream stdout to ``emit``; the exit status."""
+    assert process.stdout is not None
+    assert process.stderr is not None
+    with trio.CancelScope() as helpers:
+        async with trio.open_nursery() as io:
+            io.start_soon(_collect_tail, process.stderr, stderr_tail)
+            if process.stdin is not None:
+                text = prompt if prompt.endswith("\n") else prompt + "\n"
+                io.start_soon(_feed, process.stdin, text.encode())
+            await _pump(process.stdout, emit, line_mode=line_mode)
+            returncode = await process.wait()
+            # stdout is done and the child is gone: give stderr a moment to drain (a
+            # grandchild may still hold it open), then stop the helpers.
+            helpers.deadline = trio.current_time() + STDERR_AFTER_EXIT
+    return returncode
 
 
 async def _pump(

@@ -1,0 +1,456 @@
+"""Fake LLM providers on real HTTP servers (our ``dispatcher.http.serve_http`` on 127.0.0.1,
+port 0): an OpenAI-compatible server and an Ollama server. For adapter and tunnel tests.
+
+::
+
+    fake = await nursery.start(serve_fake_openai)                       # default knobs
+    fake = await nursery.start(serve_fake_openai, FakeOpenAI(chunk_delay=0.05, api_key="k"))
+    fake.base_url                  # "http://127.0.0.1:<port>" (add "/v1" if you like)
+    fake.status = 503              # knobs are plain attributes, read at each request
+    ...
+    seen = fake.requests[0]        # method, path, query, headers, authorization, body, json
+    await seen.disconnected.wait() # the client closed the connection mid-response
+    await fake.wait_idle()         # no TCP connection open any more
+
+Routes. OpenAI: ``POST /v1/chat/completions`` (SSE when ``"stream": true``, else one JSON
+``chat.completion``), ``GET /v1/models``. Ollama: ``POST /api/chat`` (NDJSON unless
+``"stream": false``), ``GET /api/tags``, ``GET /api/version``. Anything else: 404 in the
+provider's error shape.
+
+The reply is :attr:`FakeProvider.tokens`: ``reply`` split into words (each with the
+whitespace after it), or ``chunk_count`` tokens ``"tok0 "``, ``"tok1 "``... when that is set;
+one token per chunk (SSE event / NDJSON line). ``expected_text`` is their concatenation.
+Usage: ``prompt_tokens`` (a knob) and one completion token per chunk.
+
+Knobs (both fakes): ``status`` (non-200: an error response in the provider's shape, with
+``error_message``; 429 also gets ``retry-after: 1``), ``api_key`` (when set, requests without
+``Authorization: Bearer <api_key>`` get 401), ``chunk_delay`` (seconds between two events of
+a stream), ``fail_after_chunks`` with ``fail_mode`` (``"abort"``: the connection is cut, the
+client sees a truncated body; ``"error"``: an error event / line, then the stream ends),
+``stall_after_chunks`` (send nothing more until the client leaves). OpenAI only:
+``finish_reason``, ``tool_call`` (an OpenAI tool call object, streamed as a ``tool_calls``
+delta before the finish chunk), ``models``. The usage chunk is sent only when the request
+asked for it (``stream_options.include_usage``). Ollama only: ``done_reason``,
+``include_counts`` (``prompt_eval_count`` / ``eval_count`` on the done line), ``models``.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import attrs
+import orjson
+import trio
+
+from dispatcher.http import BadRequest, HTTPStream, PeerGone, Request, Responder, Server, serve_http
+
+_TOKEN = re.compile(r"\s*\S+\s*")
+_CLIENT_GONE = "client disconnected"
+"""The reason ``serve_http`` cancels a handler with when its client closed the connection."""
+
+
+def refused_base_url() -> str:
+    """An ``http://127.0.0.1:<port>`` URL where nothing listens (connection refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@attrs.define(eq=False)
+class SeenRequest:
+    """One request the fake received, and how its response ended."""
+
+    method: str
+    path: str
+    query: str
+    headers: tuple[tuple[str, str], ...]
+    """Lower-case names, latin-1 decoded values, in order."""
+    body: bytes
+    json: Any = None
+    """The body parsed as JSON (None if it is not JSON)."""
+    chunks_sent: int = 0
+    """Content chunks (tokens) written to the client so far."""
+    disconnected: trio.Event = attrs.Factory(trio.Event)
+    """Set when the client closed the connection before the response was complete."""
+    finished: trio.Event = attrs.Factory(trio.Event)
+    """Set when the fake is done with the request, however it ended."""
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((value for key, value in self.headers if key == name), None)
+
+    @property
+    def authorization(self) -> str | None:
+        return self.header("authorization")
+
+
+@attrs.define(eq=False, kw_only=True)
+class FakeProvider:
+    """What both fakes share: knobs, the request record, the chunk schedule."""
+
+    status: int = 200
+    error_message: str = "injected failure"
+    api_key: str | None = None
+    reply: str = "Hello from the fake provider!"
+    chunk_count: int | None = None
+    chunk_delay: float = 0.0
+    fail_after_chunks: int | None = None
+    fail_mode: Literal["abort", "error"] = "abort"
+    stall_after_chunks: int | None = None
+    prompt_tokens: int = 7
+    models: list[str] = attrs.Factory(lambda: ["fake-model"])
+
+    requests: list[SeenRequest] = attrs.field(factory=list, init=False)
+    disconnects: list[SeenRequest] = attrs.field(factory=list, init=False)
+    """Requests whose client left mid-response, in the order they were seen leaving."""
+    server: Server | None = attrs.field(default=None, init=False)
+    _changed: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot, init=False)
+
+    # ---------------------------------------------------------------- for tests
+
+    @property
+    def base_url(self) -> str:
+        assert self.server is not None, "start the fake with nursery.start(serve_fake_...)"
+        return f"http://{self.server.address.host}:{self.server.address.port}"
+
+    @property
+    def connection_count(self) -> int:
+        """TCP connections open right now."""
+        assert self.server is not None
+        return self.server.connection_count
+
+    @property
+    def tokens(self) -> list[str]:
+        if self.chunk_count is not None:
+            return [f"tok{i} " for i in range(self.chunk_count)]
+        return _TOKEN.findall(self.reply) or ([self.reply] if self.reply else [])
+
+    @property
+    def expected_text(self) -> str:
+        return "".join(self.tokens)
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds; it is checked after every request event."""
+        while not predicate():
+            await self._changed.park()
+
+    async def wait_requests(self, count: int = 1) -> list[SeenRequest]:
+        await self.wait_for(lambda: len(self.requests) >= count)
+        return self.requests
+
+    async def wait_idle(self, poll: float = 0.005) -> None:
+        """Wait until no connection is open (polls the server's connection count)."""
+        while self.connection_count:
+            await trio.sleep(poll)
+
+    # ---------------------------------------------------------------- serving
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        body = await request.body()
+        try:
+            parsed: Any = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError:
+            parsed = None
+        seen = SeenRequest(
+            method=request.method,
+            path=request.path,
+            query=request.query,
+            headers=tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers),
+            body=body,
+            json=parsed,
+        )
+        self.requests.append(seen)
+        self._changed.unpark_all()
+        try:
+            await self._answer(seen, responder)
+        except PeerGone:
+            self._gone(seen)
+            raise
+        except trio.Cancelled as exc:
+            if exc.reason == _CLIENT_GONE:
+                self._gone(seen)
+            raise
+        finally:
+            seen.finished.set()
+            self._changed.unpark_all()
+
+    def _gone(self, seen: SeenRequest) -> None:
+        if not seen.disconnected.is_set():
+            seen.disconnected.set()
+            self.disconnects.append(seen)
+
+    async def _answer(self, seen: SeenRequest, responder: Responder) -> None:
+        route = self.route(seen)
+        if route is None:
+            await self.respond_json(
+                responder, 404, self.error_body(f"no route for {seen.method} {seen.path}")
+            )
+            return
+        if self.api_key is not None and seen.authorization != f"Bearer {self.api_key}":
+            await self.respond_json(responder, 401, self.error_body("invalid API key"))
+            return
+        if self.status != 200:
+            headers = [(b"retry-after", b"1")] if self.status == 429 else []
+            await self.respond_json(
+                responder, self.status, self.error_body(self.error_message), headers
+            )
+            return
+        await route(seen, responder)
+
+    def route(
+        self, seen: SeenRequest
+    ) -> Callable[[SeenRequest, Responder], Awaitable[None]] | None:
+        raise NotImplementedError
+
+    def error_body(self, message: str) -> Any:
+        raise NotImplementedError
+
+    async def respond_json(
+        self,
+        responder: Responder,
+        status: int,
+        value: Any,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        await responder.respond(
+            status, [(b"content-type", b"application/json"), *(headers or [])], orjson.dumps(value)
+        )
+
+    async def stream_chunks(
+        self,
+        seen: SeenRequest,
+        stream: HTTPStream,
+        *,
+        encode: Callable[[Any], bytes],
+        content: Callable[[str], Any],
+        error: Any,
+        before: list[Any],
+        after: list[Any],
+    ) -> None:
+        """``before`` events, one ``content(token)`` event per token, then ``after`` events;
+        ``chunk_delay`` between two events; the fail and stall knobs apply to the tokens."""
+        sent_any = False
+
+        async def send(event: Any) -> None:
+            nonlocal sent_any
+            if sent_any and self.chunk_delay:
+                await trio.sleep(self.chunk_delay)
+            await stream.send(encode(event))
+            sent_any = True
+
+        for event in before:
+            await send(event)
+        tokens = self.tokens
+        for index in range(len(tokens) + 1):
+            if index == self.stall_after_chunks:
+                await trio.sleep_forever()
+            if index == self.fail_after_chunks:
+                if self.fail_mode == "error":
+                    await send(error)
+                    return
+                # Raising after answering makes serve_http cut the connection; BadRequest
+                # is the one failure it does so for without logging a traceback.
+                raise BadRequest("fake provider: injected mid-stream failure")
+            if index == len(tokens):
+                break
+            await send(content(tokens[index]))
+            seen.chunks_sent += 1
+            self._changed.unpark_all()
+        for event in after:
+            await send(event)
+
+
+@attrs.define(eq=False, kw_only=True)
+class FakeOpenAI(FakeProvider):
+    """An OpenAI-compatible server (``/v1/chat/completions``, ``/v1/models``)."""
+
+    finish_reason: str = "stop"
+    tool_call: dict[str, Any] | None = None
+
+    def route(
+        self, seen: SeenRequest
+    ) -> Callable[[SeenRequest, Responder], Awaitable[None]] | None:
+        if (seen.method, seen.path) == ("POST", "/v1/chat/completions"):
+            return self._chat
+        if (seen.method, seen.path) == ("GET", "/v1/models"):
+            return self._models
+        return None
+
+    def error_body(self, message: str) -> Any:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+    def usage(self) -> dict[str, int]:
+        completion = len(self.tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    async def _models(self, seen: SeenRequest, responder: Responder) -> None:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
+        await self.respond_json(responder, 200, {"object": "list", "data": data})
+
+    async def _chat(self, seen: SeenRequest, responder: Responder) -> None:
+        body = seen.json if isinstance(seen.json, dict) else {}
+        model = body.get("model", "fake-model")
+        if body.get("stream") is not True:
+            message: dict[str, Any] = {"role": "assistant", "content": self.expected_text}
+            if self.tool_call is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": [self.tool_call]}
+            await self.respond_json(
+                responder,
+                200,
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": model,
+                    "choices": [
+                        {"index": 0, "message": message, "finish_reason": self.finish_reason}
+                    ],
+                    "usage": self.usage(),
+                },
+            )
+            return
+        stream_options = body.get("stream_options")
+        include_usage = isinstance(stream_options, dict) and bool(
+            stream_options.get("include_usage")
+        )
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            event: dict[str, Any] = {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            }
+            if include_usage:
+                event["usage"] = None
+            return event
+
+        after: list[Any] = []
+        if self.tool_call is not None:
+            after.append(chunk({"tool_calls": [{"index": 0, **self.tool_call}]}))
+        after.append(chunk({}, self.finish_reason))
+        if include_usage:
+            after.append({**chunk({}), "choices": [], "usage": self.usage()})
+        after.append("[DONE]")
+
+        def encode(event: Any) -> bytes:
+            data = event.encode() if isinstance(event, str) else orjson.dumps(event)
+            return b"data: " + data + b"\n\n"
+
+        stream = await responder.start_stream(
+            200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        )
+        await self.stream_chunks(
+            seen,
+            stream,
+            encode=encode,
+            content=lambda token: chunk({"content": token}),
+            error={"error": {"message": self.error_message, "type": "server_error"}},
+            before=[chunk({"role": "assistant", "content": ""})],
+            after=after,
+        )
+
+
+@attrs.define(eq=False, kw_only=True)
+class FakeOllama(FakeProvider):
+    """An Ollama server (``/api/chat``, ``/api/tags``, ``/api/version``)."""
+
+    done_reason: str = "stop"
+    include_counts: bool = True
+
+    def route(
+        self, seen: SeenRequest
+    ) -> Callable[[SeenRequest, Responder], Awaitable[None]] | None:
+        if (seen.method, seen.path) == ("POST", "/api/chat"):
+            return self._chat
+        if (seen.method, seen.path) == ("GET", "/api/tags"):
+            return self._tags
+        if (seen.method, seen.path) == ("GET", "/api/version"):
+            return self._version
+        return None
+
+    def error_body(self, message: str) -> Any:
+        return {"error": message}
+
+    async def _tags(self, seen: SeenRequest, responder: Responder) -> None:
+        models = [{"name": m, "model": m, "size": 0} for m in self.models]
+        await self.respond_json(responder, 200, {"models": models})
+
+    async def _version(self, seen: SeenRequest, responder: Responder) -> None:
+        await self.respond_json(responder, 200, {"version": "0.0.0-fake"})
+
+    def done_line(self, model: Any, content: str) -> dict[str, Any]:
+        line: dict[str, Any] = {
+            "model": model,
+            "created_at": "2024-01-01T00:00:00Z",
+            "message": {"role": "assistant", "content": content},
+            "done": True,
+            "done_reason": self.done_reason,
+            "total_duration": 1,
+            "load_duration": 1,
+        }
+        if self.include_counts:
+            line.update(prompt_eval_count=self.prompt_tokens, eval_count=len(self.tokens))
+        return line
+
+    async def _chat(self, seen: SeenRequest, responder: Responder) -> None:
+        body = seen.json if isinstance(seen.json, dict) else {}
+        model = body.get("model", "fake-model")
+        if body.get("stream") is False:
+            await self.respond_json(responder, 200, self.done_line(model, self.expected_text))
+            return
+
+        def line(token: str) -> dict[str, Any]:
+            return {
+                "model": model,
+                "created_at": "2024-01-01T00:00:00Z",
+                "message": {"role": "assistant", "content": token},
+                "done": False,
+            }
+
+        stream = await responder.start_stream(200, [(b"content-type", b"application/x-ndjson")])
+        await self.stream_chunks(
+            seen,
+            stream,
+            encode=lambda event: orjson.dumps(event) + b"\n",
+            content=line,
+            error={"error": self.error_message},
+            before=[],
+            after=[self.done_line(model, "")],
+        )
+
+
+async def _serve(fake: FakeProvider, task_status: trio.TaskStatus[Any]) -> None:
+    async with trio.open_nursery() as nursery:
+        fake.server = await nursery.start(serve_http, fake.handle)
+        task_status.started(fake)
+
+
+async def serve_fake_openai(
+    fake: FakeOpenAI | None = None,
+    *,
+    task_status: trio.TaskStatus[FakeOpenAI] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``fake`` (default: ``FakeOpenAI()``) until cancelled; ``nursery.start`` returns
+    it, bound (``fake.base_url``)."""
+    await _serve(fake or FakeOpenAI(), task_status)
+
+
+async def serve_fake_ollama(
+    fake: FakeOllama | None = None,
+    *,
+    task_status: trio.TaskStatus[FakeOllama] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``fake`` (default: ``FakeOllama()``) until cancelled; ``nursery.start`` returns
+    it, bound (``fake.base_url``)."""
+    await _serve(fake or FakeOllama(), task_status)

@@ -1,0 +1,297 @@
+"""The ``openai`` adapter against a fake OpenAI-compatible server, driven by the real runner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from dispatcher import wire
+from nodes.adapters import Adapter, build_adapters, validate_options
+from nodes.adapters.openai import OpenAIAdapter, OpenAIOptions, completions_url
+from nodes.config import ModelConfig, NodeConfigError, OptionsError, ProviderConfig
+from nodes.runner import open_runner
+from tests.nodes._helpers import Recorder, assert_well_formed
+from tests.nodes.fake_providers import FakeOpenAI, refused_base_url, serve_fake_openai
+
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "say hello"},
+]
+
+
+def req(run_id: str = "r1", **body: Any) -> wire.RunRequest:
+    return wire.RunRequest(
+        run_id=run_id,
+        provider_id="oa",
+        model="gpt",
+        served_model="served-gpt",
+        body={"model": "served-gpt", "messages": MESSAGES, **body},
+    )
+
+
+def adapter_for(base_url: str, *, api_key: str | None = None, **options: Any) -> OpenAIAdapter:
+    provider = ProviderConfig(
+        id="oa",
+        type="openai",
+        base_url=base_url,
+        api_key_env="FAKE_KEY" if api_key is not None else None,
+        options=options,
+        models=(ModelConfig(name="gpt", served_name="served-gpt"),),
+    )
+    environ = {"FAKE_KEY": api_key} if api_key is not None else {}
+    return OpenAIAdapter.from_provider(provider, environ=environ)
+
+
+async def run(adapter: Adapter, request: wire.RunRequest | None = None) -> Recorder:
+    request = request or req()
+    rec = Recorder()
+    with trio.fail_after(10):
+        async with open_runner(rec.send, adapters={"oa": adapter}) as runner:
+            runner.start(request)
+            await rec.wait_terminal(request.run_id)
+    assert_well_formed(rec.events(request.run_id))
+    return rec
+
+
+def usage_of(rec: Recorder, run_id: str = "r1") -> wire.Usage:
+    usages = [e.usage for e in rec.events(run_id) if isinstance(e, wire.RunUsage)]
+    assert len(usages) == 1
+    usage: wire.Usage = usages[0]
+    return usage
+
+
+@pytest.fixture
+async def fake(nursery: trio.Nursery) -> FakeOpenAI:
+    started: FakeOpenAI = await nursery.start(serve_fake_openai)
+    return started
+
+
+async def test_streams_text_usage_and_finish(fake: FakeOpenAI) -> None:
+    fake.api_key = "sk-test-123"
+    rec = await run(adapter_for(fake.base_url, api_key="sk-test-123"), req(temperature=0.2))
+    assert rec.text("r1") == fake.expected_text == "Hello from the fake provider!"
+    assert usage_of(rec) == wire.Usage(prompt_tokens=7, completion_tokens=5)
+    terminal = rec.terminal("r1")
+    assert isinstance(terminal, wire.RunCompleted)
+    assert terminal.finish_reason == "stop"
+
+    (seen,) = fake.requests
+    assert (seen.method, seen.path) == ("POST", "/v1/chat/completions")
+    assert seen.authorization == "Bearer sk-test-123"
+    assert seen.header("content-type") == "application/json"
+    assert seen.json == {
+        "model": "served-gpt",
+        "messages": MESSAGES,
+        "temperature": 0.2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+async def test_base_url_with_or_without_v1(fake: FakeOpenAI, suffix: str) -> None:
+    rec = await run(adapter_for(fake.base_url + suffix))
+    assert rec.text("r1") == fake.expected_text
+    assert [r.path for r in fake.requests] == ["/v1/chat/completions"]
+
+
+def test_completions_url() -> None:
+    assert (
+        completions_url("https://api.openai.com/v1") == "https://api.openai.com/v1/chat/completions"
+    )
+    assert completions_url("http://h:8000") == "http://h:8000/v1/chat/completions"
+    assert completions_url("http://h/openai/v1/") == "http://h/openai/v1/chat/completions"
+
+
+@pytest.mark.parametrize("reason", ["length", "content_filter", "stop"])
+async def test_finish_reason_passes_through(fake: FakeOpenAI, reason: str) -> None:
+    fake.finish_reason = reason
+    fake.chunk_count = 40
+    rec = await run(adapter_for(fake.base_url))
+    assert rec.text("r1") == fake.expected_text
+    assert rec.terminal("r1").finish_reason == reason
+    assert usage_of(rec) == wire.Usage(prompt_tokens=7, completion_tokens=40)
+
+
+async def test_without_include_usage_the_runner_estimates(fake: FakeOpenAI) -> None:
+    rec = await run(
+        adapter_for(fake.base_url, include_usage=False),
+        req(stream_options={"include_usage": False}),
+    )
+    assert fake.requests[0].json["stream_options"] == {"include_usage": False}
+    assert "authorization" not in dict(fake.requests[0].headers)
+    # estimate: words vs characters / 4 of each message; the 5 words of the reply
+    assert usage_of(rec) == wire.Usage(prompt_tokens=2 + 3, completion_tokens=8)
+
+
+async def test_client_stream_options_are_kept(fake: FakeOpenAI) -> None:
+    await run(adapter_for(fake.base_url), req(stream_options={"other": 1}))
+    assert fake.requests[0].json["stream_options"] == {"other": 1, "include_usage": True}
+
+
+async def test_cancel_closes_the_upstream_connection(fake: FakeOpenAI) -> None:
+    fake.chunk_count = 10_000
+    fake.chunk_delay = 0.01
+    rec = Recorder()
+    with trio.fail_after(10):
+        async with open_runner(rec.send, adapters={"oa": adapter_for(fake.base_url)}) as runner:
+            runner.start(req())
+            await rec.wait_for(lambda: len(rec.text("r1")) > 10)
+            runner.cancel("r1", "client gone")
+            terminal = await rec.wait_terminal("r1")
+            (seen,) = fake.requests
+            await seen.disconnected.wait()
+            await fake.wait_idle()
+    assert isinstance(terminal, wire.RunCancelled)
+    assert_well_formed(rec.events("r1"))
+    assert seen.chunks_sent < 10_000
+    assert fake.disconnects == [seen]
+
+
+async def test_cancel_while_waiting_for_the_first_byte(fake: FakeOpenAI) -> None:
+    fake.stall_after_chunks = 0
+    rec = Recorder()
+    with trio.fail_after(10):
+        async with open_runner(rec.send, adapters={"oa": adapter_for(fake.base_url)}) as runner:
+            runner.start(req())
+            (seen,) = await fake.wait_requests(1)
+            runner.cancel("r1")
+            terminal = await rec.wait_terminal("r1")
+            await seen.disconnected.wait()
+    assert isinstance(terminal, wire.RunCancelled)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "retryable"),
+    [
+        (500, "upstream_5xx", True),
+        (503, "upstream_5xx", True),
+        (429, "upstream_rate_limited", True),
+        (400, "upstream_4xx", False),
+        (404, "upstream_4xx", False),
+    ],
+)
+async def test_http_errors(fake: FakeOpenAI, status: int, code: str, retryable: bool) -> None:
+    fake.status = status
+    fake.error_message = f"the model said no ({status})"
+    rec = await run(adapter_for(fake.base_url))
+    failed = rec.terminal("r1")
+    assert isinstance(failed, wire.RunFailed)
+    assert (failed.code, failed.retryable) == (code, retryable)
+    assert f"HTTP {status}" in failed.message
+    assert f"the model said no ({status})" in failed.message
+    assert rec.types("r1") == ["run.started", "run.failed"]
+
+
+async def test_wrong_key_is_a_4xx_with_the_upstream_message(fake: FakeOpenAI) -> None:
+    fake.api_key = "right"
+    rec = await run(adapter_for(fake.base_url, api_key="wrong"))
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("upstream_4xx", False)
+    assert "HTTP 401: invalid API key" in failed.message
+    assert "wrong" not in failed.message
+
+
+async def test_404_from_a_wrong_base_url(fake: FakeOpenAI) -> None:
+    rec = await run(adapter_for(fake.base_url + "/nowhere"))  # fake: 404 OpenAI-shaped
+    failed = rec.terminal("r1")
+    assert failed.code == "upstream_4xx"
+    assert "no route for POST /nowhere/v1/chat/completions" in failed.message
+
+
+async def test_connection_refused() -> None:
+    rec = await run(adapter_for(refused_base_url()))
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("upstream_unreachable", True)
+    assert "cannot connect" in failed.message
+
+
+async def test_read_timeout_is_unreachable(fake: FakeOpenAI) -> None:
+    fake.stall_after_chunks = 2
+    rec = await run(adapter_for(fake.base_url, read_timeout=0.2))
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("upstream_unreachable", True)
+    assert "timed out" in failed.message
+    assert rec.text("r1") == "".join(fake.tokens[:2])
+    await fake.requests[0].disconnected.wait()
+
+
+async def test_connection_cut_mid_stream(fake: FakeOpenAI) -> None:
+    fake.fail_after_chunks = 3
+    rec = await run(adapter_for(fake.base_url))
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("upstream_disconnected", True)
+    assert rec.text("r1") == "".join(fake.tokens[:3])
+    # partial usage (estimated) precedes the failure
+    assert rec.types("r1")[-2:] == ["run.usage", "run.failed"]
+
+
+async def test_error_event_mid_stream(fake: FakeOpenAI) -> None:
+    fake.fail_after_chunks = 2
+    fake.fail_mode = "error"
+    fake.error_message = "CUDA out of memory"
+    rec = await run(adapter_for(fake.base_url))
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("upstream_error", True)
+    assert "CUDA out of memory" in failed.message
+
+
+async def test_tool_calls_are_refused_until_the_runner_carries_them(fake: FakeOpenAI) -> None:
+    fake.reply = ""
+    fake.finish_reason = "tool_calls"
+    fake.tool_call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    rec = await run(adapter_for(fake.base_url))
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable) == ("unsupported_tool_calls", False)
+
+
+async def test_through_build_adapters(fake: FakeOpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OA_TEST_KEY", "sk-from-env")
+    fake.api_key = "sk-from-env"
+    provider = ProviderConfig(
+        id="oa",
+        type="openai",
+        base_url=fake.base_url + "/v1",
+        api_key_env="OA_TEST_KEY",
+        models=(ModelConfig(name="gpt"),),
+    )
+    adapter = build_adapters([provider])["oa"]
+    assert "sk-from-env" not in repr(adapter)
+    rec = await run(adapter)
+    assert rec.text("r1") == fake.expected_text
+
+
+def test_missing_key_env_fails_at_construction() -> None:
+    provider = ProviderConfig(
+        id="oa", type="openai", api_key_env="NOT_SET_ANYWHERE", models=(ModelConfig(name="m"),)
+    )
+    with pytest.raises(NodeConfigError, match="NOT_SET_ANYWHERE is not set") as info:
+        OpenAIAdapter.from_provider(provider, environ={})
+    assert info.value.key == "api_key_env"
+    with pytest.raises(NodeConfigError):
+        OpenAIAdapter.from_provider(provider, environ={"NOT_SET_ANYWHERE": ""})
+
+
+def test_options() -> None:
+    options = OpenAIOptions.from_mapping(
+        {"connect_timeout": 2, "read_timeout": 0, "include_usage": False}
+    )
+    assert (options.timeouts.connect, options.timeouts.read) == (2.0, None)
+    assert options.include_usage is False
+    assert OpenAIOptions().timeouts.read == 600.0
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"include_usage": "yes"}, "include_usage"),
+        ({"connect_timeout": 0}, "connect_timeout"),
+        ({"read_timeout": -1}, "read_timeout"),
+        ({"tempo": 1}, "tempo"),
+    ]
+    for bad, key in cases:
+        with pytest.raises(OptionsError) as info:
+            validate_options("openai", bad)
+        assert info.value.key == key
