@@ -3,10 +3,13 @@ policy snapshot."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from .admission import Candidate, Policy, PolicySnapshot
 from .config import EdgeConfig, QueuePolicySettings
+from .gate import GatePolicy
 from .registry import NodeSession
 
 
@@ -39,3 +42,21 @@ def policy_snapshot_from_config(config: EdgeConfig) -> PolicySnapshot:
         alias: name for name, settings in config.models.items() for alias in settings.aliases
     }
     return PolicySnapshot(default=default, groups=groups, aliases=aliases)
+
+
+def gate_policies(config: EdgeConfig) -> Callable[[str], GatePolicy]:
+    """The gate policy of a model (or alias): ``[admission]`` gate fields as defaults,
+    ``[models.NAME]`` overriding them."""
+    default = attrs.evolve(GatePolicy(), **config.admission.gate_overrides())
+    groups = {
+        name: attrs.evolve(default, **settings.gate_overrides())
+        for name, settings in config.models.items()
+    }
+    aliases = {
+        alias: name for name, settings in config.models.items() for alias in settings.aliases
+    }
+
+    def policy_for(model: str) -> GatePolicy:
+        return groups.get(aliases.get(model, model), default)
+
+    return policy_for

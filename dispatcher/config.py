@@ -45,22 +45,46 @@ class NodeSettings:
     heartbeat_timeout: float = 15.0
 
 
+_GATE_FIELDS = frozenset(
+    {"max_attempts", "request_timeout_s", "first_token_timeout_s", "stall_timeout_s"}
+)
+
+
 @attrs.frozen(kw_only=True)
 class QueuePolicySettings:
-    """Admission policy; ``[admission]`` sets the default, ``[models.NAME]`` overrides it."""
+    """A model group's policy: admission (queue, slots) and the stream gate (attempts,
+    timeouts). ``[admission]`` sets the defaults, ``[models.NAME]`` overrides them."""
 
     max_queue: int | None = None
     queue_timeout_s: float | None = None
     per_candidate_cap: int | None = None
     long_context_tokens: int | None = None
     drain_timeout_s: float | None = None
+    max_attempts: int | None = None
+    """Attempts per request (the first plus recoveries before anything was streamed)."""
+    request_timeout_s: float | None = None
+    """One deadline for all attempts of a request until its answer starts, queue waits
+    included."""
+    first_token_timeout_s: float | None = None
+    """An attempt that produced no content this long after dispatch is aborted."""
+    stall_timeout_s: float | None = None
+    """A run that goes this long between two events is aborted."""
     aliases: tuple[str, ...] = ()
 
     def overrides(self) -> dict[str, Any]:
+        """The admission policy fields that are set."""
         return {
             name: value
             for name, value in attrs.asdict(self).items()
-            if value is not None and name != "aliases"
+            if value is not None and name != "aliases" and name not in _GATE_FIELDS
+        }
+
+    def gate_overrides(self) -> dict[str, Any]:
+        """The stream gate fields that are set."""
+        return {
+            name: value
+            for name, value in attrs.asdict(self).items()
+            if value is not None and name in _GATE_FIELDS
         }
 
 
@@ -73,6 +97,16 @@ class EdgeConfig:
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
     """Client API keys (``Authorization: Bearer ...``). Empty: no key needed."""
     api_keys_env: str | None = None
+    admin_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
+    """Keys for the admin routes (``GET /v1/usage``). Empty: admin routes are open only when
+    no client API key is configured either."""
+    admin_keys_env: str | None = None
+    data_dir: str | None = None
+    """Where the edge keeps its files; default ``$XDG_DATA_HOME/trio-dispatcher`` (or
+    ``~/.local/share/trio-dispatcher``)."""
+    usage_db: str | None = None
+    """The usage ledger's SQLite file. ``dispatcher serve`` defaults it to
+    ``DATA_DIR/usage.sqlite3``; embedded dispatchers default to ``:memory:``."""
     http: HTTPSettings = HTTPSettings()
     nodes: NodeSettings = NodeSettings()
     admission: QueuePolicySettings = QueuePolicySettings()
@@ -83,6 +117,15 @@ class EdgeConfig:
 
     def client_api_keys(self) -> tuple[str, ...]:
         return self.api_keys + _env_list(self.api_keys_env)
+
+    def admin_api_keys(self) -> tuple[str, ...]:
+        return self.admin_keys + _env_list(self.admin_keys_env)
+
+    def default_data_dir(self) -> Path:
+        if self.data_dir:
+            return Path(self.data_dir).expanduser()
+        base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        return Path(base) / "trio-dispatcher"
 
 
 def _env_list(name: str | None) -> tuple[str, ...]:

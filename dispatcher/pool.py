@@ -43,6 +43,9 @@ class DispatchRequest:
     """An embedder's extra test of each candidate: a rejection reason, or None."""
     exclude: frozenset[CandidateKey] = frozenset()
     """Candidates not to use (they already failed for this request)."""
+    requeue: bool = False
+    """A recovery of a request that held a slot before: queued ahead of new arrivals and
+    admitted with reason ``requeued``."""
 
 
 @attrs.frozen(kw_only=True)
@@ -95,13 +98,19 @@ class Pool:
     """Told (model group, request class, queue wait) of every admission, for metrics."""
 
     @asynccontextmanager
-    async def open(self, request: DispatchRequest) -> AsyncIterator[Dispatch]:
+    async def open(
+        self, request: DispatchRequest, *, prepare_run: PrepareRun | None = None
+    ) -> AsyncIterator[Dispatch]:
+        """Admit ``request`` and open the chosen candidate's path. ``prepare_run`` (this
+        request's own hook) replaces the pool's."""
         needs = attrs.evolve(
             needs_from_body(request.body, session_id=request.session_id),
             predicate=request.predicate,
             exclude=request.exclude,
         )
-        async with self.admission.open_slot(request.model, needs) as slot:
+        async with self.admission.open_slot(
+            request.model, needs, requeue=request.requeue
+        ) as slot:
             candidate = slot.candidate
             if self.on_admitted is not None:
                 self.on_admitted(candidate.model, slot.request_class, slot.queue_wait)
@@ -110,8 +119,9 @@ class Pool:
                     yield dispatch
                 return
             spec = RunSpec(model=candidate.model, body=request.body, needs=needs)
-            if self.prepare_run is not None:
-                spec = await self.prepare_run(candidate, spec)
+            prepare = prepare_run or self.prepare_run
+            if prepare is not None:
+                spec = await prepare(candidate, spec)
             async with self.runs.open_on_slot(spec, slot) as run:
                 yield Dispatch(self._result(request, slot, run.run_id), run=run)
 

@@ -24,14 +24,16 @@ import trio
 
 from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
-from .catalog import candidates_for_session, policy_snapshot_from_config
+from .catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
 from .config import EdgeConfig
+from .gate import Gate
 from .metrics import Metrics
 from .nodelink import NodeLinkSettings, serve_node_connection
 from .pool import Dispatch, DispatchRequest, Pool
 from .registry import NodeSession, Registry
 from .runs import Run, Runs, RunSpec
 from .transport import Connection, memory_connection_pair
+from .usage import UsageLedger, open_usage_ledger
 
 if TYPE_CHECKING:
     from nodes.config import NodeConfig
@@ -50,6 +52,8 @@ class Dispatcher:
     admission: Admission
     runs: Runs
     pool: Pool
+    gate: Gate
+    ledger: UsageLedger
     metrics: Metrics
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
@@ -204,13 +208,19 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
     )
     runs = Runs(registry, admission)
     metrics = Metrics(admission)
-    async with trio.open_nursery() as nursery:
+    pool = Pool(runs, admission, on_admitted=metrics.observe_admission)
+    async with (
+        open_usage_ledger(config.usage_db or ":memory:") as ledger,
+        trio.open_nursery() as nursery,
+    ):
         dispatcher = Dispatcher(
             config=config,
             registry=registry,
             admission=admission,
             runs=runs,
-            pool=Pool(runs, admission, on_admitted=metrics.observe_admission),
+            pool=pool,
+            gate=Gate(pool, gate_policies(config), record_usage=ledger.record),
+            ledger=ledger,
             metrics=metrics,
             nodelink_settings=settings,
             nursery=nursery,

@@ -5,12 +5,14 @@ Errors from every route are turned into the OpenAI error body here, in one place
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import attrs
 import orjson
 
 from ..admission import AdmissionError
@@ -26,6 +28,7 @@ from ..http import BodyTooLarge, Handler, PeerGone, Request, Responder, WebSocke
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..nodelink import serve_node_connection
 from ..transport import ConnectionClosed
+from ..usage import parse_usage_query, usage_report_json
 from . import openai
 
 if TYPE_CHECKING:
@@ -34,6 +37,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("dispatcher.api")
 
 NODE_CONNECT_PATH = "/v1/nodes/connect"
+
+
+@attrs.frozen
+class RouteContext:
+    headers: tuple[tuple[bytes, bytes], ...]
+    """Response headers every answer carries (``x-request-id``)."""
+    attribution: str | None
+    """Who the request's usage is attributed to: the id of the client's API key."""
+
+    @property
+    def request_id(self) -> str:
+        return dict(self.headers)[b"x-request-id"].decode("latin-1")
+
+
+def key_id(key: bytes) -> str:
+    """A stable, non-secret id for an API key (what the usage ledger records)."""
+    return "key-" + hashlib.sha256(key).hexdigest()[:12]
 
 
 class ServerWebSocketConnection:
@@ -65,26 +85,33 @@ class ServerWebSocketConnection:
             pass
 
 
-Route = Callable[
-    ["Dispatcher", Request, Responder, tuple[tuple[bytes, bytes], ...]], Awaitable[None]
-]
+Route = Callable[["Dispatcher", Request, Responder, RouteContext], Awaitable[None]]
 
 
 def make_handler(dispatcher: Dispatcher) -> Handler:
     api_keys = [key.encode() for key in dispatcher.config.client_api_keys()]
+    admin_keys = [key.encode() for key in dispatcher.config.admin_api_keys()]
 
-    def authorize(request: Request) -> None:
-        if not api_keys:
-            return
+    def authorize(request: Request) -> str | None:
+        """Client routes need a client key when any is configured. Admin routes need an
+        admin key when any is configured; with none, they are as open as the client routes
+        only if those are open too."""
+        admin = request.path in _ADMIN_PATHS
+        keys = admin_keys if admin else api_keys
+        if not keys:
+            if admin and api_keys:
+                raise Unauthorized("admin routes need an admin key (configure admin_keys)")
+            return None
         header = request.header(b"authorization") or b""
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer" or not token:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
         ok = False
-        for key in api_keys:
+        for key in keys:  # no early exit: constant time over the configured keys
             ok |= hmac.compare_digest(token.strip(), key)
         if not ok:
-            raise Unauthorized("invalid API key")
+            raise Unauthorized("invalid admin key" if admin else "invalid API key")
+        return key_id(token.strip())
 
     async def handler(request: Request, responder: Responder) -> None:
         request_id = (request.header(b"x-request-id") or secrets.token_hex(8).encode())[:64]
@@ -119,8 +146,8 @@ def make_handler(dispatcher: Dispatcher) -> Handler:
                     status=405,
                     code="method_not_allowed",
                 )
-            authorize(request)
-            await func(dispatcher, request, responder, headers)
+            attribution = authorize(request)
+            await func(dispatcher, request, responder, RouteContext(headers, attribution))
         except BodyTooLarge:
             await _respond_error(
                 responder, PayloadTooLarge("request body is over the size limit"), headers
@@ -147,32 +174,49 @@ async def _chat(
     dispatcher: Dispatcher,
     request: Request,
     responder: Responder,
-    headers: tuple[tuple[bytes, bytes], ...],
+    ctx: RouteContext,
 ) -> None:
-    await openai.chat_completions(dispatcher, request, responder, headers)
+    await openai.chat_completions(dispatcher, request, responder, ctx)
 
 
 async def _models(
     dispatcher: Dispatcher,
     request: Request,
     responder: Responder,
-    headers: tuple[tuple[bytes, bytes], ...],
+    ctx: RouteContext,
 ) -> None:
-    await openai.list_models(dispatcher, responder, headers)
+    await openai.list_models(dispatcher, responder, ctx.headers)
 
 
 async def _metrics(
     dispatcher: Dispatcher,
     request: Request,
     responder: Responder,
-    headers: tuple[tuple[bytes, bytes], ...],
+    ctx: RouteContext,
 ) -> None:
     body = dispatcher.metrics.render()
     content_type = (b"content-type", METRICS_CONTENT_TYPE.encode())
-    await responder.respond(200, (content_type, *headers), body)
+    await responder.respond(200, (content_type, *ctx.headers), body)
 
+
+async def _usage(
+    dispatcher: Dispatcher,
+    request: Request,
+    responder: Responder,
+    ctx: RouteContext,
+) -> None:
+    try:
+        query = parse_usage_query(request.query)
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="invalid_query") from None
+    report = await dispatcher.ledger.query(**query)
+    await responder.respond(200, (*openai.JSON_HEADERS, *ctx.headers), usage_report_json(report))
+
+
+_ADMIN_PATHS = frozenset({"/v1/usage"})
 
 _ROUTES: dict[str, tuple[str, Route]] = {
+    "/v1/usage": ("GET", _usage),
     "/v1/chat/completions": ("POST", _chat),
     "/v1/models": ("GET", _models),
     "/metrics": ("GET", _metrics),

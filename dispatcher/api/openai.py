@@ -19,12 +19,14 @@ import trio
 from .. import wire
 from ..admission import AdmissionError
 from ..errors import BadRequest, RunError, RunFailedError, openai_error_object
+from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, Request, Responder
-from ..pool import DispatchRequest
+from ..pool import DispatchRequest, TunnelUnavailable
 from ..runs import Run
 
 if TYPE_CHECKING:
     from ..service import Dispatcher
+    from .app import RouteContext
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
 SSE_HEADERS = (
@@ -122,14 +124,14 @@ async def chat_completions(
     dispatcher: Dispatcher,
     request: Request,
     responder: Responder,
-    headers: Sequence[tuple[bytes, bytes]],
+    ctx: RouteContext,
 ) -> None:
     model = "unknown"
     outcome = "bad_request"
     try:
         chat = parse_chat_request(await request.body())
         model = dispatcher.metric_model_label(chat.model)
-        outcome = await _chat(dispatcher, chat, request, responder, headers)
+        outcome = await _chat(dispatcher, chat, request, responder, ctx)
     except trio.Cancelled:
         outcome = "client_gone"
         raise
@@ -148,52 +150,61 @@ async def _chat(
     chat: ChatRequest,
     request: Request,
     responder: Responder,
-    headers: Sequence[tuple[bytes, bytes]],
+    ctx: RouteContext,
 ) -> str:
-    """Serve one parsed chat request; return its outcome for the metrics."""
+    """Serve one parsed chat request through the gate; return its outcome for the metrics."""
     session = request.header(b"x-session-id")
-    dispatch_request = DispatchRequest(
-        model=chat.model,
-        body=chat.body,
-        route=request.path,
-        session_id=session.decode("latin-1") if session else None,
+    headers = ctx.headers
+    gate_request = GateRequest(
+        request_id=ctx.request_id,
+        dispatch=DispatchRequest(
+            model=chat.model,
+            body=chat.body,
+            route=request.path,
+            session_id=session.decode("latin-1") if session else None,
+        ),
+        stream=chat.stream,
+        attribution=ctx.attribution,
     )
-    async with dispatcher.open_dispatch(dispatch_request) as dispatch:
-        result = dispatch.result
-        run = dispatch.run
-        assert run is not None, "tunnel candidates are answered by the tunnel relay"
-        run_headers = (
+    async with dispatcher.gate.open(gate_request) as answer:
+        result = answer.result
+        answer_headers = (
             *headers,
+            (b"x-dispatcher-attempts", str(answer.attempts).encode()),
             (b"x-dispatcher-node", result.node_id.encode()),
             (b"x-dispatcher-provider", result.provider_id.encode()),
             (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
         )
+        if isinstance(answer, TunnelAnswer):
+            # Tunnel candidates are answered by the tunnel relay.
+            raise TunnelUnavailable(
+                f"{result.node_id}/{result.provider_id} serves {chat.model!r} through a "
+                "tunnel, which this edge cannot relay yet"
+            )
         if chat.stream:
-            await _stream(dispatcher, chat, run, responder, run_headers)
+            await _stream(dispatcher, chat, answer, responder, answer_headers)
         else:
-            await _complete(chat, run, responder, run_headers)
-        return "completed" if isinstance(run.terminal, wire.RunCompleted) else "failed"
+            await _complete(chat, answer, responder, answer_headers)
+        return "completed" if isinstance(answer.terminal, wire.RunCompleted) else "failed"
 
 
 async def _complete(
-    chat: ChatRequest, run: Run, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
+    chat: ChatRequest, answer: Answer, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
 ) -> None:
+    """A non-streamed answer: the gate committed it complete (its head ends with
+    ``run.completed``)."""
     parts: list[str] = []
     usage: wire.Usage | None = None
     finish = "stop"
-    async for event in run:
+    for event in answer.head:
         if isinstance(event, wire.RunDelta):
             parts.append(event.text)
         elif isinstance(event, wire.RunUsage):
             usage = event.usage
         elif isinstance(event, wire.RunCompleted):
             finish = event.finish_reason
-        elif isinstance(event, wire.RunFailed):
-            raise _failure(event)
-        elif isinstance(event, wire.RunCancelled):
-            raise RunFailedError("the node cancelled the run", code="cancelled", retryable=True)
     body = {
-        "id": f"chatcmpl-{run.run_id}",
+        "id": f"chatcmpl-{answer.run.run_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": chat.model,
@@ -241,43 +252,36 @@ def sse_error(message: str, code: str) -> bytes:
 async def _stream(
     dispatcher: Dispatcher,
     chat: ChatRequest,
-    run: Run,
+    answer: Answer,
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
 ) -> None:
-    writer = _ChunkWriter(chat, run)
+    """A streamed answer: the gate committed at its first content; from here a failure is an
+    SSE error event and the stream ends without ``[DONE]``."""
+    writer = _ChunkWriter(chat, answer.run)
     usage: wire.Usage | None = None
-    # Hold the response until the first content or the end: a failure before that is
-    # still an HTTP status.
-    pending: list[wire.RunEvent] = []
-    async for event in run:
-        if isinstance(event, wire.RunFailed):
-            raise _failure(event)
-        if isinstance(event, wire.RunCancelled):
-            raise RunFailedError("the node cancelled the run", code="cancelled", retryable=True)
-        pending.append(event)
-        if (isinstance(event, wire.RunDelta) and (event.text or event.tool_calls)) or isinstance(
-            event, wire.RunCompleted
-        ):
-            break
     stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
     with dispatcher.stream_scope() as scope:
         out = [writer.choice({"role": "assistant", "content": ""})]
         ended = False
-        for event in pending:
+        for event in answer.head:
             usage, ended = _render(writer, event, usage, out)
         await stream.send(b"".join(out))
         while not ended:
-            event = await run.__anext__()
+            try:
+                event = await answer.__anext__()
+            except StopAsyncIteration:
+                break
             out = []
             usage, ended = _render(writer, event, usage, out)
-            for ready in run.ready_events():
-                if ended:
-                    break
-                usage, ended = _render(writer, ready, usage, out)
+            if not ended:
+                for ready in answer.ready_events():
+                    usage, ended = _render(writer, ready, usage, out)
+                    if ended:
+                        break
             if out:
                 await stream.send(b"".join(out))
-        if isinstance(run.terminal, wire.RunCompleted):
+        if isinstance(answer.terminal, wire.RunCompleted):
             tail = [writer.usage(usage)] if chat.include_usage else []
             tail.append(b"data: [DONE]\n\n")
             await stream.send(b"".join(tail))
