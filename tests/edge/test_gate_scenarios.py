@@ -182,9 +182,9 @@ async def play(script: NodeScript) -> None:
                     nursery.start_soon(run, message, behaviour, scope)
                 elif isinstance(message, wire.RunCancel):
                     script.cancels[message.run_id] = script.cancels.get(message.run_id, 0) + 1
-                    scope = running.pop(message.run_id, None)
-                    if scope is not None:
-                        scope.cancel()
+                    to_cancel = running.pop(message.run_id, None)
+                    if to_cancel is not None:
+                        to_cancel.cancel()
                     await node.send(wire.RunCancelled(run_id=message.run_id, seq=99))
             except ConnectionClosed:
                 break
