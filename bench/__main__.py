@@ -25,6 +25,9 @@ SECTIONS: dict[str, str] = {
     # Added by the admission work; skipped (with a note) while the module does not exist.
     "admission": "bench.admission_bench",
     "edge": "bench.edge_bench",
+    "gate": "bench.gate_bench",
+    "usage": "bench.usage_bench",
+    "tunnel": "bench.tunnel_bench",
 }
 """Section name -> module. A module defines ``async def run() -> Sequence[Table]`` and may
 define ``TIME_LIMIT`` (seconds, default :data:`DEFAULT_TIME_LIMIT`). Imported only when run."""
