@@ -234,3 +234,25 @@ async def test_graceful_shutdown_ends_streams_with_an_error_event(nursery: trio.
     data = [line for line in lines if line.startswith("data: ")]
     assert "shutting_down" in data[-1]
     assert "data: [DONE]" not in data
+
+
+async def test_usage_is_attributed_to_the_key_id_and_admin_only(nursery: trio.Nursery) -> None:
+    from dispatcher.api.app import key_id
+
+    config = EdgeConfig(port=0, api_keys=("sk-client",), admin_keys=("sk-admin",))
+    async with open_dispatcher(config) as dispatcher:
+        await dispatcher.attach_local_node()
+        server = await nursery.start(dispatcher.serve)
+        url = f"http://127.0.0.1:{server.address.port}"
+        async with httpx.AsyncClient(base_url=url) as client:
+            client_auth = {"authorization": "Bearer sk-client"}
+            done = await client.post("/v1/chat/completions", json=chat(), headers=client_auth)
+            assert done.status_code == 200
+            as_client = await client.get("/v1/usage", headers=client_auth)
+            as_admin = await client.get("/v1/usage", headers={"authorization": "Bearer sk-admin"})
+        server.shutdown()
+    assert as_client.status_code == 401
+    assert as_admin.status_code == 200
+    (row,) = as_admin.json()["rows"]
+    assert row["attribution"] == key_id(b"sk-client")
+    assert "sk-client" not in as_admin.text
