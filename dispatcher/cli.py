@@ -58,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = load_edge_config(args.config)
             if args.no_local_node:
                 config = attrs.evolve(config, local_node=False)
+            if config.usage_db is None:
+                data_dir = config.default_data_dir()
+                config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
             trio.run(_serve, config, args.host, args.port)
         else:
             return _node(args)
@@ -91,6 +94,7 @@ async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> None
         print(
             f"trio-dispatcher edge listening on {base}/v1\n"
             f"  models: {models}\n"
+            f"  usage ledger: {config.usage_db}\n"
             f"  nodes connect to {'wss' if tls else 'ws'}://{address.host}:{address.port}"
             "/v1/nodes/connect\n"
             "  Ctrl-C or SIGTERM shuts down gracefully",
