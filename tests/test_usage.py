@@ -1,0 +1,604 @@
+"""The usage ledger: exactly-once rows, batching, flush on exit, restarts, queries."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import attrs
+import orjson
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dispatcher.usage import (
+    MAX_QUERY_LIMIT,
+    RECENT_KEYS,
+    USAGE_DB_NAME,
+    DuplicateUsageRow,
+    TokenTotals,
+    UsageLedger,
+    UsageRow,
+    open_usage_ledger,
+    parse_usage_query,
+    usage_report_json,
+)
+
+T0 = 1_700_000_000.0
+
+
+def make_row(request_id: str = "req-1", attempt: int = 1, **changes: Any) -> UsageRow:
+    fields: dict[str, Any] = {
+        "request_id": request_id,
+        "attempt": attempt,
+        "model_group": "llama",
+        "served_model": "llama3:8b",
+        "provider_id": "ollama",
+        "node_id": "node-a",
+        "path": "normalized",
+        "attribution": "key-1",
+        "prompt_tokens": 10,
+        "completion_tokens": 20,
+        "usage_source": "reported",
+        "outcome": "completed",
+        "billable_to": "client",
+        "queue_wait_s": 0.01,
+        "ttft_s": 0.1,
+        "duration_s": 1.0,
+        "ended_at": T0,
+    }
+    fields.update(changes)
+    return UsageRow(**fields)
+
+
+def numbered_rows(count: int, prefix: str = "req") -> Iterator[UsageRow]:
+    for i in range(count):
+        yield make_row(f"{prefix}-{i}", ended_at=T0 + i)
+
+
+def rows_in_file(path: Path) -> list[tuple[Any, ...]]:
+    """The file's rows, read by a connection of our own (not the ledger's)."""
+    with closing(sqlite3.connect(path)) as conn:
+        return conn.execute(
+            "SELECT request_id, attempt, prompt_tokens FROM usage ORDER BY request_id, attempt"
+        ).fetchall()
+
+
+# ------------------------------------------------------------------ rows
+
+
+def test_row_validation() -> None:
+    with pytest.raises(ValueError, match="attempt"):
+        make_row(attempt=0)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        make_row(prompt_tokens=-1)
+    with pytest.raises(ValueError, match="outcome"):
+        make_row(outcome="timeout")
+    with pytest.raises(ValueError, match="billable_to"):
+        make_row(billable_to="nobody")
+    with pytest.raises(ValueError, match="path"):
+        make_row(path="carrier-pigeon")
+
+
+# ------------------------------------------------------------------ exactly once
+
+
+async def test_in_memory_ledger_round_trip() -> None:
+    rows = [
+        make_row("a", ended_at=T0),
+        make_row("b", ended_at=T0 + 2, attribution=None, ttft_s=None),
+        make_row("b", 2, ended_at=T0 + 1, path="tunnel", usage_source="estimated"),
+    ]
+    async with open_usage_ledger(":memory:") as ledger:
+        for row in rows:
+            ledger.record(row)
+        report = await ledger.query()
+    assert report.rows == (rows[1], rows[2], rows[0])  # newest first
+    assert not report.truncated
+
+
+async def test_in_memory_ledgers_are_separate() -> None:
+    async with open_usage_ledger(None) as first, open_usage_ledger() as second:
+        first.record(make_row("a"))
+        second.record(make_row("b"))
+        assert [row.request_id for row in (await first.query()).rows] == ["a"]
+        assert [row.request_id for row in (await second.query()).rows] == ["b"]
+
+
+async def test_duplicate_raises_and_the_database_keeps_one_row() -> None:
+    first = make_row("r", 1, prompt_tokens=1)
+    async with open_usage_ledger() as ledger:
+        ledger.record(first)
+        with pytest.raises(DuplicateUsageRow) as pending_dup:
+            ledger.record(make_row("r", 1, prompt_tokens=2))  # while pending
+        assert isinstance(pending_dup.value, ValueError)
+        assert (pending_dup.value.request_id, pending_dup.value.attempt) == ("r", 1)
+        await ledger.flush()
+        with pytest.raises(DuplicateUsageRow):
+            ledger.record(make_row("r", 1, prompt_tokens=3))  # written already
+        ledger.record(make_row("r", 2))  # another attempt of the same request is fine
+        report = await ledger.query()
+        stats = ledger.statistics()
+    assert [row for row in report.rows if row.attempt == 1] == [first]
+    assert report.totals.attempts == 2
+    assert stats.duplicates_refused == 2
+    assert stats.duplicates_dropped == 0
+    assert stats.rows_recorded == stats.rows_written == 2
+
+
+async def test_old_duplicates_meet_the_primary_key_and_the_rest_of_the_batch_is_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with open_usage_ledger(recent_keys=0) as ledger:
+        ledger.record(make_row("old", prompt_tokens=1))
+        await ledger.flush()
+        # Forgotten by `record` (recent_keys=0), so caught when written, in one batch with
+        # two good rows.
+        ledger.record(make_row("before"))
+        ledger.record(make_row("old", prompt_tokens=2))
+        ledger.record(make_row("after"))
+        await ledger.flush()
+        report = await ledger.query()
+        stats = ledger.statistics()
+    by_id = {row.request_id: row for row in report.rows}
+    assert sorted(by_id) == ["after", "before", "old"]
+    assert by_id["old"].prompt_tokens == 1  # the first row stays
+    assert stats.duplicates_dropped == 1
+    assert stats.rows_written == 3
+    assert stats.batches == 2
+    assert "request 'old' attempt 1 is already in the database" in caplog.text
+
+
+async def test_rows_of_an_earlier_run_are_not_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(make_row("r", prompt_tokens=1))
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(make_row("r", prompt_tokens=99))  # a new ledger does not know the key
+        await ledger.flush()
+        assert ledger.statistics().duplicates_dropped == 1
+    assert rows_in_file(path) == [("r", 1, 1)]
+
+
+async def test_a_row_the_database_refuses_does_not_take_its_batch_with_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    async with open_usage_ledger(path):
+        pass
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON usage WHEN NEW.request_id = 'bad' "
+            "BEGIN SELECT RAISE(ABORT, 'refused by trigger'); END"
+        )
+        conn.commit()
+    async with open_usage_ledger(path) as ledger:
+        for request_id in ("one", "bad", "two"):
+            ledger.record(make_row(request_id))
+        await ledger.flush()
+        stats = ledger.statistics()
+    assert [row[0] for row in rows_in_file(path)] == ["one", "two"]
+    assert (stats.rows_written, stats.rows_lost, stats.write_errors, stats.batches) == (2, 1, 1, 1)
+    assert "refused by trigger" in caplog.text
+
+
+async def test_a_failing_transaction_is_retried_then_given_up(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(make_row("first"))
+        await ledger.flush()
+        with closing(sqlite3.connect(path)) as conn:
+            conn.execute("ALTER TABLE usage RENAME TO elsewhere")
+            conn.commit()
+        ledger.record(make_row("doomed"))
+        await ledger.flush()  # returns: the row is given up, not retried forever
+        stats = ledger.statistics()
+        assert (stats.write_errors, stats.rows_lost, stats.rows_pending) == (5, 1, 0)
+        assert "writing 1 rows failed 5 times; they are lost" in caplog.text
+        with closing(sqlite3.connect(path)) as conn:
+            conn.execute("ALTER TABLE elsewhere RENAME TO usage")
+            conn.commit()
+        ledger.record(make_row("later"))
+        await ledger.flush()
+        assert ledger.statistics().rows_written == 2
+    assert [row[0] for row in rows_in_file(path)] == ["first", "later"]
+
+
+# ------------------------------------------------------------------ batching
+
+
+async def test_rows_recorded_together_are_written_in_few_batches() -> None:
+    async with open_usage_ledger(max_batch=500) as ledger:
+        for row in numbered_rows(2000):
+            ledger.record(row)
+        assert ledger.statistics().rows_pending == 2000
+        await ledger.flush()
+        stats = ledger.statistics()
+    assert (stats.rows_written, stats.batches, stats.rows_pending) == (2000, 4, 0)
+
+
+async def test_the_writer_gathers_rows_until_the_batch_is_full() -> None:
+    # batch_interval is long, so only a full batch (or a flush) starts a write.
+    async with open_usage_ledger(batch_interval=3600, max_batch=100) as ledger:
+        for row in numbered_rows(100):
+            ledger.record(row)
+            await trio.sleep(0)  # the writer gets to run between rows
+        while ledger.statistics().rows_written < 100:
+            await trio.sleep(0.001)
+        for row in numbered_rows(5, "more"):
+            ledger.record(row)
+            await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ledger.statistics().rows_written == 100
+        await ledger.flush()
+        stats = ledger.statistics()
+    assert (stats.rows_written, stats.batches) == (105, 2)
+
+
+async def test_a_lone_row_is_written_after_batch_interval(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_usage_ledger(batch_interval=5) as ledger:
+        start = trio.current_time()
+        ledger.record(make_row())
+        await trio.sleep(4.9)
+        assert ledger.statistics().rows_written == 0
+        while ledger.statistics().rows_written == 0:
+            await trio.sleep(0.01)
+        assert trio.current_time() - start >= 5
+
+
+async def test_rows_beyond_max_pending_are_dropped_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with open_usage_ledger(max_pending=3) as ledger:
+        for row in numbered_rows(5):
+            ledger.record(row)
+        await ledger.flush()
+        stats = ledger.statistics()
+        assert (stats.rows_recorded, stats.rows_written, stats.rows_lost) == (3, 3, 2)
+        ledger.record(make_row("after"))  # room again once the writer caught up
+        await ledger.flush()
+        assert ledger.statistics().rows_written == 4
+    assert caplog.text.count("dropping new rows") == 1
+
+
+# ------------------------------------------------------------------ closing and restarts
+
+
+async def test_pending_rows_are_flushed_when_the_block_is_cancelled(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    with trio.CancelScope() as scope:
+        async with open_usage_ledger(path, batch_interval=3600, max_batch=5000) as ledger:
+            for row in numbered_rows(1234):
+                ledger.record(row)
+            await trio.testing.wait_all_tasks_blocked()
+            assert ledger.statistics().rows_pending == 1234  # the writer is still gathering
+            scope.cancel(reason="test")
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
+    assert ledger.statistics().rows_written == 1234
+    async with open_usage_ledger(path) as reopened:
+        totals = (await reopened.query(limit=0)).totals
+    assert totals.attempts == totals.requests == 1234
+
+
+async def test_cancelled_while_writing_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    with trio.CancelScope() as scope:
+        async with open_usage_ledger(path, batch_interval=0, max_batch=50) as ledger:
+            for row in numbered_rows(5000):
+                ledger.record(row)
+            # Let the writer get into the thread, then cancel in the middle of the batches.
+            while ledger.statistics().batches < 3:
+                await trio.sleep(0.0001)
+            scope.cancel()
+            await trio.sleep_forever()
+    stats = ledger.statistics()
+    assert (stats.rows_written, stats.rows_lost, stats.duplicates_dropped) == (5000, 0, 0)
+    assert len(rows_in_file(path)) == 5000
+
+
+async def test_an_error_in_the_block_is_raised_as_is_and_rows_are_kept(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+
+    async def fail() -> None:
+        async with open_usage_ledger(path, batch_interval=3600) as ledger:
+            ledger.record(make_row())
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        await fail()
+    assert rows_in_file(path) == [("req-1", 1, 10)]
+
+
+async def test_the_ledger_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "deeper" / "data" / USAGE_DB_NAME  # the directories do not exist yet
+    async with open_usage_ledger(path) as ledger:
+        for row in numbered_rows(300, "first"):
+            ledger.record(row)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    async with open_usage_ledger(str(path)) as ledger:
+        assert (await ledger.query(limit=0)).totals.attempts == 300
+        for row in numbered_rows(200, "second"):
+            ledger.record(row)
+    async with open_usage_ledger(path) as ledger:
+        report = await ledger.query(limit=MAX_QUERY_LIMIT)
+    assert report.totals.attempts == report.totals.requests == 500
+    assert report.totals.prompt_tokens == 500 * 10
+    assert report.totals.client == TokenTotals(prompt_tokens=5000, completion_tokens=10000)
+
+
+async def test_closed_ledger_refuses_use() -> None:
+    async with open_usage_ledger() as ledger:
+        pass
+    with pytest.raises(trio.ClosedResourceError):
+        ledger.record(make_row())
+    with pytest.raises(trio.ClosedResourceError):
+        await ledger.flush()
+
+
+async def test_record_works_inside_a_cancelled_scope() -> None:
+    async with open_usage_ledger() as ledger:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            try:
+                await trio.sleep_forever()
+            finally:
+                ledger.record(make_row("in-finally"))  # no await, no checkpoint
+        assert scope.cancelled_caught
+        report = await ledger.query()
+    assert [row.request_id for row in report.rows] == ["in-finally"]
+
+
+# ------------------------------------------------------------------ queries
+
+
+# Three requests, seven attempts, hand-written totals below.
+DATASET = [
+    # r1 (key-1, llama): a failed attempt the client never saw, then the committed one.
+    make_row("r1", 1, outcome="failed", billable_to="operator", prompt_tokens=100,
+             completion_tokens=0, ended_at=T0 + 10),
+    make_row("r1", 2, prompt_tokens=100, completion_tokens=50, ended_at=T0 + 20),
+    # r2 (key-2, llama): aborted, then cancelled by the client; tokens estimated.
+    make_row("r2", 1, attribution="key-2", outcome="aborted", billable_to="operator",
+             prompt_tokens=40, completion_tokens=5, usage_source="estimated", ended_at=T0 + 30),
+    make_row("r2", 2, attribution="key-2", outcome="cancelled", prompt_tokens=40,
+             completion_tokens=7, usage_source="estimated", ended_at=T0 + 40),
+    # r3 (key-1, qwen over a tunnel): three attempts.
+    make_row("r3", 1, model_group="qwen", path="tunnel", outcome="failed",
+             billable_to="operator", prompt_tokens=8, completion_tokens=0, ended_at=T0 + 50),
+    make_row("r3", 2, model_group="qwen", path="tunnel", outcome="failed",
+             billable_to="operator", prompt_tokens=8, completion_tokens=0, ended_at=T0 + 60),
+    make_row("r3", 3, model_group="qwen", path="tunnel", prompt_tokens=8,
+             completion_tokens=300, ended_at=T0 + 70),
+]  # fmt: skip
+
+
+@pytest.fixture
+async def filled() -> AsyncIterator[UsageLedger]:
+    async with open_usage_ledger() as ledger:
+        for row in DATASET:
+            ledger.record(row)
+        yield ledger
+
+
+async def test_totals_over_everything(filled: UsageLedger) -> None:
+    report = await filled.query()
+    totals = report.totals
+    assert report.rows == tuple(reversed(DATASET))
+    assert (totals.requests, totals.attempts) == (3, 7)
+    assert totals.prompt_tokens == 100 + 100 + 40 + 40 + 8 + 8 + 8
+    assert totals.completion_tokens == 50 + 5 + 7 + 300
+    assert totals.client == TokenTotals(100 + 40 + 8, 50 + 7 + 300)
+    assert totals.operator == TokenTotals(100 + 40 + 8 + 8, 5)
+    assert totals.estimated == TokenTotals(80, 12)
+    assert totals.outcomes == {"completed": 2, "failed": 3, "aborted": 1, "cancelled": 1}
+
+
+async def test_time_window_is_since_inclusive_until_exclusive(filled: UsageLedger) -> None:
+    report = await filled.query(since=T0 + 20, until=T0 + 50)
+    assert [row.key for row in report.rows] == [("r2", 2), ("r2", 1), ("r1", 2)]
+    assert (report.totals.requests, report.totals.attempts) == (2, 3)
+    assert report.totals.client == TokenTotals(140, 57)
+    assert report.totals.operator == TokenTotals(40, 5)
+    assert (await filled.query(since=T0 + 70)).totals.attempts == 1
+    assert (await filled.query(until=T0 + 10)).totals.attempts == 0
+
+
+async def test_filter_by_attribution_and_model(filled: UsageLedger) -> None:
+    key1 = await filled.query(attribution="key-1")
+    assert {row.request_id for row in key1.rows} == {"r1", "r3"}
+    assert (key1.totals.requests, key1.totals.attempts) == (2, 5)
+    assert key1.totals.client == TokenTotals(108, 350)
+    assert key1.totals.operator == TokenTotals(116, 0)
+
+    qwen = await filled.query(model="qwen")
+    assert (qwen.totals.requests, qwen.totals.attempts) == (1, 3)
+    assert qwen.totals.outcomes == {"completed": 1, "failed": 2, "aborted": 0, "cancelled": 0}
+
+    both = await filled.query(attribution="key-2", model="llama", since=T0 + 35)
+    assert [row.key for row in both.rows] == [("r2", 2)]
+    assert (await filled.query(attribution="key-2", model="qwen")).totals.attempts == 0
+    assert (await filled.query(model="served-name-is-not-a-group")).rows == ()
+
+
+async def test_limit_truncates_rows_not_totals(filled: UsageLedger) -> None:
+    report = await filled.query(limit=2)
+    assert [row.key for row in report.rows] == [("r3", 3), ("r3", 2)]
+    assert report.truncated
+    assert report.totals.attempts == 7
+    only_totals = await filled.query(limit=0)
+    assert only_totals.rows == ()
+    assert only_totals.truncated
+    assert not (await filled.query(limit=7)).truncated
+
+
+async def test_query_arguments_are_checked(filled: UsageLedger) -> None:
+    with pytest.raises(ValueError, match="limit"):
+        await filled.query(limit=MAX_QUERY_LIMIT + 1)
+    with pytest.raises(ValueError, match="since"):
+        await filled.query(since=T0 + 1, until=T0)
+
+
+async def test_report_json(filled: UsageLedger) -> None:
+    report = await filled.query(attribution="key-2", limit=1)
+    body = orjson.loads(usage_report_json(report))
+    assert body["query"] == {
+        "since": None,
+        "until": None,
+        "attribution": "key-2",
+        "model": None,
+        "limit": 1,
+    }
+    assert body["truncated"] is True
+    assert body["totals"] == {
+        "requests": 1,
+        "attempts": 2,
+        "prompt_tokens": 80,
+        "completion_tokens": 12,
+        "total_tokens": 92,
+        "billable": {
+            "client": {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47},
+            "operator": {"prompt_tokens": 40, "completion_tokens": 5, "total_tokens": 45},
+        },
+        "estimated": {"prompt_tokens": 80, "completion_tokens": 12, "total_tokens": 92},
+        "outcomes": {"completed": 0, "failed": 0, "aborted": 1, "cancelled": 1},
+    }
+    assert body["rows"] == [attrs.asdict(DATASET[3])]
+
+
+# ------------------------------------------------------------------ the query string
+
+
+@pytest.mark.parametrize(
+    ("query_string", "expected"),
+    [
+        ("", {}),
+        ("?", {}),
+        ("since=1700000000&until=1700000060.5", {"since": T0, "until": T0 + 60.5}),
+        ("since=2023-11-14T22:13:20Z", {"since": T0}),
+        ("since=2023-11-14T22:13:20", {"since": T0}),  # no zone: UTC
+        ("since=2023-11-15T00:13:20%2B02:00", {"since": T0}),
+        ("since=2023-11-14", {"since": T0 - 22 * 3600 - 13 * 60 - 20}),
+        ("attribution=key%201&model=llama", {"attribution": "key 1", "model": "llama"}),
+        ("limit=0", {"limit": 0}),
+        (f"limit={MAX_QUERY_LIMIT}", {"limit": MAX_QUERY_LIMIT}),
+    ],
+)
+def test_parse_usage_query(query_string: str, expected: dict[str, Any]) -> None:
+    assert parse_usage_query(query_string) == expected
+
+
+@pytest.mark.parametrize(
+    ("query_string", "bad"),
+    [
+        ("since=yesterday", "since"),
+        ("until=nan", "until"),
+        ("until=inf", "until"),
+        ("since=", "since"),
+        ("model=a&model=b", "model"),
+        ("modle=llama", "modle"),
+        ("limit=-1", "limit"),
+        ("limit=ten", "limit"),
+        ("limit=1.5", "limit"),
+        (f"limit={MAX_QUERY_LIMIT + 1}", "limit"),
+        ("since=1700000060&until=1700000000", "until"),
+    ],
+)
+def test_parse_usage_query_names_the_bad_parameter(query_string: str, bad: str) -> None:
+    with pytest.raises(ValueError, match=f"^{bad}: "):
+        parse_usage_query(query_string)
+
+
+async def test_parsed_query_feeds_the_ledger(filled: UsageLedger) -> None:
+    query = parse_usage_query("model=llama&since=2023-11-14T22:13:40Z&limit=1")
+    report = await filled.query(**query)
+    assert report.totals.attempts == 3
+    assert [row.key for row in report.rows] == [("r2", 2)]
+
+
+# ------------------------------------------------------------------ Hypothesis
+
+keys = st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 3))
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), keys),
+        st.tuples(st.just("flush"), st.none()),
+        st.tuples(st.just("yield"), st.none()),
+    ),
+    max_size=40,
+)
+
+
+@given(
+    ops=operations,
+    recent_keys=st.sampled_from([0, 1, 3, RECENT_KEYS]),
+    max_batch=st.integers(1, 5),
+)
+def test_exactly_one_row_per_key(
+    ops: list[tuple[str, tuple[str, int] | None]], recent_keys: int, max_batch: int
+) -> None:
+    """However records, flushes and writer turns interleave: the database ends with one row
+    per distinct key -- the first one recorded -- and every duplicate is either refused by
+    `record` or dropped at write time. With a window covering every key, `record` itself
+    raises exactly for the duplicates."""
+
+    async def scenario() -> None:
+        first: dict[tuple[str, int], UsageRow] = {}
+        raised: list[bool] = []
+        expected_raise: list[bool] = []
+        async with open_usage_ledger(
+            recent_keys=recent_keys, max_batch=max_batch, batch_interval=0
+        ) as ledger:
+            for serial, (op, key) in enumerate(ops):
+                if op == "flush":
+                    await ledger.flush()
+                elif op == "yield":
+                    await trio.sleep(0)
+                else:
+                    assert key is not None
+                    row = make_row(key[0], key[1], prompt_tokens=serial)
+                    expected_raise.append(key in first)
+                    first.setdefault(key, row)
+                    try:
+                        ledger.record(row)
+                    except DuplicateUsageRow:
+                        raised.append(True)
+                    else:
+                        raised.append(False)
+            report = await ledger.query(limit=MAX_QUERY_LIMIT)
+            stats = ledger.statistics()
+
+        assert sorted(report.rows, key=lambda r: r.key) == sorted(
+            first.values(), key=lambda r: r.key
+        )
+        duplicates = sum(expected_raise)
+        # record() never raises for a first occurrence.
+        assert not any(r and not e for r, e in zip(raised, expected_raise, strict=True))
+        assert stats.duplicates_refused == sum(raised)
+        assert stats.duplicates_refused + stats.duplicates_dropped == duplicates
+        assert stats.rows_written == len(first)
+        assert (stats.rows_pending, stats.rows_lost, stats.write_errors) == (0, 0, 0)
+        if recent_keys >= len(first):
+            assert raised == expected_raise
+            assert stats.duplicates_dropped == 0
+
+    trio.run(scenario)
+
+
+# ------------------------------------------------------------------ logging hygiene
+
+
+@pytest.fixture(autouse=True)
+def _usage_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="dispatcher.usage")
