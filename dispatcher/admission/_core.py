@@ -330,6 +330,8 @@ class AdmissionCore:
             )
             return decisions
         self._enqueue(waiter)
+        if waiter.deadline <= self._now:  # queue_timeout_s == 0: no waiting at all
+            decisions.extend(self._advance(self._now))
         return decisions
 
     def cancel(self, waiter_id: WaiterId, now: float) -> list[Decision]:
@@ -770,6 +772,8 @@ class AdmissionCore:
         return None
 
     def _advance(self, now: float) -> list[Decision]:
+        """Expire everything due at ``now``, in time order (a waiter due at the same time as
+        a drain times out first: nobody is admitted at or after its deadline)."""
         self._now = max(self._now, float(now))
         decisions: list[Decision] = []
         while True:
@@ -778,7 +782,7 @@ class AdmissionCore:
             if (
                 drain_due is not None
                 and drain_due <= self._now
-                and (waiter_due is None or drain_due <= waiter_due)
+                and (waiter_due is None or drain_due < waiter_due)
             ):
                 _, slot_id = heapq.heappop(self._drains)
                 self._drains_expired += 1

@@ -605,3 +605,13 @@ def test_many_cancelled_waiters_are_compacted() -> None:
     assert depth(core) == 1
     assert only_admit(core.release(slot, 1.0)).waiter_id == 1999
     assert core.next_deadline() is None
+
+
+def test_a_waiter_due_when_a_drain_expires_times_out_first() -> None:
+    core = core_with(cand(), policy=Policy(queue_timeout_s=4, drain_timeout_s=3))
+    slot = only_admit(core.submit(0, "m", Needs(), 0.0)).slot_id
+    assert core.submit(1, "m", Needs(), 0.0) == []  # due at 4
+    assert core.submit(2, "m", Needs(), 1.0) == []  # due at 5
+    core.begin_drain(slot, 1.0)  # expires at 4
+    decisions = core.tick(4.0)
+    assert [(d.waiter_id, type(d).__name__) for d in decisions] == [(1, "Reject"), (2, "Admit")]

@@ -1,0 +1,633 @@
+"""A Hypothesis state machine over the admission core, checked against a small model.
+
+The model does not re-implement selection; it keeps the facts (live candidates and
+generations, slots and their class, queued waiters with their order and deadline) and checks
+every decision the core returns against the rules of ``docs/admission.md``:
+
+* capacity: in use + draining never exceeds a candidate's limits (total and per class),
+  except right after the limits were lowered below the occupancy; and no admission happens
+  unless the candidate had room in the waiter's class;
+* FIFO: an admitted waiter never overtakes an older queued waiter of its group and class
+  that could have used the same candidate;
+* never a stale generation, never a candidate that fails the waiter's needs;
+* work-conserving: no queued waiter could use a candidate with room in its class;
+* every waiter ends exactly once; timeouts and drain deadlines fire in time order;
+* the core's statistics and next deadline agree with the model;
+* teardown: after releasing everything and letting time pass, nothing is in use, draining
+  or queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+
+from dispatcher.admission import (
+    AdmissionCore,
+    Admit,
+    Candidate,
+    CandidateKey,
+    Decision,
+    Needs,
+    Policy,
+    PolicySnapshot,
+    Reject,
+    RequestClass,
+    WaiterId,
+)
+
+NODES = ("n1", "n2", "n3")
+PROVIDERS = ("p1", "p2")
+GROUPS = ("g1", "g2")
+MODELS = ("g1", "g2", "alias1", "g3", "nope")  # g3: known to the policy only; nope: unknown
+CAPABILITIES = ("tools", "json", "vision")
+
+
+def _not_p2(candidate: Candidate) -> str | None:
+    return "p2 is excluded by the caller" if candidate.provider_id == "p2" else None
+
+
+def _only_n1(candidate: Candidate) -> str | None:
+    return None if candidate.node_id == "n1" else "not n1"
+
+
+PREDICATES: tuple[Callable[[Candidate], str | None] | None, ...] = (None, _not_p2, _only_n1)
+
+
+def _policy(
+    max_queue: int = 3,
+    timeout: float = 10.0,
+    cap: int | None = None,
+    long_tokens: int | None = 3000,
+    drain: float = 3.0,
+) -> Policy:
+    return Policy(
+        max_queue=max_queue,
+        queue_timeout_s=timeout,
+        per_candidate_cap=cap,
+        long_context_tokens=long_tokens,
+        drain_timeout_s=drain,
+        retry_after_s=1.0,
+    )
+
+
+POLICIES = (
+    PolicySnapshot(
+        default=_policy(),
+        groups={"g3": _policy(timeout=4.0)},
+        aliases={"alias1": "g1"},
+    ),
+    PolicySnapshot(
+        default=_policy(max_queue=6, timeout=5.0, cap=1, long_tokens=None, drain=1.0),
+        groups={"g2": _policy(max_queue=1, timeout=0.0), "g3": _policy()},
+        aliases={"alias1": "g2"},
+    ),
+    PolicySnapshot(
+        default=_policy(max_queue=0, cap=2, long_tokens=5000),
+        groups={"g1": _policy(max_queue=4, timeout=2.0, long_tokens=1000)},
+    ),
+)
+
+# Mostly plain needs, so that requests compete for the same slots and queues form.
+rarely = st.sampled_from([False, False, False, True])
+needs_strategy = st.builds(
+    Needs,
+    tools=rarely,
+    json=rarely,
+    vision=rarely,
+    estimated_tokens=st.sampled_from([0, 0, 500, 1500, 4000, 6000]),
+    predicate=st.sampled_from((None, None, None, *PREDICATES[1:])),
+    session_id=st.sampled_from([None, "s1", "s2"]),
+)
+
+
+@attrs.define
+class MWaiter:
+    id: WaiterId
+    group: str
+    needs: Needs
+    retry: bool
+    seq: int
+    deadline: float
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (0 if self.retry else 1, self.seq)
+
+
+@attrs.define
+class MSlot:
+    key: CandidateKey
+    klass: RequestClass
+    draining: bool = False
+    deadline: float = 0.0
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = POLICIES[0]
+        self.core = AdmissionCore(self.policy)
+        self.now = 0.0
+        self.expired_now = True
+        self.candidates: dict[CandidateKey, Candidate] = {}
+        self.nodes: dict[str, tuple[int, bool]] = {}
+        self.served: set[str] = set()
+        self.queued: dict[WaiterId, MWaiter] = {}
+        self.slots: dict[int, MSlot] = {}
+        self.slot_ids_seen: set[int] = set()
+        self.over: set[CandidateKey] = set()
+        self.submitted: set[WaiterId] = set()
+        self.ended: set[WaiterId] = set()
+        self.ids = itertools.count()
+
+    # ------------------------------------------------------------------ model helpers
+
+    def group_policy(self, group: str) -> Policy:
+        return self.policy.policy_for(group)
+
+    def klass(self, waiter: MWaiter) -> RequestClass:
+        return waiter.needs.request_class(self.group_policy(waiter.group).long_context_tokens)
+
+    def group_candidates(self, group: str) -> list[Candidate]:
+        return [c for c in self.candidates.values() if c.model == group]
+
+    def limits(self, key: CandidateKey) -> tuple[int, int, int]:
+        candidate = self.candidates[key]
+        policy = self.group_policy(candidate.model)
+        total = candidate.slots
+        if policy.per_candidate_cap is not None:
+            total = min(total, policy.per_candidate_cap)
+        if policy.long_context_tokens is None:
+            return total, total, 0
+        long = min(candidate.long_context_slots, total)
+        return total, total - long, long
+
+    def occupancy(self, key: CandidateKey) -> tuple[int, int]:
+        short = sum(1 for s in self.slots.values() if s.key == key and s.klass == "short")
+        long = sum(1 for s in self.slots.values() if s.key == key and s.klass == "long")
+        return short, long
+
+    def within(self, key: CandidateKey) -> bool:
+        total, short_limit, long_limit = self.limits(key)
+        short, long = self.occupancy(key)
+        return short + long <= total and short <= short_limit and long <= long_limit
+
+    def has_room(self, key: CandidateKey, klass: RequestClass) -> bool:
+        total, short_limit, long_limit = self.limits(key)
+        short, long = self.occupancy(key)
+        limit, used = (short_limit, short) if klass == "short" else (long_limit, long)
+        return short + long < total and used < limit
+
+    def fits(self, waiter: MWaiter, candidate: Candidate) -> bool:
+        return waiter.needs.unfit(candidate, self.klass(waiter)) is None
+
+    def note_limits_changed(self) -> None:
+        for key in self.candidates:
+            if not self.within(key):
+                self.over.add(key)
+
+    def end(self, waiter_id: WaiterId) -> None:
+        assert waiter_id in self.submitted, waiter_id
+        assert waiter_id not in self.ended, f"waiter {waiter_id!r} ended twice"
+        self.ended.add(waiter_id)
+        self.queued.pop(waiter_id, None)
+
+    def void_node(self, node: str, generation: int) -> None:
+        for key in [k for k in self.candidates if (k.node_id, k.generation) == (node, generation)]:
+            del self.candidates[key]
+            self.over.discard(key)
+        for slot_id in [i for i, s in self.slots.items() if s.key.node_id == node]:
+            if self.slots[slot_id].key.generation == generation:
+                del self.slots[slot_id]
+
+    # ------------------------------------------------------------------ decision checks
+
+    def check_admit(self, admit: Admit, waiter: MWaiter) -> None:
+        key = admit.candidate.key
+        assert key in self.candidates, f"admitted to a candidate that is gone: {key}"
+        assert self.candidates[key] == admit.candidate
+        generation, joined = self.nodes[key.node_id]
+        assert joined, "admitted to a node that left"
+        assert generation == key.generation, "admitted to a stale generation"
+        klass = self.klass(waiter)
+        assert admit.request_class == klass
+        assert self.fits(waiter, admit.candidate), "admitted to a candidate failing the needs"
+        assert self.has_room(key, klass), f"admitted beyond the limits of {key}"
+        for other in self.queued.values():
+            if (
+                other.id != waiter.id
+                and other.group == waiter.group
+                and self.klass(other) == klass
+                and other.order < waiter.order
+                and self.fits(other, admit.candidate)
+            ):
+                raise AssertionError(f"{waiter.id!r} overtook older waiter {other.id!r}")
+        if waiter.id in self.queued:
+            assert admit.reason == ("requeued" if waiter.retry else "queued"), admit
+            assert admit.queued_for >= 0
+        self.end(waiter.id)
+        assert admit.slot_id not in self.slot_ids_seen, "slot id reused"
+        self.slot_ids_seen.add(admit.slot_id)
+        self.slots[admit.slot_id] = MSlot(key=key, klass=klass)
+
+    def check_reresolve_reject(self, reject: Reject) -> None:
+        waiter = self.queued[reject.waiter_id]
+        assert reject.cause == "no_capable_candidate", reject
+        candidates = self.group_candidates(waiter.group)
+        assert candidates, "rejected for capability with no candidate at all"
+        assert not any(self.fits(waiter, c) for c in candidates)
+        assert len(reject.reasons) == len(candidates)
+        self.end(waiter.id)
+
+    def check_queued_decision(self, decision: Decision) -> None:
+        assert decision.waiter_id in self.queued, f"decision for a waiter not queued: {decision}"
+        event(f"queued waiter -> {decision.__class__.__name__}")
+        waiter = self.queued[decision.waiter_id]
+        if isinstance(decision, Admit):
+            self.check_admit(decision, waiter)
+        else:
+            self.check_reresolve_reject(decision)
+
+    def expire(self, decisions: deque[Decision]) -> None:
+        """Replay what the core expires at ``now``, in time order, consuming the decisions
+        each expiry produced."""
+        events: list[tuple[float, int, int, WaiterId]] = [
+            (w.deadline, 0, w.seq, w.id) for w in self.queued.values() if w.deadline <= self.now
+        ]
+        events += [
+            (s.deadline, 1, slot_id, slot_id)
+            for slot_id, s in self.slots.items()
+            if s.draining and s.deadline <= self.now
+        ]
+        events.sort(key=lambda e: e[:3])
+        for _, kind, _, ident in events:
+            if kind == 0:
+                if ident not in self.queued:
+                    continue
+                assert decisions, f"waiter {ident!r} past its deadline was not rejected"
+                reject = decisions.popleft()
+                assert isinstance(reject, Reject), reject
+                assert (reject.waiter_id, reject.cause) == (ident, "timeout"), reject
+                assert reject.retry_after is not None
+                self.end(ident)
+            else:
+                assert isinstance(ident, int)
+                slot = self.slots.pop(ident, None)
+                if slot is None or not slot.draining:
+                    continue
+                while decisions:
+                    head = decisions[0]
+                    if not (
+                        isinstance(head, Admit)
+                        and head.candidate.key == slot.key
+                        and head.waiter_id in self.queued
+                        and self.has_room(slot.key, self.klass(self.queued[head.waiter_id]))
+                    ):
+                        break
+                    self.check_queued_decision(decisions.popleft())
+        self.expired_now = True
+
+    def run(self, decisions: Sequence[Decision]) -> deque[Decision]:
+        pending = deque(decisions)
+        self.expire(pending)
+        return pending
+
+    def finish(self, pending: Iterable[Decision]) -> None:
+        for decision in pending:
+            self.check_queued_decision(decision)
+        for key in list(self.over):
+            if key not in self.candidates or self.within(key):
+                self.over.discard(key)
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(
+        model=st.sampled_from(MODELS),
+        needs=needs_strategy,
+        requeue=st.booleans(),
+        data=st.data(),
+    )
+    def submit(self, model: str, needs: Needs, requeue: bool, data: st.DataObject) -> None:
+        exclude_some: bool = data.draw(rarely, label="exclude some")
+        if self.candidates and exclude_some:
+            keys = sorted(self.candidates)
+            needs = attrs.evolve(
+                needs, exclude=frozenset(data.draw(st.sets(st.sampled_from(keys), max_size=2)))
+            )
+        self.do_submit(model, needs, requeue)
+
+    @rule(
+        model=st.sampled_from(GROUPS),
+        needs=st.sampled_from([Needs(), Needs(estimated_tokens=4000), Needs(session_id="s1")]),
+    )
+    def submit_plain(self, model: str, needs: Needs) -> None:
+        """The common request, more often: it makes requests compete and queues form."""
+        self.do_submit(model, needs, False)
+
+    def do_submit(self, model: str, needs: Needs, requeue: bool) -> None:
+        n = next(self.ids)
+        waiter_id: WaiterId = n if n % 2 else f"w{n}"
+        self.submitted.add(waiter_id)
+        pending = self.run(self.core.submit(waiter_id, model, needs, self.now, requeue=requeue))
+        group = self.policy.resolve(model)
+        policy = self.group_policy(group)
+        waiter = MWaiter(
+            id=waiter_id,
+            group=group,
+            needs=needs,
+            retry=requeue,
+            seq=n,
+            deadline=self.now + policy.queue_timeout_s,
+        )
+        own = [d for d in pending if d.waiter_id == waiter_id]
+        rest = [d for d in pending if d.waiter_id != waiter_id]
+        candidates = self.group_candidates(group)
+        klass = self.klass(waiter)
+        if group not in self.served and not self.policy.knows(group):
+            [reject] = own
+            assert isinstance(reject, Reject), reject
+            assert reject.cause == "unknown_model", reject
+            self.end(waiter_id)
+        elif candidates and not any(self.fits(waiter, c) for c in candidates):
+            [reject] = own
+            assert isinstance(reject, Reject), reject
+            assert reject.cause == "no_capable_candidate", reject
+            expected = [needs.unfit(c, klass) for c in candidates]
+            assert sorted(reject.reasons) == sorted(r for r in expected if r is not None)
+            self.end(waiter_id)
+        elif any(self.fits(waiter, c) and self.has_room(c.key, klass) for c in candidates):
+            [admit] = own
+            assert isinstance(admit, Admit), admit
+            assert admit.reason == ("requeued" if requeue else "immediate")
+            assert admit.queued_for == 0
+            self.check_admit(admit, waiter)
+        elif not requeue and sum(w.group == group for w in self.queued.values()) >= (
+            policy.max_queue
+        ):
+            [reject] = own
+            assert isinstance(reject, Reject), reject
+            assert reject.cause == "queue_full", reject
+            assert reject.retry_after == policy.retry_after_s
+            self.end(waiter_id)
+        elif waiter.deadline <= self.now:
+            [reject] = own
+            assert isinstance(reject, Reject), reject
+            assert reject.cause == "timeout", reject
+            self.end(waiter_id)
+        else:
+            assert own == [], own
+            self.queued[waiter_id] = waiter
+        assert rest == [], rest
+        event(f"submit -> {own[0].__class__.__name__ if own else 'queued'}")
+
+    @precondition(lambda self: self.queued)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        waiter_id = data.draw(st.sampled_from(sorted(self.queued, key=str)))
+        pending = self.run(self.core.cancel(waiter_id, self.now))
+        if waiter_id in self.queued:
+            self.end(waiter_id)
+        assert not pending, pending
+        assert not self.core.is_queued(waiter_id)
+
+    @rule(waiter=st.integers(0, 50))
+    def cancel_unknown(self, waiter: int) -> None:
+        if waiter in self.queued:
+            return
+        assert not self.run(self.core.cancel(waiter, self.now))
+
+    @precondition(lambda self: self.slot_ids_seen)
+    @rule(data=st.data(), confirm=st.booleans())
+    def release(self, data: st.DataObject, confirm: bool) -> None:
+        # Any slot id ever issued: released or void ones must be no-ops.
+        slot_id = data.draw(st.sampled_from(sorted(self.slot_ids_seen)))
+        if data.draw(st.booleans(), label="prefer a live slot") and self.slots:
+            slot_id = data.draw(st.sampled_from(sorted(self.slots)))
+        method = self.core.confirm_drain if confirm else self.core.release
+        pending = self.run(method(slot_id, self.now))
+        if slot_id in self.slots:
+            del self.slots[slot_id]
+        else:
+            assert not pending, pending
+        self.finish(pending)
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data())
+    def begin_drain(self, data: st.DataObject) -> None:
+        slot_id = data.draw(st.sampled_from(sorted(self.slots)))
+        pending = self.run(self.core.begin_drain(slot_id, self.now))
+        slot = self.slots.get(slot_id)
+        if slot is not None and not slot.draining:
+            slot.draining = True
+            group = self.candidates[slot.key].model
+            slot.deadline = self.now + self.group_policy(group).drain_timeout_s
+        assert not pending, pending
+
+    def announce(self, node: str, generation: int, data: st.DataObject) -> list[Candidate]:
+        providers = data.draw(st.sets(st.sampled_from(PROVIDERS), min_size=1), label="providers")
+        candidates = []
+        for provider in sorted(providers):
+            for group in sorted(data.draw(st.sets(st.sampled_from(GROUPS), min_size=1))):
+                candidates.append(
+                    Candidate(
+                        node_id=node,
+                        generation=generation,
+                        provider_id=provider,
+                        provider_type="t",
+                        adapter="a",
+                        model=group,
+                        served_model=group + "-served",
+                        capabilities=data.draw(
+                            st.just(CAPABILITIES) | st.sets(st.sampled_from(CAPABILITIES))
+                        ),
+                        slots=data.draw(st.sampled_from([1, 1, 2, 2, 3, 0])),
+                        long_context_slots=data.draw(st.sampled_from([1, 1, 0, 2])),
+                        context_window=data.draw(st.sampled_from([None, None, 5000, 1000])),
+                    )
+                )
+        return candidates
+
+    def joined(self, candidates: list[Candidate], superseded: tuple[str, int] | None) -> None:
+        if superseded is not None:
+            self.void_node(*superseded)
+        for candidate in candidates:
+            self.nodes[candidate.node_id] = (candidate.generation, True)
+            self.candidates[candidate.key] = candidate
+            self.served.add(candidate.model)
+        self.note_limits_changed()
+
+    @rule(node=st.sampled_from(NODES), data=st.data())
+    def node_joined(self, node: str, data: st.DataObject) -> None:
+        """A node joins (new generation) or re-announces in its current session."""
+        generation, joined = self.nodes.get(node, (0, False))
+        if not joined:
+            generation += 1
+        candidates = self.announce(node, generation, data)
+        decisions = self.core.node_joined(candidates, self.now)
+        pending = self.run(decisions)
+        self.joined(candidates, None)
+        self.finish(pending)
+
+    @precondition(lambda self: any(joined for _, joined in self.nodes.values()))
+    @rule(data=st.data())
+    def rejoin(self, data: st.DataObject) -> None:
+        """A joined node reconnects with a new generation before its old session ended."""
+        node = data.draw(st.sampled_from(sorted(n for n, (_, j) in self.nodes.items() if j)))
+        generation = self.nodes[node][0]
+        candidates = self.announce(node, generation + 1, data)
+        pending = self.run(self.core.node_joined(candidates, self.now))
+        self.joined(candidates, (node, generation))
+        self.finish(pending)
+
+    @precondition(lambda self: self.nodes)
+    @rule(data=st.data())
+    def stale_join(self, data: st.DataObject) -> None:
+        """An announcement of a generation that is older, or that already left."""
+        node = data.draw(st.sampled_from(sorted(self.nodes)))
+        generation, joined = self.nodes[node]
+        stale = generation - 1 if joined else generation
+        if stale < 1:
+            return
+        before = dict(self.candidates)
+        candidates = self.announce(node, stale, data)
+        assert not self.run(self.core.node_joined(candidates, self.now))
+        assert self.candidates == before
+
+    @precondition(lambda self: self.nodes)
+    @rule(data=st.data(), stale=st.booleans())
+    def node_left(self, data: st.DataObject, stale: bool) -> None:
+        node = data.draw(st.sampled_from(sorted(self.nodes)))
+        generation = self.nodes[node][0]
+        if stale:
+            generation -= 1
+        pending = self.run(self.core.node_left(node, generation, self.now))
+        if not stale:
+            self.nodes[node] = (generation, False)
+        self.void_node(node, generation)
+        self.finish(pending)
+
+    @precondition(lambda self: self.candidates)
+    @rule(data=st.data(), slots=st.integers(0, 3), long=st.integers(0, 2), stale=st.booleans())
+    def capacity_changed(self, data: st.DataObject, slots: int, long: int, stale: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(self.candidates)))
+        if stale:
+            key = attrs.evolve(key, generation=key.generation - 1)
+        pending = self.run(self.core.capacity_changed(key, slots, long, self.now))
+        if key in self.candidates:
+            self.candidates[key] = attrs.evolve(
+                self.candidates[key], slots=slots, long_context_slots=long
+            )
+            self.note_limits_changed()
+        else:
+            assert not pending
+        self.finish(pending)
+
+    @rule(index=st.integers(0, len(POLICIES) - 1))
+    def set_policy(self, index: int) -> None:
+        pending = self.run(self.core.set_policy(POLICIES[index], self.now))
+        self.policy = POLICIES[index]
+        self.note_limits_changed()
+        self.finish(pending)
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 11.0]), tick=st.booleans())
+    def advance(self, dt: float, tick: bool) -> None:
+        self.now += dt
+        if tick:
+            pending = self.run(self.core.tick(self.now))
+            assert not pending, pending
+        else:
+            self.expired_now = dt == 0 and self.expired_now
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def capacity(self) -> None:
+        for key in self.candidates:
+            assert self.within(key) or key in self.over, f"{key} over its limits"
+
+    @invariant()
+    def work_conserving(self) -> None:
+        if not self.expired_now:
+            return  # a timeout is due but no input has happened yet
+        for waiter in self.queued.values():
+            candidates = self.group_candidates(waiter.group)
+            assert not candidates or any(self.fits(waiter, c) for c in candidates), (
+                f"{waiter.id!r} queued with no capable candidate"
+            )
+            for candidate in candidates:
+                assert not (
+                    self.fits(waiter, candidate)
+                    and self.has_room(candidate.key, self.klass(waiter))
+                ), f"{waiter.id!r} waits while {candidate.key} has room for it"
+            assert waiter.deadline > self.now
+
+    @invariant()
+    def statistics_agree(self) -> None:
+        stats = self.core.statistics()
+        for group in ("g1", "g2", "g3"):
+            short = sum(
+                1 for w in self.queued.values() if w.group == group and self.klass(w) == "short"
+            )
+            long = sum(
+                1 for w in self.queued.values() if w.group == group and self.klass(w) == "long"
+            )
+            found = stats.groups.get(group)
+            assert ((found.short, found.long) if found else (0, 0)) == (short, long)
+        assert set(stats.candidates) == set(self.candidates)
+        for key, candidate_stats in stats.candidates.items():
+            in_use = [s for s in self.slots.values() if s.key == key and not s.draining]
+            draining = [s for s in self.slots.values() if s.key == key and s.draining]
+            assert candidate_stats.in_use == len(in_use)
+            assert candidate_stats.draining == len(draining)
+            assert candidate_stats.long_in_use == sum(s.klass == "long" for s in in_use)
+            assert candidate_stats.long_draining == sum(s.klass == "long" for s in draining)
+            assert (candidate_stats.total, candidate_stats.long_total) == (
+                self.limits(key)[0],
+                self.limits(key)[2],
+            )
+        for waiter_id in self.queued:
+            assert self.core.is_queued(waiter_id)
+        for slot_id in self.slot_ids_seen:
+            slot = self.slots.get(slot_id)
+            expected = None if slot is None else ("draining" if slot.draining else "in_use")
+            assert self.core.slot_state(slot_id) == expected
+
+    @invariant()
+    def next_deadline_agrees(self) -> None:
+        times = [w.deadline for w in self.queued.values()]
+        times += [s.deadline for s in self.slots.values() if s.draining]
+        assert self.core.next_deadline() == (min(times) if times else None)
+
+    def teardown(self) -> None:
+        for _ in range(100):
+            if not self.slots and not self.queued:
+                break
+            for slot_id in sorted(self.slots):
+                if slot_id in self.slots:
+                    pending = self.run(self.core.release(slot_id, self.now))
+                    self.slots.pop(slot_id, None)  # unless its drain just expired
+                    self.finish(pending)
+            if not self.slots:
+                self.now += 100.0
+                assert not self.run(self.core.tick(self.now))
+        stats = self.core.statistics()
+        assert (stats.in_use, stats.draining, stats.waiting) == (0, 0, 0)
+        assert self.core.next_deadline() is None
+        assert not self.queued
+        assert self.ended == self.submitted
+
+
+TestAdmissionCore = AdmissionMachine.TestCase
+TestAdmissionCore.settings = settings(settings(), stateful_step_count=60)
