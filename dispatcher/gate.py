@@ -37,7 +37,7 @@ import trio
 
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
-from .errors import DispatcherError, RunError, RunFailedError
+from .errors import RunError
 from .pool import DispatchRequest, DispatchResult, Pool
 from .runs import Run, RunSpec
 from .usage import UsageRow
@@ -423,15 +423,6 @@ def _estimate_prompt(body: dict[str, Any]) -> int:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         chars += len(part["text"])
     return _estimate_tokens(chars)
-
-
-def failure_event_error(event: wire.RunEvent) -> DispatcherError | None:
-    """The client-facing error for a terminal event after commit, if it is a failure."""
-    if isinstance(event, wire.RunFailed):
-        return RunFailedError(event.message, code=event.code, retryable=event.retryable)
-    if isinstance(event, wire.RunCancelled):
-        return RunFailedError("the node cancelled the run", code="cancelled", retryable=True)
-    return None
 
 
 __all__: Sequence[str] = (

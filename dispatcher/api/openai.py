@@ -18,7 +18,7 @@ import trio
 
 from .. import wire
 from ..admission import AdmissionError
-from ..errors import BadRequest, RunError, RunFailedError, openai_error_object
+from ..errors import BadRequest, RunError, openai_error_object
 from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, Request, Responder
 from ..pool import DispatchRequest, TunnelUnavailable
@@ -110,14 +110,6 @@ def _usage_object(usage: wire.Usage | None) -> dict[str, int]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
-
-
-def _failure(event: wire.RunFailed) -> RunFailedError:
-    return RunFailedError(
-        f"the model run failed: {event.message} ({event.code})",
-        code=event.code,
-        retryable=event.retryable,
-    )
 
 
 async def chat_completions(
