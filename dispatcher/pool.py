@@ -108,9 +108,7 @@ class Pool:
             predicate=request.predicate,
             exclude=request.exclude,
         )
-        async with self.admission.open_slot(
-            request.model, needs, requeue=request.requeue
-        ) as slot:
+        async with self.admission.open_slot(request.model, needs, requeue=request.requeue) as slot:
             candidate = slot.candidate
             if self.on_admitted is not None:
                 self.on_admitted(candidate.model, slot.request_class, slot.queue_wait)
