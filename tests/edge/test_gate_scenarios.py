@@ -287,3 +287,73 @@ async def _scenario(
         assert len(rows) == len(dispatched)
         assert len({(r.request_id, r.attempt) for r in rows}) == len(rows)
         assert sum(r.billable_to == "client" for r in rows) == len(commits)
+
+
+async def test_client_leaving_between_admission_and_dispatch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Cancelled while admitted (a slot held, the per-attempt hook running, nothing sent):
+    the slot is released, the node never hears of the run, and there is no usage row."""
+    async with open_gate_dispatcher() as (d, rows):
+        node = await connect(d, hello(slots=1))
+        in_hook = trio.Event()
+
+        async def slow_hook(number: int, candidate: Any, spec: Any) -> Any:
+            in_hook.set()
+            await trio.sleep_forever()
+
+        gated = attrs.evolve(request(), prepare=slow_hook)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.answer_pings)
+            with trio.move_on_after(5) as client:
+                async with d.gate.open(gated):
+                    pytest.fail("dispatched despite the hook never returning")
+            assert client.cancelled_caught
+            assert in_hook.is_set()
+            nursery.cancel_scope.cancel()
+        stats = d.admission.statistics()
+        assert (stats.in_use, stats.draining, stats.waiting) == (0, 0, 0)
+        assert sum(stats.admissions.values()) == 1
+    assert not [m for m in node.seen if isinstance(m, wire.RunRequest)]
+    assert rows == []
+
+
+async def test_per_attempt_hook_is_called_fresh_for_every_attempt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_gate_dispatcher(max_attempts=3) as (d, rows):
+        bad = await connect(d, hello("bad", slots=1))
+        good = await connect(d, hello("good", slots=1))
+        calls: list[tuple[int, str]] = []
+
+        async def hook(number: int, candidate: Any, spec: Any) -> Any:
+            calls.append((number, candidate.node_id))
+            return attrs.evolve(spec, body={**spec.body, "x-attempt": number})
+
+        async def serve(node: ScriptedNode, fail: bool) -> None:
+            run = await node.receive_run()
+            assert run.body["x-attempt"] == (1 if fail else 2)
+            if fail:
+                await node.emit(
+                    run.run_id, ("run.failed", {"code": "x", "message": "no", "retryable": True})
+                )
+            else:
+                await node.emit(run.run_id, ("run.delta", {"text": "ok"}), ("run.completed", {}))
+
+        first = attrs.evolve(
+            request(),
+            prepare=hook,
+            dispatch=attrs.evolve(
+                request().dispatch,
+                predicate=lambda c: None if c.node_id == "bad" or calls else "not yet",
+            ),
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve, bad, True)
+            nursery.start_soon(serve, good, False)
+            async with d.gate.open(first) as answer:
+                assert isinstance(answer, Answer)
+                assert answer.attempts == 2
+                _ = [event async for event in answer]
+    assert calls == [(1, "bad"), (2, "good")]
+    assert [(r.attempt, r.outcome) for r in rows] == [(1, "aborted"), (2, "completed")]
