@@ -10,7 +10,7 @@ Direction::
                    run.completed, run.failed, run.cancelled,
                    tunnel.start, tunnel.end, (binary) tunnel data
     edge -> node   welcome, ping, run.request, run.cancel,
-                   tunnel.request, tunnel.cancel, (binary) tunnel data
+                   tunnel.request, tunnel.credit, tunnel.cancel, (binary) tunnel data
 
 Every run event carries the ``run_id`` the edge chose and a per-run ``seq`` starting at 0.
 Exactly one terminal event (completed, failed, cancelled) ends a run.
@@ -36,6 +36,9 @@ MAX_FRAME_SIZE: Final = 4 * 1024 * 1024
 """Largest frame either side sends or accepts, text or binary, in bytes."""
 MAX_TUNNEL_CHUNK: Final = 64 * 1024
 """Largest tunnel body piece in one binary frame."""
+DEFAULT_TUNNEL_WINDOW: Final = 256 * 1024
+"""Response body bytes a node may send on a tunnel before the edge grants more
+(``tunnel.request.window``, then ``tunnel.credit``)."""
 
 ExecutionPath: TypeAlias = Literal["normalized", "tunnel"]
 JSONObject: TypeAlias = dict[str, Any]
@@ -223,6 +226,19 @@ class TunnelRequest:
     headers: tuple[tuple[str, str], ...] = ()
     body: str = ""
     """The request body as text (the OpenAI routes we tunnel all take JSON)."""
+    window: int = DEFAULT_TUNNEL_WINDOW
+    """Response body bytes the node may send before it is granted more by ``tunnel.credit``;
+    more than granted is a protocol error."""
+
+
+@attrs.frozen(kw_only=True)
+class TunnelCredit:
+    """The edge consumed ``bytes`` more of the tunnel's response body: the node may send that
+    many more."""
+
+    TYPE: ClassVar[str] = "tunnel.credit"
+    tunnel_id: str
+    bytes: int
 
 
 @attrs.frozen(kw_only=True)
@@ -248,7 +264,9 @@ NodeMessage: TypeAlias = (
     | TunnelStart
     | TunnelEnd
 )
-EdgeMessage: TypeAlias = Welcome | Ping | RunRequest | RunCancel | TunnelRequest | TunnelCancel
+EdgeMessage: TypeAlias = (
+    Welcome | Ping | RunRequest | RunCancel | TunnelRequest | TunnelCredit | TunnelCancel
+)
 Message: TypeAlias = NodeMessage | EdgeMessage
 
 MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
@@ -268,6 +286,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     RunRequest,
     RunCancel,
     TunnelRequest,
+    TunnelCredit,
     TunnelCancel,
 )
 _BY_TAG: Final[Mapping[str, type[Any]]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
