@@ -174,20 +174,22 @@ async def _serve_session(
         while True:
             frame = await conn.receive()
             last_seen = trio.current_time()
-            if isinstance(frame, bytes):
-                raise _Closing(CLOSE_PROTOCOL_ERROR, "binary frame for no open tunnel")
             try:
+                if isinstance(frame, bytes):
+                    session.route_tunnel(wire.decode_binary(frame))
+                    continue
                 message = wire.decode(frame)
-            except wire.ProtocolError as exc:
-                raise _Closing(CLOSE_PROTOCOL_ERROR, str(exc)) from None
-            if isinstance(message, wire.Pong):
-                continue
-            if isinstance(message, _RUN_EVENTS):
-                try:
+                if isinstance(message, wire.Pong):
+                    continue
+                if isinstance(message, _RUN_EVENTS):
                     session.route(message)
-                except SessionProtocolError as exc:
-                    raise _Closing(CLOSE_PROTOCOL_ERROR, str(exc)) from None
-            elif isinstance(message, wire.Capacity):
+                    continue
+                if isinstance(message, wire.TunnelStart | wire.TunnelEnd):
+                    session.route_tunnel(message)
+                    continue
+            except (wire.ProtocolError, SessionProtocolError) as exc:
+                raise _Closing(CLOSE_PROTOCOL_ERROR, str(exc)) from None
+            if isinstance(message, wire.Capacity):
                 if on_capacity is not None:
                     on_capacity(session, message)
             else:

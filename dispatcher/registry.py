@@ -17,6 +17,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import attrs
 import trio
@@ -31,6 +32,8 @@ SUBSCRIPTION_BUFFER = 4096
 stuck consumer can neither grow memory nor stall the node's whole connection."""
 RECENT_RUNS = 4096
 """How many ended run ids a session remembers, to tolerate their late events."""
+RECENT_TUNNELS = 4096
+"""How many ended tunnel ids a session remembers, to tolerate their late frames."""
 
 
 class NodeGone(Exception):
@@ -108,6 +111,21 @@ class Subscription:
         self._receive.close()
 
 
+class TunnelRoute(Protocol):
+    """Where a session delivers one tunnel's messages (implemented by ``dispatcher.tunnel``).
+    Called from the session's receive loop: never blocks; raises
+    :class:`SessionProtocolError` for a message that breaks the protocol."""
+
+    def deliver_start(self, message: wire.TunnelStart) -> None: ...
+    def deliver_data(self, data: bytes) -> None: ...
+    def deliver_end(self, message: wire.TunnelEnd) -> None: ...
+    def lost(self, code: str, message: str) -> None:
+        """The session is over: end the tunnel with a synthesized, retryable error."""
+
+    def late_end(self, message: wire.TunnelEnd) -> None:
+        """``tunnel.end`` arrived after the route closed (the node confirms a cancel)."""
+
+
 @attrs.define(eq=False)
 class NodeSession:
     """One connected node: its announcement, its connection, and its runs' routes."""
@@ -124,6 +142,12 @@ class NodeSession:
     )
     """The last RECENT_RUNS runs whose subscription closed, with what to do with a late
     terminal event (a cancel confirmation), if anything."""
+    tunnels: dict[str, TunnelRoute] = attrs.field(factory=dict)
+    """Open tunnel routes, by tunnel id."""
+    _ended_tunnels: collections.OrderedDict[str, TunnelRoute | None] = attrs.field(
+        factory=collections.OrderedDict
+    )
+    """The last RECENT_TUNNELS tunnels whose route closed (None once their end arrived)."""
     closed_reason: str | None = None
     ended: trio.Event = attrs.field(factory=trio.Event)
     """Set when the session is over (disconnected or superseded)."""
@@ -185,13 +209,58 @@ class NodeSession:
             f"event {event.TYPE!r} for run {event.run_id!r}, which this session was not given"
         )
 
+    @contextmanager
+    def route_tunnel_to(self, tunnel_id: str, route: TunnelRoute) -> Iterator[None]:
+        """Deliver this tunnel's messages to ``route`` while the block is open."""
+        if self.closed_reason is not None:
+            raise NodeGone(f"node {self.node_id} session {self.generation}: {self.closed_reason}")
+        if tunnel_id in self.tunnels:
+            raise ValueError(f"tunnel {tunnel_id!r} is already routed")
+        self.tunnels[tunnel_id] = route
+        try:
+            yield
+        finally:
+            del self.tunnels[tunnel_id]
+            self._ended_tunnels[tunnel_id] = route
+            if len(self._ended_tunnels) > RECENT_TUNNELS:
+                self._ended_tunnels.popitem(last=False)
+
+    def route_tunnel(self, message: wire.TunnelStart | wire.TunnelEnd | wire.TunnelData) -> None:
+        """Deliver a node's tunnel message or body frame. Raises
+        :class:`SessionProtocolError` for a tunnel this session was never given."""
+        tunnel_id = message.tunnel_id
+        route = self.tunnels.get(tunnel_id)
+        if route is not None:
+            if isinstance(message, wire.TunnelData):
+                route.deliver_data(message.data)
+            elif isinstance(message, wire.TunnelStart):
+                route.deliver_start(message)
+            else:
+                route.deliver_end(message)
+            return
+        if tunnel_id in self._ended_tunnels:
+            if isinstance(message, wire.TunnelEnd):
+                late = self._ended_tunnels[tunnel_id]
+                self._ended_tunnels[tunnel_id] = None
+                if late is not None:
+                    late.late_end(message)
+            return
+        what = "binary frame" if isinstance(message, wire.TunnelData) else repr(message.TYPE)
+        raise SessionProtocolError(
+            f"{what} for no open tunnel: {tunnel_id!r} was not given to this session"
+        )
+
     def fail_all(self, code: str, message: str) -> None:
-        """End every open run with a synthesized retryable failure (the node is gone)."""
+        """End every open run and tunnel with a synthesized retryable failure (the node is
+        gone)."""
         for run_id, subscription in list(self.runs.items()):
             subscription.deliver(
                 wire.RunFailed(run_id=run_id, seq=-1, code=code, message=message, retryable=True)
             )
         self._ended_runs.clear()
+        for route in list(self.tunnels.values()):
+            route.lost(code, message)
+        self._ended_tunnels.clear()
 
     async def aclose(self, code: int = 1000, reason: str = "") -> None:
         with trio.move_on_after(2, shield=True):
