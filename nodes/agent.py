@@ -12,12 +12,14 @@ One session::
           <- welcome    (bounded by config.handshake_timeout)
     then, concurrently until the connection ends:
       receive loop:  ping -> pong, run.request -> runner.start, run.cancel -> runner.cancel,
-                     tunnel.request -> tunnel.end "tunnel not supported yet",
-                     a malformed frame -> close 1002;
+                     tunnel.request / tunnel.credit / tunnel.cancel -> the tunnel runner
+                     (nodes.tunnel), a malformed frame -> close 1002;
                      watchdog: each receive has a deadline; nothing from the edge for
                      heartbeat_timeout_factor x heartbeat_interval -> the edge is gone,
                      close 1001;
-      runner:        the runs, and one writer task sending all their events (nodes.runner).
+      runner:        the runs, and one writer task sending all their events (nodes.runner);
+      tunnels:       each tunnel a task relaying one HTTP request to its provider
+                     (nodes.tunnel).
 
 Errors are split in two: :class:`NodeRejected` is permanent; everything else that ends a
 session (``transport.ConnectionClosed``, ``OSError``, a timeout, a protocol error, even an
@@ -45,6 +47,7 @@ from dispatcher.transport import Connection, ConnectionClosed, Frame
 from nodes.adapters import Adapter, DropConnection, build_adapters
 from nodes.config import NodeConfig, hello_from_config
 from nodes.runner import Runner, open_runner
+from nodes.tunnel import TunnelProvider, TunnelRunner, open_tunnels, tunnel_providers
 
 log = logging.getLogger("nodes.agent")
 
@@ -72,8 +75,6 @@ CONNECT_TIMEOUT: Final = 10.0
 WEBSOCKET_QUEUE_SIZE: Final = 16
 """Edge-to-node messages trio-websocket buffers before it stops reading the socket."""
 
-TUNNEL_UNSUPPORTED: Final = "tunnel not supported yet"
-
 
 class NodeRejected(Exception):
     """The edge refused this node for good (bad token, protocol version mismatch). Do not
@@ -97,7 +98,7 @@ class _EndSession(Exception):
 
 
 class _Sender:
-    """Serializes every send on the connection (the runner's writer, pongs, tunnel ends)."""
+    """Serializes every send on the connection (the runner's writer, pongs, tunnels)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -108,12 +109,18 @@ class _Sender:
         async with self._lock:
             await self._conn.send(frame)
 
+    async def send_data(self, tunnel_id: str, data: bytes) -> None:
+        frame = wire.encode_tunnel_data(tunnel_id, data)
+        async with self._lock:
+            await self._conn.send(frame)
+
 
 async def serve_node_session(
     conn: Connection,
     config: NodeConfig,
     *,
     adapters: Mapping[str, Adapter] | None = None,
+    tunnels: Mapping[str, TunnelProvider] | None = None,
     task_status: trio.TaskStatus[wire.Welcome] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one connection to the edge, from ``hello`` until the connection ends.
@@ -122,10 +129,13 @@ async def serve_node_session(
     protocol error, handshake timeout), after closing ``conn``. Raises :class:`NodeRejected`
     when the edge refuses the node for good. ``task_status.started(welcome)`` is called once
     the edge has welcomed the node. ``adapters`` defaults to
-    ``build_adapters(config.providers)``.
+    ``build_adapters(config.providers)``, ``tunnels`` to
+    ``tunnel_providers(config.providers)``.
     """
     if adapters is None:
         adapters = build_adapters(config.providers)
+    if tunnels is None:
+        tunnels = tunnel_providers(config.providers)
     sender = _Sender(conn)
     code, reason = CLOSE_GOING_AWAY, "node shutting down"  # unless the session ends otherwise
     try:
@@ -142,7 +152,7 @@ async def serve_node_session(
             if welcome.heartbeat_interval > 0
             else float("inf")
         )
-        code, reason = await _serve_welcomed(conn, sender, adapters, silence_limit)
+        code, reason = await _serve_welcomed(conn, sender, adapters, tunnels, silence_limit)
     except _EndSession as exc:
         code, reason = exc.code, exc.reason
         log.warning("ending session with the edge: %s", reason)
@@ -197,13 +207,20 @@ async def _handshake(conn: Connection, sender: _Sender, config: NodeConfig) -> w
 
 
 async def _serve_welcomed(
-    conn: Connection, sender: _Sender, adapters: Mapping[str, Adapter], silence_limit: float
+    conn: Connection,
+    sender: _Sender,
+    adapters: Mapping[str, Adapter],
+    tunnel_providers: Mapping[str, TunnelProvider],
+    silence_limit: float,
 ) -> tuple[int, str]:
     """Run the welcomed session; return the close code and reason when it must end."""
     end: tuple[int, str] = (CLOSE_NORMAL, "session ended")
     try:
-        async with open_runner(sender.send, adapters=adapters) as runner:
-            end = await _receive_loop(conn, sender, runner, silence_limit)
+        async with (
+            open_runner(sender.send, adapters=adapters) as runner,
+            open_tunnels(sender.send, sender.send_data, tunnel_providers) as tunnels,
+        ):
+            end = await _receive_loop(conn, sender, runner, tunnels, silence_limit)
     except* DropConnection as group:
         reason = str(group.exceptions[0])
         log.warning("dropping the connection to the edge (%s)", reason)
@@ -217,7 +234,7 @@ async def _serve_welcomed(
 
 
 async def _receive_loop(
-    conn: Connection, sender: _Sender, runner: Runner, silence_limit: float
+    conn: Connection, sender: _Sender, runner: Runner, tunnels: TunnelRunner, silence_limit: float
 ) -> tuple[int, str]:
     while True:
         with trio.move_on_after(silence_limit) as watchdog:
@@ -232,7 +249,9 @@ async def _receive_loop(
             except wire.ProtocolError as exc:
                 return _protocol_error(str(exc))
             log.debug(
-                "ignoring %d tunnel bytes for %s (no tunnels)", len(data.data), data.tunnel_id
+                "ignoring %d tunnel bytes for %s (request bodies travel in tunnel.request)",
+                len(data.data),
+                data.tunnel_id,
             )
             continue
         try:
@@ -251,11 +270,19 @@ async def _receive_loop(
             runner.start(message)
         elif isinstance(message, wire.RunCancel):
             runner.cancel(message.run_id, message.reason)
+        elif isinstance(message, wire.TunnelCredit):
+            tunnels.credit(message.tunnel_id, message.bytes)
         elif isinstance(message, wire.TunnelRequest):
-            log.info("tunnel %s refused: %s", message.tunnel_id, TUNNEL_UNSUPPORTED)
-            await sender.send(wire.TunnelEnd(tunnel_id=message.tunnel_id, error=TUNNEL_UNSUPPORTED))
+            log.debug(
+                "tunnel %s: %s %s on provider %s",
+                message.tunnel_id,
+                message.method,
+                message.path,
+                message.provider_id,
+            )
+            tunnels.start(message)
         elif isinstance(message, wire.TunnelCancel):
-            pass  # no tunnels run here, so there is nothing to cancel
+            tunnels.cancel(message.tunnel_id)
         else:
             return _protocol_error(f"unexpected {_describe(message)} from the edge")
 
@@ -528,6 +555,7 @@ async def serve_node(
             return dial_edge(config)
 
     adapters = build_adapters(config.providers)
+    tunnels = tunnel_providers(config.providers)
     backoff = Backoff(config.reconnect_min_backoff, config.reconnect_max_backoff, rng=rng)
     welcomed = False
 
@@ -543,7 +571,11 @@ async def serve_node(
             async with dial() as conn:
                 connected_at = trio.current_time()
                 await serve_node_session(
-                    conn, config, adapters=adapters, task_status=_WelcomeStatus(on_welcome)
+                    conn,
+                    config,
+                    adapters=adapters,
+                    tunnels=tunnels,
+                    task_status=_WelcomeStatus(on_welcome),
                 )
             outcome = "session ended"
         except NodeRejected as exc:

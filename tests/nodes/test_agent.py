@@ -196,7 +196,7 @@ async def test_concurrent_runs_and_pings_share_the_connection(
         assert isinstance(events[-1], wire.RunCompleted)
 
 
-async def test_tunnel_request_is_answered_not_supported(nursery: trio.Nursery) -> None:
+async def test_tunnel_request_for_a_normalized_provider_is_refused(nursery: trio.Nursery) -> None:
     edge, _ = await start_session(nursery)
     await edge.handshake()
     await edge.send(
@@ -204,8 +204,13 @@ async def test_tunnel_request_is_answered_not_supported(nursery: trio.Nursery) -
             tunnel_id="t1", provider_id="echo", method="POST", path="/v1/chat/completions"
         )
     )
-    assert await edge.receive() == wire.TunnelEnd(tunnel_id="t1", error="tunnel not supported yet")
+    assert await edge.receive() == wire.TunnelEnd(
+        tunnel_id="t1",
+        error="unknown_provider: this node serves no provider 'echo' through a tunnel",
+        retryable=True,
+    )
     await edge.send(wire.TunnelCancel(tunnel_id="t1"))  # harmless
+    await edge.send(wire.TunnelCredit(tunnel_id="t1", bytes=10))  # harmless
     await edge.send(wire.Ping(nonce=1))
     assert await edge.receive() == wire.Pong(nonce=1)
 

@@ -1,0 +1,443 @@
+"""The node's side of tunnels: relay one raw HTTP request to a provider and its response back.
+
+::
+
+    async with open_tunnels(send, send_data, providers) as tunnels:
+        tunnels.start(tunnel_request)     # tunnel.start, body frames, tunnel.end
+        tunnels.credit(tunnel_id, 65536)  # the edge consumed that much: send more
+        tunnels.cancel(tunnel_id)         # close the upstream stream now; tunnel.end follows
+
+Each tunnel is a task with its own cancel scope in one nursery, keyed by tunnel id (like the
+runs of :mod:`nodes.runner`). It performs the request with httpx against the provider's
+``base_url`` + path (+ query), with the edge's headers minus hop-by-hop ones and the
+provider's own ``Authorization: Bearer <key>`` (read from the environment variable the
+provider's ``api_key_env`` names; the key never leaves the node). The response comes back as
+``tunnel.start`` (status, headers minus hop-by-hop ones and ``content-length``), the body as
+binary frames of at most :data:`~dispatcher.wire.MAX_TUNNEL_CHUNK` bytes, and exactly one
+``tunnel.end`` -- with ``error`` set when the upstream could not be reached, broke mid-body,
+or the edge cancelled (``"cancelled"``, the confirmation the edge waits for).
+
+Flow control: a tunnel may send only as many body bytes as the edge granted (the request's
+``window``, then each ``tunnel.credit``). Two tasks per tunnel: a reader that takes the
+upstream body into a buffer of at most :data:`MAX_PENDING` bytes (it stops reading the
+upstream while the buffer is full, so TCP pushes back on the provider) and a writer that
+sends what is buffered -- coalesced into one frame when the connection to the edge is slower
+than the provider -- as credit allows. So a slow client slows the provider's reads, and a
+tunnel holds at most about ``MAX_PENDING`` plus one upstream read in memory.
+
+The upstream is asked for ``Accept-Encoding: identity``: the edge reads ``usage`` from the
+body, which it could not do through a compressed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, Final
+
+import attrs
+import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
+import trio
+
+from dispatcher import wire
+from dispatcher.transport import ConnectionClosed
+from nodes.adapters._http import HTTPTimeouts, display_url, parse_timeout_option
+from nodes.config import NodeConfigError, ProviderConfig
+
+log = logging.getLogger("nodes.tunnel")
+
+SendMessage = Callable[[wire.NodeMessage], Awaitable[None]]
+SendData = Callable[[str, bytes], Awaitable[None]]
+"""Sends one binary body frame: ``(tunnel_id, data)``."""
+
+MAX_PENDING: Final = 64 * 1024
+"""Upstream body bytes a tunnel buffers before it stops reading the upstream."""
+DRAIN_TIMEOUT: Final = 1.0
+"""Bound on unwinding httpx's iterators after the response was closed (normally instant)."""
+MAX_CONNECTIONS: Final = 256
+"""Concurrent upstream connections per provider."""
+
+DEFAULT_BASE_URLS: Final[Mapping[str, str]] = {
+    "openai": "https://api.openai.com/v1",
+    "ollama": "http://127.0.0.1:11434",
+}
+
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+"""Headers that describe one hop, never relayed (RFC 9110 section 7.6.1)."""
+_REQUEST_DROP: Final = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "authorization",
+    "accept-encoding",
+    "expect",
+}
+_RESPONSE_DROP: Final = HOP_BY_HOP | {"content-length"}
+
+CANCELLED: Final = "cancelled"
+"""``tunnel.end.error`` confirming a ``tunnel.cancel``."""
+
+
+@attrs.frozen(kw_only=True)
+class TunnelProvider:
+    """What a tunnel needs of a provider served with ``path = "tunnel"``."""
+
+    id: str
+    base_url: str
+    api_key: str | None = attrs.field(default=None, repr=False)
+    timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
+
+    @classmethod
+    def from_config(
+        cls, provider: ProviderConfig, *, environ: Mapping[str, str] | None = None
+    ) -> TunnelProvider:
+        """Raises :class:`NodeConfigError` when ``api_key_env`` names a variable that is not
+        set (or empty) in ``environ`` (default ``os.environ``)."""
+        api_key = None
+        if provider.api_key_env is not None:
+            api_key = (os.environ if environ is None else environ).get(provider.api_key_env)
+            if not api_key:
+                raise NodeConfigError(
+                    f"provider {provider.id!r}",
+                    "api_key_env",
+                    f"environment variable {provider.api_key_env} is not set",
+                )
+        timeouts: dict[str, Any] = {}
+        for key, value in provider.options.items():
+            parse_timeout_option(key, value, timeouts)
+        base_url = provider.base_url or DEFAULT_BASE_URLS.get(provider.type, "")
+        if not base_url:
+            raise NodeConfigError(f"provider {provider.id!r}", "base_url", "missing")
+        return cls(
+            id=provider.id,
+            base_url=base_url,
+            api_key=api_key,
+            timeouts=HTTPTimeouts(**timeouts),
+        )
+
+    def url(self, path: str, query: str = "") -> str:
+        """``base_url`` joined with the request's path: a ``base_url`` that ends in ``/v1``
+        and a path that starts with ``/v1/`` share that prefix."""
+        root = self.base_url.rstrip("/")
+        if root.endswith("/v1") and (path == "/v1" or path.startswith("/v1/")):
+            root = root[: -len("/v1")]
+        if not path.startswith("/"):
+            path = "/" + path
+        return root + path + (f"?{query}" if query else "")
+
+
+def tunnel_providers(
+    providers: Iterable[ProviderConfig], *, environ: Mapping[str, str] | None = None
+) -> dict[str, TunnelProvider]:
+    """The providers served through a tunnel, by id."""
+    return {
+        provider.id: TunnelProvider.from_config(provider, environ=environ)
+        for provider in providers
+        if provider.path == "tunnel"
+    }
+
+
+def request_headers(
+    headers: Iterable[tuple[str, str]], api_key: str | None
+) -> list[tuple[str, str]]:
+    """The edge's headers minus hop-by-hop ones (and any the ``Connection`` header names),
+    ``Host``, ``Content-Length``, ``Authorization`` and ``Accept-Encoding``; plus this node's
+    own key and ``Accept-Encoding: identity``."""
+    headers = list(headers)
+    listed = {
+        name.strip().lower()
+        for key, value in headers
+        if key.lower() == "connection"
+        for name in value.split(",")
+    }
+    out = [(k, v) for k, v in headers if k.lower() not in _REQUEST_DROP and k.lower() not in listed]
+    out.append(("accept-encoding", "identity"))
+    if api_key is not None:
+        out.append(("authorization", f"Bearer {api_key}"))
+    return out
+
+
+def response_headers(response: httpx.Response) -> tuple[tuple[str, str], ...]:
+    """The upstream's response headers, in order, minus hop-by-hop ones (and any its
+    ``Connection`` header names) and ``Content-Length`` (the body is relayed in pieces)."""
+    raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw]
+    listed = {
+        name.strip().lower()
+        for key, value in raw
+        if key.lower() == "connection"
+        for name in value.split(",")
+    }
+    return tuple(
+        (k, v) for k, v in raw if k.lower() not in _RESPONSE_DROP and k.lower() not in listed
+    )
+
+
+@attrs.frozen
+class TunnelStatistics:
+    active_tunnels: int
+    peak_pending: int
+    """The most upstream body bytes any tunnel held unsent at once."""
+    frames_sent: int
+    bytes_sent: int
+
+
+@attrs.define(eq=False)
+class _Tunnel:
+    tunnel_id: str
+    credit: int
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    pending: bytearray = attrs.Factory(bytearray)
+    eof: bool = False
+    upstream_error: str | None = None
+    changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+    """Unparked when credit arrives, the writer took bytes, or the reader added some."""
+
+
+class _UpstreamFailed(Exception):
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class TunnelRunner:
+    """Runs tunnels. Create with :func:`open_tunnels`."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        send: SendMessage,
+        send_data: SendData,
+        providers: Mapping[str, TunnelProvider],
+        clients: Mapping[str, httpx.AsyncClient],
+    ) -> None:
+        self._nursery = nursery
+        self._send = send
+        self._send_data = send_data
+        self._providers = providers
+        self._clients = clients
+        self._tunnels: dict[str, _Tunnel] = {}
+        self._peak_pending = 0
+        self._frames_sent = 0
+        self._bytes_sent = 0
+        self._closed = False
+
+    def start(self, request: wire.TunnelRequest) -> None:
+        """Start a tunnel in its own cancel scope. A tunnel id that is already running is
+        ignored (logged): answering it would end the running one on the edge."""
+        if self._closed:
+            raise RuntimeError("the tunnel runner is closed")
+        tunnel_id = request.tunnel_id
+        if tunnel_id in self._tunnels:
+            log.warning("tunnel %s: duplicate tunnel.request ignored (already running)", tunnel_id)
+            return
+        tunnel = self._tunnels[tunnel_id] = _Tunnel(tunnel_id, credit=request.window)
+        self._nursery.start_soon(self._run, tunnel, request, name=f"tunnel {tunnel_id}")
+
+    def credit(self, tunnel_id: str, amount: int) -> None:
+        """The edge may take ``amount`` more body bytes. Unknown ids are ignored (the tunnel
+        just ended)."""
+        tunnel = self._tunnels.get(tunnel_id)
+        if tunnel is None or amount <= 0:
+            return
+        tunnel.credit += amount
+        tunnel.changed.unpark_all()
+
+    def cancel(self, tunnel_id: str) -> None:
+        """Close the tunnel's upstream request now; it answers ``tunnel.end`` with
+        ``error="cancelled"``. Unknown or finished ids are ignored."""
+        tunnel = self._tunnels.get(tunnel_id)
+        if tunnel is not None:
+            tunnel.scope.cancel(reason="tunnel.cancel")
+
+    def statistics(self) -> TunnelStatistics:
+        return TunnelStatistics(
+            active_tunnels=len(self._tunnels),
+            peak_pending=self._peak_pending,
+            frames_sent=self._frames_sent,
+            bytes_sent=self._bytes_sent,
+        )
+
+    # ----------------------------------------------------------------------- internals
+
+    async def _run(self, tunnel: _Tunnel, request: wire.TunnelRequest) -> None:
+        tunnel_id = tunnel.tunnel_id
+        try:
+            end: wire.TunnelEnd | None = None
+            try:
+                with tunnel.scope:
+                    end = await self._perform(tunnel, request)
+            except Exception as exc:
+                closed = _find_closed(exc)
+                if closed is not None:
+                    raise closed from None  # the connection to the edge is gone: the session's
+                log.exception("tunnel %s failed", tunnel_id)
+                end = wire.TunnelEnd(tunnel_id=tunnel_id, error=f"internal: {_name(exc)}")
+            if end is None or tunnel.scope.cancel_called:
+                end = wire.TunnelEnd(tunnel_id=tunnel_id, error=CANCELLED)
+            await self._send(end)
+        finally:
+            if self._tunnels.get(tunnel_id) is tunnel:
+                del self._tunnels[tunnel_id]
+
+    async def _perform(self, tunnel: _Tunnel, request: wire.TunnelRequest) -> wire.TunnelEnd:
+        tunnel_id = request.tunnel_id
+        provider = self._providers.get(request.provider_id)
+        client = self._clients.get(request.provider_id)
+        if provider is None or client is None:
+            return wire.TunnelEnd(
+                tunnel_id=tunnel_id,
+                error=f"unknown_provider: this node serves no provider {request.provider_id!r} "
+                "through a tunnel",
+                retryable=True,
+            )
+        if request.window <= 0:
+            return wire.TunnelEnd(
+                tunnel_id=tunnel_id, error=f"bad_request: window {request.window} is not positive"
+            )
+        url = provider.url(request.path, request.query)
+        where = display_url(url)
+        started = False
+        try:
+            async with client.stream(
+                request.method,
+                url,
+                headers=request_headers(request.headers, provider.api_key),
+                content=request.body.encode("utf-8"),
+            ) as response:
+                started = True
+                log.debug("tunnel %s: %s answered %d", tunnel_id, where, response.status_code)
+                await self._send(
+                    wire.TunnelStart(
+                        tunnel_id=tunnel_id,
+                        status=response.status_code,
+                        headers=response_headers(response),
+                    )
+                )
+                await self._pump(tunnel, response, where)
+        except httpx.TimeoutException as exc:
+            if started:
+                error = f"upstream_disconnected: {where}: timed out mid-response ({_name(exc)})"
+            else:
+                error = f"upstream_unreachable: {where}: timed out ({_name(exc)})"
+            return wire.TunnelEnd(tunnel_id=tunnel_id, error=error, retryable=not started)
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            kind = "upstream_disconnected" if started else "upstream_unreachable"
+            return wire.TunnelEnd(
+                tunnel_id=tunnel_id, error=f"{kind}: {where}: {_name(exc)}", retryable=not started
+            )
+        except _UpstreamFailed as exc:
+            return wire.TunnelEnd(tunnel_id=tunnel_id, error=exc.error)
+        return wire.TunnelEnd(tunnel_id=tunnel_id)
+
+    async def _pump(self, tunnel: _Tunnel, response: httpx.Response, where: str) -> None:
+        """Relay the body: a reader task fills ``pending``, this task sends it."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read, tunnel, response, where)
+            await self._write(tunnel)
+        if tunnel.upstream_error is not None:
+            raise _UpstreamFailed(tunnel.upstream_error)
+
+    async def _read(self, tunnel: _Tunnel, response: httpx.Response, where: str) -> None:
+        """Read the upstream body into ``pending`` while it has room. A failure of the
+        upstream is recorded, not raised: what was read before it is still sent."""
+        iterator = response.aiter_raw()
+        try:
+            async for piece in iterator:
+                while len(tunnel.pending) >= MAX_PENDING:
+                    await tunnel.changed.park()
+                tunnel.pending += piece
+                self._peak_pending = max(self._peak_pending, len(tunnel.pending))
+                tunnel.changed.unpark_all()
+        except httpx.HTTPError as exc:
+            tunnel.upstream_error = (
+                f"upstream_disconnected: {where}: the body broke off: {_name(exc)}"
+            )
+        finally:
+            tunnel.eof = True
+            tunnel.changed.unpark_all()
+            # httpx's iterators are a chain of async generators; when left early (cancelled)
+            # close the response, then resume the chain so every generator unwinds (else
+            # Trio warns about unclosed generators). Shielded and bounded.
+            with trio.move_on_after(DRAIN_TIMEOUT, shield=True):
+                await response.aclose()
+                try:
+                    async for _ in iterator:
+                        pass
+                except Exception:  # the read on the closed response fails: expected
+                    pass
+
+    async def _write(self, tunnel: _Tunnel) -> None:
+        """Send ``pending`` as credit allows, until the reader is done and all is sent."""
+        pending = tunnel.pending
+        while True:
+            while not (pending and tunnel.credit > 0) and not (tunnel.eof and not pending):
+                await tunnel.changed.park()
+            if not pending:
+                return
+            size = min(len(pending), tunnel.credit, wire.MAX_TUNNEL_CHUNK)
+            data = bytes(pending[:size])
+            del pending[:size]
+            tunnel.credit -= size
+            tunnel.changed.unpark_all()  # room for the reader
+            await self._send_data(tunnel.tunnel_id, data)
+            self._frames_sent += 1
+            self._bytes_sent += size
+
+
+def _find_closed(exc: BaseException) -> ConnectionClosed | None:
+    if isinstance(exc, ConnectionClosed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find_closed(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _name(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@asynccontextmanager
+async def open_tunnels(
+    send: SendMessage, send_data: SendData, providers: Mapping[str, TunnelProvider]
+) -> AsyncIterator[TunnelRunner]:
+    """A :class:`TunnelRunner` whose tunnels (and the providers' HTTP clients, one
+    connection pool per provider) live inside this block. Leaving it cancels every tunnel,
+    which closes their upstream connections; nothing more is sent."""
+    async with AsyncExitStack() as stack:
+        clients = {
+            provider_id: await stack.enter_async_context(
+                httpx.AsyncClient(
+                    timeout=provider.timeouts.as_httpx(),
+                    follow_redirects=False,
+                    limits=httpx.Limits(
+                        max_connections=MAX_CONNECTIONS, max_keepalive_connections=32
+                    ),
+                )
+            )
+            for provider_id, provider in providers.items()
+        }
+        async with trio.open_nursery() as nursery:
+            runner = TunnelRunner(nursery, send, send_data, providers, clients)
+            try:
+                yield runner
+            finally:
+                runner._closed = True
+                nursery.cancel_scope.cancel(reason="tunnel runner closed")
