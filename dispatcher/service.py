@@ -33,6 +33,7 @@ from .pool import Dispatch, DispatchRequest, Pool
 from .registry import NodeSession, Registry
 from .runs import Run, Runs, RunSpec
 from .transport import Connection, memory_connection_pair
+from .tunnel import Tunnels
 from .usage import UsageLedger, open_usage_ledger
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class Dispatcher:
     admission: Admission
     runs: Runs
     pool: Pool
+    tunnels: Tunnels
     gate: Gate
     ledger: UsageLedger
     metrics: Metrics
@@ -208,7 +210,10 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
     )
     runs = Runs(registry, admission)
     metrics = Metrics(admission)
-    pool = Pool(runs, admission, on_admitted=metrics.observe_admission)
+    tunnels = Tunnels(registry, admission)
+    pool = Pool(
+        runs, admission, open_tunnel=tunnels.open_tunnel, on_admitted=metrics.observe_admission
+    )
     async with (
         open_usage_ledger(config.usage_db or ":memory:") as ledger,
         trio.open_nursery() as nursery,
@@ -219,6 +224,7 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
             admission=admission,
             runs=runs,
             pool=pool,
+            tunnels=tunnels,
             gate=Gate(pool, gate_policies(config), record_usage=ledger.record),
             ledger=ledger,
             metrics=metrics,
