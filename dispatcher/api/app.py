@@ -29,7 +29,7 @@ from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..nodelink import serve_node_connection
 from ..transport import ConnectionClosed
 from ..usage import parse_usage_query, usage_report_json
-from . import openai
+from . import openai, tunnel_relay
 
 if TYPE_CHECKING:
     from ..service import Dispatcher
@@ -218,6 +218,8 @@ _ADMIN_PATHS = frozenset({"/v1/usage"})
 _ROUTES: dict[str, tuple[str, Route]] = {
     "/v1/usage": ("GET", _usage),
     "/v1/chat/completions": ("POST", _chat),
+    "/v1/completions": ("POST", tunnel_relay.tunnel_route),
+    "/v1/embeddings": ("POST", tunnel_relay.tunnel_route),
     "/v1/models": ("GET", _models),
     "/metrics": ("GET", _metrics),
 }
