@@ -21,8 +21,9 @@ from ..admission import AdmissionError
 from ..errors import BadRequest, RunError, openai_error_object
 from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, Request, Responder
-from ..pool import DispatchRequest, TunnelUnavailable
+from ..pool import DispatchRequest
 from ..runs import Run
+from .tunnel_relay import relay
 
 if TYPE_CHECKING:
     from ..service import Dispatcher
@@ -168,11 +169,7 @@ async def _chat(
             (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
         )
         if isinstance(answer, TunnelAnswer):
-            # Tunnel candidates are answered by the tunnel relay.
-            raise TunnelUnavailable(
-                f"{result.node_id}/{result.provider_id} serves {chat.model!r} through a "
-                "tunnel, which this edge cannot relay yet"
-            )
+            return await relay(dispatcher, answer, chat.body, request, responder, answer_headers)
         if chat.stream:
             await _stream(dispatcher, chat, answer, responder, answer_headers)
         else:
