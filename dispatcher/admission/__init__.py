@@ -16,6 +16,8 @@ from ._candidates import Needs as Needs
 from ._candidates import Predicate as Predicate
 from ._candidates import RequestClass as RequestClass
 from ._candidates import needs_from_body as needs_from_body
+from ._core import ADMIT_REASONS as ADMIT_REASONS
+from ._core import REJECT_CAUSES as REJECT_CAUSES
 from ._core import AdmissionCore as AdmissionCore
 from ._core import AdmissionStatistics as AdmissionStatistics
 from ._core import Admit as Admit

@@ -125,27 +125,32 @@ class Needs:
 
     def unfit(self, candidate: Candidate, request_class: RequestClass = "short") -> str | None:
         """Why ``candidate`` cannot serve this request (``"node/provider: ..."``), or None."""
-        label = candidate.label
-        if candidate.key in self.exclude:
-            return f"{label}: already failed for this request"
-        for name in CAPABILITIES:
-            if getattr(self, name) and name not in candidate.capabilities:
-                return f"{label}: lacks capability {name!r}"
+        if self.exclude and candidate.key in self.exclude:
+            return f"{candidate.label}: already failed for this request"
+        if self.tools or self.json or self.vision:
+            for name, wanted in zip(
+                CAPABILITIES, (self.tools, self.json, self.vision), strict=True
+            ):
+                if wanted and name not in candidate.capabilities:
+                    return f"{candidate.label}: lacks capability {name!r}"
         window = candidate.context_window
         if window is not None and self.estimated_tokens > window:
-            return f"{label}: context window {window} < {self.estimated_tokens} estimated tokens"
+            return (
+                f"{candidate.label}: context window {window} < "
+                f"{self.estimated_tokens} estimated tokens"
+            )
         if request_class == "long" and candidate.long_context_slots <= 0:
             return (
-                f"{label}: no long-context slots for a long request "
+                f"{candidate.label}: no long-context slots for a long request "
                 f"({self.estimated_tokens} estimated tokens)"
             )
         if self.predicate is not None:
             try:
                 reason = self.predicate(candidate)
             except Exception as exc:  # user code must not break the core mid-operation
-                return f"{label}: predicate raised {type(exc).__name__}: {exc}"
+                return f"{candidate.label}: predicate raised {type(exc).__name__}: {exc}"
             if reason is not None:
-                return f"{label}: {reason}"
+                return f"{candidate.label}: {reason}"
         return None
 
 

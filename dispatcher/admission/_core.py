@@ -174,34 +174,48 @@ class _Waiter:
 class _CandidateState:
     candidate: Candidate
     group: _Group
-    capmask: int
+    key: CandidateKey = attrs.field(init=False)
+    capmask: int = attrs.field(init=False)
+    limits: tuple[int, int, int] = attrs.field(init=False)
+    """(total, short limit, long limit) under the group's current policy."""
     in_use: list[int] = attrs.Factory(lambda: [0, 0])
     draining: list[int] = attrs.Factory(lambda: [0, 0])
     slot_ids: set[SlotId] = attrs.Factory(set)
     last_pick: int = 0
 
-    def limits(self) -> tuple[int, int, int]:
-        """(total, short limit, long limit) under the group's current policy."""
+    def __attrs_post_init__(self) -> None:
+        self.key = self.candidate.key
+        self.update(self.candidate)
+
+    def update(self, candidate: Candidate) -> None:
+        """A new announcement for the same key (or the group's policy changed)."""
+        self.candidate = candidate
+        self.capmask = _capmask(candidate.capabilities)
         policy = self.group.policy
-        total = max(0, self.candidate.slots)
+        total = max(0, candidate.slots)
         if policy.per_candidate_cap is not None:
             total = min(total, policy.per_candidate_cap)
         if policy.long_context_tokens is None:
-            return total, total, 0
-        long = min(max(0, self.candidate.long_context_slots), total)
-        return total, total - long, long
+            self.limits = (total, total, 0)
+        else:
+            long = min(max(0, candidate.long_context_slots), total)
+            self.limits = (total, total - long, long)
 
-    def occupied(self, klass: int) -> int:
-        return self.in_use[klass] + self.draining[klass]
+    def room(self) -> tuple[bool, bool]:
+        """Whether a short / a long request could take a slot now."""
+        total, short_limit, long_limit = self.limits
+        short = self.in_use[_SHORT] + self.draining[_SHORT]
+        long = self.in_use[_LONG] + self.draining[_LONG]
+        if short + long >= total:
+            return (False, False)
+        return (short < short_limit, long < long_limit)
 
     def free(self, klass: int) -> bool:
-        total, short, long = self.limits()
-        occupied = self.occupied(_SHORT) + self.occupied(_LONG)
-        return occupied < total and self.occupied(klass) < (short, long)[klass]
+        return self.room()[klass]
 
     def load(self) -> float:
-        total = self.limits()[0]
-        occupied = self.occupied(_SHORT) + self.occupied(_LONG)
+        total = self.limits[0]
+        occupied = sum(self.in_use) + sum(self.draining)
         return occupied / total if total else float("inf")
 
 
@@ -297,7 +311,7 @@ class AdmissionCore:
             group=group,
             needs=needs,
             klass=klass,
-            capmask=_capmask(needs.capabilities),
+            capmask=needs.tools | needs.json << 1 | needs.vision << 2,
             retry=requeue,
             seq=next(self._seq),
             submitted=self._now,
@@ -396,14 +410,11 @@ class AdmissionCore:
             if state is None:
                 if not group.candidates:
                     reresolve.add(group.name)
-                state = _CandidateState(
-                    candidate=candidate, group=group, capmask=_capmask(candidate.capabilities)
-                )
+                state = _CandidateState(candidate=candidate, group=group)
                 group.candidates[candidate.key] = state
                 self._by_node.setdefault((node, candidate.generation), []).append(state)
             else:
-                state.candidate = candidate
-                state.capmask = _capmask(candidate.capabilities)
+                state.update(candidate)
                 reresolve.add(group.name)
             touched.setdefault(group.name, []).append(state)
         for name in reresolve:
@@ -439,7 +450,7 @@ class AdmissionCore:
         if group is None or state is None:
             return decisions
         before = state.candidate
-        state.candidate = attrs.evolve(before, slots=slots, long_context_slots=long_context_slots)
+        state.update(attrs.evolve(before, slots=slots, long_context_slots=long_context_slots))
         if (before.long_context_slots > 0) != (long_context_slots > 0):
             self._reresolve(decisions, group)
         self._fill(decisions, group, [state])
@@ -455,6 +466,8 @@ class AdmissionCore:
         for group in list(self._groups.values()):
             old = group.policy
             group.policy = policy.policy_for(group.name)
+            for state in group.candidates.values():
+                state.update(state.candidate)
             if group.policy.long_context_tokens != old.long_context_tokens:
                 self._reclassify(group)
                 self._reresolve(decisions, group)
@@ -481,7 +494,7 @@ class AdmissionCore:
         candidates: dict[CandidateKey, CandidateStatistics] = {}
         for group in self._groups.values():
             for key, state in group.candidates.items():
-                total, _, long = state.limits()
+                total, _, long = state.limits
                 candidates[key] = CandidateStatistics(
                     total=total,
                     in_use=state.in_use[_SHORT] + state.in_use[_LONG],
@@ -653,13 +666,14 @@ class AdmissionCore:
     def _free_slot(self, decisions: list[Decision], slot: _Slot) -> None:
         del self._slots[slot.id]
         state = slot.state
-        was_free = (state.free(_SHORT), state.free(_LONG))
+        was_free = state.room()
         if slot.draining:
             state.draining[slot.klass] -= 1
         else:
             state.in_use[slot.klass] -= 1
         state.slot_ids.discard(slot.id)
-        opened = [k for k in (_SHORT, _LONG) if not was_free[k] and state.free(k)]
+        now_free = state.room()
+        opened = [k for k in (_SHORT, _LONG) if now_free[k] and not was_free[k]]
         if opened:
             self._fill(decisions, state.group, [state], opened)
 
@@ -699,7 +713,7 @@ class AdmissionCore:
         classes: Sequence[int] = (_SHORT, _LONG),
     ) -> None:
         """Give free slots of ``states`` to the oldest waiters that can use them."""
-        states = [s for s in states if group.candidates.get(s.candidate.key) is s]
+        states = [s for s in states if group.candidates.get(s.key) is s]
         while True:
             oldest: _Waiter | None = None
             for state in states:
@@ -744,8 +758,8 @@ class AdmissionCore:
         groups: set[str] = set()
         for state in states:
             group = state.group
-            if group.candidates.get(state.candidate.key) is state:
-                del group.candidates[state.candidate.key]
+            if group.candidates.get(state.key) is state:
+                del group.candidates[state.key]
                 groups.add(group.name)
             for slot_id in state.slot_ids:
                 self._slots.pop(slot_id, None)

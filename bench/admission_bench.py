@@ -1,0 +1,243 @@
+"""Admission: the core's cost per request as the queue grows, and timeout accuracy.
+
+``python bench/admission_bench.py`` (or ``python -m bench admission``) prints:
+
+* the sans-IO core's cost of one submit + admit + release cycle with 10, 1,000 and 100,000
+  requests waiting, three ways: the waiting requests parked in *another* group whose candidate
+  is full; the steady state of the *same* group (each cycle's submit joins the tail, the
+  release admits the head, so the queue stays at N); and the same group where the waiting
+  requests need a capability the cycling requests' candidate lacks. The target: the cost at
+  100,000 is at most 2x the cost at 10.
+* the Trio layer's timeout accuracy with the real clock: requests that can never be admitted,
+  ``queue_timeout_s = 0.05``; how late ``QueueTimeout`` arrives (mean, p50, p99, max).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import trio
+
+from bench import Table, render
+from dispatcher.admission import (
+    AdmissionCore,
+    Admit,
+    Candidate,
+    Needs,
+    Policy,
+    PolicySnapshot,
+    QueueTimeout,
+    open_admission,
+)
+
+TIME_LIMIT = 60.0
+SIZES = (10, 1_000, 100_000)
+CYCLES = 20_000
+REPEATS = 5
+TIMEOUT = 0.05
+TIMEOUT_WAITERS = 500
+
+
+def _candidate(node: str, model: str, slots: int, caps: frozenset[str] = frozenset()) -> Candidate:
+    return Candidate(
+        node_id=node,
+        generation=1,
+        provider_id="p",
+        provider_type="bench",
+        adapter="echo",
+        model=model,
+        served_model=model,
+        capabilities=caps,
+        slots=slots,
+    )
+
+
+def _core() -> AdmissionCore:
+    policy = Policy(max_queue=10**9, queue_timeout_s=10**9)
+    return AdmissionCore(PolicySnapshot(default=policy))
+
+
+def _admitted(decisions: Sequence[object]) -> Admit:
+    [admit] = decisions
+    assert isinstance(admit, Admit), admit
+    return admit
+
+
+def _other_group(waiting: int) -> Callable[[int], None]:
+    """N parked in group "busy"; cycles in group "free" (immediate admission)."""
+    core = _core()
+    core.node_joined([_candidate("a", "busy", 1), _candidate("b", "free", 1)], 0.0)
+    _admitted(core.submit("holder", "busy", Needs(), 0.0))
+    for i in range(waiting):
+        assert core.submit(("w", i), "busy", Needs(), 0.0) == []  # type: ignore[arg-type]
+    needs = Needs()
+
+    def cycles(count: int) -> None:
+        submit, release = core.submit, core.release
+        for i in range(count):
+            slot = _admitted(submit(i, "free", needs, 1.0)).slot_id
+            release(slot, 1.0)
+
+    return cycles
+
+
+def _same_group(waiting: int) -> Callable[[int], None]:
+    """N parked in the group; each cycle joins the tail and a release admits the head."""
+    core = _core()
+    core.node_joined([_candidate("a", "busy", 1)], 0.0)
+    slot = [_admitted(core.submit("holder", "busy", Needs(), 0.0)).slot_id]
+    for i in range(waiting):
+        assert core.submit(("w", i), "busy", Needs(), 0.0) == []  # type: ignore[arg-type]
+    needs = Needs()
+
+    ids = itertools.count()
+
+    def cycles(count: int) -> None:
+        submit, release = core.submit, core.release
+        current = slot[0]
+        for i in itertools.islice(ids, count):
+            assert submit(i, "busy", needs, 1.0) == []
+            current = _admitted(release(current, 1.0)).slot_id
+        slot[0] = current
+
+    return cycles
+
+
+def _other_capability(waiting: int) -> Callable[[int], None]:
+    """N needing vision parked on the full vision candidate; cycles on the plain one."""
+    core = _core()
+    vision = frozenset({"vision"})
+    core.node_joined([_candidate("a", "m", 1, vision), _candidate("b", "m", 1)], 0.0)
+    _admitted(core.submit("holder", "m", Needs(vision=True), 0.0))
+    for i in range(waiting):
+        assert core.submit(("w", i), "m", Needs(vision=True), 0.0) == []  # type: ignore[arg-type]
+    needs = Needs()
+
+    def cycles(count: int) -> None:
+        submit, release = core.submit, core.release
+        for i in range(count):
+            slot = _admitted(submit(i, "m", needs, 1.0)).slot_id
+            release(slot, 1.0)
+
+    return cycles
+
+
+def _cost_ns(setup: Callable[[int], Callable[[int], None]], waiting: int) -> float:
+    cycles = setup(waiting)
+    cycles(1_000)  # warm-up
+    best = float("inf")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(REPEATS):
+            started = time.perf_counter_ns()
+            cycles(CYCLES)
+            best = min(best, (time.perf_counter_ns() - started) / CYCLES)
+    finally:
+        gc.enable()
+    return best
+
+
+def core_table() -> Table:
+    table = Table(
+        title="admission core: one submit + admit + release cycle",
+        columns=["waiting", *(f"{n:,}" for n in SIZES), "100k / 10"],
+    )
+    setups = {
+        "other group, ns": _other_group,
+        "same group (steady state), ns": _same_group,
+        "same group, other capability, ns": _other_capability,
+    }
+    worst = 0.0
+    for name, setup in setups.items():
+        costs = [_cost_ns(setup, n) for n in SIZES]
+        ratio = costs[-1] / costs[0]
+        worst = max(worst, ratio)
+        table.rows.append([name, *(f"{c:,.0f}" for c in costs), f"{ratio:.2f}x"])
+    table.notes.append(
+        f"best of {REPEATS} runs of {CYCLES:,} cycles each; target 100k / 10 <= 2x "
+        f"({'met' if worst <= 2 else 'NOT met'}: worst {worst:.2f}x)"
+    )
+    return table
+
+
+async def _timeouts() -> list[float]:
+    """Lateness (s) of each QueueTimeout past its 0.05 s deadline."""
+    late: list[float] = []
+    policy = PolicySnapshot(default=Policy(queue_timeout_s=TIMEOUT, max_queue=10**6))
+    async with open_admission(policy) as admission:
+        admission.node_joined([_candidate("a", "m", 1)])
+        async with admission.open_slot("m", Needs()):
+
+            async def wait() -> None:
+                started = trio.current_time()
+                try:
+                    async with admission.open_slot("m", Needs()):
+                        raise AssertionError("admitted while the only slot is held")
+                except QueueTimeout:
+                    late.append(trio.current_time() - started - TIMEOUT)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(TIMEOUT_WAITERS):
+                    nursery.start_soon(wait)
+                    if i % 10 == 9:
+                        await trio.sleep(0.002)  # arrivals spread over ~0.1 s
+    return late
+
+
+async def _trio_cycle_us(count: int = 20_000) -> float:
+    async with open_admission() as admission:
+        admission.node_joined([_candidate("a", "m", 1)])
+        needs = Needs()
+        started = time.perf_counter()
+        for _ in range(count):
+            async with admission.open_slot("m", needs):
+                pass
+        return (time.perf_counter() - started) / count * 1e6
+
+
+async def run() -> Sequence[Table]:
+    tables = [core_table()]
+    late = sorted(await _timeouts())
+    ms = [x * 1000 for x in late]
+    trio_table = Table(
+        title=f"admission Trio layer: QueueTimeout lateness ({TIMEOUT * 1000:g} ms, real clock)",
+        columns=["waiters", "mean ms", "p50 ms", "p99 ms", "max ms", "min ms"],
+        rows=[
+            [
+                f"{len(ms)}",
+                f"{statistics.fmean(ms):.3f}",
+                f"{ms[len(ms) // 2]:.3f}",
+                f"{ms[min(len(ms) - 1, int(0.99 * len(ms)))]:.3f}",
+                f"{ms[-1]:.3f}",
+                f"{ms[0]:.3f}",
+            ]
+        ],
+        notes=[
+            "one driver task sleeps until the core's next deadline and ticks it; the "
+            "lateness is timer + scheduling delay (never early: min >= 0)",
+            f"open_slot + exit with a free slot: {await _trio_cycle_us():.1f} us per request",
+        ],
+    )
+    assert min(late) >= 0, "a QueueTimeout came early"
+    tables.append(trio_table)
+    return tables
+
+
+def main() -> None:
+    for table in trio.run(run):
+        print(render(table), flush=True)
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Pins the public surface of ``dispatcher.admission``."""
+
+from __future__ import annotations
+
+import dispatcher.admission
+
+PUBLIC = {
+    "ADMIT_REASONS",
+    "CAPABILITIES",
+    "REJECT_CAUSES",
+    "Admission",
+    "AdmissionCore",
+    "AdmissionError",
+    "AdmissionStatistics",
+    "Admit",
+    "AdmitReason",
+    "Candidate",
+    "CandidateKey",
+    "CandidateStatistics",
+    "Decision",
+    "GroupStatistics",
+    "Needs",
+    "NoCapableCandidate",
+    "Policy",
+    "PolicySnapshot",
+    "Predicate",
+    "QueueFull",
+    "QueueTimeout",
+    "Reject",
+    "RejectCause",
+    "RequestClass",
+    "Slot",
+    "SlotId",
+    "UnknownModel",
+    "WaiterId",
+    "error_for",
+    "needs_from_body",
+    "open_admission",
+}
+
+
+def test_public_names() -> None:
+    names = {name for name in vars(dispatcher.admission) if not name.startswith("_")}
+    assert names == PUBLIC
