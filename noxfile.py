@@ -54,3 +54,11 @@ def bench(session: nox.Session) -> None:
     """Print the performance numbers (see bench/README.md)."""
     session.install(".[test]", "psutil")
     session.run("python", "-m", "bench", *session.posargs)
+
+
+@nox.session
+def mutate(session: nox.Session) -> None:
+    """Mutation testing of the admission core (mutmut); prints the score."""
+    session.install(".[test]", "mutmut>=3.3")
+    session.run("mutmut", "run", "--max-children", "2", env={"HYPOTHESIS_PROFILE": "ci"})
+    session.run("mutmut", "results", success_codes=[0, 1])
