@@ -630,4 +630,4 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 
 TestAdmissionCore = AdmissionMachine.TestCase
-TestAdmissionCore.settings = settings(settings(), stateful_step_count=60)
+TestAdmissionCore.settings = settings(settings(), stateful_step_count=50)
