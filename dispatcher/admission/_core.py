@@ -298,12 +298,10 @@ class AdmissionCore:
             raise ValueError(f"waiter {waiter_id!r} is already queued")
         decisions = self._advance(now)
         name = self._policy.resolve(model)
-        group = self._groups.get(name)
         if name not in self._ever_served and not self._policy.knows(name):
             self._reject(decisions, waiter_id, "unknown_model", f"model {model!r} does not exist")
             return decisions
-        if group is None:
-            group = self._group(name)
+        group = self._group(name)
         policy = group.policy
         klass = _LONG if needs.request_class(policy.long_context_tokens) == "long" else _SHORT
         waiter = _Waiter(
