@@ -6,8 +6,11 @@ admission, a slot, a subscription, a transport (``pool.open``) -- and ends eithe
 most once, by leaving that scope.
 
 Nothing reaches the client before the **commit point**: the first content-bearing delta of a
-streamed run, or the complete successful answer of a non-streamed one. Until then a failure
-(node lost, retryable ``run.failed``, stale generation, first-token timeout) is recovered:
+streamed run, or the complete successful answer of a non-streamed one; for a tunnel, a 2xx
+status followed by the first SSE event that carries content (a non-streamed body: complete),
+or any other status that is not 5xx / 429 (relayed as it is). Until then a failure
+(node lost, retryable ``run.failed``, upstream 5xx / 429, stale generation, first-token
+timeout) is recovered:
 the attempt is aborted and the request admitted again with the failed candidates excluded,
 up to ``max_attempts`` and within one deadline that covers queue waits too. After the commit,
 a failure is delivered to the client as an explicit error (an SSE error event), never a
@@ -20,7 +23,14 @@ silent clean end.
         async for event in answer:                # the rest, with the stall timeout
             ...
 
-Every dispatched attempt (its run request was sent) gets exactly one usage row when it ends.
+A tunnel attempt runs its pre-commit phase inside the attempt loop: the API puts a
+:class:`TunnelCall` on the request, whose ``commit`` sends the tunnel request and reads the
+response up to its commit point (raising :class:`AttemptFailed` for a 5xx / 429); the gate
+runs it under the request deadline and the first-token timeout and yields a
+:class:`TunnelAnswer` with what it buffered (``head``) for the relay to send, then the rest.
+
+Every dispatched attempt (its run or tunnel request was sent) gets exactly one usage row when
+it ends.
 """
 
 from __future__ import annotations
@@ -37,9 +47,10 @@ import trio
 
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
-from .errors import RunError
+from .errors import NodeUnavailable, RunError
 from .pool import DispatchRequest, DispatchResult, Pool
 from .runs import Run, RunSpec
+from .tunnel import Tunnel, TunnelFailed
 from .usage import UsageRow
 
 log = logging.getLogger("dispatcher.gate")
@@ -57,6 +68,42 @@ class GatePolicy:
     stall_timeout_s: float = 60.0
 
 
+@attrs.define(eq=False)
+class PreCommit:
+    """The clock of a tunnel attempt's pre-commit phase, as the gate runs it: until the first
+    output the first-token timeout applies; :meth:`output` (some of the answer arrived, e.g.
+    a piece of a non-streamed body) switches to the stall timeout from now."""
+
+    _scope: trio.CancelScope
+    stall_timeout_s: float
+    output_at: float | None = None
+
+    def output(self) -> None:
+        now = trio.current_time()
+        self.output_at = now
+        self._scope.deadline = now + self.stall_timeout_s
+
+
+CommitTunnel = Callable[[Tunnel, "TunnelCall", DispatchResult, PreCommit], Awaitable[Any]]
+"""``commit(tunnel, call, result, pre_commit)``: send the tunnel request and read its answer
+up to the commit point; return what the relay needs to go on (the *head*). Raises
+:class:`AttemptFailed` (or ``TunnelFailed``) when the attempt failed before its commit."""
+
+
+@attrs.frozen(kw_only=True)
+class TunnelCall:
+    """What a tunnel attempt relays of the client's HTTP request, and its pre-commit phase."""
+
+    method: str
+    path: str
+    query: str = ""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """The client's headers, as received (the commit function filters them)."""
+    body: dict[str, Any] = attrs.field(factory=dict)
+    """The client's parsed JSON body."""
+    commit: CommitTunnel = attrs.field(eq=False)
+
+
 @attrs.frozen(kw_only=True)
 class GateRequest:
     request_id: str
@@ -66,13 +113,16 @@ class GateRequest:
     prepare: PrepareAttempt | None = attrs.field(default=None, eq=False)
     """Called fresh for every attempt (attempt number, chosen candidate, spec) before the run
     is sent: per-attempt credentials, headers, options."""
+    tunnel_call: TunnelCall | None = attrs.field(default=None, eq=False)
+    """How to relay the request when admission picks a tunnel candidate; without it, tunnel
+    candidates fail (and are excluded) without a request sent."""
 
 
 class AllAttemptsFailed(RunError):
     """Every attempt failed before anything was streamed (502, with the last cause)."""
 
 
-class _AttemptFailed(Exception):
+class AttemptFailed(Exception):
     """An attempt failed before its commit point; ``retryable`` says if another may do."""
 
     def __init__(self, code: str, message: str, *, retryable: bool) -> None:
@@ -80,6 +130,9 @@ class _AttemptFailed(Exception):
         self.code = code
         self.message = message
         self.retryable = retryable
+
+
+_AttemptFailed = AttemptFailed
 
 
 def _is_content(event: wire.RunEvent) -> bool:
@@ -171,13 +224,52 @@ class Answer:
         return events
 
 
-@attrs.frozen
-class TunnelAnswer:
-    """The request was placed on a tunnel candidate: the relay answers it."""
+@attrs.define(eq=False)
+class TunnelAttempt:
+    """One tunnel attempt's bookkeeping, from dispatch to its usage row."""
 
+    number: int
     result: DispatchResult
-    tunnel: Any
+    tunnel: Tunnel
+    started_at: float
+    """``trio.current_time()`` when the attempt was submitted to admission."""
+    dispatched_at: float
+    committed_at: float | None = None
+    committed: bool = False
+    failed: bool = False
+    """The relay ended the answer with an error after the commit (broken off, stalled)."""
+    client_gone: bool = False
+    """The relay found the client gone."""
+
+
+@attrs.define(eq=False)
+class TunnelAnswer:
+    """The committed tunnel attempt: the relay sends ``head`` (what the pre-commit phase
+    buffered), then the rest of the tunnel's response."""
+
+    attempt: TunnelAttempt
     attempts: int
+    """How many attempts the request took (the committed one included)."""
+    head: Any
+    """What :attr:`TunnelCall.commit` returned."""
+    stall_timeout: float
+    """The longest silence of the tunnel between two pieces after the commit."""
+
+    @property
+    def result(self) -> DispatchResult:
+        return self.attempt.result
+
+    @property
+    def tunnel(self) -> Tunnel:
+        return self.attempt.tunnel
+
+    def failed(self) -> None:
+        """The relay ended the answer with an error (its usage row says ``failed``)."""
+        self.attempt.failed = True
+
+    def client_gone(self) -> None:
+        """The relay found the client gone (its usage row says ``cancelled``)."""
+        self.attempt.client_gone = True
 
 
 @attrs.define(eq=False)
@@ -197,7 +289,7 @@ class Gate:
             dispatch_request = attrs.evolve(
                 request.dispatch, exclude=frozenset(excluded), requeue=number > 1
             )
-            attempt: Attempt | None = None
+            attempt: Attempt | TunnelAttempt | None = None
             yielded = False  # once the caller has the answer, its errors are its own
             started = trio.current_time()
             try:
@@ -206,10 +298,35 @@ class Gate:
                         dispatch_request, prepare_run=self._prepare(request, number)
                     ) as dispatch:
                         if dispatch.run is None:
-                            # A tunnel: relayed as is (recovery of tunnels is future work).
-                            before_commit.deadline = math.inf
-                            yielded = True
-                            yield TunnelAnswer(dispatch.result, dispatch.tunnel, number)
+                            call = request.tunnel_call
+                            if call is None:
+                                raise _AttemptFailed(
+                                    "tunnel_unsupported",
+                                    f"{dispatch.result.node_id}/{dispatch.result.provider_id} "
+                                    "serves this model through a tunnel, which this request "
+                                    "cannot use",
+                                    retryable=True,
+                                )
+                            attempt = TunnelAttempt(
+                                number,
+                                dispatch.result,
+                                dispatch.tunnel,
+                                started_at=started,
+                                dispatched_at=trio.current_time(),
+                            )
+                            ended_by_tunnel: BaseException | None = None
+                            try:
+                                head = await self._until_tunnel_commit(attempt, call, policy)
+                                attempt.committed = True
+                                attempt.committed_at = trio.current_time()
+                                before_commit.deadline = math.inf
+                                yielded = True
+                                yield TunnelAnswer(attempt, number, head, policy.stall_timeout_s)
+                            except BaseException as exc:
+                                ended_by_tunnel = exc
+                                raise
+                            finally:
+                                self._record_tunnel(request, attempt, ended_by_tunnel, deadline)
                             return
                         attempt = Attempt(
                             number,
@@ -332,6 +449,88 @@ class Gate:
             if isinstance(event, wire.RunCompleted) or (stream and _is_content(event)):
                 return head
 
+    async def _until_tunnel_commit(
+        self, attempt: TunnelAttempt, call: TunnelCall, policy: GatePolicy
+    ) -> Any:
+        """Run the tunnel's pre-commit phase (``call.commit``) under the first-token timeout
+        (the stall timeout once it reported output). Raises :class:`_AttemptFailed` when the
+        attempt failed before its commit point."""
+        result = attempt.result
+        where = f"{result.node_id}/{result.provider_id}"
+        first_token_deadline = attempt.dispatched_at + policy.first_token_timeout_s
+        with trio.CancelScope(deadline=first_token_deadline) as waited:
+            pre_commit = PreCommit(waited, policy.stall_timeout_s)
+            try:
+                return await call.commit(attempt.tunnel, call, result, pre_commit)
+            except TunnelFailed as exc:
+                raise _AttemptFailed(exc.code, exc.message, retryable=exc.retryable) from exc
+            except NodeUnavailable as exc:
+                raise _AttemptFailed(exc.code, f"{where}: {exc.message}", retryable=True) from exc
+        if pre_commit.output_at is None:
+            raise _AttemptFailed(
+                "first_token_timeout",
+                f"{where}: no first token within {policy.first_token_timeout_s:g} s",
+                retryable=True,
+            )
+        raise _AttemptFailed(
+            "stall_timeout", f"{where}: no output for {policy.stall_timeout_s:g} s", retryable=True
+        )
+
+    def _record_tunnel(
+        self,
+        request: GateRequest,
+        attempt: TunnelAttempt,
+        ended_by: BaseException | None,
+        deadline: float,
+    ) -> None:
+        """The tunnel attempt's usage row, exactly once, when its scope ends -- if its
+        request reached the node."""
+        tunnel = attempt.tunnel
+        if self.record_usage is None or not tunnel.sent:
+            return
+        outcome: Outcome
+        status = tunnel.status
+        if attempt.client_gone or (
+            _is_cancellation(ended_by)
+            and not (not attempt.committed and trio.current_time() >= deadline)
+        ):
+            outcome = "cancelled"
+        elif not attempt.committed:
+            outcome = "aborted"
+        elif (
+            ended_by is None
+            and not attempt.failed
+            and tunnel.completed
+            and status is not None
+            and 200 <= status < 300
+        ):
+            outcome = "completed"
+        elif ended_by is None and not attempt.failed and not tunnel.finished:
+            outcome = "aborted"  # left unfinished by a consumer that stopped reading
+        else:
+            outcome = "failed"  # broke off, stalled, or the provider's error status relayed
+        usage = tunnel.usage
+        if usage is not None:
+            prompt, completion, reported = usage
+            source = "reported" if reported else "estimated"
+        else:
+            prompt, completion, source = _estimate_prompt(request.dispatch.body), 0, "estimated"
+        ttft = (
+            None if attempt.committed_at is None else attempt.committed_at - attempt.dispatched_at
+        )
+        self._emit(
+            request,
+            attempt.number,
+            attempt.result,
+            prompt=prompt,
+            completion=completion,
+            source=source,
+            outcome=outcome,
+            committed=attempt.committed,
+            ttft=ttft,
+            started_at=attempt.started_at,
+        )
+
     def _record(
         self,
         request: GateRequest,
@@ -363,11 +562,41 @@ class Gate:
             prompt = _estimate_prompt(request.dispatch.body)
             completion = _estimate_tokens(attempt.completion_chars)
             source = "estimated"
-        now = trio.current_time()
-        result = attempt.result
+        self._emit(
+            request,
+            attempt.number,
+            attempt.result,
+            prompt=prompt,
+            completion=completion,
+            source=source,
+            outcome=outcome,
+            committed=attempt.committed,
+            ttft=(
+                None
+                if attempt.first_content_at is None
+                else attempt.first_content_at - attempt.dispatched_at
+            ),
+            started_at=attempt.started_at,
+        )
+
+    def _emit(
+        self,
+        request: GateRequest,
+        number: int,
+        result: DispatchResult,
+        *,
+        prompt: int,
+        completion: int,
+        source: str,
+        outcome: Outcome,
+        committed: bool,
+        ttft: float | None,
+        started_at: float,
+    ) -> None:
+        assert self.record_usage is not None
         row = UsageRow(
             request_id=request.request_id,
-            attempt=attempt.number,
+            attempt=number,
             model_group=result.model_group,
             served_model=result.served_model,
             provider_id=result.provider_id,
@@ -378,14 +607,10 @@ class Gate:
             completion_tokens=completion,
             usage_source=source,  # type: ignore[arg-type]
             outcome=outcome,
-            billable_to="client" if attempt.committed else "operator",
+            billable_to="client" if committed else "operator",
             queue_wait_s=result.queue_wait,
-            ttft_s=(
-                None
-                if attempt.first_content_at is None
-                else attempt.first_content_at - attempt.dispatched_at
-            ),
-            duration_s=now - attempt.started_at,
+            ttft_s=ttft,
+            duration_s=trio.current_time() - started_at,
             ended_at=time.time(),
         )
         try:
@@ -411,6 +636,8 @@ def _only_exclusions(exc: NoCapableCandidate) -> bool:
 
 
 def _estimate_prompt(body: dict[str, Any]) -> int:
+    """Characters of the request's messages (and, for the tunnel-only routes, its ``prompt``
+    or ``input``) / 4, rounded up."""
     chars = 0
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -422,6 +649,12 @@ def _estimate_prompt(body: dict[str, Any]) -> int:
                 for part in content:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         chars += len(part["text"])
+    for key in ("prompt", "input"):
+        value = body.get(key)
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            chars += sum(len(item) for item in value if isinstance(item, str))
     return _estimate_tokens(chars)
 
 
@@ -429,8 +662,13 @@ __all__: Sequence[str] = (
     "AllAttemptsFailed",
     "Answer",
     "Attempt",
+    "AttemptFailed",
+    "CommitTunnel",
     "Gate",
     "GatePolicy",
     "GateRequest",
+    "PreCommit",
     "TunnelAnswer",
+    "TunnelAttempt",
+    "TunnelCall",
 )

@@ -180,16 +180,32 @@ class Tunnel:
     _owner: Tunnels
     started_at: float
     requested: bool = False
+    sent: bool = False
+    """The request reached the node's connection (:meth:`send_request` returned)."""
     end_reason: EndReason | None = None
     """How the tunnel ended, set once when its block is left."""
     _unreported: int = 0
     """Body bytes consumed and not yet granted back to the node."""
     usage_recorded: bool = False
+    usage: tuple[int, int, bool] | None = None
+    """The last usage reported with :meth:`on_usage`: ``(prompt, completion, reported)``."""
 
     @property
     def finished(self) -> bool:
         """The end arrived (from the node, or synthesized when the node was lost)."""
         return self._route.end is not None
+
+    @property
+    def completed(self) -> bool:
+        """The end arrived without an error: the provider's response was relayed whole."""
+        end = self._route.end
+        return end is not None and end.error is None
+
+    @property
+    def status(self) -> int | None:
+        """The response's status, once ``tunnel.start`` arrived."""
+        start = self._route.start
+        return None if start is None else start.status
 
     @property
     def buffered(self) -> int:
@@ -229,6 +245,7 @@ class Tunnel:
             await self.session.send(request)
         except NodeGone as exc:
             raise NodeUnavailable(str(exc)) from exc
+        self.sent = True
 
     async def start(self) -> wire.TunnelStart:
         """The response's status and headers. Raises :class:`TunnelFailed` if the tunnel
@@ -262,7 +279,9 @@ class Tunnel:
 
     def on_usage(self, prompt_tokens: int, completion_tokens: int, reported: bool) -> None:
         """Report this tunnel's usage: ``reported`` when the provider said so, else the
-        edge's estimate. Only the first report counts."""
+        edge's estimate. The last report is kept in :attr:`usage` (the gate's usage row
+        reads it); only the first counts in the statistics and goes to the usage sink."""
+        self.usage = (prompt_tokens, completion_tokens, reported)
         if not self.usage_recorded:
             self.usage_recorded = True
             self._owner._record_usage(self, prompt_tokens, completion_tokens, reported)

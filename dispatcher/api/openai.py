@@ -23,7 +23,7 @@ from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, Request, Responder
 from ..pool import DispatchRequest
 from ..runs import Run
-from .tunnel_relay import relay
+from .tunnel_relay import relay, tunnel_call
 
 if TYPE_CHECKING:
     from ..service import Dispatcher
@@ -158,6 +158,7 @@ async def _chat(
         ),
         stream=chat.stream,
         attribution=ctx.attribution,
+        tunnel_call=tunnel_call(request, chat.body),
     )
     async with dispatcher.gate.open(gate_request) as answer:
         result = answer.result
@@ -169,7 +170,7 @@ async def _chat(
             (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
         )
         if isinstance(answer, TunnelAnswer):
-            return await relay(dispatcher, answer, chat.body, request, responder, answer_headers)
+            return await relay(dispatcher, answer, chat.body, responder, answer_headers)
         if chat.stream:
             await _stream(dispatcher, chat, answer, responder, answer_headers)
         else:

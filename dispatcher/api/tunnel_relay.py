@@ -31,14 +31,16 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
+import attrs
 import orjson
 import trio
 
+from .. import wire
 from ..admission import AdmissionError, Candidate
 from ..errors import BadRequest, RunError
-from ..gate import GateRequest, TunnelAnswer
+from ..gate import AttemptFailed, GateRequest, PreCommit, TunnelAnswer, TunnelCall
 from ..http import PeerGone, Request, Responder
 from ..pool import DispatchRequest, DispatchResult
 from ..tunnel import Tunnel, TunnelFailed
@@ -88,16 +90,6 @@ _USAGE_KEY: Final = b'"usage"'
 
 TUNNEL_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 _STREAM_USAGE_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
-class TunnelDispatch(Protocol):
-    """What :func:`relay` needs of a dispatch: the gate's ``TunnelAnswer`` (or the pool's
-    ``Dispatch``)."""
-
-    @property
-    def result(self) -> DispatchResult: ...
-    @property
-    def tunnel(self) -> Any: ...
 
 
 class _CutResponse(PeerGone):
@@ -235,13 +227,16 @@ class SSEFilter:
     Complete events are passed on as soon as they are complete; an unfinished one waits for
     its end (or :meth:`finish`). Only events that mention ``"usage"`` are parsed."""
 
-    def __init__(self, *, strip_usage_chunk: bool) -> None:
+    def __init__(self, *, strip_usage_chunk: bool, find_content: bool = False) -> None:
         self._strip = strip_usage_chunk
         self._pending = b""
         self._skip_next = False
         self.usage: Usage | None = None
         self.stripped = False
         self.events = 0
+        self.content_seen = not find_content
+        """An event that carries content went through (with ``find_content``, every event
+        is parsed until then)."""
 
     def feed(self, data: bytes) -> bytes:
         buf = self._pending + data if self._pending else data
@@ -256,9 +251,12 @@ class SSEFilter:
             self.events += 1
             if self._skip_next:
                 self._skip_next = False
-            elif 0 <= probe < end and self._inspect(buf[event_start:end]):
-                out.append(buf[sent:event_start])
-                sent = end
+            elif 0 <= probe < end:
+                if self._inspect(buf[event_start:end]):
+                    out.append(buf[sent:event_start])
+                    sent = end
+            elif not self.content_seen and _carries_content(buf[event_start:end]):
+                self.content_seen = True
             if 0 <= probe < end:
                 probe = buf.find(_USAGE_KEY, end)
             event_start = end
@@ -268,6 +266,7 @@ class SSEFilter:
             out.append(self._pending)
             self._pending = b""
             self._skip_next = True
+            self.content_seen = True  # an event this large is output, whatever it holds
         return b"".join(out)
 
     def finish(self) -> bytes:
@@ -281,17 +280,11 @@ class SSEFilter:
 
     def _inspect(self, event: bytes) -> bool:
         """Note the event's usage; True if it is the usage chunk to strip."""
-        lines = [
-            line[6:] if line.startswith(b"data: ") else line[5:]
-            for line in _SSE_LINE.split(event)
-            if line.startswith(b"data:")
-        ]
-        if not lines:
+        value = _event_json(event)
+        if value is None:
             return False
-        try:
-            value = orjson.loads(b"\n".join(lines))
-        except orjson.JSONDecodeError:
-            return False
+        if not self.content_seen and _has_content(value):
+            self.content_seen = True
         usage = usage_of(value)
         if usage is None:
             return False
@@ -300,6 +293,50 @@ class SSEFilter:
             self.stripped = True
             return True
         return False
+
+
+_CONTENT_KEYS: Final = ("content", "text", "tool_calls", "function_call", "refusal")
+_REASONING_KEYS: Final = ("reasoning_content", "reasoning")
+
+
+def _event_json(event: bytes) -> Any:
+    """The JSON of an SSE event's ``data`` lines, or None."""
+    lines = [
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in _SSE_LINE.split(event)
+        if line.startswith(b"data:")
+    ]
+    if not lines:
+        return None
+    try:
+        return orjson.loads(b"\n".join(lines))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _has_content(value: Any) -> bool:
+    """A chunk (chat or text completion) with a choice whose delta carries content, text,
+    tool calls or reasoning; role-only preambles, finish chunks and usage chunks do not."""
+    if not isinstance(value, dict):
+        return False
+    choices = value.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):  # /v1/completions
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            delta.get(key) for key in (*_CONTENT_KEYS, *_REASONING_KEYS)
+        ):
+            return True
+    return False
+
+
+def _carries_content(event: bytes) -> bool:
+    return _has_content(_event_json(event))
 
 
 # --------------------------------------------------------------------------- the relay
@@ -324,82 +361,177 @@ def upstream_body(body: dict[str, Any], served_model: str, route: str) -> tuple[
     return orjson.dumps(body), False
 
 
+@attrs.frozen(kw_only=True)
+class TunnelHead:
+    """What a tunnel attempt's pre-commit phase read (:func:`commit_tunnel`): the relay sends
+    it first, then the rest of the response."""
+
+    start: wire.TunnelStart
+    data: bytes = b""
+    """The body bytes read before the commit, as the client gets them (filtered, for SSE)."""
+    sse: SSEFilter | None = None
+    """For a 2xx event stream: the filter the rest goes through."""
+    complete: bool = False
+    """The body ended within ``data``."""
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.start.status < 300
+
+
+async def commit_tunnel(
+    tunnel: Tunnel, call: TunnelCall, result: DispatchResult, pre_commit: PreCommit
+) -> TunnelHead:
+    """The pre-commit phase of a tunnel attempt (the gate's :attr:`TunnelCall.commit`): send
+    the request, await the response's start, and read up to the commit point -- the first SSE
+    event that carries content (or the end of the stream), or a whole non-streamed body (or
+    its first :data:`BUFFER_LIMIT` bytes). A 5xx or 429 status fails the attempt (the body is
+    not read: leaving the tunnel aborts it); any other status commits at once, relayed as it
+    is. The body breaking off before the commit fails the attempt, retryably: the client has
+    seen nothing of it."""
+    body, injected = upstream_body(call.body, result.served_model, call.path)
+    await tunnel.send_request(
+        method=call.method,
+        path=call.path,
+        query=call.query,
+        headers=upstream_headers(call.headers),
+        body=body.decode("utf-8"),
+    )
+    start = await tunnel.start()
+    where = f"{result.node_id}/{result.provider_id}"
+    if not 200 <= start.status <= 599:
+        raise TunnelFailed(
+            f"the provider behind {where} answered status {start.status}", retryable=True
+        )
+    if start.status >= 500 or start.status == 429:
+        raise AttemptFailed(
+            "upstream_rate_limited" if start.status == 429 else "upstream_5xx",
+            f"{where}: the provider answered status {start.status}",
+            retryable=True,
+        )
+    if not 200 <= start.status < 300:
+        return TunnelHead(start=start)
+    try:
+        if _is_sse(client_headers(start.headers, ())):
+            return await _sse_head(tunnel, start, injected)
+        return await _body_head(tunnel, start, pre_commit)
+    except TunnelFailed as exc:
+        raise AttemptFailed(exc.code, exc.message, retryable=True) from exc
+
+
+async def _sse_head(tunnel: Tunnel, start: wire.TunnelStart, injected: bool) -> TunnelHead:
+    sse = SSEFilter(strip_usage_chunk=injected, find_content=True)
+    parts: list[bytes] = []
+    size = 0
+    while not sse.content_seen and size <= BUFFER_LIMIT:
+        data = await tunnel.receive_some()
+        if not data:
+            parts.append(sse.finish())
+            return TunnelHead(start=start, data=b"".join(parts), sse=sse, complete=True)
+        out = sse.feed(data)
+        parts.append(out)
+        size += len(out)
+    return TunnelHead(start=start, data=b"".join(parts), sse=sse)
+
+
+async def _body_head(tunnel: Tunnel, start: wire.TunnelStart, pre_commit: PreCommit) -> TunnelHead:
+    parts: list[bytes] = []
+    size = 0
+    while data := await tunnel.receive_some():
+        pre_commit.output()
+        parts.append(data)
+        size += len(data)
+        if size > BUFFER_LIMIT:
+            return TunnelHead(start=start, data=b"".join(parts))
+    return TunnelHead(start=start, data=b"".join(parts), complete=True)
+
+
 async def relay(
     dispatcher: Dispatcher,
-    dispatch: TunnelDispatch,
+    answer: TunnelAnswer,
     request_body: dict[str, Any],
-    raw_request: Request,
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
 ) -> str:
-    """Answer ``raw_request`` (whose parsed JSON body is ``request_body``) through the tunnel
-    ``dispatch`` opened; ``headers`` are the edge's own response headers (``x-dispatcher-node``,
-    ``-provider`` and ``-queue-ms`` are added when missing). Returns the
-    outcome for the metrics: ``completed``, ``upstream_error`` (the provider answered a
-    non-2xx status, relayed as it is) or ``failed``."""
-    tunnel: Tunnel = dispatch.tunnel
-    body, injected = upstream_body(request_body, dispatch.result.served_model, raw_request.path)
+    """The relay phase of the committed tunnel ``answer``: send its head, then the rest of
+    the response (``request_body`` is the client's parsed JSON body, for the usage estimate);
+    ``headers`` are the edge's own response headers (``x-dispatcher-node``, ``-provider`` and
+    ``-queue-ms`` are added when missing). Returns the outcome for the metrics:
+    ``completed``, ``upstream_error`` (the provider answered a non-2xx status, relayed as it
+    is) or ``failed``; an error delivered to the client is marked on ``answer``."""
+    tunnel = answer.tunnel
+    head = answer.head
+    assert isinstance(head, TunnelHead), "the answer of commit_tunnel"
     usage: Usage | None = None
     completion_estimate = 0
-    ok = False
+    names = {name.lower() for name, _ in headers}
+    own = [*headers, *(h for h in dispatch_headers(answer.result) if h[0] not in names)]
+    out_headers = client_headers(head.start.headers, own)
+    stall = answer.stall_timeout
     try:
-        await tunnel.send_request(
-            method=raw_request.method,
-            path=raw_request.path,
-            query=raw_request.query,
-            headers=upstream_headers(raw_request.headers),
-            body=body.decode("utf-8"),
-        )
-        start = await tunnel.start()
-        if not 200 <= start.status <= 599:
-            raise TunnelFailed(
-                f"the provider behind {tunnel.candidate.label} answered status {start.status}",
-                retryable=True,
-            )
-        names = {name.lower() for name, _ in headers}
-        own = [*headers, *(h for h in dispatch_headers(dispatch.result) if h[0] not in names)]
-        out_headers = client_headers(start.headers, own)
-        ok = 200 <= start.status < 300
-        if ok and _is_sse(out_headers):
-            sse = SSEFilter(strip_usage_chunk=injected)
+        if head.sse is not None:
+            sse = head.sse
             try:
                 outcome = await _relay_sse(
-                    dispatcher, tunnel, responder, start.status, out_headers, sse
+                    dispatcher, tunnel, responder, out_headers, head, sse, stall
                 )
             finally:
                 usage, completion_estimate = sse.usage, sse.events
+            if outcome == "failed":
+                answer.failed()
             return outcome
-        usage = await _relay_body(tunnel, responder, start.status, out_headers, parse=ok)
-        return "completed" if ok else "upstream_error"
+        usage = await _relay_body(tunnel, responder, out_headers, head, stall)
+        return "completed" if head.ok else "upstream_error"
+    except _CutResponse:
+        answer.failed()
+        raise
+    except PeerGone:
+        answer.client_gone()
+        raise
     finally:
-        if tunnel.requested:
-            if usage is not None:
-                tunnel.on_usage(usage[0], usage[1], True)
-            elif ok:
-                tunnel.on_usage(estimate_prompt_tokens(request_body), completion_estimate, False)
-            else:
-                tunnel.on_usage(0, 0, False)
+        if usage is not None and head.ok:
+            tunnel.on_usage(usage[0], usage[1], True)
+        elif head.ok:
+            tunnel.on_usage(estimate_prompt_tokens(request_body), completion_estimate, False)
+        else:
+            tunnel.on_usage(0, 0, False)
+
+
+async def _receive(tunnel: Tunnel, stall: float) -> bytes:
+    """The next piece of the body (``b""`` at the clean end); TunnelFailed when it broke
+    off, or when nothing came for ``stall`` seconds."""
+    with trio.move_on_after(stall):
+        return await tunnel.receive_some()
+    raise TunnelFailed(
+        f"no output from the provider behind {tunnel.candidate.label} for {stall:g} s",
+        code="stall_timeout",
+        retryable=False,
+    )
 
 
 async def _relay_sse(
     dispatcher: Dispatcher,
     tunnel: Tunnel,
     responder: Responder,
-    status: int,
     headers: Sequence[tuple[bytes, bytes]],
+    head: TunnelHead,
     sse: SSEFilter,
+    stall: float,
 ) -> str:
-    stream = await responder.start_stream(status, headers)
+    stream = await responder.start_stream(head.start.status, headers)
     outcome = "completed"
     with dispatcher.stream_scope() as scope:
         try:
-            while data := await tunnel.receive_some():
-                out = sse.feed(data)
-                if out:
-                    await stream.send(out)
-            rest = sse.finish()
-            if rest:
-                await stream.send(rest)
+            if head.data:
+                await stream.send(head.data)
+            if not head.complete:
+                while data := await _receive(tunnel, stall):
+                    out = sse.feed(data)
+                    if out:
+                        await stream.send(out)
+                rest = sse.finish()
+                if rest:
+                    await stream.send(rest)
         except TunnelFailed as exc:
             log.info("tunnel %s broke off mid-stream: %s", tunnel.tunnel_id, exc)
             # An unfinished event is dropped: our error event must not merge into it.
@@ -415,32 +547,34 @@ async def _relay_sse(
 async def _relay_body(
     tunnel: Tunnel,
     responder: Responder,
-    status: int,
     headers: Sequence[tuple[bytes, bytes]],
-    *,
-    parse: bool,
+    head: TunnelHead,
+    stall: float,
 ) -> Usage | None:
     """Relay a body that is not an event stream: whole when it fits in
-    :data:`BUFFER_LIMIT`, streamed beyond. Returns its usage when ``parse``."""
-    parts: list[bytes] = []
-    size = 0
-    while data := await tunnel.receive_some():
-        parts.append(data)
-        size += len(data)
-        if size > BUFFER_LIMIT:
-            break
-    else:
+    :data:`BUFFER_LIMIT`, streamed beyond. Returns its usage for a 2xx answer."""
+    status, parse = head.start.status, head.ok
+    parts: list[bytes] = [head.data] if head.data else []
+    size = len(head.data)
+    if not head.complete:
+        while size <= BUFFER_LIMIT:
+            data = await _receive(tunnel, stall)
+            if not data:
+                break
+            parts.append(data)
+            size += len(data)
+    if size <= BUFFER_LIMIT:
         whole = b"".join(parts)
         await responder.respond(status, headers, whole)
         return _body_usage(whole) if parse else None
     # Too large to hold: stream it, keeping the tail to find usage in.
     stream = await responder.start_stream(status, headers)
-    head = b"".join(parts)
-    tail = head[-USAGE_TAIL:]
-    await stream.send(head)
-    del parts, head
+    first = b"".join(parts)
+    tail = first[-USAGE_TAIL:]
+    await stream.send(first)
+    del parts, first
     try:
-        while data := await tunnel.receive_some():
+        while data := await _receive(tunnel, stall):
             tail = (tail + data)[-USAGE_TAIL:]
             await stream.send(data)
     except TunnelFailed as exc:
@@ -488,6 +622,18 @@ def tunnel_only(route: str) -> Callable[[Candidate], str | None]:
     return predicate
 
 
+def tunnel_call(request: Request, body: dict[str, Any]) -> TunnelCall:
+    """What a tunnel attempt relays of ``request`` (whose parsed JSON body is ``body``)."""
+    return TunnelCall(
+        method=request.method,
+        path=request.path,
+        query=request.query,
+        headers=tuple(request.headers),
+        body=body,
+        commit=commit_tunnel,
+    )
+
+
 def dispatch_headers(result: DispatchResult) -> tuple[tuple[bytes, bytes], ...]:
     return (
         (b"x-dispatcher-node", result.node_id.encode()),
@@ -520,11 +666,12 @@ async def tunnel_route(
             ),
             stream=body.get("stream") is True,
             attribution=ctx.attribution,
+            tunnel_call=tunnel_call(request, body),
         )
         async with dispatcher.gate.open(gate_request) as answer:
             assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
             headers = (*ctx.headers, (b"x-dispatcher-attempts", str(answer.attempts).encode()))
-            outcome = await relay(dispatcher, answer, body, request, responder, headers)
+            outcome = await relay(dispatcher, answer, body, responder, headers)
     except trio.Cancelled:
         outcome = "client_gone"
         raise
@@ -546,11 +693,13 @@ async def tunnel_route(
 
 __all__ = [
     "SSEFilter",
-    "TunnelDispatch",
+    "TunnelHead",
     "client_headers",
+    "commit_tunnel",
     "estimate_prompt_tokens",
     "parse_tunnel_body",
     "relay",
+    "tunnel_call",
     "tunnel_only",
     "tunnel_route",
     "upstream_body",

@@ -490,12 +490,31 @@ async def test_large_body_is_streamed_and_its_usage_read(monkeypatch: pytest.Mon
 
 async def test_provider_error_status_is_relayed(monkeypatch: pytest.MonkeyPatch) -> None:
     async with open_env(monkeypatch) as env, env.client() as client:
-        env.fake.status = 429
-        env.fake.error_message = "slow down"
+        env.fake.status = 400
+        env.fake.error_message = "bad temperature"
         response = await client.post("/v1/chat/completions", json=chat_body())
-        assert response.status_code == 429
-        assert response.headers["retry-after"] == "1"
-        assert response.json()["error"]["message"] == "slow down"
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "bad temperature"
+        assert len(env.fake.requests) == 1  # not retried
+        await env.wait_slots_free()
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(429, "upstream_rate_limited"), (503, "upstream_5xx")]
+)
+async def test_provider_5xx_or_429_is_recovered_then_a_502(
+    monkeypatch: pytest.MonkeyPatch, status: int, code: str
+) -> None:
+    """A 5xx / 429 is a failure before the commit: the attempt is aborted and retried on the
+    other candidates; with only this one, the client gets a 502 naming the cause."""
+    async with open_env(monkeypatch) as env, env.client() as client:
+        env.fake.status = status
+        response = await client.post("/v1/chat/completions", json=chat_body())
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert error["code"] == code
+        assert f"answered status {status}" in error["message"]
+        assert len(env.fake.requests) == 1
         await env.wait_slots_free()
 
 
