@@ -69,6 +69,11 @@ class Run:
     _done: bool = False
     end_reason: EndReason | None = None
     """How the run ended, set once when its block is left."""
+    late_terminal: wire.RunEvent | None = None
+    """For a run abandoned before its end: the node's terminal event that arrived after the
+    block was left (its cancel confirmation, with the partial usage it knows)."""
+    settled: trio.Event = attrs.field(factory=trio.Event)
+    """Set when an abandoned run's late terminal event arrived."""
 
     @property
     def node_id(self) -> str:
@@ -185,7 +190,13 @@ class Runs:
         Called shielded, with a deadline."""
         run.slot.drain()
         slot_id = run.slot.slot_id
-        run._subscription.on_late_terminal = lambda _event: self.admission.confirm_drain(slot_id)
+
+        def late_terminal(event: wire.RunEvent) -> None:
+            run.late_terminal = event
+            self.admission.confirm_drain(slot_id)
+            run.settled.set()
+
+        run._subscription.on_late_terminal = late_terminal
         reason = "client went away" if run.end_reason == "cancelled" else "run abandoned"
         try:
             await run.session.send(wire.RunCancel(run_id=run.run_id, reason=reason))

@@ -134,8 +134,13 @@ async def test_client_disconnect_mid_stream(
     assert cancel.run_id == run_ids[0]
     stats = dispatcher.admission.statistics()
     assert (stats.in_use, stats.draining) == (0, 1)
-    await node.send(wire.RunCancelled(run_id=run_ids[0], seq=2))
+    partial = wire.Usage(prompt_tokens=1, completion_tokens=1)
+    await node.send(wire.RunCancelled(run_id=run_ids[0], seq=2, usage=partial))
     await wait_until(lambda: dispatcher.admission.statistics().draining == 0)
+    # The confirmation, with the partial usage the node knew, reaches the run's handle.
+    assert run.settled.is_set()
+    assert isinstance(run.late_terminal, wire.RunCancelled)
+    assert run.late_terminal.usage == partial
     assert_clean(dispatcher)
 
 
