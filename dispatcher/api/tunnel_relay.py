@@ -16,13 +16,19 @@ What the client receives: the provider's status, its headers minus hop-by-hop on
 ``Content-Length``, ``Date`` and any the edge sets itself (``x-request-id``,
 ``x-dispatcher-*``), and the body byte for byte (apart from that stripped chunk). An SSE
 response is streamed as it arrives; another body is answered whole (with ``Content-Length``)
-up to :data:`BUFFER_LIMIT` bytes, and streamed beyond. If the tunnel fails before the answer
-started the client gets a 502 error; if an SSE stream breaks off, an SSE error event ends it;
-if another streamed body breaks off, the connection is cut so the client sees the body is
-incomplete.
+up to :data:`BUFFER_LIMIT` bytes, and streamed beyond.
+
+Two phases. :func:`commit_tunnel` is the pre-commit phase, which the gate runs inside its
+attempt (``GateRequest.tunnel_call``): send the request, await the start, read up to the
+commit point (the first SSE event that carries content; a whole body); a 5xx / 429 or a
+failure before that fails the attempt and the gate recovers on another candidate.
+:func:`relay` is the relay phase of the committed answer: the head, then the rest. If an SSE
+stream breaks off (or stalls) after the commit, an SSE error event ends it; if another
+streamed body does, the connection is cut so the client sees the body is incomplete.
 
 Usage: read from the JSON body or the stream's usage chunk without altering the bytes, and
 reported once per tunnel (``Tunnel.on_usage``); an estimate when the provider reported none.
+The gate's usage row of the attempt reads it from there.
 """
 
 from __future__ import annotations
