@@ -60,6 +60,10 @@ UsageSink = Callable[[UsageRow], None]
 PrepareAttempt = Callable[[int, Candidate, RunSpec], Awaitable[RunSpec]]
 
 
+SETTLE_TIMEOUT = 10.0
+"""How long an abandoned run's usage row waits for the node's cancel confirmation."""
+
+
 @attrs.frozen(kw_only=True)
 class GatePolicy:
     max_attempts: int = 3
@@ -277,6 +281,10 @@ class Gate:
     pool: Pool
     policy_for: Callable[[str], GatePolicy]
     record_usage: UsageSink | None = None
+    nursery: trio.Nursery | None = None
+    """Where an abandoned run's row waits for the node's cancel confirmation (the
+    dispatcher's own nursery). Without one, such rows are written at once, estimated."""
+    settle_timeout: float = SETTLE_TIMEOUT
     statistics: dict[str, int] = attrs.field(factory=dict)
 
     @asynccontextmanager
@@ -555,6 +563,27 @@ class Gate:
             # Failed before the commit (the client never saw it), or left unfinished by a
             # consumer that stopped reading: the gate aborted it.
             outcome = "aborted"
+        if not attempt.run.finished and self.nursery is not None:
+            # The run is about to be abandoned (cancel sent, slot draining): its row waits
+            # for the node's confirmation, which carries the partial usage the node knows.
+            self.nursery.start_soon(self._record_when_settled, request, attempt, outcome)
+            return
+        self._write(request, attempt, outcome)
+
+    async def _record_when_settled(
+        self, request: GateRequest, attempt: Attempt, outcome: Outcome
+    ) -> None:
+        try:
+            with trio.move_on_after(self.settle_timeout):
+                await attempt.run.settled.wait()
+            late = attempt.run.late_terminal
+            if isinstance(late, wire.RunCancelled) and late.usage is not None:
+                attempt.usage = late.usage
+        finally:
+            # However this ends (confirmed, timed out, the dispatcher closing), once.
+            self._write(request, attempt, outcome)
+
+    def _write(self, request: GateRequest, attempt: Attempt, outcome: Outcome) -> None:
         usage = attempt.usage
         if usage is not None:
             prompt, completion, source = usage.prompt_tokens, usage.completion_tokens, "reported"

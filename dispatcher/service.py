@@ -225,7 +225,7 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
             runs=runs,
             pool=pool,
             tunnels=tunnels,
-            gate=Gate(pool, gate_policies(config), record_usage=ledger.record),
+            gate=Gate(pool, gate_policies(config), record_usage=ledger.record, nursery=nursery),
             ledger=ledger,
             metrics=metrics,
             nodelink_settings=settings,

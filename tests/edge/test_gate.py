@@ -232,6 +232,9 @@ async def test_client_disconnect_after_commit() -> None:
         await wait_until(lambda: edge.dispatcher.ledger.statistics().rows_recorded == 1)
         (row,) = await rows_for(edge, "gone")
         assert (row.outcome, row.billable_to) == ("cancelled", "client")
+        # The node's cancel confirmation carried the partial usage it knew.
+        assert row.usage_source == "reported"
+        assert row.completion_tokens >= 1
 
 
 async def test_client_disconnect_before_commit() -> None:
