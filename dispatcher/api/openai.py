@@ -17,12 +17,11 @@ import orjson
 import trio
 
 from .. import wire
-from ..admission import AdmissionError
-from ..errors import BadRequest, RunError, openai_error_object
-from ..gate import Answer, GateRequest, TunnelAnswer
+from ..errors import BadRequest, openai_error_object
+from ..gate import Answer, TunnelAnswer
 from ..http import HTTPStream, Request, Responder
-from ..pool import DispatchRequest
 from ..runs import Run
+from .common import counted_request, dispatch_headers, gate_request
 from .tunnel_relay import relay, tunnel_call
 
 if TYPE_CHECKING:
@@ -119,23 +118,10 @@ async def chat_completions(
     responder: Responder,
     ctx: RouteContext,
 ) -> None:
-    model = "unknown"
-    outcome = "bad_request"
-    try:
+    with counted_request(dispatcher) as counted:
         chat = parse_chat_request(await request.body())
-        model = dispatcher.metric_model_label(chat.model)
-        outcome = await _chat(dispatcher, chat, request, responder, ctx)
-    except trio.Cancelled:
-        outcome = "client_gone"
-        raise
-    except AdmissionError:
-        outcome = "rejected"
-        raise
-    except RunError:
-        outcome = "failed"
-        raise
-    finally:
-        dispatcher.metrics.count_request(model, outcome)
+        counted.model = dispatcher.metric_model_label(chat.model)
+        counted.outcome = await _chat(dispatcher, chat, request, responder, ctx)
 
 
 async def _chat(
@@ -146,29 +132,11 @@ async def _chat(
     ctx: RouteContext,
 ) -> str:
     """Serve one parsed chat request through the gate; return its outcome for the metrics."""
-    session = request.header(b"x-session-id")
-    headers = ctx.headers
-    gate_request = GateRequest(
-        request_id=ctx.request_id,
-        dispatch=DispatchRequest(
-            model=chat.model,
-            body=chat.body,
-            route=request.path,
-            session_id=session.decode("latin-1") if session else None,
-        ),
-        stream=chat.stream,
-        attribution=ctx.attribution,
-        tunnel_call=tunnel_call(request, chat.body),
+    gated = gate_request(
+        request, ctx, chat.body, stream=chat.stream, tunnel_call=tunnel_call(request, chat.body)
     )
-    async with dispatcher.gate.open(gate_request) as answer:
-        result = answer.result
-        answer_headers = (
-            *headers,
-            (b"x-dispatcher-attempts", str(answer.attempts).encode()),
-            (b"x-dispatcher-node", result.node_id.encode()),
-            (b"x-dispatcher-provider", result.provider_id.encode()),
-            (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
-        )
+    async with dispatcher.gate.open(gated) as answer:
+        answer_headers = (*ctx.headers, *dispatch_headers(answer.result, answer.attempts))
         if isinstance(answer, TunnelAnswer):
             return await relay(dispatcher, answer, chat.body, responder, answer_headers)
         if chat.stream:

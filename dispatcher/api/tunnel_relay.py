@@ -44,12 +44,13 @@ import orjson
 import trio
 
 from .. import wire
-from ..admission import AdmissionError, Candidate
-from ..errors import BadRequest, RunError
-from ..gate import AttemptFailed, GateRequest, PreCommit, TunnelAnswer, TunnelCall
+from ..admission import Candidate
+from ..errors import BadRequest
+from ..gate import AttemptFailed, PreCommit, TunnelAnswer, TunnelCall
 from ..http import PeerGone, Request, Responder
-from ..pool import DispatchRequest, DispatchResult
+from ..pool import DispatchResult
 from ..tunnel import Tunnel, TunnelFailed
+from .common import CutResponse, counted_request, dispatch_headers, gate_request
 
 if TYPE_CHECKING:
     from ..service import Dispatcher
@@ -96,12 +97,6 @@ _USAGE_KEY: Final = b'"usage"'
 
 TUNNEL_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 _STREAM_USAGE_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-
-class _CutResponse(PeerGone):
-    """Raised after a streamed non-SSE body broke off: the server then closes the connection
-    without ending the body (and without logging a handler failure), so the client can tell
-    the body is incomplete."""
 
 
 # --------------------------------------------------------------------------- headers
@@ -471,7 +466,10 @@ async def relay(
     usage: Usage | None = None
     completion_estimate = 0
     names = {name.lower() for name, _ in headers}
-    own = [*headers, *(h for h in dispatch_headers(answer.result) if h[0] not in names)]
+    own = [
+        *headers,
+        *(h for h in dispatch_headers(answer.result, answer.attempts) if h[0] not in names),
+    ]
     out_headers = client_headers(head.start.headers, own)
     stall = answer.stall_timeout
     try:
@@ -488,7 +486,7 @@ async def relay(
             return outcome
         usage = await _relay_body(tunnel, responder, out_headers, head, stall)
         return "completed" if head.ok else "upstream_error"
-    except _CutResponse:
+    except CutResponse:
         answer.failed()
         raise
     except PeerGone:
@@ -585,7 +583,7 @@ async def _relay_body(
             await stream.send(data)
     except TunnelFailed as exc:
         log.info("tunnel %s broke off mid-body, cutting the response: %s", tunnel.tunnel_id, exc)
-        raise _CutResponse(str(exc)) from exc
+        raise CutResponse(str(exc)) from exc
     return _tail_usage(tail) if parse else None
 
 
@@ -640,14 +638,6 @@ def tunnel_call(request: Request, body: dict[str, Any]) -> TunnelCall:
     )
 
 
-def dispatch_headers(result: DispatchResult) -> tuple[tuple[bytes, bytes], ...]:
-    return (
-        (b"x-dispatcher-node", result.node_id.encode()),
-        (b"x-dispatcher-provider", result.provider_id.encode()),
-        (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
-    )
-
-
 async def tunnel_route(
     dispatcher: Dispatcher,
     request: Request,
@@ -655,46 +645,20 @@ async def tunnel_route(
     ctx: RouteContext,
 ) -> None:
     """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
-    model = "unknown"
-    outcome = "bad_request"
-    try:
+    with counted_request(dispatcher) as counted:
         body = parse_tunnel_body(await request.body())
-        model = dispatcher.metric_model_label(body["model"])
-        session = request.header(b"x-session-id")
-        gate_request = GateRequest(
-            request_id=ctx.request_id,
-            dispatch=DispatchRequest(
-                model=body["model"],
-                body=body,
-                route=request.path,
-                session_id=session.decode("latin-1") if session else None,
-                predicate=tunnel_only(request.path),
-            ),
+        counted.model = dispatcher.metric_model_label(body["model"])
+        gated = gate_request(
+            request,
+            ctx,
+            body,
             stream=body.get("stream") is True,
-            attribution=ctx.attribution,
             tunnel_call=tunnel_call(request, body),
+            predicate=tunnel_only(request.path),
         )
-        async with dispatcher.gate.open(gate_request) as answer:
+        async with dispatcher.gate.open(gated) as answer:
             assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
-            headers = (*ctx.headers, (b"x-dispatcher-attempts", str(answer.attempts).encode()))
-            outcome = await relay(dispatcher, answer, body, responder, headers)
-    except trio.Cancelled:
-        outcome = "client_gone"
-        raise
-    except _CutResponse:
-        outcome = "failed"
-        raise
-    except PeerGone:
-        outcome = "client_gone"
-        raise
-    except AdmissionError:
-        outcome = "rejected"
-        raise
-    except RunError:
-        outcome = "failed"
-        raise
-    finally:
-        dispatcher.metrics.count_request(model, outcome)
+            counted.outcome = await relay(dispatcher, answer, body, responder, ctx.headers)
 
 
 __all__ = [

@@ -1,0 +1,97 @@
+"""What the API routes that run requests share: the gate request built from the HTTP request,
+the request-outcome metric, and the headers that describe the attempt which answered."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from ..admission import AdmissionError, Predicate
+from ..errors import RunError
+from ..gate import GateRequest, TunnelCall
+from ..http import PeerGone, Request
+from ..pool import DispatchRequest, DispatchResult
+
+if TYPE_CHECKING:
+    from ..service import Dispatcher
+    from .app import RouteContext
+
+
+class CutResponse(PeerGone):
+    """Raised after a streamed body broke off: the server then closes the connection without
+    ending the body (and without logging a handler failure), so the client can tell the body
+    is incomplete."""
+
+
+@attrs.define
+class RequestOutcome:
+    """Filled in by a route as it learns more: the model label and how the request ended."""
+
+    model: str = "unknown"
+    outcome: str = "bad_request"
+
+
+@contextmanager
+def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
+    """Count the request under ``dispatcher_requests_total`` once, however it ends: what the
+    route set, or what the exception leaving it says."""
+    result = RequestOutcome()
+    try:
+        yield result
+    except trio.Cancelled:
+        result.outcome = "client_gone"
+        raise
+    except CutResponse:
+        result.outcome = "failed"
+        raise
+    except PeerGone:
+        result.outcome = "client_gone"
+        raise
+    except AdmissionError:
+        result.outcome = "rejected"
+        raise
+    except RunError:
+        result.outcome = "failed"
+        raise
+    finally:
+        dispatcher.metrics.count_request(result.model, result.outcome)
+
+
+def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes, bytes], ...]:
+    """``x-dispatcher-*``: the attempt that answered."""
+    return (
+        (b"x-dispatcher-attempts", str(attempts).encode()),
+        (b"x-dispatcher-node", result.node_id.encode()),
+        (b"x-dispatcher-provider", result.provider_id.encode()),
+        (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
+    )
+
+
+def gate_request(
+    request: Request,
+    ctx: RouteContext,
+    body: dict[str, Any],
+    *,
+    stream: bool,
+    tunnel_call: TunnelCall,
+    predicate: Predicate | None = None,
+) -> GateRequest:
+    """The gate's view of one OpenAI request (``body`` already parsed and validated)."""
+    session = request.header(b"x-session-id")
+    return GateRequest(
+        request_id=ctx.request_id,
+        dispatch=DispatchRequest(
+            model=body["model"],
+            body=body,
+            route=request.path,
+            session_id=session.decode("latin-1") if session else None,
+            predicate=predicate,
+        ),
+        stream=stream,
+        attribution=ctx.attribution,
+        tunnel_call=tunnel_call,
+    )
