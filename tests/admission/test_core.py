@@ -338,6 +338,34 @@ def test_least_loaded_candidate_wins() -> None:
     assert nodes[:2] in (["node-a", "node-b"], ["node-b", "node-a"])
 
 
+def pin(node: str) -> Needs:
+    """Needs that only ``node`` can meet (to place load by hand)."""
+    return Needs(predicate=lambda c: None if c.node_id == node else "pinned elsewhere")
+
+
+def test_load_is_the_fraction_of_slots_occupied() -> None:
+    # node-a: 3 of 8 slots held (0.375); node-b: 1 of 2 (0.5). By count node-b would look
+    # less loaded; by fraction node-a is, and wins.
+    core = core_with(cand("node-a", slots=8), cand("node-b", slots=2))
+    for i in range(3):
+        only_admit(core.submit(i, "m", pin("node-a"), 0.0))
+    only_admit(core.submit(3, "m", pin("node-b"), 0.0))
+    assert only_admit(core.submit(4, "m", Needs(), 0.0)).candidate.node_id == "node-a"
+
+
+def test_draining_slots_count_as_load() -> None:
+    core = core_with(cand("node-a", slots=4), cand("node-b", slots=4))
+    a1 = only_admit(core.submit(0, "m", pin("node-a"), 0.0))
+    only_admit(core.submit(1, "m", pin("node-a"), 0.0))
+    only_admit(core.submit(2, "m", pin("node-b"), 0.0))
+    # node-a: 1 in use + 1 draining = 2 of 4; node-b: 1 of 4. Draining is still load.
+    core.begin_drain(a1.slot_id, 0.0)
+    assert only_admit(core.submit(3, "m", Needs(), 0.0)).candidate.node_id == "node-b"
+    # Once node-a's drain is confirmed it is the less loaded one (1 of 4 against 2 of 4).
+    core.confirm_drain(a1.slot_id, 0.0)
+    assert only_admit(core.submit(4, "m", Needs(), 0.0)).candidate.node_id == "node-a"
+
+
 def test_ties_are_broken_round_robin() -> None:
     core = core_with(cand("node-a", slots=10), cand("node-b", slots=10), cand("node-c", slots=10))
     seen = []
