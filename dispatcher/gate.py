@@ -48,7 +48,7 @@ import trio
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
 from .errors import NodeUnavailable, RunError
-from .pool import DispatchRequest, DispatchResult, Pool
+from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
 from .runs import Run, RunSpec
 from .tunnel import Tunnel, TunnelFailed
 from .usage import UsageRow
@@ -129,11 +129,20 @@ class AllAttemptsFailed(RunError):
 class AttemptFailed(Exception):
     """An attempt failed before its commit point; ``retryable`` says if another may do."""
 
-    def __init__(self, code: str, message: str, *, retryable: bool) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        retryable: bool,
+        candidate: CandidateKey | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
+        self.candidate = candidate
+        """The candidate to exclude, when no attempt was made on it."""
 
 
 _AttemptFailed = AttemptFailed
@@ -305,56 +314,21 @@ class Gate:
                     async with self.pool.open(
                         dispatch_request, prepare_run=self._prepare(request, number)
                     ) as dispatch:
-                        if dispatch.run is None:
-                            call = request.tunnel_call
-                            if call is None:
-                                raise _AttemptFailed(
-                                    "tunnel_unsupported",
-                                    f"{dispatch.result.node_id}/{dispatch.result.provider_id} "
-                                    "serves this model through a tunnel, which this request "
-                                    "cannot use",
-                                    retryable=True,
-                                )
-                            attempt = TunnelAttempt(
-                                number,
-                                dispatch.result,
-                                dispatch.tunnel,
-                                started_at=started,
-                                dispatched_at=trio.current_time(),
-                            )
-                            ended_by_tunnel: BaseException | None = None
-                            try:
-                                head = await self._until_tunnel_commit(attempt, call, policy)
-                                attempt.committed = True
-                                attempt.committed_at = trio.current_time()
-                                before_commit.deadline = math.inf
-                                yielded = True
-                                yield TunnelAnswer(attempt, number, head, policy.stall_timeout_s)
-                            except BaseException as exc:
-                                ended_by_tunnel = exc
-                                raise
-                            finally:
-                                self._record_tunnel(request, attempt, ended_by_tunnel, deadline)
-                            return
-                        attempt = Attempt(
-                            number,
-                            dispatch.result,
-                            dispatch.run,
-                            started_at=started,
-                            dispatched_at=trio.current_time(),
-                        )
+                        attempt = self._new_attempt(request, number, dispatch, started)
                         ended_by: BaseException | None = None
                         try:
-                            head = await self._until_commit(attempt, request.stream, policy)
-                            attempt.committed = True
+                            answer = await self._commit(request, attempt, number, policy)
                             before_commit.deadline = math.inf
                             yielded = True
-                            yield Answer(attempt, number, head, policy.stall_timeout_s)
+                            yield answer
                         except BaseException as exc:
                             ended_by = exc
                             raise
                         finally:
-                            self._record(request, attempt, ended_by, deadline)
+                            if isinstance(attempt, TunnelAttempt):
+                                self._record_tunnel(request, attempt, ended_by, deadline)
+                            else:
+                                self._record(request, attempt, ended_by, deadline)
                 if before_commit.cancelled_caught:
                     raise _AttemptFailed(
                         "request_timeout",
@@ -367,6 +341,8 @@ class Gate:
                 self._count(f"attempt_failed:{failure.code}")
                 if attempt is not None:
                     excluded.add(attempt.result.candidate)
+                elif failure.candidate is not None:
+                    excluded.add(failure.candidate)
                 log.info(
                     "request %s attempt %d failed before commit: %s (%s)",
                     request.request_id,
@@ -397,6 +373,43 @@ class Gate:
             f"every attempt failed before the answer started; last cause: {last_failure.message}",
             code=last_failure.code,
         )
+
+    def _new_attempt(
+        self, request: GateRequest, number: int, dispatch: Dispatch, started: float
+    ) -> Attempt | TunnelAttempt:
+        """The bookkeeping of an attempt that was just admitted and opened."""
+        now = trio.current_time()
+        if dispatch.run is not None:
+            return Attempt(number, dispatch.result, dispatch.run, started, now)
+        if request.tunnel_call is None:
+            result = dispatch.result
+            raise _AttemptFailed(
+                "tunnel_unsupported",
+                f"{result.node_id}/{result.provider_id} serves this model through a tunnel, "
+                "which this request cannot use",
+                retryable=True,
+                candidate=result.candidate,
+            )
+        return TunnelAttempt(number, dispatch.result, dispatch.tunnel, started, now)
+
+    async def _commit(
+        self,
+        request: GateRequest,
+        attempt: Attempt | TunnelAttempt,
+        number: int,
+        policy: GatePolicy,
+    ) -> Answer | TunnelAnswer:
+        """Read the attempt up to its commit point (raising :class:`AttemptFailed` before
+        it) and mark it committed."""
+        if isinstance(attempt, TunnelAttempt):
+            assert request.tunnel_call is not None
+            tunnel_head = await self._until_tunnel_commit(attempt, request.tunnel_call, policy)
+            attempt.committed = True
+            attempt.committed_at = trio.current_time()
+            return TunnelAnswer(attempt, number, tunnel_head, policy.stall_timeout_s)
+        head = await self._until_commit(attempt, request.stream, policy)
+        attempt.committed = True
+        return Answer(attempt, number, head, policy.stall_timeout_s)
 
     def _prepare(
         self, request: GateRequest, number: int

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dispatcher import wire
-from dispatcher.admission import NoCapableCandidate
+from dispatcher.admission import Needs, NoCapableCandidate
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.gate import AllAttemptsFailed, Answer, GateRequest
 from dispatcher.pool import DispatchRequest
@@ -359,3 +359,51 @@ async def test_per_attempt_hook_is_called_fresh_for_every_attempt(
                 _ = [event async for event in answer]
     assert calls == [(1, "bad"), (2, "good")]
     assert [(r.attempt, r.outcome) for r in rows] == [(1, "aborted"), (2, "completed")]
+
+
+async def test_a_tunnel_candidate_is_skipped_by_a_request_that_cannot_use_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request without a tunnel call (an embedded normalized run) that admission places on
+    a tunnel candidate moves on to another candidate; nothing was dispatched there."""
+    async with open_gate_dispatcher(max_attempts=2) as (d, rows):
+        tunnel_only = attrs.evolve(
+            hello("tunnel-node"),
+            providers=(
+                wire.ProviderInfo(
+                    id="vllm",
+                    type="openai",
+                    adapter="openai",
+                    path="tunnel",
+                    models=(wire.ModelInfo(name="m", served_name="m", slots=1),),
+                ),
+            ),
+        )
+        tunnel_node = await connect(d, tunnel_only)
+        runner = await connect(d, hello("runner", slots=2))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tunnel_node.answer_pings)
+            # Load the normalized node to 1 of 2 slots: the idle tunnel candidate is the
+            # least loaded, so the first attempt lands there.
+            pinned = attrs.evolve(
+                d_spec(),
+                needs=Needs(predicate=lambda c: None if c.node_id == "runner" else "pinned"),
+            )
+            async with d.open_run(pinned):
+                held = await runner.receive_run()
+
+                async def serve() -> None:
+                    run = await runner.receive_run()
+                    await runner.emit(
+                        run.run_id, ("run.delta", {"text": "hi"}), ("run.completed", {})
+                    )
+
+                nursery.start_soon(serve)
+                async with d.gate.open(request(stream=False)) as answer:
+                    assert isinstance(answer, Answer)
+                    assert answer.attempts == 2
+                    assert answer.result.node_id == "runner"
+                await runner.emit(held.run_id, ("run.completed", {}))
+            nursery.cancel_scope.cancel()
+    assert d.gate.statistics.get("attempt_failed:tunnel_unsupported") == 1
+    assert [(r.node_id, r.attempt) for r in rows] == [("runner", 2)]
