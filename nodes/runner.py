@@ -19,7 +19,11 @@ Guarantees:
 * one writer task sends all runs' events, so sends never interleave; it serves runs in turn
   and coalesces a run's consecutive unsent text into one ``run.delta`` frame when the
   connection is slower than the adapter. Unsent text is bounded per run
-  (:data:`MAX_PENDING_CHARS`): past it, ``out.delta()`` waits for the connection.
+  (:data:`MAX_PENDING_CHARS`): past it, ``out.delta()`` waits for the connection;
+* ``out.tool_calls()`` becomes its own ``run.delta`` with ``tool_calls`` (split only when
+  over :data:`MAX_DELTA_CHARS`), in order with the text around it: tool-call deltas are
+  never merged with text or with each other, and count towards the unsent bound. They do not
+  count towards the estimated completion tokens.
 
 A :class:`~nodes.adapters.base.DropConnection` raised by an adapter is not a run outcome: it
 propagates out of the block (cancelling every run, sending nothing) for the agent to drop the
@@ -30,11 +34,12 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Final
+from typing import Any, Final
 
 import attrs
+import orjson
 import trio
 
 from dispatcher import wire
@@ -133,6 +138,17 @@ class _Output:
         if text:
             run.generated.add(text)
             self._runner._push(run, text)
+        await self._wait_drained()
+
+    async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
+        run = self._run
+        await trio.lowlevel.checkpoint_if_cancelled()
+        for frame, size in tool_call_frames(calls):
+            self._runner._push(run, _tool_call_delta(run.run_id, frame), size=size)
+        await self._wait_drained()
+
+    async def _wait_drained(self) -> None:
+        run = self._run
         if run.pending_chars > MAX_PENDING_CHARS:
             while run.pending_chars > MAX_PENDING_CHARS:
                 await run.drained.park()
@@ -214,10 +230,9 @@ class Runner:
 
     # ----------------------------------------------------------------------- internals
 
-    def _push(self, run: _Run, item: str | _EventFactory) -> None:
+    def _push(self, run: _Run, item: str | _EventFactory, *, size: int = 0) -> None:
         run.pending.append(item)
-        if isinstance(item, str):
-            run.pending_chars += len(item)
+        run.pending_chars += len(item) if isinstance(item, str) else size
         if not run.queued:
             run.queued = True
             self._ready.append(run)
@@ -311,6 +326,51 @@ class Runner:
             return lambda seq: wire.RunCancelled(run_id=run_id, seq=seq, usage=usage)
         reason = run.finish_reason
         return lambda seq: wire.RunCompleted(run_id=run_id, seq=seq, finish_reason=reason)
+
+
+def tool_call_frames(
+    calls: Sequence[Mapping[str, Any]],
+) -> list[tuple[tuple[wire.JSONObject, ...], int]]:
+    """``calls`` (OpenAI tool-call deltas) as the ``tool_calls`` of one ``run.delta`` frame,
+    or of several when they are over :data:`MAX_DELTA_CHARS` of JSON: a call whose
+    ``function.arguments`` is that long continues in argument-only deltas of the same
+    ``index``. Each frame comes with its size in characters. Raises ``TypeError`` for
+    anything that is not JSON."""
+    frames: list[tuple[tuple[wire.JSONObject, ...], int]] = []
+    current: list[wire.JSONObject] = []
+    size = 0
+    for call in calls:
+        for piece in _split_call(call):
+            piece_size = len(orjson.dumps(piece))
+            if current and size + piece_size > MAX_DELTA_CHARS:
+                frames.append((tuple(current), size))
+                current, size = [], 0
+            current.append(piece)
+            size += piece_size
+    if current:
+        frames.append((tuple(current), size))
+    return frames
+
+
+def _tool_call_delta(run_id: str, calls: tuple[wire.JSONObject, ...]) -> _EventFactory:
+    return lambda seq: wire.RunDelta(run_id=run_id, seq=seq, tool_calls=calls)
+
+
+def _split_call(call: Mapping[str, Any]) -> list[wire.JSONObject]:
+    copied: dict[str, Any] = dict(call)
+    function = copied.get("function")
+    if not isinstance(function, Mapping):
+        return [copied]
+    copied["function"] = dict(function)
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str) or len(arguments) <= MAX_DELTA_CHARS:
+        return [copied]
+    copied["function"]["arguments"] = arguments[:MAX_DELTA_CHARS]
+    pieces: list[wire.JSONObject] = [copied]
+    for start in range(MAX_DELTA_CHARS, len(arguments), MAX_DELTA_CHARS):
+        piece = arguments[start : start + MAX_DELTA_CHARS]
+        pieces.append({"index": call.get("index", 0), "function": {"arguments": piece}})
+    return pieces
 
 
 @asynccontextmanager

@@ -150,17 +150,25 @@ async def _complete(
     chat: ChatRequest, answer: Answer, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
 ) -> None:
     """A non-streamed answer: the gate committed it complete (its head ends with
-    ``run.completed``)."""
+    ``run.completed``). Tool-call deltas are assembled into ``message.tool_calls``; the
+    ``content`` is null when there was no text but tool calls, as OpenAI answers."""
     parts: list[str] = []
+    calls = ToolCallAccumulator()
     usage: wire.Usage | None = None
     finish = "stop"
     for event in answer.head:
         if isinstance(event, wire.RunDelta):
             parts.append(event.text)
+            calls.add(event.tool_calls)
         elif isinstance(event, wire.RunUsage):
             usage = event.usage
         elif isinstance(event, wire.RunCompleted):
             finish = event.finish_reason
+    text = "".join(parts)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["content"] = text or None
+        message["tool_calls"] = calls.result()
     body = {
         "id": f"chatcmpl-{answer.run.run_id}",
         "object": "chat.completion",
@@ -169,7 +177,7 @@ async def _complete(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(parts)},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish,
             }
@@ -177,6 +185,45 @@ async def _complete(
         "usage": _usage_object(usage),
     }
     await responder.respond(200, (*JSON_HEADERS, *headers), orjson.dumps(body))
+
+
+class ToolCallAccumulator:
+    """Streaming tool-call deltas (``{"index", "id"?, "type"?, "function": {"name"?,
+    "arguments"?}}``) assembled into complete calls, by ``index``: the first ``id``, ``type``
+    and ``name`` seen win, ``arguments`` pieces are concatenated."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._calls)
+
+    def add(self, deltas: Sequence[wire.JSONObject]) -> None:
+        for delta in deltas:
+            index = delta.get("index", 0)
+            if type(index) is not int:
+                continue
+            call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": []})
+            if isinstance(delta.get("id"), str) and not call["id"]:
+                call["id"] = delta["id"]
+            function = delta.get("function")
+            if not isinstance(function, dict):
+                continue
+            if isinstance(function.get("name"), str) and not call["name"]:
+                call["name"] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                call["arguments"].append(function["arguments"])
+
+    def result(self) -> list[dict[str, Any]]:
+        """The calls in ``index`` order, in OpenAI's ``message.tool_calls`` shape."""
+        return [
+            {
+                "id": call["id"] or f"call_{index}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": "".join(call["arguments"])},
+            }
+            for index, call in sorted(self._calls.items())
+        ]
 
 
 class _ChunkWriter:
@@ -253,7 +300,9 @@ def _render(
 ) -> tuple[wire.Usage | None, bool]:
     """Append the SSE bytes for ``event``; return the usage so far and whether it ended."""
     if isinstance(event, wire.RunDelta):
-        delta: dict[str, Any] = {"content": event.text}
+        delta: dict[str, Any] = {}
+        if event.text or not event.tool_calls:
+            delta["content"] = event.text
         if event.tool_calls:
             delta["tool_calls"] = list(event.tool_calls)
         out.append(writer.choice(delta))

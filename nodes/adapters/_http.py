@@ -283,14 +283,3 @@ class SSEDecoder:
         data = "\n".join(self._data)
         self._data.clear()
         return data
-
-
-def unsupported_tool_calls(provider: str) -> AdapterError:
-    # TODO(tool calls): RunOutput only carries text; wire.RunDelta has a tool_calls field the
-    # runner does not fill yet. Until it does, fail loudly rather than drop the calls.
-    return AdapterError(
-        "unsupported_tool_calls",
-        f"{provider} answered with tool calls, which normalized runs cannot relay yet "
-        '(serve this model with path = "tunnel" to use tools)',
-        retryable=False,
-    )

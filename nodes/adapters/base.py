@@ -6,6 +6,7 @@ An :class:`Adapter` runs one request and reports through a :class:`RunOutput`::
         async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
             async for piece in upstream(request.body):
                 await out.delta(piece.text)          # a checkpoint; may wait (backpressure)
+                await out.tool_calls(piece.tool_calls)   # OpenAI-shaped tool-call deltas
                 out.usage(piece.prompt_tokens, piece.completion_tokens)
             out.finish("stop")
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dispatcher import wire
@@ -59,6 +60,15 @@ class RunOutput(Protocol):
         """Emit generated text. Always a checkpoint. Waits when too much text is still
         unsent (the connection is slower than the adapter); pending pieces may be coalesced
         into one ``run.delta`` frame."""
+
+    async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
+        """Emit tool-call deltas in OpenAI's streaming shape: ``{"index": i, "id"?: ...,
+        "type"?: "function", "function": {"name"?: ..., "arguments"?: "<a JSON piece>"}}``.
+        The first delta of a call (per ``index``) carries ``id``, ``type`` and the function
+        ``name``; later ones add ``arguments`` pieces, which the client concatenates. Sent as
+        one ``run.delta`` with ``tool_calls`` (never merged with other deltas, in order with
+        the text); a checkpoint that may wait like :meth:`delta`. Set the finish reason
+        ``"tool_calls"`` yourself."""
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
         """Record the latest known usage (totals so far, not increments)."""

@@ -10,6 +10,13 @@ Knobs (:class:`EchoOptions`) come from the provider's ``options`` table and can 
 per request by an object under the request body key ``"echo"``, e.g.
 ``{"model": "echo", "messages": [...], "echo": {"token_delay": 0.05, "fail_after_tokens": 3}}``.
 They make echo a test double for every way a real engine misbehaves.
+
+With ``tool_call = {name = "get_weather", arguments = '{"city": "Paris"}'}`` (``arguments``
+a JSON string or a table; default ``{}``) echo answers with that one tool call instead of text:
+three tool-call deltas (``index`` 0 with ``id`` ``call_echo_0``, ``type`` and the name and empty
+arguments; then the arguments in two pieces), finish reason ``"tool_calls"``. ``token_delay``
+applies before each delta; the other fault knobs count text tokens only, except
+``fail_before_first_token``. A request can turn it off with ``"echo": {"tool_call": null}``.
 """
 
 from __future__ import annotations
@@ -20,13 +27,29 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import orjson
 import trio
 
 from dispatcher import wire
-from nodes.adapters.base import AdapterError, DropConnection, RunOutput, message_text
+from nodes.adapters.base import (
+    AdapterError,
+    DropConnection,
+    RunOutput,
+    estimate_tokens,
+    message_text,
+)
 from nodes.config import OptionsError, ProviderConfig
 
 _TOKEN = re.compile(r"\s*\S+\s*")
+
+
+@attrs.frozen
+class EchoToolCall:
+    """The tool call echo answers with (option ``tool_call``)."""
+
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -46,6 +69,8 @@ class EchoOptions:
     """Ignore ``run.cancel``: run to the natural end and send ``run.completed``."""
     reply: str | None = None
     """Stream this text instead of the last user message."""
+    tool_call: EchoToolCall | None = None
+    """Answer with this tool call instead of text (finish reason ``"tool_calls"``)."""
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> EchoOptions:
@@ -81,9 +106,25 @@ def _parse_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
             if value is not None and not isinstance(value, str):
                 raise OptionsError(key, f"expected a string, got {value!r}")
             fields[key] = value
+        elif key == "tool_call":
+            fields[key] = None if value is None else _parse_tool_call(key, value)
         else:
             raise OptionsError(key, "unknown echo option")
     return fields
+
+
+def _parse_tool_call(key: str, value: Any) -> EchoToolCall:
+    if not isinstance(value, dict) or set(value) - {"name", "arguments"}:
+        raise OptionsError(key, f"expected a table with name and arguments, got {value!r}")
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        raise OptionsError(f"{key}.name", f"expected a non-empty string, got {name!r}")
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, dict):
+        arguments = orjson.dumps(arguments).decode()
+    if not isinstance(arguments, str):
+        raise OptionsError(f"{key}.arguments", f"expected JSON text or a table, got {arguments!r}")
+    return EchoToolCall(name=name, arguments=arguments)
 
 
 def split_tokens(text: str) -> list[str]:
@@ -140,6 +181,9 @@ class EchoAdapter:
                 "echo_fault", "injected failure before the first token", retryable=True
             )
         out.usage(prompt_tokens, 0)
+        if options.tool_call is not None:
+            await _answer_tool_call(options.tool_call, options.token_delay, prompt_tokens, out)
+            return
         for emitted in range(len(tokens) + 1):
             if emitted == options.fail_after_tokens:
                 raise AdapterError(
@@ -156,6 +200,28 @@ class EchoAdapter:
             await out.delta(tokens[emitted])
             out.usage(prompt_tokens, emitted + 1)
         out.finish(finish)
+
+
+async def _answer_tool_call(
+    call: EchoToolCall, delay: float, prompt_tokens: int, out: RunOutput
+) -> None:
+    half = len(call.arguments) // 2
+    deltas: list[dict[str, Any]] = [
+        {
+            "index": 0,
+            "id": "call_echo_0",
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        },
+        {"index": 0, "function": {"arguments": call.arguments[:half]}},
+        {"index": 0, "function": {"arguments": call.arguments[half:]}},
+    ]
+    for delta in deltas:
+        if delay:
+            await trio.sleep(delay)
+        await out.tool_calls([delta])
+    out.usage(prompt_tokens, estimate_tokens(call.name + " " + call.arguments))
+    out.finish("tool_calls")
 
 
 def _max_tokens(body: wire.JSONObject) -> int | None:

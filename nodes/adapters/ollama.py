@@ -6,7 +6,14 @@ The OpenAI chat body becomes ``{"model": <served name>, "messages": [...], "stre
 * messages: ``role`` and the text of ``content`` (a string, or the ``text`` parts of a list
   joined with newlines); ``image_url`` parts with ``data:`` URLs become ``images`` (base64);
   other image URLs are refused (``invalid_request``: Ollama cannot fetch them). ``developer``
-  becomes ``system``. Tools are not forwarded (normalized runs cannot relay tool calls yet);
+  becomes ``system``;
+* tools: ``tools`` (OpenAI function tools) is forwarded as it is; ``tool_choice`` and
+  ``parallel_tool_calls`` are not (Ollama has no equivalent). An ``assistant`` message's
+  ``tool_calls`` become Ollama's ``[{"function": {"name", "arguments": {...}}}]`` (the
+  arguments JSON string parsed; not an object: ``invalid_request``); a ``tool`` message keeps
+  its text ``content`` and gets ``tool_name``, the name of the call its ``tool_call_id``
+  answers (looked up in the assistant messages before it). Legacy ``function`` messages are
+  passed with their role and text only;
 * options: ``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``
   as they are; ``max_completion_tokens`` (else ``max_tokens``) -> ``num_predict``; ``stop`` (a
   string or a list) -> ``stop`` (a list). The provider's ``model_options`` (e.g.
@@ -14,18 +21,23 @@ The OpenAI chat body becomes ``{"model": <served name>, "messages": [...], "stre
 * ``response_format``: ``json_object`` -> ``format: "json"``, ``json_schema`` -> ``format:
   <the schema>``; ``keep_alive`` from the provider's options.
 
-Each line's ``message.content`` is a delta; the ``done: true`` line gives usage
-(``prompt_eval_count``, ``eval_count``) and ``done_reason`` (``length`` -> ``length``; ``stop``,
-``load``, ``unload`` and anything else -> ``stop``). An ``{"error": ...}`` line fails the run
-(code ``upstream_error``, retryable). Default ``base_url``: ``http://127.0.0.1:11434``.
+Each line's ``message.content`` is a delta; its ``message.tool_calls`` become OpenAI tool-call
+deltas, one per call: ``{"index": i, "id": "call_<24 hex digits>", "type": "function",
+"function": {"name", "arguments": <the arguments as a JSON string>}}``, ``i`` counting the
+run's calls from 0. The ``done: true`` line gives usage (``prompt_eval_count``, ``eval_count``)
+and ``done_reason`` (``length`` -> ``length``; ``stop``, ``load``, ``unload`` and anything
+else -> ``stop``, or ``tool_calls`` when the answer had tool calls). An ``{"error": ...}``
+line fails the run (code ``upstream_error``, retryable). Default ``base_url``: ``http://127.0.0.1:11434``.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
+import orjson
 
 from dispatcher import wire
 from nodes.adapters._http import (
@@ -36,7 +48,6 @@ from nodes.adapters._http import (
     parse_timeout_option,
     post_stream,
     response_lines,
-    unsupported_tool_calls,
 )
 from nodes.adapters.base import (
     AdapterError,
@@ -120,11 +131,15 @@ class OllamaAdapter:
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise AdapterError("invalid_request", "messages: expected an array")
+        tool_names: dict[str, str] = {}
         payload: dict[str, Any] = {
             "model": request.served_model,
-            "messages": [_message(i, m) for i, m in enumerate(messages)],
+            "messages": [_message(i, m, tool_names) for i, m in enumerate(messages)],
             "stream": True,
         }
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools:
+            payload["tools"] = tools
         options = {**self.options.model_options, **_mapped_options(body)}
         if options:
             payload["options"] = options
@@ -144,6 +159,7 @@ class OllamaAdapter:
         payload = self.payload(request)
         generated = TokenEstimator()
         final: dict[str, Any] | None = None
+        calls_made = 0
         async with (
             post_stream(
                 self.url,
@@ -162,12 +178,14 @@ class OllamaAdapter:
                     raise AdapterError("upstream_error", f"ollama failed: {reason}", retryable=True)
                 answer = chunk.get("message")
                 if isinstance(answer, dict):
-                    if answer.get("tool_calls"):
-                        raise unsupported_tool_calls("ollama")
                     content = answer.get("content")
                     if isinstance(content, str) and content:
                         generated.add(content)
                         await out.delta(content)
+                    calls = _tool_call_deltas(answer.get("tool_calls"), calls_made)
+                    if calls:
+                        calls_made += len(calls)
+                        await out.tool_calls(calls)
                 if chunk.get("done") is True:
                     final = chunk
                     break
@@ -184,9 +202,33 @@ class OllamaAdapter:
             generated.tokens if completion_tokens is None else completion_tokens,
         )
         done_reason = final.get("done_reason")
-        out.finish(
-            FINISH_REASONS.get(done_reason, "stop") if isinstance(done_reason, str) else "stop"
+        finish = FINISH_REASONS.get(done_reason, "stop") if isinstance(done_reason, str) else "stop"
+        out.finish("tool_calls" if calls_made and finish == "stop" else finish)
+
+
+def _tool_call_deltas(raw: Any, first_index: int) -> list[dict[str, Any]]:
+    """Ollama's ``message.tool_calls`` as OpenAI streaming tool-call deltas, numbered from
+    ``first_index``; raises ``upstream_error`` for a call without a function name."""
+    deltas: list[dict[str, Any]] = []
+    for call in raw if isinstance(raw, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(name, str) or not name:
+            raise AdapterError(
+                "upstream_error", f"ollama sent a tool call without a function name: {call!r}"
+            )
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = orjson.dumps(arguments).decode()
+        deltas.append(
+            {
+                "index": first_index + len(deltas),
+                "id": f"call_{secrets.token_hex(12)}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
         )
+    return deltas
 
 
 def _count(value: Any) -> int | None:
@@ -212,7 +254,9 @@ def _mapped_options(body: wire.JSONObject) -> dict[str, Any]:
     return options
 
 
-def _message(index: int, message: Any) -> dict[str, Any]:
+def _message(index: int, message: Any, tool_names: dict[str, str]) -> dict[str, Any]:
+    """One OpenAI message in Ollama's shape. ``tool_names`` maps the tool call ids seen so
+    far to their function names (updated from assistant messages, read for tool messages)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise AdapterError("invalid_request", f"messages[{index}]: expected an object with a role")
     role = message["role"]
@@ -220,6 +264,13 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         "role": "system" if role == "developer" else role,
         "content": message_text(message),
     }
+    if role == "assistant" and message.get("tool_calls"):
+        converted["tool_calls"] = _ollama_tool_calls(index, message["tool_calls"], tool_names)
+    elif role == "tool":
+        call_id = message.get("tool_call_id")
+        name = tool_names.get(call_id) if isinstance(call_id, str) else None
+        if name is not None:
+            converted["tool_name"] = name
     content = message.get("content")
     images = []
     for part in content if isinstance(content, list) else ():
@@ -236,3 +287,33 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     if images:
         converted["images"] = images
     return converted
+
+
+def _ollama_tool_calls(index: int, raw: Any, tool_names: dict[str, str]) -> list[dict[str, Any]]:
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(raw, list):
+        raise AdapterError("invalid_request", f"{where}: expected an array")
+    calls: list[dict[str, Any]] = []
+    for number, call in enumerate(raw):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(name, str):
+            raise AdapterError(
+                "invalid_request", f"{where}[{number}]: expected a function call with a name"
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = orjson.loads(arguments or "{}")
+            except orjson.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise AdapterError(
+                "invalid_request",
+                f"{where}[{number}].function.arguments: expected a JSON object (ollama needs one)",
+            )
+        call_id = call.get("id")
+        if isinstance(call_id, str):
+            tool_names[call_id] = name
+        calls.append({"function": {"name": name, "arguments": arguments}})
+    return calls

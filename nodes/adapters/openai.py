@@ -3,10 +3,13 @@ server (vLLM, llama.cpp's server, OpenAI, ...) streamed over SSE.
 
 The request body is the client's, with ``model`` set to the served name, ``stream: true`` and
 (unless the ``include_usage`` option is false) ``stream_options.include_usage: true``. From the
-stream: ``choices[0].delta.content`` -> deltas; the choice's ``finish_reason`` -> the finish
-reason (passed through: ``stop``, ``length``, ``content_filter``...); the ``usage`` chunk ->
-usage. ``data: [DONE]`` ends the stream. An ``{"error": ...}`` event fails the run with code
-``upstream_error`` (retryable).
+stream: ``choices[0].delta.content`` -> deltas; ``choices[0].delta.tool_calls`` -> tool-call
+deltas, passed through as they are (``tools`` and ``tool_choice`` reach the upstream in the
+client's body); the choice's ``finish_reason`` -> the finish reason (passed through: ``stop``,
+``length``, ``tool_calls``, ``content_filter``...); the ``usage`` chunk -> usage. A legacy
+``function_call`` delta (the deprecated ``functions`` API) fails the run with code
+``unsupported_function_call`` (not retryable): use ``tools``. ``data: [DONE]`` ends the
+stream. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable).
 
 ``base_url`` is the server's root (``http://host:8000``) or its ``/v1`` prefix
 (``http://host:8000/v1``, ``https://api.openai.com/v1``); the adapter posts to
@@ -36,7 +39,6 @@ from nodes.adapters._http import (
     parse_timeout_option,
     post_stream,
     response_lines,
-    unsupported_tool_calls,
 )
 from nodes.adapters.base import AdapterError, RunOutput
 from nodes.config import NodeConfigError, OptionsError, ProviderConfig
@@ -172,11 +174,20 @@ async def _take_chunk(data: str, out: RunOutput) -> str | None:
             continue  # n > 1 is not supported: only the first choice is streamed
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if delta.get("tool_calls") or delta.get("function_call"):
-                raise unsupported_tool_calls("the upstream")
+            if delta.get("function_call"):
+                raise AdapterError(
+                    "unsupported_function_call",
+                    "the upstream answered with a legacy function_call, which normalized runs "
+                    "do not relay (use tools)",
+                )
             content = delta.get("content")
             if isinstance(content, str) and content:
                 await out.delta(content)
+            tool_calls = delta.get("tool_calls")
+            if isinstance(tool_calls, list):
+                calls = [call for call in tool_calls if isinstance(call, dict)]
+                if calls:
+                    await out.tool_calls(calls)
         reason = choice.get("finish_reason")
         if isinstance(reason, str) and reason:
             finish = reason

@@ -4,6 +4,7 @@ node: the official openai client, bad input, disconnects and shutdown."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
 import httpx
@@ -15,6 +16,7 @@ import trio
 from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings
 from dispatcher.http import Server
 from dispatcher.service import Dispatcher, open_dispatcher
+from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
 from .fakes import wait_until
 
@@ -256,3 +258,114 @@ async def test_usage_is_attributed_to_the_key_id_and_admin_only(nursery: trio.Nu
     (row,) = as_admin.json()["rows"]
     assert row["attribution"] == key_id(b"sk-client")
     assert "sk-client" not in as_admin.text
+
+
+WEATHER_TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture
+async def tool_edge(nursery: trio.Nursery) -> AsyncIterator[Edge]:
+    """The edge with an in-process echo node that answers every request with a tool call and
+    announces the ``tools`` capability."""
+    node = NodeConfig(
+        node_id="local",
+        providers=(
+            ProviderConfig(
+                id="echo",
+                type="echo",
+                options={"tool_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                models=(ModelConfig(name="echo", slots=4, capabilities=("tools",)),),
+            ),
+        ),
+    )
+    async with open_dispatcher(EdgeConfig(port=0)) as dispatcher:
+        await dispatcher.attach_local_node(node)
+        server = await nursery.start(dispatcher.serve)
+        yield Edge(dispatcher, server)
+        server.shutdown()
+
+
+async def test_openai_client_tool_calls_non_streaming(tool_edge: Edge) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{tool_edge.url}/v1", api_key="unused") as client:
+        completion = await client.chat.completions.create(
+            model="echo",
+            messages=[{"role": "user", "content": "weather in Paris?"}],
+            tools=WEATHER_TOOLS,
+        )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.tool_calls is not None
+    (call,) = choice.message.tool_calls
+    assert call.id == "call_echo_0"
+    assert call.type == "function"
+    assert call.function.name == "get_weather"
+    assert call.function.arguments == '{"city": "Paris"}'
+
+
+async def test_openai_client_tool_calls_streaming(tool_edge: Edge) -> None:
+    def consume() -> tuple[dict[int, dict[str, str]], list[str | None], str]:
+        calls: dict[int, dict[str, str]] = {}
+        finish: list[str | None] = []
+        text = ""
+        with openai.OpenAI(base_url=f"{tool_edge.url}/v1", api_key="unused") as client:
+            stream = client.chat.completions.create(
+                model="echo",
+                messages=[{"role": "user", "content": "weather in Paris?"}],
+                tools=WEATHER_TOOLS,
+                stream=True,
+            )
+            with stream:
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        text += choice.delta.content or ""
+                        finish.append(choice.finish_reason)
+                        for delta in choice.delta.tool_calls or ():
+                            call = calls.setdefault(
+                                delta.index, {"id": "", "name": "", "arguments": ""}
+                            )
+                            call["id"] = call["id"] or delta.id or ""
+                            if delta.function is not None:
+                                call["name"] += delta.function.name or ""
+                                call["arguments"] += delta.function.arguments or ""
+        return calls, finish, text
+
+    calls, finish, text = await trio.to_thread.run_sync(consume)
+    assert calls == {
+        0: {"id": "call_echo_0", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    }
+    assert finish[-1] == "tool_calls"
+    assert text == ""
+
+
+async def test_openai_client_stream_accumulates_tool_calls(tool_edge: Edge) -> None:
+    """The client's own stream helper (which checks the chunk shape strictly) assembles the
+    same call."""
+
+    def consume() -> Any:
+        with (
+            openai.OpenAI(base_url=f"{tool_edge.url}/v1", api_key="unused") as client,
+            client.beta.chat.completions.stream(
+                model="echo",
+                messages=[{"role": "user", "content": "weather in Paris?"}],
+                tools=WEATHER_TOOLS,
+            ) as stream,
+        ):
+            for _ in stream:
+                pass
+            return stream.get_final_completion()
+
+    completion = await trio.to_thread.run_sync(consume)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert (call.id, call.function.name) == ("call_echo_0", "get_weather")
+    assert call.function.arguments == '{"city": "Paris"}'

@@ -28,10 +28,13 @@ Knobs (both fakes): ``status`` (non-200: an error response in the provider's sha
 a stream), ``fail_after_chunks`` with ``fail_mode`` (``"abort"``: the connection is cut, the
 client sees a truncated body; ``"error"``: an error event / line, then the stream ends),
 ``stall_after_chunks`` (send nothing more until the client leaves). OpenAI only:
-``finish_reason``, ``tool_call`` (an OpenAI tool call object, streamed as a ``tool_calls``
-delta before the finish chunk), ``models``. The usage chunk is sent only when the request
-asked for it (``stream_options.include_usage``). Ollama only: ``done_reason``,
-``include_counts`` (``prompt_eval_count`` / ``eval_count`` on the done line), ``models``.
+``finish_reason``, ``tool_call`` (an OpenAI tool call object, streamed after the text as
+OpenAI does: a ``tool_calls`` delta with its ``id``, ``type``, name and empty arguments, then
+the arguments in two pieces; then the finish chunk), ``models``. The usage chunk is sent
+only when the request asked for it (``stream_options.include_usage``). Ollama only: ``done_reason``,
+``include_counts`` (``prompt_eval_count`` / ``eval_count`` on the done line), ``tool_calls``
+(Ollama tool calls, ``[{"function": {"name", "arguments": {...}}}]``, sent in one line after
+the text and before the done line), ``models``.
 """
 
 from __future__ import annotations
@@ -337,7 +340,15 @@ class FakeOpenAI(FakeProvider):
 
         after: list[Any] = []
         if self.tool_call is not None:
-            after.append(chunk({"tool_calls": [{"index": 0, **self.tool_call}]}))
+            function = self.tool_call.get("function", {})
+            arguments = function.get("arguments", "")
+            head = {**self.tool_call, "function": {**function, "arguments": ""}}
+            half = len(arguments) // 2
+            after.append(chunk({"tool_calls": [{"index": 0, **head}]}))
+            for piece in (arguments[:half], arguments[half:]):
+                after.append(
+                    chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+                )
         after.append(chunk({}, self.finish_reason))
         if include_usage:
             after.append({**chunk({}), "choices": [], "usage": self.usage()})
@@ -367,6 +378,7 @@ class FakeOllama(FakeProvider):
 
     done_reason: str = "stop"
     include_counts: bool = True
+    tool_calls: list[dict[str, Any]] | None = None
 
     def route(
         self, seen: SeenRequest
@@ -426,7 +438,25 @@ class FakeOllama(FakeProvider):
             content=line,
             error={"error": self.error_message},
             before=[],
-            after=[self.done_line(model, "")],
+            after=[
+                *(
+                    [
+                        {
+                            "model": model,
+                            "created_at": "2024-01-01T00:00:00Z",
+                            "message": {
+                                "role": "assistant",
+                                "content": "",
+                                "tool_calls": self.tool_calls,
+                            },
+                            "done": False,
+                        }
+                    ]
+                    if self.tool_calls
+                    else []
+                ),
+                self.done_line(model, ""),
+            ],
         )
 
 

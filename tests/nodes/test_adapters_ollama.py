@@ -9,6 +9,7 @@ import trio
 
 from dispatcher import wire
 from nodes.adapters import Adapter, build_adapters, validate_options
+from nodes.adapters.base import AdapterError
 from nodes.adapters.ollama import OllamaAdapter, OllamaOptions
 from nodes.config import ModelConfig, OptionsError, ProviderConfig
 from nodes.runner import open_runner
@@ -263,3 +264,88 @@ def test_options_validation() -> None:
         with pytest.raises(OptionsError) as info:
             validate_options("ollama", bad)
         assert info.value.key == key
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+async def test_tool_calls_become_openai_deltas(fake: FakeOllama) -> None:
+    fake.reply = "Checking."
+    fake.tool_calls = [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"function": {"name": "get_time", "arguments": {}}},
+    ]
+    rec = await run(adapter_for(fake.base_url), req(tools=TOOLS, tool_choice="auto"))
+    terminal = rec.terminal("r1")
+    assert isinstance(terminal, wire.RunCompleted)
+    assert terminal.finish_reason == "tool_calls"
+    deltas = [e for e in rec.events("r1") if isinstance(e, wire.RunDelta)]
+    assert rec.text("r1") == "Checking."
+    (call_delta,) = [d for d in deltas if d.tool_calls]
+    assert deltas[-1] is call_delta  # after the text
+    first, second = call_delta.tool_calls
+    assert first["id"].startswith("call_")
+    assert second["id"].startswith("call_")
+    assert first["id"] != second["id"]
+    assert {k: v for k, v in first.items() if k != "id"} == {
+        "index": 0,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+    }
+    assert (second["index"], second["function"]) == (1, {"name": "get_time", "arguments": "{}"})
+    (seen,) = fake.requests
+    assert seen.json["tools"] == TOOLS
+    assert "tool_choice" not in seen.json
+
+
+async def test_tool_calls_with_length_keep_length(fake: FakeOllama) -> None:
+    fake.done_reason = "length"
+    fake.tool_calls = [{"function": {"name": "f", "arguments": {}}}]
+    rec = await run(adapter_for(fake.base_url))
+    assert rec.terminal("r1").finish_reason == "length"
+
+
+def test_tool_messages_are_mapped() -> None:
+    messages = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 21C"},
+        {"role": "tool", "tool_call_id": "unknown", "content": "?"},
+    ]
+    payload = adapter_for("http://x").payload(req(messages=messages, tools=TOOLS))
+    assert payload["messages"][1:] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": "sunny, 21C", "tool_name": "get_weather"},
+        {"role": "tool", "content": "?"},
+    ]
+    assert payload["tools"] == TOOLS
+    bad = [
+        {
+            "role": "assistant",
+            "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}],
+        }
+    ]
+    with pytest.raises(AdapterError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments"):
+        adapter_for("http://x").payload(req(messages=bad))

@@ -238,17 +238,40 @@ async def test_error_event_mid_stream(fake: FakeOpenAI) -> None:
     assert "CUDA out of memory" in failed.message
 
 
-async def test_tool_calls_are_refused_until_the_runner_carries_them(fake: FakeOpenAI) -> None:
-    fake.reply = ""
+async def test_tool_call_deltas_pass_through_in_order(fake: FakeOpenAI) -> None:
+    fake.reply = "Let me check."
     fake.finish_reason = "tool_calls"
     fake.tool_call = {
         "id": "call_1",
         "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
     }
-    rec = await run(adapter_for(fake.base_url))
-    failed = rec.terminal("r1")
-    assert (failed.code, failed.retryable) == ("unsupported_tool_calls", False)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    rec = await run(adapter_for(fake.base_url), req(tools=tools, tool_choice="auto"))
+    terminal = rec.terminal("r1")
+    assert isinstance(terminal, wire.RunCompleted)
+    assert terminal.finish_reason == "tool_calls"
+    deltas = [e for e in rec.events("r1") if isinstance(e, wire.RunDelta)]
+    # the text (however coalesced) comes first, then one run.delta per upstream tool-call delta
+    calls = [d for d in deltas if d.tool_calls]
+    first_call = deltas.index(calls[0])
+    assert "".join(d.text for d in deltas[:first_call]) == "Let me check."
+    assert all(not d.text for d in deltas[first_call:])
+    assert [d.tool_calls for d in calls] == [
+        (
+            {
+                "index": 0,
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": ""},
+            },
+        ),
+        ({"index": 0, "function": {"arguments": '{"city":'}},),
+        ({"index": 0, "function": {"arguments": ' "Paris"}'}},),
+    ]
+    (seen,) = fake.requests
+    assert seen.json["tools"] == tools
+    assert seen.json["tool_choice"] == "auto"
 
 
 async def test_through_build_adapters(fake: FakeOpenAI, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -223,3 +223,45 @@ def test_echo_options_from_provider_config() -> None:
         EchoOptions.from_mapping({"fail_after_tokens": -1})
     with pytest.raises(OptionsError, match="ignore_cancel: expected true or false"):
         EchoOptions.from_mapping({"ignore_cancel": 1})
+
+
+async def test_echo_tool_call_option_and_per_request_override() -> None:
+    options = EchoOptions.from_mapping(
+        {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    )
+    rec = await run_echo(request("r1", "weather?"), options)
+    deltas = [e for e in rec.events("r1") if isinstance(e, wire.RunDelta)]
+    assert [d.text for d in deltas] == ["", "", ""]
+    pieces = [call for d in deltas for call in d.tool_calls]
+    assert pieces[0] == {
+        "index": 0,
+        "id": "call_echo_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
+    assert "".join(p["function"]["arguments"] for p in pieces) == '{"city":"Paris"}'
+    assert all(p["function"]["arguments"] for p in pieces[1:])
+    assert rec.terminal("r1").finish_reason == "tool_calls"
+
+    # per request: another call, or none at all
+    override = {"tool_call": {"name": "f", "arguments": "{}"}}
+    rec = await run_echo(request("r2", "x", echo=override), options)
+    assert rec.events("r2")[1].tool_calls[0]["function"]["name"] == "f"
+    rec = await run_echo(request("r3", "plain text", echo={"tool_call": None}), options)
+    assert rec.text("r3") == "plain text"
+    assert rec.terminal("r3").finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("value", "key"),
+    [
+        ("get_weather", "tool_call"),
+        ({"name": "f", "extra": 1}, "tool_call"),
+        ({"name": ""}, "tool_call.name"),
+        ({"name": "f", "arguments": 5}, "tool_call.arguments"),
+    ],
+)
+def test_echo_tool_call_option_validation(value: Any, key: str) -> None:
+    with pytest.raises(OptionsError) as info:
+        EchoOptions.from_mapping({"tool_call": value})
+    assert info.value.key == key

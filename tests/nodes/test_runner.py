@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import pytest
 import trio
@@ -9,6 +10,7 @@ import trio.testing
 
 from dispatcher import wire
 from nodes.adapters import AdapterError, DropConnection, RunOutput, build_adapters
+from nodes.adapters.base import estimate_tokens
 from nodes.config import ModelConfig, ProviderConfig
 from nodes.runner import MAX_DELTA_CHARS, MAX_PENDING_CHARS, open_runner
 from tests.nodes._helpers import Recorder, assert_well_formed, request
@@ -314,3 +316,90 @@ async def test_huge_delta_is_split_into_frames_under_the_limit() -> None:
     assert len(deltas) == 3
     assert rec.text("r1") == big
     assert all(len(wire.encode(d)) < wire.MAX_FRAME_SIZE for d in deltas)
+
+
+class WithToolCalls:
+    """An adapter that emits ``script``: strings as text, lists as tool-call deltas."""
+
+    def __init__(self, script: list[str | list[dict[str, Any]]]) -> None:
+        self.script = script
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        for item in self.script:
+            if isinstance(item, str):
+                await out.delta(item)
+            else:
+                await out.tool_calls(item)
+        out.finish("tool_calls")
+
+
+def call_head(index: int, name: str) -> dict[str, Any]:
+    return {
+        "index": index,
+        "id": f"call_{index}",
+        "type": "function",
+        "function": {"name": name, "arguments": ""},
+    }
+
+
+def call_args(index: int, arguments: str) -> dict[str, Any]:
+    return {"index": index, "function": {"arguments": arguments}}
+
+
+async def test_tool_call_deltas_keep_their_order_among_coalesced_text(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script: list[str | list[dict[str, Any]]] = [
+        "let ",
+        "me ",
+        "check",
+        [call_head(0, "get_weather")],
+        [call_args(0, '{"city":'), call_args(0, '"Paris"}')],
+        [call_args(0, "")],
+        "done ",
+        "now",
+        [call_head(1, "get_time")],
+    ]
+    rec = Recorder(delay=0.1)  # slow: everything piles up and is coalesced where it may be
+    async with open_runner(rec.send, adapters={"p": WithToolCalls(script)}) as runner:
+        runner.start(request("r1", provider_id="p"))
+        await rec.wait_terminal("r1")
+    events = rec.events("r1")
+    assert_well_formed(events)
+    frames: list[tuple[str, list[Any]]] = []
+    for event in events:
+        if not isinstance(event, wire.RunDelta):
+            continue
+        assert not (event.text and event.tool_calls)
+        if event.text and frames and frames[-1][0]:  # text frames may split anywhere
+            frames[-1] = (frames[-1][0] + event.text, [])
+        else:
+            frames.append((event.text, list(event.tool_calls)))
+    assert frames == [
+        ("let me check", []),
+        ("", [call_head(0, "get_weather")]),
+        ("", [call_args(0, '{"city":'), call_args(0, '"Paris"}')]),
+        ("", [call_args(0, "")]),
+        ("done now", []),
+        ("", [call_head(1, "get_time")]),
+    ]
+    assert rec.terminal("r1").finish_reason == "tool_calls"
+    # the usage estimate counts the text only
+    (usage,) = [e.usage for e in events if isinstance(e, wire.RunUsage)]
+    assert usage.completion_tokens == estimate_tokens("let me check" + "done now")
+
+
+async def test_huge_tool_call_arguments_are_split_into_frames_under_the_limit() -> None:
+    rec = Recorder()
+    arguments = '"' + "é" * (MAX_DELTA_CHARS * 2) + '"'
+    head = {**call_head(0, "write"), "function": {"name": "write", "arguments": arguments}}
+    async with open_runner(rec.send, adapters={"p": WithToolCalls([[head]])}) as runner:
+        runner.start(request("r1", provider_id="p"))
+        await rec.wait_terminal("r1")
+    deltas = [e for e in rec.events("r1") if isinstance(e, wire.RunDelta)]
+    assert len(deltas) == 3
+    assert all(len(wire.encode(d)) < wire.MAX_FRAME_SIZE for d in deltas)
+    pieces = [call for d in deltas for call in d.tool_calls]
+    assert pieces[0]["id"] == "call_0"
+    assert {p["index"] for p in pieces} == {0}
+    assert "".join(p["function"]["arguments"] for p in pieces) == arguments
