@@ -170,6 +170,8 @@ class Attempt:
     usage: wire.Usage | None = None
     completion_chars: int = 0
     committed: bool = False
+    stalled: bool = False
+    """The stall timeout ended the answer after the commit (the client got an error)."""
 
     def observe(self, event: wire.RunEvent) -> None:
         if isinstance(event, wire.RunDelta):
@@ -216,6 +218,7 @@ class Answer:
             event = await self.attempt.run.__anext__()
         if stall.cancelled_caught:
             self._done = True
+            self.attempt.stalled = True
             return wire.RunFailed(
                 run_id=self.attempt.run.run_id,
                 seq=-1,
@@ -570,7 +573,9 @@ class Gate:
             not attempt.committed and trio.current_time() >= deadline
         ):
             outcome = "cancelled"  # the client (or the edge's shutdown) ended the request
-        elif attempt.committed and (terminal is not None or ended_by is not None):
+        elif attempt.committed and (
+            terminal is not None or ended_by is not None or attempt.stalled
+        ):
             outcome = "failed"  # failed (or stalled) after the client saw part of it
         else:
             # Failed before the commit (the client never saw it), or left unfinished by a

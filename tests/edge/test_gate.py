@@ -281,3 +281,19 @@ async def test_usage_endpoint_totals_and_restart(tmp_path: Any) -> None:
     assert usage["totals"]["attempts"] == 3
     assert usage["totals"]["completion_tokens"] == 9
     assert {row["request_id"] for row in usage["rows"]} == {"r0", "r1", "r2"}
+
+
+async def test_a_stall_after_commit_is_an_sse_error_without_done() -> None:
+    async with open_edge(stall_timeout_s=0.5) as edge:
+        await edge.add_node("node-a", stall_after_tokens=2)
+        await wait_until(lambda: len(edge.dispatcher.registry.sessions) == 1)
+        with trio.fail_after(20):
+            response = await post(edge, chat(stream=True), "stalled")
+        events = sse_events(response.text)
+        assert streamed_text(events[:-1]) == "one two "
+        assert orjson.loads(events[-1])["error"]["code"] == "stall_timeout"
+        assert "[DONE]" not in events
+        await assert_nothing_left(edge)  # the stalled run was cancelled on the node
+        await wait_until(lambda: edge.dispatcher.ledger.statistics().rows_recorded == 1)
+        (row,) = await rows_for(edge, "stalled")
+        assert (row.outcome, row.billable_to) == ("failed", "client")

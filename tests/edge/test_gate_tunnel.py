@@ -405,3 +405,28 @@ async def test_client_disconnect_before_commit(monkeypatch: pytest.MonkeyPatch) 
         (row,) = await edge.rows("early", 1)
         assert (row.outcome, row.billable_to, row.path) == ("cancelled", "operator", "tunnel")
         assert row.ttft_s is None
+
+
+async def test_a_stall_after_commit_is_an_sse_error_and_aborts_the_tunnel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with open_edge(monkeypatch, stall_timeout_s=0.5) as edge:
+        for fake in edge.fakes.values():
+            fake.chunk_count = 10
+            fake.stall_after_chunks = 4
+        with trio.fail_after(20):
+            response = await edge.post(chat_body(stream=True), "stalled")
+        assert response.status_code == 200
+        assert edge.requests() == 1  # no retry after the commit
+        (fake,) = [f for f in edge.fakes.values() if f.requests]
+        events = sse_events(response.content)
+        last = orjson.loads(events[-1].removeprefix(b"data: "))
+        assert last["error"]["code"] == "stall_timeout"
+        assert b"[DONE]" not in response.content
+        # The stalled upstream request was closed, not left hanging on the node.
+        (seen,) = fake.requests
+        with trio.fail_after(10):
+            await seen.disconnected.wait()
+        (row,) = await edge.rows("stalled", 1)
+        assert (row.outcome, row.billable_to, row.path) == ("failed", "client", "tunnel")
+        await edge.nothing_left()
