@@ -26,7 +26,18 @@ def tests(session: nox.Session) -> None:
 def fuzz(session: nox.Session) -> None:
     """Run the Hypothesis tests with many examples."""
     session.install(".[test]")
-    session.run("pytest", "-m", "not slow", *session.posargs, env={"HYPOTHESIS_PROFILE": "fuzz"})
+    # Thousands of examples per test: no per-test time limit, no faulthandler dumps.
+    session.run(
+        "pytest",
+        "-m",
+        "not slow",
+        "-o",
+        "timeout=0",
+        "-o",
+        "faulthandler_timeout=0",
+        *session.posargs,
+        env={"HYPOTHESIS_PROFILE": "fuzz"},
+    )
 
 
 @nox.session
