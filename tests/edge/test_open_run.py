@@ -20,7 +20,7 @@ from dispatcher.runs import RunSpec
 from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import memory_connection_pair
 
-from .fakes import ScriptedNode, connect, hello, wait_until
+from .fakes import connect, hello, wait_until
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SPEC = RunSpec(model="m", body=BODY)
@@ -215,8 +215,8 @@ async def test_queue_timeout(
 
 
 async def test_edge_shutdown_cancels_runs(autojump_clock: trio.testing.MockClock) -> None:
-    seen: list[wire.Message] = []
-    node: ScriptedNode | None = None
+    """The daemon's shutdown cancels the HTTP server's nursery (where requests live) before the
+    dispatcher's own: each open run tells its node, then the dispatcher closes cleanly."""
     async with open_dispatcher(config()) as d:
         node = await connect(d, hello())
         async with trio.open_nursery() as requests:  # what the HTTP server's nursery is
@@ -226,11 +226,15 @@ async def test_edge_shutdown_cancels_runs(autojump_clock: trio.testing.MockClock
                     await trio.sleep_forever()
 
             requests.start_soon(request)
-            await node.receive_run()
+            sent = await node.receive_run()
             requests.cancel_scope.cancel(reason="edge shutting down")
-        message = await node.receive()
-        seen.append(message)
-    assert isinstance(seen[0], wire.RunCancel)
+        cancel = await node.receive()
+        assert isinstance(cancel, wire.RunCancel)
+        assert cancel.run_id == sent.run_id
+        await node.send(wire.RunCancelled(run_id=sent.run_id, seq=0))
+        await wait_until(lambda: d.admission.statistics().draining == 0)
+        assert_clean(d)
+        assert d.runs.stats.ended == {"cancelled": 1}
 
 
 async def test_stale_generation_between_admission_and_send(
