@@ -94,6 +94,26 @@ def system_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
 
 
+class MachineLoad:
+    """How much CPU *other* processes used while a section ran (a busy machine skews every
+    figure; the note says so next to them)."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._own = own_cpu_seconds()
+        self._busy = system_busy_seconds()
+
+    def note(self) -> str:
+        wall = time.perf_counter() - self._started
+        own = own_cpu_seconds() - self._own
+        others = (system_busy_seconds() - self._busy - own) / wall
+        return (
+            f"other processes used {max(others, 0.0):.1f} of {os.cpu_count()} CPUs on average "
+            "during the section"
+            + (" (a busy machine: expect noisier figures)" if others > 0.25 else "")
+        )
+
+
 def own_cpu_seconds() -> float:
     """CPU time of this process plus its children that have been waited for."""
     total = 0.0

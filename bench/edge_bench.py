@@ -26,7 +26,6 @@ sockets (``bench._load``):
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -47,19 +46,18 @@ from bench._load import (
     REPO_ROOT,
     LoadError,
     LoadResult,
+    MachineLoad,
     ServerDidNotStart,
     ServerProcess,
     Sock,
     connect,
     cpu_seconds,
     http_request,
-    own_cpu_seconds,
     raise_nofile_limit,
     read_head,
     request_load,
     send_all,
     server_process,
-    system_busy_seconds,
 )
 from dispatcher import wire
 from dispatcher.transport import Connection, Frame
@@ -644,7 +642,7 @@ def log_notes(process: ServerProcess) -> list[str]:
 async def run() -> list[Table]:
     raise_nofile_limit()
     tables: list[Table] = []
-    started, own0, busy0 = time.perf_counter(), own_cpu_seconds(), system_busy_seconds()
+    load = MachineLoad()
     async with server_process("edge", ["bench._edge_server", "edge"]) as edge:
         async with node_process(edge.port) as node:
             tables.append(await measure_latency(edge, node))
@@ -654,13 +652,7 @@ async def run() -> list[Table]:
             await wait_for_models(edge.port, lambda models: not models)
         tables.append(await measure_cancel(edge))
         tables[-1].notes.extend(log_notes(edge))
-    wall = time.perf_counter() - started
-    others = (system_busy_seconds() - busy0 - (own_cpu_seconds() - own0)) / wall
-    tables[-1].notes.append(
-        f"other processes used {max(others, 0.0):.1f} of {os.cpu_count()} CPUs on average "
-        "during the section"
-        + (" (a busy machine: expect noisier figures)" if others > 0.25 else "")
-    )
+    tables[-1].notes.append(load.note())
     return tables
 
 

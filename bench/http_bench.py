@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -30,6 +29,7 @@ import trio
 from bench import Table, fmt_int
 from bench._load import (
     LoadResult,
+    MachineLoad,
     ServerDidNotStart,
     ServerProcess,
     announce_port,
@@ -37,13 +37,11 @@ from bench._load import (
     cpu_seconds,
     http_request,
     open_idle_streams,
-    own_cpu_seconds,
     raise_nofile_limit,
     read_event_stream,
     request_load,
     rss_kib,
     server_process,
-    system_busy_seconds,
     websocket_one_way,
 )
 from bench.bare_h11 import JSON_REPLY, SSE_EVENT, SSE_HEADERS, handle_connection, sse_count
@@ -449,7 +447,7 @@ def _table(results: Results) -> Table:
 async def run() -> list[Table]:
     raise_nofile_limit()
     results = Results()
-    started, own0, busy0 = time.perf_counter(), own_cpu_seconds(), system_busy_seconds()
+    load = MachineLoad()
     try:
         with trio.fail_after(TIME_LIMIT - 5):
             async with AsyncExitStack() as stack:
@@ -477,13 +475,7 @@ async def run() -> list[Table]:
                     )
     except trio.TooSlowError:
         results.notes.append(f"section cut off after {TIME_LIMIT - 5:g} s")
-    wall = time.perf_counter() - started
-    others = (system_busy_seconds() - busy0 - (own_cpu_seconds() - own0)) / wall
-    results.notes.append(
-        f"other processes used {max(others, 0.0):.1f} of {os.cpu_count()} CPUs on average "
-        f"during the section"
-        + (" (a busy machine: expect noisier figures)" if others > 0.25 else "")
-    )
+    results.notes.append(load.note())
     return [_table(results)]
 
 

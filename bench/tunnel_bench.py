@@ -47,6 +47,7 @@ from bench import Table, fmt_int
 from bench._load import (
     REPO_ROOT,
     LoadError,
+    MachineLoad,
     ServerDidNotStart,
     ServerProcess,
     Sock,
@@ -54,12 +55,10 @@ from bench._load import (
     connect,
     cpu_seconds,
     http_request,
-    own_cpu_seconds,
     raise_nofile_limit,
     read_head,
     send_all,
     server_process,
-    system_busy_seconds,
 )
 from bench.edge_bench import dechunk, log_notes, percentile, recv, wait_for_models
 
@@ -433,7 +432,7 @@ async def measure_ttft(paths: Paths) -> Table:
 
 async def run() -> list[Table]:
     raise_nofile_limit()
-    started, own0, busy0 = time.perf_counter(), own_cpu_seconds(), system_busy_seconds()
+    load = MachineLoad()
     async with (
         server_process("provider", ["bench.tunnel_bench", "provider"]) as provider,
         server_process("edge", ["bench._edge_server", "edge"]) as edge,
@@ -444,13 +443,7 @@ async def run() -> list[Table]:
         tables = [await measure_stream(paths, pids), await measure_ttft(paths)]
         for process in (provider, edge, node):
             tables[-1].notes.extend(log_notes(process))
-    wall = time.perf_counter() - started
-    others = (system_busy_seconds() - busy0 - (own_cpu_seconds() - own0)) / wall
-    tables[-1].notes.append(
-        f"other processes used {max(others, 0.0):.1f} of {os.cpu_count()} CPUs on average "
-        "during the section"
-        + (" (a busy machine: expect noisier figures)" if others > 0.25 else "")
-    )
+    tables[-1].notes.append(load.note())
     return tables
 
 
