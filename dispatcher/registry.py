@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from . import wire
+from .errors import StaleGeneration
 from .transport import Connection, ConnectionClosed
 
 log = logging.getLogger("dispatcher.registry")
@@ -317,6 +318,17 @@ class Registry:
         session = self.sessions.get(node_id)
         if session is None or session.generation != generation:
             return None
+        return session
+
+    def require_current(self, node_id: str, generation: int) -> NodeSession:
+        """The session of ``node_id`` at ``generation``; :class:`StaleGeneration` if the node
+        reconnected (or left) since that generation was chosen."""
+        session = self.current(node_id, generation)
+        if session is None:
+            raise StaleGeneration(
+                f"node {node_id} reconnected while the request was being dispatched",
+                retry_after=0,
+            )
         return session
 
     def _notify(self) -> None:

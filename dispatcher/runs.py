@@ -147,13 +147,11 @@ class Runs:
         """Subscribe and send the run on the candidate ``slot`` holds (the rest of
         ``open_run`` after admission; ``dispatcher.pool`` uses it after its hooks)."""
         candidate = slot.candidate
-        session = self.registry.current(candidate.node_id, candidate.generation)
-        if session is None:
+        try:
+            session = self.registry.require_current(candidate.node_id, candidate.generation)
+        except StaleGeneration:
             self._count("stale_generation")
-            raise StaleGeneration(
-                f"node {candidate.node_id} reconnected while the request was being dispatched",
-                retry_after=0,
-            )
+            raise
         run_id = self.new_run_id()
         with session.subscribe(run_id) as subscription:
             subscription.on_terminal = lambda _event: slot.release()

@@ -376,13 +376,11 @@ class Tunnels:
         ``pool.open_tunnel`` hook; ``request``, the pool's ``DispatchRequest``, is not
         needed: :meth:`Tunnel.send_request` carries what goes to the node)."""
         candidate = slot.candidate
-        session = self.registry.current(candidate.node_id, candidate.generation)
-        if session is None:
+        try:
+            session = self.registry.require_current(candidate.node_id, candidate.generation)
+        except StaleGeneration:
             self._count("stale_generation")
-            raise StaleGeneration(
-                f"node {candidate.node_id} reconnected while the request was being dispatched",
-                retry_after=0,
-            )
+            raise
         tunnel_id = self.new_tunnel_id()
         route = _Route(tunnel_id, self.window, on_end=slot.release)
         with session.route_tunnel_to(tunnel_id, route):
