@@ -26,11 +26,12 @@ sockets (``bench._load``):
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -180,21 +181,23 @@ def dechunk(raw: bytes) -> bytes:
 
 
 @asynccontextmanager
-async def node_process(edge_port: int) -> AsyncIterator[ServerProcess]:
-    """``python -m dispatcher node`` dialling the edge, until the block ends; yields once the
-    edge lists its ``echo`` model. Left: SIGTERM (SIGKILL after 5 s), waited for."""
-    command = [
-        sys.executable,
-        "-m",
-        "dispatcher",
-        "--log-level",
-        "WARNING",
-        "node",
+async def node_process(
+    edge_port: int,
+    *,
+    model: str = "echo",
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> AsyncIterator[ServerProcess]:
+    """``python -m dispatcher node ARGS`` (default: dial the edge as NODE_ID, serving echo),
+    until the block ends; yields once the edge lists ``model``. Left: SIGTERM (SIGKILL after
+    5 s), waited for."""
+    node_args = list(args) or [
         "--edge",
         f"ws://127.0.0.1:{edge_port}/v1/nodes/connect",
         "--id",
         NODE_ID,
     ]
+    command = [sys.executable, "-m", "dispatcher", "--log-level", "WARNING", "node", *node_args]
     with tempfile.TemporaryFile() as err:
         async with trio.open_nursery() as nursery:
             proc: trio.Process = await nursery.start(
@@ -206,6 +209,7 @@ async def node_process(edge_port: int) -> AsyncIterator[ServerProcess]:
                     stderr=err,
                     check=False,
                     cwd=REPO_ROOT,
+                    env={**os.environ, **(env or {})},
                 )
             )
             try:
@@ -214,7 +218,7 @@ async def node_process(edge_port: int) -> AsyncIterator[ServerProcess]:
                     with trio.fail_after(30):
                         await wait_for_models(
                             edge_port,
-                            lambda models: "echo" in models,
+                            lambda models: model in models,
                             alive=lambda: proc.poll() is None,
                         )
                 except (trio.TooSlowError, ServerDidNotStart):

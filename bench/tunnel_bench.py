@@ -28,8 +28,6 @@ Two measurements, the paths taking turns (direct, tunnel, tunnel, direct, ...):
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,10 +43,8 @@ import trio
 
 from bench import Table, fmt_int
 from bench._load import (
-    REPO_ROOT,
     LoadError,
     MachineLoad,
-    ServerDidNotStart,
     ServerProcess,
     Sock,
     announce_port,
@@ -60,7 +56,7 @@ from bench._load import (
     send_all,
     server_process,
 )
-from bench.edge_bench import dechunk, log_notes, percentile, recv, wait_for_models
+from bench.edge_bench import dechunk, log_notes, node_process, percentile, recv
 
 if TYPE_CHECKING:
     from dispatcher.http import Request, Responder, Server
@@ -174,7 +170,7 @@ slots = 4
 async def tunnel_node(edge_port: int, provider_port: int) -> AsyncIterator[ServerProcess]:
     """``python -m dispatcher node`` with a tunnel provider, until the block ends; yields once
     the edge lists the tunnel model."""
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "node.toml"
         config.write_text(
             NODE_TOML.format(
@@ -186,45 +182,10 @@ async def tunnel_node(edge_port: int, provider_port: int) -> AsyncIterator[Serve
                 served=SERVED,
             )
         )
-        command = [
-            sys.executable,
-            "-m",
-            "dispatcher",
-            "--log-level",
-            "WARNING",
-            "node",
-            "--config",
-            str(config),
-        ]
-        async with trio.open_nursery() as nursery:
-            proc: trio.Process = await nursery.start(
-                partial(
-                    trio.run_process,
-                    command,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    check=False,
-                    cwd=REPO_ROOT,
-                    env={**os.environ, KEY_ENV: KEY},
-                )
-            )
-            try:
-                node = ServerProcess("node", proc.pid, 0, err)
-                try:
-                    with trio.fail_after(30):
-                        await wait_for_models(
-                            edge_port,
-                            lambda models: MODEL in models,
-                            alive=lambda: proc.poll() is None,
-                        )
-                except (trio.TooSlowError, ServerDidNotStart):
-                    raise ServerDidNotStart(
-                        f"node did not join (exit {proc.poll()}): {node.stderr_tail(3)}"
-                    ) from None
-                yield node
-            finally:
-                nursery.cancel_scope.cancel()
+        async with node_process(
+            edge_port, model=MODEL, args=["--config", str(config)], env={KEY_ENV: KEY}
+        ) as node:
+            yield node
 
 
 # --------------------------------------------------------------------------- the client
