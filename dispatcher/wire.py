@@ -8,9 +8,10 @@ Direction::
 
     node -> edge   hello, capacity, pong, run.started, run.delta, run.usage,
                    run.completed, run.failed, run.cancelled,
-                   tunnel.start, tunnel.end, (binary) tunnel data
+                   tunnel.start, tunnel.end, (binary) tunnel data, node.draining
     edge -> node   welcome, ping, run.request, run.cancel,
-                   tunnel.request, tunnel.credit, tunnel.cancel, (binary) tunnel data
+                   tunnel.request, tunnel.credit, tunnel.cancel, (binary) tunnel data,
+                   edge.draining
 
 Every run event carries the ``run_id`` the edge chose and a per-run ``seq`` starting at 0.
 Exactly one terminal event (completed, failed, cancelled) ends a run.
@@ -103,6 +104,9 @@ class Pong:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    estimated: bool = False
+    """The node estimated these counts (its adapter reported none); False when the engine or
+    provider measured them."""
 
 
 @attrs.frozen(kw_only=True)
@@ -148,6 +152,10 @@ class RunFailed:
     code: str
     message: str
     retryable: bool = False
+    status: int | None = None
+    """The upstream's HTTP status when the failure is its answer to the request (an upstream
+    4xx is the client's error: the edge relays the status, does not retry, and does not count
+    it against the node)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -178,7 +186,26 @@ class TunnelEnd:
     retryable: bool = False
 
 
+@attrs.frozen(kw_only=True)
+class NodeDraining:
+    """The node is draining (its operator stopped it): route no new runs or tunnels to it;
+    what it runs now it finishes, then it leaves."""
+
+    TYPE: ClassVar[str] = "node.draining"
+    grace: float = 0.0
+    """How long the node gives its in-flight work before it leaves, in seconds."""
+
+
 # --------------------------------------------------------------------------- edge -> node
+
+
+@attrs.frozen(kw_only=True)
+class EdgeDraining:
+    """The edge is draining (shutting down): it sends no new work, lets what runs finish
+    within ``grace`` seconds, then closes. The node should not treat the close as a fault."""
+
+    TYPE: ClassVar[str] = "edge.draining"
+    grace: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -263,9 +290,17 @@ NodeMessage: TypeAlias = (
     | RunCancelled
     | TunnelStart
     | TunnelEnd
+    | NodeDraining
 )
 EdgeMessage: TypeAlias = (
-    Welcome | Ping | RunRequest | RunCancel | TunnelRequest | TunnelCredit | TunnelCancel
+    Welcome
+    | Ping
+    | RunRequest
+    | RunCancel
+    | TunnelRequest
+    | TunnelCredit
+    | TunnelCancel
+    | EdgeDraining
 )
 Message: TypeAlias = NodeMessage | EdgeMessage
 
@@ -281,6 +316,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     RunCancelled,
     TunnelStart,
     TunnelEnd,
+    NodeDraining,
     Welcome,
     Ping,
     RunRequest,
@@ -288,6 +324,7 @@ MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
     TunnelRequest,
     TunnelCredit,
     TunnelCancel,
+    EdgeDraining,
 )
 _BY_TAG: Final[Mapping[str, type[Any]]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 
