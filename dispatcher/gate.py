@@ -48,6 +48,7 @@ import trio
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
 from .errors import NodeUnavailable, RunError
+from .excgroups import holds
 from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
 from .runs import Run, RunSpec
 from .tunnel import Tunnel, TunnelFailed
@@ -670,11 +671,7 @@ class Gate:
 
 
 def _is_cancellation(exc: BaseException | None) -> bool:
-    if isinstance(exc, trio.Cancelled):
-        return True
-    if isinstance(exc, BaseExceptionGroup):
-        return any(_is_cancellation(inner) for inner in exc.exceptions)
-    return False
+    return holds(exc, trio.Cancelled)
 
 
 def _only_exclusions(exc: NoCapableCandidate) -> bool:

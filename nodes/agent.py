@@ -43,6 +43,7 @@ import trio
 import trio_websocket
 
 from dispatcher import wire
+from dispatcher.excgroups import first_leaf, leaves
 from dispatcher.transport import Connection, ConnectionClosed, Frame
 from nodes.adapters import Adapter, DropConnection, build_adapters
 from nodes.config import NodeConfig, hello_from_config
@@ -222,14 +223,15 @@ async def _serve_welcomed(
         ):
             end = await _receive_loop(conn, sender, runner, tunnels, silence_limit)
     except* DropConnection as group:
-        reason = str(group.exceptions[0])
+        reason = str(first_leaf(group, DropConnection))
         log.warning("dropping the connection to the edge (%s)", reason)
         end = (CLOSE_INTERNAL_ERROR, f"connection dropped: {reason}")
     except* ConnectionClosed as group:
-        first = group.exceptions[0]
-        assert isinstance(first, ConnectionClosed)
-        log.info("connection to the edge lost: %s (code %s)", first.reason, first.code)
-        end = (CLOSE_NORMAL, f"connection lost: {first.reason}")
+        # The runner's nursery wraps the tunnels' nursery: the group may be nested.
+        closed = first_leaf(group, ConnectionClosed)
+        assert closed is not None  # except* matched, so there is one at some depth
+        log.info("connection to the edge lost: %s (code %s)", closed.reason, closed.code)
+        end = (CLOSE_NORMAL, f"connection lost: {closed.reason}")
     return end
 
 
@@ -471,11 +473,9 @@ def _upgrade_failure(group: BaseExceptionGroup[BaseException], url: str) -> Exce
     """What a failed websocket upgrade means for the reconnect loop."""
     rejected, _ = group.split(trio_websocket.ConnectionRejected)
     if rejected is not None:
-        status = next(
-            e.status_code
-            for e in _leaves(rejected)
-            if isinstance(e, trio_websocket.ConnectionRejected)
-        )
+        refused = first_leaf(rejected, trio_websocket.ConnectionRejected)
+        assert refused is not None
+        status = refused.status_code
         reason = f"the edge refused the websocket upgrade with HTTP {status}"
         if status in REJECTED_HTTP_STATUSES:
             return NodeRejected(reason)
@@ -484,16 +484,9 @@ def _upgrade_failure(group: BaseExceptionGroup[BaseException], url: str) -> Exce
         return ConnectionClosed(f"cannot connect to {url}: websocket upgrade timed out")
     broken = group.subgroup(_WEBSOCKET_ERRORS)
     if broken is not None:
-        first = next(iter(_leaves(broken)))
+        first = leaves(broken)[0]
         return ConnectionClosed(f"cannot connect to {url}: {_explain(first)}")
     return None
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    leaves: list[BaseException] = []
-    for exc in group.exceptions:
-        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return leaves
 
 
 def _explain(exc: BaseException) -> str:
@@ -612,14 +605,7 @@ def _log_rejection(config: NodeConfig, exc: NodeRejected) -> None:
 
 
 def _find_rejection(exc: BaseException) -> NodeRejected | None:
-    if isinstance(exc, NodeRejected):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _find_rejection(inner)
-            if found is not None:
-                return found
-    return None
+    return first_leaf(exc, NodeRejected)
 
 
 def run_node(config: NodeConfig, *, dial: Dial | None = None) -> int:

@@ -42,6 +42,7 @@ import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.tom
 import trio
 
 from dispatcher import wire
+from dispatcher.excgroups import first_leaf
 from dispatcher.transport import ConnectionClosed
 from nodes.adapters._http import HTTPTimeouts, display_url, parse_timeout_option
 from nodes.config import NodeConfigError, ProviderConfig
@@ -399,14 +400,7 @@ class TunnelRunner:
 
 
 def _find_closed(exc: BaseException) -> ConnectionClosed | None:
-    if isinstance(exc, ConnectionClosed):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _find_closed(inner)
-            if found is not None:
-                return found
-    return None
+    return first_leaf(exc, ConnectionClosed)
 
 
 def _name(exc: BaseException) -> str:

@@ -370,3 +370,20 @@ async def test_cancelling_the_session_closes_with_going_away(nursery: trio.Nurse
             scope.cancel()
     closed = await edge.wait_closed()
     assert (closed.code, closed.reason) == (1001, "node shutting down")
+
+
+async def test_edge_closing_mid_run_is_a_connection_loss_not_a_crash(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The runner's nursery wraps the tunnels' nursery, so the ConnectionClosed arrives in a
+    nested group: the session must still see a connection loss (an INFO line), never an
+    AssertionError traceback and a 1011 close."""
+    caplog.set_level(logging.INFO, logger="nodes")
+    edge, done = await start_session(nursery)
+    await edge.handshake()
+    await edge.send(run_request("r1", "x y z", echo={"stall_after_tokens": 1}))
+    await edge.receive()  # run.started
+    await edge.conn.aclose(1001, "edge restarting")
+    await done.wait()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "connection to the edge lost: edge restarting" in caplog.text
