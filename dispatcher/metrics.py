@@ -10,6 +10,7 @@ several dispatchers in one process, as in the tests, do not mix.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -82,10 +83,44 @@ class _AdmissionCollector(Collector):
         yield rejections
 
 
+class InFlightSource(Protocol):
+    """What the in-flight gauges read at scrape time (the dispatcher provides it)."""
+
+    def inflight_runs(self) -> int: ...
+    def inflight_tunnels(self) -> int: ...
+
+
+class _InFlightCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        source = self._metrics.inflight_source
+        yield GaugeMetricFamily(
+            "dispatcher_inflight_requests",
+            "Client requests being served now (admitted or waiting), on every route.",
+            value=self._metrics.inflight_requests,
+        )
+        yield GaugeMetricFamily(
+            "dispatcher_inflight_runs",
+            "Normalized runs whose owning block is open now.",
+            value=source.inflight_runs() if source is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "dispatcher_inflight_tunnels",
+            "Tunnels whose owning block is open now.",
+            value=source.inflight_tunnels() if source is not None else 0,
+        )
+
+
 class Metrics:
     def __init__(self, admission: Admission) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_AdmissionCollector(admission))
+        self.inflight_requests = 0
+        """Requests inside a route's counted block now (``api.common.counted_request``)."""
+        self.inflight_source: InFlightSource | None = None
+        self.registry.register(_InFlightCollector(self))
         self.queue_wait = Histogram(
             "dispatcher_queue_wait_seconds",
             "Time admitted requests waited for their slot, per model group and class.",

@@ -20,7 +20,7 @@ import itertools
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Literal
 
 import attrs
@@ -116,6 +116,8 @@ class Run:
 @attrs.define(eq=False)
 class RunStatistics:
     opened: int = 0
+    open_runs: int = 0
+    """Runs whose block is open now (subscribed, not yet left)."""
     ended: dict[str, int] = attrs.field(factory=dict)
     cancels_sent: int = 0
 
@@ -153,7 +155,7 @@ class Runs:
             self._count("stale_generation")
             raise
         run_id = self.new_run_id()
-        with session.subscribe(run_id) as subscription:
+        with session.subscribe(run_id) as subscription, self._counted_open():
             subscription.on_terminal = lambda _event: slot.release()
             run = Run(run_id, candidate, session, slot, subscription, time.monotonic())
             body = {**spec.body, "model": candidate.served_model}
@@ -216,6 +218,14 @@ class Runs:
         if isinstance(exc, trio.Cancelled):
             return "cancelled"
         return "abandoned" if exc is None else "error"
+
+    @contextmanager
+    def _counted_open(self) -> Iterator[None]:
+        self.stats.open_runs += 1
+        try:
+            yield
+        finally:
+            self.stats.open_runs -= 1
 
     def _count(self, reason: str) -> None:
         self.stats.ended[reason] = self.stats.ended.get(reason, 0) + 1

@@ -129,6 +129,12 @@ class Dispatcher:
             return group
         return "unknown"
 
+    def inflight_runs(self) -> int:
+        return self.runs.stats.open_runs
+
+    def inflight_tunnels(self) -> int:
+        return self.tunnels.statistics().open_tunnels
+
     def candidates(self) -> list[Candidate]:
         return [c for s in self.registry.sessions.values() for c in candidates_for_session(s)]
 
@@ -231,6 +237,7 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
             nodelink_settings=settings,
             nursery=nursery,
         )
+        metrics.inflight_source = dispatcher
         registry.on_join(dispatcher._node_joined)
         registry.on_leave(dispatcher._node_left)
         await nursery.start(admission.run)

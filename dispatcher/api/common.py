@@ -40,6 +40,7 @@ def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
     """Count the request under ``dispatcher_requests_total`` once, however it ends: what the
     route set, or what the exception leaving it says."""
     result = RequestOutcome()
+    dispatcher.metrics.inflight_requests += 1
     try:
         yield result
     except trio.Cancelled:
@@ -58,6 +59,7 @@ def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
         result.outcome = "failed"
         raise
     finally:
+        dispatcher.metrics.inflight_requests -= 1
         dispatcher.metrics.count_request(result.model, result.outcome)
 
 
