@@ -13,7 +13,9 @@ Guarantees:
 * ``run.usage`` precedes ``run.completed`` (and ``run.failed`` when anything is known);
   ``run.cancelled`` carries the partial usage. When the adapter never reported usage the
   runner estimates it (:func:`~nodes.adapters.base.estimate_tokens`: the larger of the word
-  count and characters / 4, for the generated text and for the prompt's messages);
+  count and characters / 4, for the generated text and for the prompt's messages) and marks
+  it ``estimated``; reported usage is sent as reported (``estimated`` only when the adapter
+  said so);
 * leaving the ``async with`` block (the connection is gone) cancels every run and sends
   nothing more;
 * one writer task sends all runs' events, so sends never interleave; it serves runs in turn
@@ -155,9 +157,9 @@ class _Output:
         else:
             await trio.lowlevel.cancel_shielded_checkpoint()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
         self._run.reported_usage = wire.Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, estimated=estimated
         )
 
     def finish(self, reason: str) -> None:
@@ -290,11 +292,14 @@ class Runner:
         return wire.RunCompleted
 
     def _usage(self, run: _Run, request: wire.RunRequest) -> wire.Usage:
+        """What the adapter last reported (estimated only if it said so), else the runner's
+        own estimate (``estimated=True``)."""
         if run.reported_usage is not None:
             return run.reported_usage
         return wire.Usage(
             prompt_tokens=estimate_prompt_tokens(request.body),
             completion_tokens=run.generated.tokens,
+            estimated=True,
         )
 
     def _usage_event(

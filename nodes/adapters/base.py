@@ -70,8 +70,10 @@ class RunOutput(Protocol):
         the text); a checkpoint that may wait like :meth:`delta`. Set the finish reason
         ``"tool_calls"`` yourself."""
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
-        """Record the latest known usage (totals so far, not increments)."""
+    def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
+        """Record the latest known usage (totals so far, not increments). ``estimated``: the
+        adapter estimated (part of) it, e.g. with :func:`estimate_tokens`, because the engine
+        did not count; the usage then travels as ``Usage.estimated``."""
 
     def finish(self, reason: str) -> None:
         """Set the finish reason ``run.completed`` will carry (default ``"stop"``)."""

@@ -119,13 +119,13 @@ class CLIAdapter:
         argv = [*self.command, prompt] if options.prompt == "argument" else list(self.command)
         prompt_tokens = estimate_tokens(prompt)
         generated = TokenEstimator()
-        out.usage(prompt_tokens, 0)
+        out.usage(prompt_tokens, 0, estimated=True)
 
         async def emit(text: str) -> None:
             if text:
                 generated.add(text)
                 await out.delta(text)
-                out.usage(prompt_tokens, generated.tokens)
+                out.usage(prompt_tokens, generated.tokens, estimated=True)
 
         # AdapterErrors are raised outside the nursery: Trio would wrap them in a group.
         returncode: int | None = None

@@ -200,6 +200,7 @@ class OllamaAdapter:
         out.usage(
             estimate_prompt_tokens(request.body) if prompt_tokens is None else prompt_tokens,
             generated.tokens if completion_tokens is None else completion_tokens,
+            estimated=prompt_tokens is None or completion_tokens is None,
         )
         done_reason = final.get("done_reason")
         finish = FINISH_REASONS.get(done_reason, "stop") if isinstance(done_reason, str) else "stop"

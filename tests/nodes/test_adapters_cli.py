@@ -93,7 +93,9 @@ async def test_stdin_prompt_line_chunks_and_usage() -> None:
     # the prompt is the last user message, then a newline, then end of input
     assert rec.text("r1") == "say hello\n"
     assert usage_of(rec) == wire.Usage(
-        prompt_tokens=estimate_tokens("say hello"), completion_tokens=estimate_tokens("say hello\n")
+        prompt_tokens=estimate_tokens("say hello"),
+        completion_tokens=estimate_tokens("say hello\n"),
+        estimated=True,
     )
     terminal = rec.terminal("r1")
     assert isinstance(terminal, wire.RunCompleted)

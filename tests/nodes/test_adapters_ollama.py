@@ -169,7 +169,7 @@ async def test_missing_counts_are_estimated(fake: FakeOllama) -> None:
     fake.include_counts = False
     rec = await run(adapter_for(fake.base_url))
     # "be brief" -> 2, "say hello" -> 3; the reply: 29 characters -> 8
-    assert usage_of(rec) == wire.Usage(prompt_tokens=5, completion_tokens=8)
+    assert usage_of(rec) == wire.Usage(prompt_tokens=5, completion_tokens=8, estimated=True)
 
 
 async def test_cancel_closes_the_upstream_connection(fake: FakeOllama) -> None:

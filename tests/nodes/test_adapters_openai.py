@@ -123,7 +123,7 @@ async def test_without_include_usage_the_runner_estimates(fake: FakeOpenAI) -> N
     assert fake.requests[0].json["stream_options"] == {"include_usage": False}
     assert "authorization" not in dict(fake.requests[0].headers)
     # estimate: words vs characters / 4 of each message; the 5 words of the reply
-    assert usage_of(rec) == wire.Usage(prompt_tokens=2 + 3, completion_tokens=8)
+    assert usage_of(rec) == wire.Usage(prompt_tokens=2 + 3, completion_tokens=8, estimated=True)
 
 
 async def test_client_stream_options_are_kept(fake: FakeOpenAI) -> None:

@@ -124,7 +124,7 @@ async def test_cancel_sends_run_cancelled_with_estimated_usage() -> None:
     assert_well_formed(rec.events("r1"))
     assert isinstance(terminal, wire.RunCancelled)
     # prompt: 7 words, 33 chars -> max(7, ceil(33/4) = 9); completion: 4 words, 22 chars -> 6
-    assert terminal.usage == wire.Usage(prompt_tokens=9, completion_tokens=6)
+    assert terminal.usage == wire.Usage(prompt_tokens=9, completion_tokens=6, estimated=True)
     assert "run.usage" not in rec.types("r1")
 
 
@@ -153,7 +153,7 @@ async def test_cancel_before_the_run_got_going() -> None:
         terminal = await rec.wait_terminal("r1")
     assert rec.types("r1") == ["run.started", "run.cancelled"]
     # "hello world": 2 words, 11 chars -> 3 tokens
-    assert terminal.usage == wire.Usage(prompt_tokens=3, completion_tokens=0)
+    assert terminal.usage == wire.Usage(prompt_tokens=3, completion_tokens=0, estimated=True)
 
 
 async def test_completed_without_reported_usage_gets_an_estimate() -> None:
@@ -163,7 +163,9 @@ async def test_completed_without_reported_usage_gets_an_estimate() -> None:
         runner.start(request("r1", text="hi", provider_id="p"))
         await rec.wait_terminal("r1")
     usage = [e for e in rec.events("r1") if isinstance(e, wire.RunUsage)]
-    assert [u.usage for u in usage] == [wire.Usage(prompt_tokens=1, completion_tokens=3)]
+    assert [u.usage for u in usage] == [
+        wire.Usage(prompt_tokens=1, completion_tokens=3, estimated=True)
+    ]
 
 
 async def test_connection_lost_cancels_runs_and_sends_nothing_more() -> None:
