@@ -65,9 +65,11 @@ async def serve_node_connection(
     settings: NodeLinkSettings,
     *,
     on_capacity: Callable[[NodeSession, wire.Capacity], None] | None = None,
+    on_draining: Callable[[NodeSession], None] | None = None,
     peer: str = "in-memory",
 ) -> None:
-    """Serve one node connection until it closes. Never raises for anything the node does."""
+    """Serve one node connection until it closes. Never raises for anything the node does.
+    Every session that ends logs why (``node ... left: <reason>``)."""
     session: NodeSession | None = None
     close_code, close_reason = CLOSE_GOING_AWAY, "session ended"
     try:
@@ -81,22 +83,26 @@ async def serve_node_connection(
             session.generation,
             ", ".join(sorted({m.name for p in hello.providers for m in p.models})) or "none",
         )
-        await session.send(
+        session.post(
             wire.Welcome(
                 protocol=wire.PROTOCOL_VERSION,
                 generation=session.generation,
                 heartbeat_interval=settings.heartbeat_interval,
             )
         )
-        closing = await _serve_session(conn, session, settings, on_capacity)
-        if closing is not None:
-            close_code, close_reason = closing.code, closing.reason
+        closing = await _serve_session(conn, session, settings, on_capacity, on_draining)
+        close_code, close_reason = closing.code, closing.reason
+        if closing.code in (CLOSE_PROTOCOL_ERROR, CLOSE_HEARTBEAT, CLOSE_POLICY):
             log.warning("node %s: closing session: %s", session.node_id, closing.reason)
     except _Closing as closing:
         close_code, close_reason = closing.code, closing.reason
         log.warning("node connection from %s refused: %s", peer, closing.reason)
     except (ConnectionClosed, NodeGone) as exc:
+        close_reason = f"connection lost: {exc}"
         log.info("node connection from %s lost: %s", peer, exc)
+    except trio.Cancelled:
+        close_reason = "the edge is shutting down"
+        raise
     except Exception:
         log.exception("node connection from %s failed", peer)
         close_code, close_reason = 1011, "internal error"
@@ -142,31 +148,42 @@ async def _serve_session(
     session: NodeSession,
     settings: NodeLinkSettings,
     on_capacity: Callable[[NodeSession, wire.Capacity], None] | None,
-) -> _Closing | None:
-    """Run the session until the connection ends (None) or it must be closed (the reason)."""
+    on_draining: Callable[[NodeSession], None] | None,
+) -> _Closing:
+    """Run the session until the connection ends or it must be closed; return how it
+    ended (the close code to send and the reason to log)."""
     last_seen = trio.current_time()
     closing: _Closing | None = None
 
-    async def heartbeat(scope: trio.CancelScope) -> None:
+    def end(reason: _Closing) -> None:
         nonlocal closing
+        if closing is None:
+            closing = reason
+
+    async def heartbeat(scope: trio.CancelScope) -> None:
         nonce = 0
+        while True:
+            await trio.sleep(settings.heartbeat_interval)
+            silent = trio.current_time() - last_seen
+            if silent >= settings.heartbeat_timeout:
+                end(_Closing(CLOSE_HEARTBEAT, f"heartbeat timeout: node silent for {silent:.1f} s"))
+                break
+            nonce += 1
+            session.post(wire.Ping(nonce=nonce))
+        scope.cancel()
+
+    async def writer(scope: trio.CancelScope) -> None:
         try:
-            while True:
-                await trio.sleep(settings.heartbeat_interval)
-                silent = trio.current_time() - last_seen
-                if silent >= settings.heartbeat_timeout:
-                    closing = _Closing(
-                        CLOSE_HEARTBEAT, f"heartbeat timeout: node silent for {silent:.1f} s"
-                    )
-                    break
-                nonce += 1
-                await session.send(wire.Ping(nonce=nonce))
-        except NodeGone:
-            pass
+            await session.serve_writer()
+        except ConnectionClosed as exc:
+            end(_Closing(CLOSE_GOING_AWAY, f"connection lost while sending: {exc.reason}"))
+        except NodeGone as exc:
+            end(_Closing(CLOSE_POLICY, str(exc)))
         scope.cancel()
 
     async def superseded(scope: trio.CancelScope) -> None:
         await session.ended.wait()
+        end(_Closing(CLOSE_SUPERSEDED, session.closed_reason or "session ended"))
         scope.cancel()
 
     async def receive_loop() -> None:
@@ -192,22 +209,33 @@ async def _serve_session(
             if isinstance(message, wire.Capacity):
                 if on_capacity is not None:
                     on_capacity(session, message)
+            elif isinstance(message, wire.NodeDraining):
+                if not session.draining:
+                    session.draining = True
+                    log.info(
+                        "node %s is draining (grace %.1f s): routing nothing new to it",
+                        session.node_id,
+                        message.grace,
+                    )
+                    if on_draining is not None:
+                        on_draining(session)
             else:
                 raise _Closing(
                     CLOSE_PROTOCOL_ERROR, f"unexpected {message.TYPE!r} message from a node"
                 )
 
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer, nursery.cancel_scope, name=f"node {session.node_id} writer")
         nursery.start_soon(heartbeat, nursery.cancel_scope)
         nursery.start_soon(superseded, nursery.cancel_scope)
         try:
             await receive_loop()
         except _Closing as exc:
-            closing = exc
-        except ConnectionClosed:
-            pass
+            end(exc)
+        except ConnectionClosed as exc:
+            end(_Closing(CLOSE_GOING_AWAY, f"connection lost: {exc.reason}"))
         nursery.cancel_scope.cancel()
-    return closing
+    return closing or _Closing(CLOSE_GOING_AWAY, "session ended")
 
 
 _RUN_EVENTS = (

@@ -7,7 +7,19 @@ subscribers get a ``stale_generation`` failure, and nothing more is sent on it.
 A session routes the run events its node sends to the subscription of that run (opened by
 :mod:`dispatcher.runs` before the run request is sent, so no event can be missed). Events for
 a run the edge never gave this session are a protocol error; late events for a run that
-recently ended here (a cancel confirmation after the client left) are expected and dropped.
+recently ended here (a cancel confirmation after the client left) are kept for the run's
+usage row, then dropped.
+
+**One owner of the writes.** Nothing a request does runs a write on the node's connection:
+a cancelled ``send_all`` half-way through a frame aborts the whole websocket, and with it every
+other run on the node. Each session has an *outbox* that its writer task
+(:meth:`NodeSession.serve_writer`, in the node connection's nursery) empties in order.
+Requests hand frames over with :meth:`NodeSession.enqueue` and wait until the writer *took*
+the frame (:meth:`Outgoing.wait_taken`); a request cancelled before that withdraws its frame
+(:meth:`Outgoing.withdraw`) and the node never hears of it. Cancels, credits and pings are
+posted (:meth:`NodeSession.post`): they never wait, so a cancel is never lost to a deadline,
+however many clients leave at once. Requests waiting to be taken are bounded by the slots
+admission gave out; the outbox as a whole by :data:`MAX_OUTBOX`.
 """
 
 from __future__ import annotations
@@ -17,14 +29,14 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
 
 from . import wire
 from .errors import StaleGeneration
-from .transport import Connection, ConnectionClosed
+from .transport import Connection
 
 log = logging.getLogger("dispatcher.registry")
 
@@ -35,6 +47,9 @@ RECENT_RUNS = 4096
 """How many ended run ids a session remembers, to tolerate their late events."""
 RECENT_TUNNELS = 4096
 """How many ended tunnel ids a session remembers, to tolerate their late frames."""
+MAX_OUTBOX = 65536
+"""Frames a session's outbox may hold before the node is deemed not to be reading: its
+session then ends (the node is dropped) rather than the edge buffering without bound."""
 
 
 class NodeGone(Exception):
@@ -46,6 +61,59 @@ class SessionProtocolError(Exception):
 
 
 @attrs.define(eq=False)
+class Outgoing:
+    """One frame handed to a session's writer (see :meth:`NodeSession.enqueue`)."""
+
+    frame: str | bytes
+    taken: bool = False
+    """The writer took the frame: it is being, or has been, written; it cannot be withdrawn."""
+    withdrawn: bool = False
+    lost: str | None = None
+    """Why the frame will never be written (the session ended before the writer took it)."""
+    _waiter: trio.lowlevel.Task | None = None
+
+    def withdraw(self) -> bool:
+        """Take the frame back if the writer has not taken it yet; True if it was withdrawn
+        (the node will never see it)."""
+        if self.taken:
+            return False
+        self.withdrawn = True
+        return True
+
+    async def wait_taken(self) -> None:
+        """Wait until the writer took the frame. Raises :class:`NodeGone` if the session
+        ended first. If this wait is cancelled, the frame is withdrawn in the same step (the
+        cancellation and the writer cannot both win), so ``Cancelled`` out of here always
+        means the node never sees the frame."""
+        if self.taken or self.lost is not None:
+            await trio.lowlevel.checkpoint()
+        else:
+            self._waiter = trio.lowlevel.current_task()
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                self._waiter = None
+                self.withdrawn = True
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        if not self.taken:
+            raise NodeGone(self.lost or "session ended")
+
+    def _settle(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            trio.lowlevel.reschedule(waiter)
+
+
+class LateEvents(Protocol):
+    """What a run's subscription leaves behind when it closes before the run's end: the
+    node's events that still arrive for it (its ``run.usage`` and its terminal, the
+    confirmation of a cancel), for the run's usage row."""
+
+    def __call__(self, event: wire.RunEvent) -> None: ...
+
+
+@attrs.define(eq=False)
 class Subscription:
     """The edge's end of one run's event stream. Iterate with :meth:`receive`."""
 
@@ -54,20 +122,31 @@ class Subscription:
     _receive: trio.MemoryReceiveChannel[wire.RunEvent]
     terminal: wire.RunEvent | None = None
     """The terminal event once delivered (by the node, or synthesized when it was lost)."""
+    usage: wire.Usage | None = None
+    """The last usage the node reported for the run (``run.usage``, or a ``run.cancelled``'s
+    partial usage), as delivered -- whether or not the consumer read that event."""
+    text_chars: int = 0
+    """Characters of text delivered (for an estimate when the node reported no usage)."""
     overflowed: bool = False
     on_terminal: Callable[[wire.RunEvent], None] | None = None
     """Called when the terminal event arrives while the subscription is open."""
-    on_late_terminal: Callable[[wire.RunEvent], None] | None = None
-    """Called if the terminal event arrives after the subscription closed (the node's
-    confirmation of a cancel)."""
+    on_late_event: LateEvents | None = None
+    """Called for the run's ``run.usage`` and terminal events that arrive after the
+    subscription closed (the node's confirmation of a cancel, its last usage)."""
 
     @property
     def finished(self) -> bool:
         return self.terminal is not None
 
     def deliver(self, event: wire.RunEvent) -> None:
-        if self.terminal is not None or self.overflowed:
+        if self.terminal is not None:
             return
+        if isinstance(event, wire.RunDelta):
+            self.text_chars += len(event.text)
+        elif isinstance(event, wire.RunUsage | wire.RunCancelled) and event.usage is not None:
+            self.usage = event.usage
+        if self.overflowed:
+            return  # the consumer was failed; the usage above still counts for its row
         if wire.is_terminal(event):
             self.terminal = event
             if self.on_terminal is not None:
@@ -129,20 +208,22 @@ class TunnelRoute(Protocol):
 
 @attrs.define(eq=False)
 class NodeSession:
-    """One connected node: its announcement, its connection, and its runs' routes."""
+    """One connected node: its announcement, its connection, its outbox, and its runs'
+    routes."""
 
     node_id: str
     generation: int
     hello: wire.Hello
     _conn: Connection
-    _send_lock: trio.StrictFIFOLock = attrs.field(factory=trio.StrictFIFOLock)
+    _outbox: collections.deque[Outgoing] = attrs.field(factory=collections.deque)
+    _outbox_lot: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
     runs: dict[str, Subscription] = attrs.field(factory=dict)
     """Open subscriptions, by run id."""
-    _ended_runs: collections.OrderedDict[str, Callable[[wire.RunEvent], None] | None] = attrs.field(
+    _ended_runs: collections.OrderedDict[str, LateEvents | None] = attrs.field(
         factory=collections.OrderedDict
     )
-    """The last RECENT_RUNS runs whose subscription closed, with what to do with a late
-    terminal event (a cancel confirmation), if anything."""
+    """The last RECENT_RUNS runs whose subscription closed, with what to do with their late
+    events (a cancel confirmation, the last usage), if anything."""
     tunnels: dict[str, TunnelRoute] = attrs.field(factory=dict)
     """Open tunnel routes, by tunnel id."""
     _ended_tunnels: collections.OrderedDict[str, TunnelRoute | None] = attrs.field(
@@ -150,8 +231,13 @@ class NodeSession:
     )
     """The last RECENT_TUNNELS tunnels whose route closed (None once their end arrived)."""
     closed_reason: str | None = None
+    draining: bool = False
+    """The node said it is draining (``node.draining``): nothing new is routed to it."""
     ended: trio.Event = attrs.field(factory=trio.Event)
     """Set when the session is over (disconnected or superseded)."""
+    frames_written: int = 0
+    overflowed: bool = False
+    """The outbox went over :data:`MAX_OUTBOX`: the writer ends the session."""
 
     @property
     def label(self) -> str:
@@ -161,25 +247,84 @@ class NodeSession:
     def is_open(self) -> bool:
         return self.closed_reason is None
 
-    async def send(self, message: wire.EdgeMessage) -> None:
-        """Send one message; raises :class:`NodeGone` if the session is over."""
-        await self.send_frame(wire.encode(message))
+    @property
+    def outbox_size(self) -> int:
+        return len(self._outbox)
 
-    async def send_frame(self, frame: str | bytes) -> None:
+    def _gone(self) -> NodeGone:
+        return NodeGone(f"node {self.node_id} session {self.generation}: {self.closed_reason}")
+
+    def enqueue(self, message: wire.EdgeMessage) -> Outgoing:
+        """Hand ``message`` to the writer; wait with :meth:`Outgoing.wait_taken`. Raises
+        :class:`NodeGone` if the session is over."""
+        if self.closed_reason is not None:
+            raise self._gone()
+        outgoing = Outgoing(wire.encode(message))
+        self._push(outgoing)
+        return outgoing
+
+    def post(self, message: wire.EdgeMessage | bytes) -> None:
+        """Hand a message (or a binary frame) to the writer without waiting: cancels,
+        credits, pings, drain notices. Dropped if the session is over (its runs and tunnels
+        are failed by the registry; there is nobody left to tell)."""
+        if self.closed_reason is not None:
+            return
+        frame = message if isinstance(message, bytes) else wire.encode(message)
+        self._push(Outgoing(frame))
+
+    async def send(self, message: wire.EdgeMessage) -> None:
+        """Send one message through the writer, waiting until it is taken; raises
+        :class:`NodeGone` if the session is over first. Cancelled before the writer took
+        it, the message is withdrawn."""
         if self.closed_reason is not None:
             await trio.lowlevel.checkpoint()
-            raise NodeGone(f"node {self.node_id} session {self.generation}: {self.closed_reason}")
-        async with self._send_lock:
-            try:
-                await self._conn.send(frame)
-            except ConnectionClosed as exc:
-                raise NodeGone(f"node {self.node_id} connection lost: {exc.reason}") from None
+            raise self._gone()
+        await self.enqueue(message).wait_taken()
+
+    def _push(self, outgoing: Outgoing) -> None:
+        if len(self._outbox) >= MAX_OUTBOX:
+            # The node stopped reading: end its session instead of buffering without bound.
+            self.overflowed = True
+            self._outbox_lot.unpark_all()
+        self._outbox.append(outgoing)
+        self._outbox_lot.unpark()
+
+    async def serve_writer(self) -> None:
+        """The session's one writer: send what the outbox holds, in order, until cancelled.
+        Raises ``ConnectionClosed`` when the connection breaks, and :class:`NodeGone` when
+        the outbox overflowed. Runs in the node connection's nursery, never in a request's
+        cancel scope: a request leaving can withdraw a frame, never interrupt one."""
+        outbox = self._outbox
+        try:
+            while True:
+                while not outbox:
+                    await self._outbox_lot.park()
+                if self.overflowed:
+                    raise NodeGone(
+                        f"node {self.node_id} is not reading: over {MAX_OUTBOX} frames queued"
+                    )
+                outgoing = outbox.popleft()
+                if outgoing.withdrawn:
+                    continue
+                outgoing.taken = True
+                outgoing._settle()
+                await self._conn.send(outgoing.frame)
+                self.frames_written += 1
+        finally:
+            self._drop_outbox(self.closed_reason or "the session's writer stopped")
+
+    def _drop_outbox(self, reason: str) -> None:
+        while self._outbox:
+            outgoing = self._outbox.popleft()
+            if not outgoing.taken:
+                outgoing.lost = reason
+                outgoing._settle()
 
     @contextmanager
     def subscribe(self, run_id: str) -> Iterator[Subscription]:
         """Route this run's events to a new subscription while the block is open."""
         if self.closed_reason is not None:
-            raise NodeGone(f"node {self.node_id} session {self.generation}: {self.closed_reason}")
+            raise self._gone()
         send, receive = trio.open_memory_channel[wire.RunEvent](SUBSCRIPTION_BUFFER)
         subscription = Subscription(run_id, send, receive)
         self.runs[run_id] = subscription
@@ -187,7 +332,7 @@ class NodeSession:
             yield subscription
         finally:
             del self.runs[run_id]
-            self._ended_runs[run_id] = subscription.on_late_terminal
+            self._ended_runs[run_id] = None if subscription.finished else subscription.on_late_event
             if len(self._ended_runs) > RECENT_RUNS:
                 self._ended_runs.popitem(last=False)
             subscription.close()
@@ -200,11 +345,11 @@ class NodeSession:
             subscription.deliver(event)
             return
         if event.run_id in self._ended_runs:
+            callback = self._ended_runs[event.run_id]
             if wire.is_terminal(event):
-                callback = self._ended_runs[event.run_id]
-                self._ended_runs[event.run_id] = None
-                if callback is not None:
-                    callback(event)
+                self._ended_runs[event.run_id] = None  # nothing more is expected of it
+            if callback is not None and isinstance(event, (wire.RunUsage, *wire.TERMINAL_EVENTS)):
+                callback(event)
             return
         raise SessionProtocolError(
             f"event {event.TYPE!r} for run {event.run_id!r}, which this session was not given"
@@ -214,7 +359,7 @@ class NodeSession:
     def route_tunnel_to(self, tunnel_id: str, route: TunnelRoute) -> Iterator[None]:
         """Deliver this tunnel's messages to ``route`` while the block is open."""
         if self.closed_reason is not None:
-            raise NodeGone(f"node {self.node_id} session {self.generation}: {self.closed_reason}")
+            raise self._gone()
         if tunnel_id in self.tunnels:
             raise ValueError(f"tunnel {tunnel_id!r} is already routed")
         self.tunnels[tunnel_id] = route
@@ -253,19 +398,24 @@ class NodeSession:
 
     def fail_all(self, code: str, message: str) -> None:
         """End every open run and tunnel with a synthesized retryable failure (the node is
-        gone)."""
+        gone), and settle the runs that ended here unconfirmed: their confirmation will
+        never come, so their usage rows need not wait for it."""
+        self._drop_outbox(message)
         for run_id, subscription in list(self.runs.items()):
             subscription.deliver(
                 wire.RunFailed(run_id=run_id, seq=-1, code=code, message=message, retryable=True)
             )
-        self._ended_runs.clear()
+        ended, self._ended_runs = self._ended_runs, collections.OrderedDict()
+        for run_id, late in ended.items():
+            if late is not None:
+                late(
+                    wire.RunFailed(
+                        run_id=run_id, seq=-1, code=code, message=message, retryable=True
+                    )
+                )
         for route in list(self.tunnels.values()):
             route.lost(code, message)
         self._ended_tunnels.clear()
-
-    async def aclose(self, code: int = 1000, reason: str = "") -> None:
-        with trio.move_on_after(2, shield=True):
-            await self._conn.aclose(code, reason)
 
 
 @attrs.define(eq=False)

@@ -31,9 +31,6 @@ from .admission import Admission, Candidate, Needs, Slot, needs_from_body
 from .errors import NodeUnavailable, StaleGeneration
 from .registry import NodeGone, NodeSession, Registry, Subscription
 
-CANCEL_SEND_TIMEOUT = 2.0
-"""Bound on the shielded send of ``run.cancel`` when a run's block is left early."""
-
 EndReason = Literal[
     "completed",  # the node sent run.completed
     "failed",  # the node sent run.failed
@@ -43,6 +40,7 @@ EndReason = Literal[
     "abandoned",  # the block was left early without an error
     "error",  # the block was left early by an exception
     "send_error",  # the run request could not be sent
+    "withdrawn",  # the block was cancelled before the session's writer took the request
 ]
 
 
@@ -71,9 +69,12 @@ class Run:
     """How the run ended, set once when its block is left."""
     late_terminal: wire.RunEvent | None = None
     """For a run abandoned before its end: the node's terminal event that arrived after the
-    block was left (its cancel confirmation, with the partial usage it knows)."""
+    block was left (its cancel confirmation, or its own end if it ignored the cancel; a
+    synthesized ``node_lost`` failure if the node went away first)."""
+    late_usage: wire.Usage | None = None
+    """The usage the node reported after the block was left."""
     settled: trio.Event = attrs.field(factory=trio.Event)
-    """Set when an abandoned run's late terminal event arrived."""
+    """Set when an abandoned run's late terminal event arrived (or can never arrive)."""
 
     @property
     def node_id(self) -> str:
@@ -87,6 +88,18 @@ class Run:
     @property
     def terminal(self) -> wire.RunEvent | None:
         return self._subscription.terminal
+
+    @property
+    def usage(self) -> wire.Usage | None:
+        """The node's last usage report for this run: delivered while the block was open
+        (consumed or not), or after it was left (:attr:`late_usage`)."""
+        return self.late_usage or self._subscription.usage
+
+    @property
+    def text_chars(self) -> int:
+        """Characters of text the node sent for this run (delivered while the block was
+        open), for an estimate when it reported no usage."""
+        return self._subscription.text_chars
 
     def ready_events(self) -> list[wire.RunEvent]:
         """Events already buffered (up to and including the terminal one), without waiting:
@@ -166,11 +179,21 @@ class Runs:
                 served_model=candidate.served_model,
                 body=body,
             )
+            # The session's writer sends it; this block only waits until it is taken, so a
+            # client leaving now withdraws the request instead of interrupting a write.
             try:
-                await session.send(request)
+                outgoing = session.enqueue(request)
             except NodeGone as exc:
                 self._count("send_error")
                 raise NodeUnavailable(str(exc)) from exc
+            try:
+                await outgoing.wait_taken()
+            except NodeGone as exc:
+                self._count("send_error")
+                raise NodeUnavailable(str(exc)) from exc
+            except trio.Cancelled:
+                self._count("withdrawn")  # the node never heard of it: nothing to cancel
+                raise
             self.stats.opened += 1
             try:
                 yield run
@@ -182,27 +205,32 @@ class Runs:
             finally:
                 self._count(run.end_reason or "error")
                 if not run.finished:
-                    with trio.move_on_after(CANCEL_SEND_TIMEOUT, shield=True):
-                        await self._abandon(run)
+                    self._abandon(run)
 
-    async def _abandon(self, run: Run) -> None:
-        """The block was left before the terminal event: drain the slot and tell the node.
-        Called shielded, with a deadline."""
+    def _abandon(self, run: Run) -> None:
+        """The block was left before the terminal event: drain the slot and tell the node
+        (posted to the session's writer: never waits, so no deadline can lose it). The
+        node's late events (its last usage, its cancel confirmation) are kept on ``run``."""
         run.slot.drain()
         slot_id = run.slot.slot_id
 
-        def late_terminal(event: wire.RunEvent) -> None:
+        def late_event(event: wire.RunEvent) -> None:
+            if isinstance(event, wire.RunUsage):
+                run.late_usage = event.usage
+                return
             run.late_terminal = event
+            if isinstance(event, wire.RunCancelled) and event.usage is not None:
+                run.late_usage = event.usage
             self.admission.confirm_drain(slot_id)
             run.settled.set()
 
-        run._subscription.on_late_terminal = late_terminal
+        run._subscription.on_late_event = late_event
         reason = "client went away" if run.end_reason == "cancelled" else "run abandoned"
-        try:
-            await run.session.send(wire.RunCancel(run_id=run.run_id, reason=reason))
+        if run.session.is_open:
+            run.session.post(wire.RunCancel(run_id=run.run_id, reason=reason))
             self.stats.cancels_sent += 1
-        except NodeGone:
-            pass  # the session is over: leaving the registry voided its slots
+        else:
+            run.settled.set()  # the session is over: leaving the registry voided its slots
 
     @staticmethod
     def _reason(run: Run, exc: BaseException | None) -> EndReason:

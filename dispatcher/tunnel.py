@@ -39,7 +39,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import attrs
 import trio
@@ -50,9 +50,6 @@ from .errors import NodeUnavailable, RunError, StaleGeneration
 from .registry import NodeGone, NodeSession, Registry, SessionProtocolError
 
 log = logging.getLogger("dispatcher.tunnel")
-
-CANCEL_SEND_TIMEOUT: Final = 2.0
-"""Bound on the shielded send of ``tunnel.cancel`` when a tunnel's block is left early."""
 
 EndReason = Literal[
     "completed",  # tunnel.end without an error
@@ -239,12 +236,21 @@ class Tunnel:
             body=body,
             window=self._route.window,
         )
-        # Before the send: if it is cancelled half-way, the exit still tells the node.
-        self.requested = True
+        # The session's writer sends it; this only waits until it is taken. Cancelled before
+        # that, the request is withdrawn and the node never hears of this tunnel.
         try:
-            await self.session.send(request)
+            outgoing = self.session.enqueue(request)
         except NodeGone as exc:
             raise NodeUnavailable(str(exc)) from exc
+        self.requested = True
+        try:
+            await outgoing.wait_taken()
+        except NodeGone as exc:
+            self.requested = False
+            raise NodeUnavailable(str(exc)) from exc
+        except trio.Cancelled:
+            self.requested = False  # withdrawn: nothing to cancel at the node
+            raise
         self.sent = True
 
     async def start(self) -> wire.TunnelStart:
@@ -294,10 +300,9 @@ class Tunnel:
         grant, self._unreported = self._unreported, 0
         # Granted before the send: the node may answer with data before the send returns.
         self._route.outstanding += grant
-        try:
-            await self.session.send(wire.TunnelCredit(tunnel_id=self.tunnel_id, bytes=grant))
-        except NodeGone:
-            pass  # the session is over; the route is failed by the registry
+        # Posted: dropped if the session is over (the route is failed by the registry).
+        self.session.post(wire.TunnelCredit(tunnel_id=self.tunnel_id, bytes=grant))
+        await trio.lowlevel.checkpoint()
 
     def _failure(self, end: wire.TunnelEnd, when: str) -> TunnelFailed:
         where = f"{self.candidate.label}"
@@ -399,20 +404,17 @@ class Tunnels:
                 self._peak_buffered = max(self._peak_buffered, route.peak_buffered)
                 self._count(tunnel.end_reason or "error")
                 if tunnel.requested and not tunnel.finished:
-                    with trio.move_on_after(CANCEL_SEND_TIMEOUT, shield=True):
-                        await self._abandon(tunnel, route)
+                    self._abandon(tunnel, route)
 
-    async def _abandon(self, tunnel: Tunnel, route: _Route) -> None:
-        """The block was left before the end: drain the slot and tell the node. Called
-        shielded, with a deadline."""
+    def _abandon(self, tunnel: Tunnel, route: _Route) -> None:
+        """The block was left before the end: drain the slot and tell the node (posted to
+        the session's writer: never waits, so no deadline can lose it)."""
         tunnel.slot.drain()
         slot_id = tunnel.slot.slot_id
         route.on_late_end = lambda: self.admission.confirm_drain(slot_id)
-        try:
-            await tunnel.session.send(wire.TunnelCancel(tunnel_id=tunnel.tunnel_id))
+        if tunnel.session.is_open:
+            tunnel.session.post(wire.TunnelCancel(tunnel_id=tunnel.tunnel_id))
             self._cancels_sent += 1
-        except NodeGone:
-            pass  # the session is over: leaving the registry voided its slots
 
     @staticmethod
     def _reason(tunnel: Tunnel, exc: BaseException | None) -> EndReason:
