@@ -109,6 +109,15 @@ class TunnelCall:
     commit: CommitTunnel = attrs.field(eq=False)
 
 
+@attrs.define
+class RequestResult:
+    """What the gate learned of a request, for the route's own accounting: the outcome of the
+    row of its last dispatched attempt (None if no attempt was dispatched). The request-outcome
+    metric derives from it, so the ledger and the metric agree for every request."""
+
+    outcome: Outcome | None = None
+
+
 @attrs.frozen(kw_only=True)
 class GateRequest:
     request_id: str
@@ -121,6 +130,8 @@ class GateRequest:
     tunnel_call: TunnelCall | None = attrs.field(default=None, eq=False)
     """How to relay the request when admission picks a tunnel candidate; without it, tunnel
     candidates fail (and are excluded) without a request sent."""
+    result: RequestResult = attrs.field(factory=RequestResult, eq=False)
+    """Filled in by the gate (see :class:`RequestResult`)."""
 
 
 class AllAttemptsFailed(RunError):
@@ -168,21 +179,21 @@ class Attempt:
     """``trio.current_time()`` when the attempt was submitted to admission."""
     dispatched_at: float
     first_content_at: float | None = None
-    usage: wire.Usage | None = None
-    completion_chars: int = 0
     committed: bool = False
     stalled: bool = False
     """The stall timeout ended the answer after the commit (the client got an error)."""
+    client_gone: bool = False
+    """The API found the client gone (its connection reset): the row says ``cancelled``."""
 
     def observe(self, event: wire.RunEvent) -> None:
-        if isinstance(event, wire.RunDelta):
-            self.completion_chars += len(event.text)
-            if self.first_content_at is None and _is_content(event):
-                self.first_content_at = trio.current_time()
-        elif isinstance(event, wire.RunUsage) or (
-            isinstance(event, wire.RunCancelled) and event.usage is not None
+        """The consumer took ``event`` (usage is read from the run itself, consumed or
+        not: see :attr:`dispatcher.runs.Run.usage`)."""
+        if (
+            self.first_content_at is None
+            and isinstance(event, wire.RunDelta)
+            and _is_content(event)
         ):
-            self.usage = event.usage
+            self.first_content_at = trio.current_time()
 
 
 @attrs.define(eq=False)
@@ -207,6 +218,11 @@ class Answer:
     @property
     def terminal(self) -> wire.RunEvent | None:
         return self.attempt.run.terminal
+
+    def client_gone(self) -> None:
+        """The API found the client gone (a reset connection, not a cancellation): the row
+        says ``cancelled``, as it would for a client that left by closing."""
+        self.attempt.client_gone = True
 
     def __aiter__(self) -> Answer:
         return self
@@ -257,6 +273,9 @@ class TunnelAttempt:
     """The relay ended the answer with an error after the commit (broken off, stalled)."""
     client_gone: bool = False
     """The relay found the client gone."""
+    delivered: bool = False
+    """The client got the whole answer (the relayed ``data: [DONE]``): however the request
+    ends from here, its row says ``completed``."""
 
 
 @attrs.define(eq=False)
@@ -287,6 +306,11 @@ class TunnelAnswer:
     def client_gone(self) -> None:
         """The relay found the client gone (its usage row says ``cancelled``)."""
         self.attempt.client_gone = True
+
+    def delivered(self) -> None:
+        """The client got the whole answer (its usage row says ``completed``, even if the
+        client leaves before the provider's end of body)."""
+        self.attempt.delivered = True
 
 
 @attrs.define(eq=False)
@@ -515,7 +539,9 @@ class Gate:
             return
         outcome: Outcome
         status = tunnel.status
-        if attempt.client_gone or (
+        if attempt.delivered and not attempt.failed:
+            outcome = "completed"
+        elif attempt.client_gone or (
             _is_cancellation(ended_by)
             and not (not attempt.committed and trio.current_time() >= deadline)
         ):
@@ -534,6 +560,7 @@ class Gate:
             outcome = "aborted"  # left unfinished by a consumer that stopped reading
         else:
             outcome = "failed"  # broke off, stalled, or the provider's error status relayed
+        request.result.outcome = outcome
         usage = tunnel.usage
         if usage is not None:
             prompt, completion, reported = usage
@@ -569,9 +596,10 @@ class Gate:
         terminal = attempt.run.terminal
         outcome: Outcome
         if isinstance(terminal, wire.RunCompleted):
-            outcome = "completed"
-        elif _is_cancellation(ended_by) and not (
-            not attempt.committed and trio.current_time() >= deadline
+            outcome = "completed"  # the run ended whole, whether or not the API relayed it all
+        elif attempt.client_gone or (
+            _is_cancellation(ended_by)
+            and not (not attempt.committed and trio.current_time() >= deadline)
         ):
             outcome = "cancelled"  # the client (or the edge's shutdown) ended the request
         elif attempt.committed and (
@@ -582,9 +610,11 @@ class Gate:
             # Failed before the commit (the client never saw it), or left unfinished by a
             # consumer that stopped reading: the gate aborted it.
             outcome = "aborted"
+        request.result.outcome = outcome
         if not attempt.run.finished and self.nursery is not None:
             # The run is about to be abandoned (cancel sent, slot draining): its row waits
-            # for the node's confirmation, which carries the partial usage the node knows.
+            # for the node's end (its cancel confirmation or, if it ignored the cancel, its
+            # own end), which carries the usage the node knows; at once if the node is lost.
             self.nursery.start_soon(self._record_when_settled, request, attempt, outcome)
             return
         self._write(request, attempt, outcome)
@@ -595,20 +625,18 @@ class Gate:
         try:
             with trio.move_on_after(self.settle_timeout):
                 await attempt.run.settled.wait()
-            late = attempt.run.late_terminal
-            if isinstance(late, wire.RunCancelled) and late.usage is not None:
-                attempt.usage = late.usage
         finally:
             # However this ends (confirmed, timed out, the dispatcher closing), once.
             self._write(request, attempt, outcome)
 
     def _write(self, request: GateRequest, attempt: Attempt, outcome: Outcome) -> None:
-        usage = attempt.usage
+        usage = attempt.run.usage
         if usage is not None:
-            prompt, completion, source = usage.prompt_tokens, usage.completion_tokens, "reported"
+            prompt, completion = usage.prompt_tokens, usage.completion_tokens
+            source = "estimated" if usage.estimated else "reported"
         else:
             prompt = _estimate_prompt(request.dispatch.body)
-            completion = _estimate_tokens(attempt.completion_chars)
+            completion = _estimate_tokens(attempt.run.text_chars)
             source = "estimated"
         self._emit(
             request,
@@ -712,6 +740,7 @@ __all__: Sequence[str] = (
     "GatePolicy",
     "GateRequest",
     "PreCommit",
+    "RequestResult",
     "TunnelAnswer",
     "TunnelAttempt",
     "TunnelCall",

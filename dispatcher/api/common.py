@@ -12,7 +12,7 @@ import trio
 
 from ..admission import AdmissionError, Predicate
 from ..errors import RunError
-from ..gate import GateRequest, TunnelCall
+from ..gate import GateRequest, RequestResult, TunnelCall
 from ..http import PeerGone, Request
 from ..pool import DispatchRequest, DispatchResult
 
@@ -29,10 +29,27 @@ class CutResponse(PeerGone):
 
 @attrs.define
 class RequestOutcome:
-    """Filled in by a route as it learns more: the model label and how the request ended."""
+    """Filled in by a route as it learns more: the model label and how the request ended.
+    Once the route hands the request to the gate it sets ``gate``: the outcome of the row of
+    the last dispatched attempt then decides the metric, so metric and ledger agree."""
 
     model: str = "unknown"
     outcome: str = "bad_request"
+    gate: RequestResult | None = None
+
+    def final(self) -> str:
+        row = self.gate.outcome if self.gate is not None else None
+        if row is None:
+            return self.outcome
+        return _METRIC_OUTCOME[row]
+
+
+_METRIC_OUTCOME: dict[str, str] = {
+    "completed": "completed",
+    "cancelled": "client_gone",
+    "failed": "failed",
+    "aborted": "failed",  # every attempt failed before the answer started: a 502
+}
 
 
 @contextmanager
@@ -60,7 +77,7 @@ def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
         raise
     finally:
         dispatcher.metrics.inflight_requests -= 1
-        dispatcher.metrics.count_request(result.model, result.outcome)
+        dispatcher.metrics.count_request(result.model, result.final())
 
 
 def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes, bytes], ...]:

@@ -18,8 +18,8 @@ import trio
 
 from .. import wire
 from ..errors import BadRequest, openai_error_object
-from ..gate import Answer, TunnelAnswer
-from ..http import HTTPStream, Request, Responder
+from ..gate import Answer, GateRequest, TunnelAnswer
+from ..http import HTTPStream, PeerGone, Request, Responder
 from ..runs import Run
 from .common import counted_request, dispatch_headers, gate_request
 from .tunnel_relay import relay, tunnel_call
@@ -121,28 +121,34 @@ async def chat_completions(
     with counted_request(dispatcher) as counted:
         chat = parse_chat_request(await request.body())
         counted.model = dispatcher.metric_model_label(chat.model)
-        counted.outcome = await _chat(dispatcher, chat, request, responder, ctx)
+        gated = gate_request(
+            request, ctx, chat.body, stream=chat.stream, tunnel_call=tunnel_call(request, chat.body)
+        )
+        counted.gate = gated.result
+        counted.outcome = await _chat(dispatcher, chat, gated, responder, ctx)
 
 
 async def _chat(
     dispatcher: Dispatcher,
     chat: ChatRequest,
-    request: Request,
+    gated: GateRequest,
     responder: Responder,
     ctx: RouteContext,
 ) -> str:
-    """Serve one parsed chat request through the gate; return its outcome for the metrics."""
-    gated = gate_request(
-        request, ctx, chat.body, stream=chat.stream, tunnel_call=tunnel_call(request, chat.body)
-    )
+    """Serve one parsed chat request through the gate; return its outcome for the metrics
+    (when no attempt was dispatched; otherwise the gate's row outcome counts)."""
     async with dispatcher.gate.open(gated) as answer:
         answer_headers = (*ctx.headers, *dispatch_headers(answer.result, answer.attempts))
         if isinstance(answer, TunnelAnswer):
             return await relay(dispatcher, answer, chat.body, responder, answer_headers)
-        if chat.stream:
-            await _stream(dispatcher, chat, answer, responder, answer_headers)
-        else:
-            await _complete(chat, answer, responder, answer_headers)
+        try:
+            if chat.stream:
+                await _stream(dispatcher, chat, answer, responder, answer_headers)
+            else:
+                await _complete(chat, answer, responder, answer_headers)
+        except PeerGone:
+            answer.client_gone()  # a reset is a client leaving, like a cancellation
+            raise
         return "completed" if isinstance(answer.terminal, wire.RunCompleted) else "failed"
 
 

@@ -234,6 +234,8 @@ class SSEFilter:
         self._skip_next = False
         self.usage: Usage | None = None
         self.stripped = False
+        self.done = False
+        """``data: [DONE]`` went through: the client has the whole answer once it is sent."""
         self.events = 0
         self.content_seen = not find_content
         """An event that carries content went through (with ``find_content``, every event
@@ -250,6 +252,10 @@ class SSEFilter:
             if end == len(buf) and buf[-1] == 0x0D:
                 break  # a CR at the very end may be the first half of a CRLF
             self.events += 1
+            if buf.startswith(_DONE_EVENT, event_start) or buf.startswith(
+                _DONE_EVENT_NO_SPACE, event_start
+            ):
+                self.done = True
             if self._skip_next:
                 self._skip_next = False
             elif 0 <= probe < end:
@@ -296,6 +302,8 @@ class SSEFilter:
         return False
 
 
+_DONE_EVENT: Final = b"data: [DONE]"
+_DONE_EVENT_NO_SPACE: Final = b"data:[DONE]"
 _CONTENT_KEYS: Final = ("content", "text", "tool_calls", "function_call", "refusal")
 _REASONING_KEYS: Final = ("reasoning_content", "reasoning")
 
@@ -477,7 +485,7 @@ async def relay(
             sse = head.sse
             try:
                 outcome = await _relay_sse(
-                    dispatcher, tunnel, responder, out_headers, head, sse, stall
+                    dispatcher, tunnel, responder, out_headers, head, sse, stall, answer.delivered
                 )
             finally:
                 usage, completion_estimate = sse.usage, sse.events
@@ -521,18 +529,25 @@ async def _relay_sse(
     head: TunnelHead,
     sse: SSEFilter,
     stall: float,
+    delivered: Callable[[], None],
 ) -> str:
+    """Relay the rest of an event stream; ``delivered`` is called once the client has been
+    sent the stream's ``data: [DONE]`` (it then has the whole answer)."""
     stream = await responder.start_stream(head.start.status, headers)
     outcome = "completed"
     with dispatcher.stream_scope() as scope:
         try:
             if head.data:
                 await stream.send(head.data)
+                if sse.done:
+                    delivered()
             if not head.complete:
                 while data := await _receive(tunnel, stall):
                     out = sse.feed(data)
                     if out:
                         await stream.send(out)
+                        if sse.done:
+                            delivered()
                 rest = sse.finish()
                 if rest:
                     await stream.send(rest)
@@ -656,6 +671,7 @@ async def tunnel_route(
             tunnel_call=tunnel_call(request, body),
             predicate=tunnel_only(request.path),
         )
+        counted.gate = gated.result
         async with dispatcher.gate.open(gated) as answer:
             assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
             counted.outcome = await relay(dispatcher, answer, body, responder, ctx.headers)
