@@ -7,16 +7,22 @@ Two layers (see ``docs/admission.md``):
 * :class:`Admission`, the Trio layer: ``async with admission.open_slot(model, needs) as
   slot`` parks until admitted, raises an :class:`AdmissionError` when rejected, and gives
   the slot back on exit.
+
+The gate reports each attempt's outcome (``report_success`` / ``report_failure``): a
+candidate that keeps failing is ejected for a growing cool-down, then probed with one
+request (see "Failure-aware selection" in ``docs/admission.md``).
 """
 
 from ._candidates import CAPABILITIES as CAPABILITIES
 from ._candidates import Candidate as Candidate
+from ._candidates import CandidateIdentity as CandidateIdentity
 from ._candidates import CandidateKey as CandidateKey
 from ._candidates import Needs as Needs
 from ._candidates import Predicate as Predicate
 from ._candidates import RequestClass as RequestClass
 from ._candidates import needs_from_body as needs_from_body
 from ._core import ADMIT_REASONS as ADMIT_REASONS
+from ._core import HEALTH_STATES as HEALTH_STATES
 from ._core import REJECT_CAUSES as REJECT_CAUSES
 from ._core import AdmissionCore as AdmissionCore
 from ._core import AdmissionStatistics as AdmissionStatistics
@@ -25,6 +31,7 @@ from ._core import AdmitReason as AdmitReason
 from ._core import CandidateStatistics as CandidateStatistics
 from ._core import Decision as Decision
 from ._core import GroupStatistics as GroupStatistics
+from ._core import HealthState as HealthState
 from ._core import Reject as Reject
 from ._core import RejectCause as RejectCause
 from ._core import SlotId as SlotId

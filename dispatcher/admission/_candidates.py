@@ -1,5 +1,9 @@
 """Candidates (one model on one provider on one node generation) and a request's needs.
 
+A candidate has two names: its :class:`CandidateKey` names one node *session* (it holds the
+generation, so a reconnect makes a new key), its :class:`CandidateIdentity` names the
+provider's model on the node whatever the session (what exclusions and health are about).
+
 Sans-IO: no Trio, no clock. :func:`needs_from_body` derives :class:`Needs` from an OpenAI
 chat-completions body; :meth:`Needs.unfit` says, as a readable reason, why a candidate cannot
 serve the request (or ``None`` when it can).
@@ -22,13 +26,28 @@ CAPABILITIES: Final = ("tools", "json", "vision")
 
 
 @attrs.frozen(order=True)
+class CandidateIdentity:
+    """A candidate across node sessions: ``(node_id, provider_id, model)``, no generation.
+    A node that reconnects keeps it; ``model`` is the public model group name."""
+
+    node_id: str
+    provider_id: str
+    model: str
+
+
+@attrs.frozen(order=True)
 class CandidateKey:
-    """Identifies a candidate; ``model`` is the public model group name."""
+    """Identifies a candidate in one node session; ``model`` is the public model group name."""
 
     node_id: str
     generation: int
     provider_id: str
     model: str
+
+    @property
+    def identity(self) -> CandidateIdentity:
+        """The same candidate in any generation of the node."""
+        return CandidateIdentity(self.node_id, self.provider_id, self.model)
 
 
 def _frozenset(value: Iterable[str]) -> frozenset[str]:
@@ -60,6 +79,10 @@ class Candidate:
     @property
     def key(self) -> CandidateKey:
         return CandidateKey(self.node_id, self.generation, self.provider_id, self.model)
+
+    @property
+    def identity(self) -> CandidateIdentity:
+        return CandidateIdentity(self.node_id, self.provider_id, self.model)
 
     @property
     def label(self) -> str:
@@ -99,11 +122,16 @@ Predicate: TypeAlias = Callable[[Candidate], str | None]
 pure (same answer for the same candidate), because the core applies it again while queued."""
 
 
+def _identities(exclude: frozenset[CandidateKey]) -> frozenset[CandidateIdentity]:
+    return frozenset(key.identity for key in exclude)
+
+
 @attrs.frozen(kw_only=True)
 class Needs:
     """What a request needs of a candidate. ``exclude`` holds candidates that already failed
-    for this request (recovery); ``session_id`` asks for the node that served the session
-    last, when it has a free slot."""
+    for this request (recovery); it matches by :class:`CandidateIdentity`, so a candidate
+    stays excluded when its node reconnects as a new generation. ``session_id`` asks for the
+    node that served the session last, when it has a free slot."""
 
     tools: bool = False
     json: bool = False
@@ -112,6 +140,12 @@ class Needs:
     predicate: Predicate | None = attrs.field(default=None, eq=False)
     exclude: frozenset[CandidateKey] = frozenset()
     session_id: str | None = None
+    _excluded: frozenset[CandidateIdentity] = attrs.field(
+        init=False,
+        eq=False,
+        repr=False,
+        default=attrs.Factory(lambda self: _identities(self.exclude), takes_self=True),
+    )
 
     @property
     def capabilities(self) -> frozenset[str]:
@@ -125,7 +159,7 @@ class Needs:
 
     def unfit(self, candidate: Candidate, request_class: RequestClass = "short") -> str | None:
         """Why ``candidate`` cannot serve this request (``"node/provider: ..."``), or None."""
-        if self.exclude and candidate.key in self.exclude:
+        if self._excluded and candidate.identity in self._excluded:
             return f"{candidate.label}: already failed for this request"
         if self.tools or self.json or self.vision:
             for name, wanted in zip(

@@ -6,8 +6,15 @@ a clock. Every input carries ``now`` (seconds, any monotonic origin) and returns
 
 Inputs: :meth:`AdmissionCore.submit`, ``cancel``, ``release``, ``begin_drain``,
 ``confirm_drain``, ``node_joined``, ``node_left``, ``capacity_changed``, ``set_policy``,
-``tick``. Every input first expires what is due at ``now`` (queue timeouts, drain
-deadlines), so a waiter is never admitted at or after its deadline.
+``report_success``, ``report_failure``, ``tick``. Every input first expires what is due at
+``now`` (queue timeouts, drain deadlines, ends of cool-downs), so a waiter is never admitted
+at or after its deadline.
+
+Failure-aware selection: each candidate identity (node, provider, model; no generation, so
+it survives reconnects) is *healthy*, *ejected* (after ``eject_after_failures``
+consecutive failures, for a cool-down) or *probing* (the cool-down ended: one request at a
+time). A waiter uses an ejected candidate only when none of the candidates that can serve
+it is healthy or probing (the fallback: a group is never stranded by its own ejections).
 
 Data layout (what keeps an operation O(1) in the common case, whatever the queue length):
 
@@ -17,9 +24,16 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   rarer fails (context window, predicate, exclusion).
 * ended waiters (cancelled, admitted from the middle, timed out) are marked and dropped
   lazily from deque heads; deques are compacted when the garbage outgrows the live entries.
-* queue deadlines and drain deadlines live in heaps with lazy deletion (and compaction).
-* invariant: no queued waiter could use a candidate that has a free slot in its class. So
-  a release only has to look for waiters when it turned a full candidate free.
+* queue deadlines, drain deadlines and cool-down ends live in heaps with lazy deletion
+  (and compaction).
+* a queued waiter carries a *fallback* flag: set when none of its capable candidates may be
+  healthy or probing (it is exact after every event that could make it true, and may be
+  stale-true afterwards: it is checked again before use). Each deque counts its flagged
+  waiters, so a freed slot on an ejected candidate skips every deque without one.
+* invariant: no queued waiter could use a candidate that has a free slot in its class (with
+  health taken into account: an ejected candidate only for a fallback waiter, a probing one
+  only while its probe is not in flight). So a release only has to look for waiters when it
+  turned a full candidate free (or ended a probe).
 """
 
 from __future__ import annotations
@@ -32,13 +46,21 @@ from typing import Final, Literal, TypeAlias
 
 import attrs
 
-from ._candidates import CAPABILITIES, Candidate, CandidateKey, Needs, RequestClass
+from ._candidates import (
+    CAPABILITIES,
+    Candidate,
+    CandidateIdentity,
+    CandidateKey,
+    Needs,
+    RequestClass,
+)
 from ._policy import Policy, PolicySnapshot
 
 WaiterId: TypeAlias = int | str
 SlotId: TypeAlias = int
 AdmitReason: TypeAlias = Literal["immediate", "queued", "requeued"]
 RejectCause: TypeAlias = Literal["queue_full", "timeout", "no_capable_candidate", "unknown_model"]
+HealthState: TypeAlias = Literal["healthy", "ejected", "probing"]
 
 ADMIT_REASONS: Final[tuple[AdmitReason, ...]] = ("immediate", "queued", "requeued")
 REJECT_CAUSES: Final[tuple[RejectCause, ...]] = (
@@ -47,6 +69,7 @@ REJECT_CAUSES: Final[tuple[RejectCause, ...]] = (
     "no_capable_candidate",
     "unknown_model",
 )
+HEALTH_STATES: Final[tuple[HealthState, ...]] = ("healthy", "ejected", "probing")
 SESSION_MEMORY: Final = 10_000
 """Sessions whose last node the core remembers (least recently used ones are forgotten)."""
 
@@ -83,7 +106,13 @@ Decision: TypeAlias = Admit | Reject
 class CandidateStatistics:
     """``total``: effective slots (after ``per_candidate_cap``); ``long_total``: how many of
     them long requests may hold (0 when the group has no classes). ``in_use`` and
-    ``draining`` count both classes; ``long_*`` the long ones among them."""
+    ``draining`` count both classes; ``long_*`` the long ones among them.
+
+    Health (of the candidate's identity, so it carries over a reconnect): ``health``;
+    ``consecutive_failures`` since the last success; ``ejections`` in a row without a
+    success (the cool-down level); ``ejected_until`` (same clock as the inputs' ``now``)
+    while ejected, else None; ``probe_in_flight`` while probing with its one request
+    admitted."""
 
     total: int
     in_use: int
@@ -91,6 +120,11 @@ class CandidateStatistics:
     long_total: int
     long_in_use: int
     long_draining: int
+    health: HealthState = "healthy"
+    consecutive_failures: int = 0
+    ejections: int = 0
+    ejected_until: float | None = None
+    probe_in_flight: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +151,8 @@ class AdmissionStatistics:
     """Waiters cancelled while queued."""
     drains_expired: int
     """Draining slots freed by their drain deadline rather than a confirmation."""
+    ejections: int = 0
+    """Candidates ejected since the start (each cool-down counts once)."""
 
     @property
     def waiting(self) -> int:
@@ -159,6 +195,9 @@ class _Waiter:
     submitted: float
     deadline: float
     live: bool = True
+    fallback: bool = False
+    """None of its capable candidates may be healthy or probing (see the module docstring;
+    counted in ``group.fallbacks`` while queued)."""
 
     @property
     def order(self) -> tuple[int, int]:
@@ -171,9 +210,39 @@ class _Waiter:
 
 
 @attrs.define(eq=False)
+class _Health:
+    """The health of one candidate identity, shared by its generations."""
+
+    identity: CandidateIdentity
+    state: HealthState = "healthy"
+    failures: int = 0
+    """Consecutive failures since the last success."""
+    ejections: int = 0
+    """Ejections in a row without a success: the cool-down level."""
+    ejected_until: float | None = None
+    heap_seq: int = -1
+    """The sequence number of its live entry in the cool-down heap (while ejected)."""
+    probe: SlotId | None = None
+    """The slot of the one request a probing candidate took."""
+    live: _CandidateState | None = None
+    """The candidate of the node's current session, if it is joined."""
+
+    @property
+    def pristine(self) -> bool:
+        """Nothing to remember: healthy, no failures, no candidate."""
+        return (
+            self.state == "healthy"
+            and self.failures == 0
+            and self.ejections == 0
+            and self.live is None
+        )
+
+
+@attrs.define(eq=False)
 class _CandidateState:
     candidate: Candidate
     group: _Group
+    health: _Health
     key: CandidateKey = attrs.field(init=False)
     capmask: int = attrs.field(init=False)
     limits: tuple[int, int, int] = attrs.field(init=False)
@@ -213,6 +282,15 @@ class _CandidateState:
     def free(self, klass: int) -> bool:
         return self.room()[klass]
 
+    @property
+    def ejected(self) -> bool:
+        return self.health.state == "ejected"
+
+    def accepting(self) -> bool:
+        """False while probing with the probe in flight: it takes one request at a time."""
+        health = self.health
+        return health.probe is None or health.state != "probing"
+
     def load(self) -> float:
         total = self.limits[0]
         occupied = sum(self.in_use) + sum(self.draining)
@@ -237,6 +315,8 @@ class _Group:
     depth: list[int] = attrs.Factory(lambda: [0, 0])
     garbage: int = 0
     """Ended waiters still sitting in ``queues``."""
+    fallbacks: dict[tuple[int, bool, int], int] = attrs.Factory(dict)
+    """Per queue key, how many of its live waiters are flagged ``fallback`` (no zeros)."""
 
     def waiters(self) -> list[_Waiter]:
         """Live waiters in queue order (O(n); for rare operations only)."""
@@ -267,6 +347,11 @@ class AdmissionCore:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._deadlines_dead = 0
         self._drains: list[tuple[float, SlotId]] = []
+        self._health: dict[CandidateIdentity, _Health] = {}
+        self._cooldowns: list[tuple[float, int, _Health]] = []
+        self._cooldowns_dead = 0
+        self._cooldown_seq = itertools.count()
+        self._ejections = 0
         self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._admissions: dict[AdmitReason, int] = dict.fromkeys(ADMIT_REASONS, 0)
         self._rejections: dict[RejectCause, int] = dict.fromkeys(REJECT_CAUSES, 0)
@@ -318,16 +403,26 @@ class AdmissionCore:
         if group.candidates:
             fit: list[_CandidateState] = []
             reasons: list[str] = []
+            healthy = False
             for state in group.candidates.values():
                 reason = self._unfit(state, waiter)
                 if reason is None:
                     fit.append(state)
+                    healthy = healthy or not state.ejected
                 else:
                     reasons.append(reason)
             if not fit:
                 self._reject_incapable(decisions, waiter_id, name, reasons)
                 return decisions
-            chosen = self._pick(waiter, (s for s in fit if s.free(klass)))
+            waiter.fallback = not healthy
+            chosen = self._pick(
+                waiter,
+                (
+                    s
+                    for s in fit
+                    if s.free(klass) and s.accepting() and (waiter.fallback or not s.ejected)
+                ),
+            )
             if chosen is not None:
                 self._admit(decisions, waiter, chosen, "requeued" if requeue else "immediate")
                 return decisions
@@ -408,7 +503,12 @@ class AdmissionCore:
             if state is None:
                 if not group.candidates:
                     reresolve.add(group.name)
-                state = _CandidateState(candidate=candidate, group=group)
+                identity = candidate.identity
+                health = self._health.get(identity)
+                if health is None:
+                    health = self._health[identity] = _Health(identity)
+                state = _CandidateState(candidate=candidate, group=group, health=health)
+                health.live = state
                 group.candidates[candidate.key] = state
                 self._by_node.setdefault((node, candidate.generation), []).append(state)
             else:
@@ -461,6 +561,11 @@ class AdmissionCore:
         the new limits open."""
         decisions = self._advance(now)
         self._policy = policy
+        for health in self._health.values():
+            if policy.policy_for(health.identity.model).eject_after_failures == 0:
+                self._reset_health(health)
+        for health in [h for h in self._health.values() if h.pristine]:
+            del self._health[health.identity]
         for group in list(self._groups.values()):
             old = group.policy
             group.policy = policy.policy_for(group.name)
@@ -472,16 +577,62 @@ class AdmissionCore:
             self._fill(decisions, group, list(group.candidates.values()))
         return decisions
 
+    def report_success(self, key: CandidateKey, now: float) -> list[Decision]:
+        """An attempt on ``key``'s candidate worked (report it as soon as that is known, e.g.
+        at the first token). Its identity is healthy again, whatever its state: failures
+        and cool-down level go back to 0, and waiters it can serve now are admitted. Any
+        generation of the node counts; no-op for an identity the core does not track."""
+        decisions = self._advance(now)
+        health = self._health.get(key.identity)
+        if health is None:
+            return decisions
+        before = health.state
+        self._reset_health(health)
+        state = health.live
+        if state is None:
+            if health.pristine:
+                del self._health[health.identity]
+        elif before != "healthy":
+            self._fill(decisions, state.group, [state])
+        return decisions
+
+    def report_failure(self, key: CandidateKey, now: float) -> list[Decision]:
+        """An attempt on ``key``'s candidate failed for a reason that is the candidate's
+        (node lost, upstream 5xx or 429, first-token timeout, a retryable ``run.failed``);
+        never report a client's error. A healthy identity is ejected after
+        ``eject_after_failures`` consecutive ones, a probing one at once (with the next
+        longer cool-down); failures while ejected are only counted. Any generation of the
+        node counts (the identity is the provider, not the session). No-op when the group's
+        policy has ``eject_after_failures == 0`` or for a node or group never seen."""
+        decisions = self._advance(now)
+        policy = self._policy.policy_for(key.model)
+        if policy.eject_after_failures == 0:
+            return decisions
+        identity = key.identity
+        health = self._health.get(identity)
+        if health is None:
+            if key.node_id not in self._nodes or key.model not in self._ever_served:
+                return decisions
+            health = self._health[identity] = _Health(identity)
+        health.failures += 1
+        if health.state == "probing" or (
+            health.state == "healthy" and health.failures >= policy.eject_after_failures
+        ):
+            self._eject(decisions, health, policy)
+        return decisions
+
     def tick(self, now: float) -> list[Decision]:
-        """Expire what is due: queue timeouts (-> ``timeout`` rejections) and drain
-        deadlines (the slot is freed, possibly admitting a waiter)."""
+        """Expire what is due: queue timeouts (-> ``timeout`` rejections), drain deadlines
+        (the slot is freed, possibly admitting a waiter) and cool-down ends (the candidate
+        is probing, possibly admitting a waiter)."""
         return self._advance(now)
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do, or None."""
         waiter = self._peek_deadline()
         drain = self._peek_drain()
-        times = [t for t in (waiter, drain) if t is not None]
+        cooldown = self._peek_cooldown()
+        times = [t for t in (waiter, drain, cooldown) if t is not None]
         return min(times) if times else None
 
     def statistics(self) -> AdmissionStatistics:
@@ -493,6 +644,7 @@ class AdmissionCore:
         for group in self._groups.values():
             for key, state in group.candidates.items():
                 total, _, long = state.limits
+                health = state.health
                 candidates[key] = CandidateStatistics(
                     total=total,
                     in_use=state.in_use[_SHORT] + state.in_use[_LONG],
@@ -500,6 +652,11 @@ class AdmissionCore:
                     long_total=long,
                     long_in_use=state.in_use[_LONG],
                     long_draining=state.draining[_LONG],
+                    health=health.state,
+                    consecutive_failures=health.failures,
+                    ejections=health.ejections,
+                    ejected_until=health.ejected_until,
+                    probe_in_flight=health.state == "probing" and health.probe is not None,
                 )
         return AdmissionStatistics(
             groups=groups,
@@ -508,6 +665,7 @@ class AdmissionCore:
             rejections=dict(self._rejections),
             cancellations=self._cancellations,
             drains_expired=self._drains_expired,
+            ejections=self._ejections,
         )
 
     def is_queued(self, waiter_id: WaiterId) -> bool:
@@ -532,15 +690,19 @@ class AdmissionCore:
         return waiter.needs.unfit(state.candidate, _CLASSES[waiter.klass])
 
     def _pick(self, waiter: _Waiter, options: Iterable[_CandidateState]) -> _CandidateState | None:
-        """The session's last node if free, else the least loaded, ties round-robin."""
+        """The session's last node if free, else the least loaded, ties round-robin. Among
+        ejected candidates (a fallback waiter's options are all ejected), the one whose
+        cool-down ends first goes before those."""
         session = waiter.needs.session_id
         preferred = (
             self._sessions.get((waiter.group.name, session)) if session is not None else None
         )
         best: _CandidateState | None = None
-        best_key: tuple[int, float, int] | None = None
+        best_key: tuple[float, int, float, int] | None = None
         for state in options:
+            until = state.health.ejected_until
             key = (
+                0.0 if until is None else until,
                 0 if state.candidate.node_id == preferred else 1,
                 state.load(),
                 state.last_pick,
@@ -563,6 +725,9 @@ class AdmissionCore:
         state.slot_ids.add(slot.id)
         state.in_use[waiter.klass] += 1
         state.last_pick = next(self._picks)
+        health = state.health
+        if health.state == "probing":
+            health.probe = slot.id
         session = waiter.needs.session_id
         if session is not None:
             key = (waiter.group.name, session)
@@ -621,12 +786,15 @@ class AdmissionCore:
             queue = group.queues[waiter.queue_key] = deque()
         queue.append(waiter)
         group.depth[waiter.klass] += 1
+        if waiter.fallback:
+            group.fallbacks[waiter.queue_key] = group.fallbacks.get(waiter.queue_key, 0) + 1
         self._waiters[waiter.id] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, waiter))
 
     def _end(self, waiter: _Waiter, *, popped: bool = False) -> None:
         """Take a queued waiter out (lazily: it stays in its deque and, unless ``popped``,
         in the deadline heap, marked as ended)."""
+        self._flag(waiter, False)
         waiter.live = False
         del self._waiters[waiter.id]
         group = waiter.group
@@ -655,11 +823,15 @@ class AdmissionCore:
         group.queues.clear()
         group.depth[:] = [0, 0]
         group.garbage = 0
+        group.fallbacks.clear()
         for waiter in waiters:
             long = waiter.needs.request_class(group.policy.long_context_tokens) == "long"
             waiter.klass = _LONG if long else _SHORT
             group.queues.setdefault(waiter.queue_key, deque()).append(waiter)
             group.depth[waiter.klass] += 1
+            if waiter.fallback:
+                key = waiter.queue_key
+                group.fallbacks[key] = group.fallbacks.get(key, 0) + 1
 
     def _free_slot(self, decisions: list[Decision], slot: _Slot) -> None:
         del self._slots[slot.id]
@@ -671,7 +843,12 @@ class AdmissionCore:
             state.in_use[slot.klass] -= 1
         state.slot_ids.discard(slot.id)
         now_free = state.room()
-        opened = [k for k in (_SHORT, _LONG) if now_free[k] and not was_free[k]]
+        health = state.health
+        if health.probe == slot.id:  # the probe ended without a report: another may go
+            health.probe = None
+            opened = [k for k in (_SHORT, _LONG) if now_free[k]]
+        else:
+            opened = [k for k in (_SHORT, _LONG) if now_free[k] and not was_free[k]]
         if opened:
             self._fill(decisions, state.group, [state], opened)
 
@@ -679,11 +856,14 @@ class AdmissionCore:
         self, group: _Group, klass: int, state: _CandidateState, bound: tuple[int, int] | None
     ) -> _Waiter | None:
         """The oldest queued waiter of ``klass`` that ``state`` can serve (older than
-        ``bound``, if given)."""
+        ``bound``, if given). An ejected ``state`` serves fallback waiters only."""
         best: _Waiter | None = None
         empty: list[tuple[int, bool, int]] = []
+        ejected = state.ejected
         for key, queue in group.queues.items():
             if key[0] != klass or key[2] & ~state.capmask:
+                continue
+            if ejected and key not in group.fallbacks:
                 continue
             while queue and not queue[0].live:
                 queue.popleft()
@@ -696,7 +876,12 @@ class AdmissionCore:
                     continue
                 if bound is not None and waiter.order >= bound:
                     break
+                if ejected and not waiter.fallback:
+                    continue
                 if self._unfit(state, waiter) is None:
+                    if ejected and self._healthy_fit(waiter):
+                        self._flag(waiter, False)  # stale: a candidate recovered meanwhile
+                        continue
                     best, bound = waiter, waiter.order
                     break
         for key in empty:
@@ -715,6 +900,8 @@ class AdmissionCore:
         while True:
             oldest: _Waiter | None = None
             for state in states:
+                if not state.accepting():
+                    continue
                 for klass in classes:
                     if not state.free(klass):
                         continue
@@ -726,10 +913,7 @@ class AdmissionCore:
             if oldest is None:
                 return
             waiter = oldest
-            chosen = self._pick(
-                waiter,
-                (s for s in states if s.free(waiter.klass) and self._unfit(s, waiter) is None),
-            )
+            chosen = self._pick(waiter, self._usable(waiter, states))
             assert chosen is not None
             self._admit(decisions, waiter, chosen, "requeued" if waiter.retry else "queued")
 
@@ -738,16 +922,29 @@ class AdmissionCore:
         has no candidate at all: they wait for a node to join)."""
         if not group.candidates or group.depth[_SHORT] + group.depth[_LONG] == 0:
             return
+        flagged = False
         for waiter in group.waiters():
             reasons = []
+            fit = healthy = False
             for state in group.candidates.values():
                 reason = self._unfit(state, waiter)
                 if reason is None:
-                    break
-                reasons.append(reason)
-            else:
+                    fit = True
+                    if not state.ejected:
+                        healthy = True
+                        break
+                else:
+                    reasons.append(reason)
+            if not fit:
                 self._end(waiter)
                 self._reject_incapable(decisions, waiter.id, group.name, reasons)
+            elif not healthy and not waiter.fallback:
+                self._flag(waiter, True)
+                flagged = True
+            elif healthy:
+                self._flag(waiter, False)
+        if flagged:  # they may use the ejected candidates now
+            self._fill(decisions, group, [s for s in group.candidates.values() if s.ejected])
 
     def _remove_node(self, node_id: str, generation: int) -> set[str]:
         """Drop the candidates of (node, generation) and void their slots; returns the names
@@ -759,10 +956,89 @@ class AdmissionCore:
             if group.candidates.get(state.key) is state:
                 del group.candidates[state.key]
                 groups.add(group.name)
+            health = state.health
+            if health.probe in state.slot_ids:
+                health.probe = None
             for slot_id in state.slot_ids:
                 self._slots.pop(slot_id, None)
             state.slot_ids.clear()
+            if health.live is state:
+                health.live = None
+                if health.pristine:
+                    del self._health[health.identity]
         return groups
+
+    # ------------------------------------------------------------------ health
+
+    def _flag(self, waiter: _Waiter, fallback: bool) -> None:
+        """Set a queued waiter's fallback flag, keeping its deque's count."""
+        if waiter.fallback == fallback:
+            return
+        waiter.fallback = fallback
+        counts = waiter.group.fallbacks
+        key = waiter.queue_key
+        count = counts.get(key, 0) + (1 if fallback else -1)
+        if count:
+            counts[key] = count
+        else:
+            del counts[key]
+
+    def _healthy_fit(self, waiter: _Waiter) -> bool:
+        """Whether a candidate that is not ejected can serve ``waiter`` (O(candidates))."""
+        return any(
+            not state.ejected and self._unfit(state, waiter) is None
+            for state in waiter.group.candidates.values()
+        )
+
+    def _usable(
+        self, waiter: _Waiter, states: Iterable[_CandidateState]
+    ) -> Iterable[_CandidateState]:
+        """The ``states`` that may take ``waiter`` now: room in its class, not a probing
+        one with its probe in flight, fit for its needs, and not ejected unless no
+        candidate that is not ejected can serve it."""
+        fallback: bool | None = None
+        for state in states:
+            if not (
+                state.free(waiter.klass)
+                and state.accepting()
+                and self._unfit(state, waiter) is None
+            ):
+                continue
+            if state.ejected:
+                if fallback is None:
+                    fallback = not self._healthy_fit(waiter)
+                if not fallback:
+                    continue
+            yield state
+
+    def _eject(self, decisions: list[Decision], health: _Health, policy: Policy) -> None:
+        health.ejections += 1
+        health.state = "ejected"
+        health.probe = None
+        until = self._now + policy.cool_down(health.ejections)
+        health.ejected_until = until
+        health.heap_seq = next(self._cooldown_seq)
+        heapq.heappush(self._cooldowns, (until, health.heap_seq, health))
+        self._ejections += 1
+        state = health.live
+        if state is not None:  # waiters it was the last candidate for may fall back now
+            self._reresolve(decisions, state.group)
+
+    def _reset_health(self, health: _Health) -> None:
+        """Healthy, no failures, cool-down level 0 (its heap entry, if any, goes stale)."""
+        was_ejected = health.state == "ejected"
+        health.state = "healthy"
+        health.failures = 0
+        health.ejections = 0
+        health.ejected_until = None
+        health.probe = None
+        if was_ejected:
+            self._cooldowns_dead += 1
+            heap = self._cooldowns
+            if self._cooldowns_dead > _COMPACT_MIN and self._cooldowns_dead * 2 > len(heap):
+                self._cooldowns = [entry for entry in heap if self._cooldown_live(entry)]
+                heapq.heapify(self._cooldowns)
+                self._cooldowns_dead = 0
 
     # ------------------------------------------------------------------ time
 
@@ -783,15 +1059,43 @@ class AdmissionCore:
             heapq.heappop(heap)
         return None
 
+    @staticmethod
+    def _cooldown_live(entry: tuple[float, int, _Health]) -> bool:
+        _, seq, health = entry
+        return health.state == "ejected" and health.heap_seq == seq
+
+    def _peek_cooldown(self) -> float | None:
+        heap = self._cooldowns
+        while heap:
+            if self._cooldown_live(heap[0]):
+                return heap[0][0]
+            heapq.heappop(heap)
+            self._cooldowns_dead = max(0, self._cooldowns_dead - 1)
+        return None
+
     def _advance(self, now: float) -> list[Decision]:
-        """Expire everything due at ``now``, in time order (a waiter due at the same time as
-        a drain times out first: nobody is admitted at or after its deadline)."""
+        """Expire everything due at ``now``, in time order; at the same instant a waiter's
+        deadline goes first (nobody is admitted at or after its deadline), then a drain
+        deadline, then the end of a cool-down."""
         self._now = max(self._now, float(now))
         decisions: list[Decision] = []
         while True:
             waiter_due = self._peek_deadline()
             drain_due = self._peek_drain()
+            cool_due = self._peek_cooldown()
             if (
+                cool_due is not None
+                and cool_due <= self._now
+                and (waiter_due is None or cool_due < waiter_due)
+                and (drain_due is None or cool_due < drain_due)
+            ):
+                _, _, health = heapq.heappop(self._cooldowns)
+                health.state = "probing"
+                health.ejected_until = None
+                state = health.live
+                if state is not None:
+                    self._fill(decisions, state.group, [state])
+            elif (
                 drain_due is not None
                 and drain_due <= self._now
                 and (waiter_due is None or drain_due < waiter_due)

@@ -30,6 +30,11 @@ class Policy:
     ``"long"``; ``None`` means one class for all.
     ``drain_timeout_s``: how long a cancelled run's slot stays occupied waiting for the node to
     confirm the cancel. ``retry_after_s``: the Retry-After of ``queue_full`` and ``timeout``.
+
+    Failure-aware selection (see ``docs/admission.md``): ``eject_after_failures``
+    consecutive retryable failures of a candidate eject it (0: never); the first cool-down
+    is ``eject_base_s``, each further ejection without a success in between doubles it, up
+    to ``eject_max_s``.
     """
 
     max_queue: int = attrs.field(default=256, validator=_non_negative)
@@ -38,6 +43,16 @@ class Policy:
     long_context_tokens: int | None = attrs.field(default=None, validator=_positive)
     drain_timeout_s: float = attrs.field(default=5.0, validator=_non_negative)
     retry_after_s: float = attrs.field(default=1.0, validator=_non_negative)
+    eject_after_failures: int = attrs.field(default=2, validator=_non_negative)
+    eject_base_s: float = attrs.field(default=5.0, validator=_non_negative)
+    eject_max_s: float = attrs.field(default=300.0, validator=_non_negative)
+
+    def cool_down(self, ejections: int) -> float:
+        """The cool-down of the ``ejections``-th ejection in a row (1 for the first)."""
+        if ejections <= 1:
+            return min(self.eject_base_s, self.eject_max_s)
+        # min() before the power would overflow: 2**60 * base is past any sane max
+        return min(self.eject_max_s, self.eject_base_s * 2.0 ** min(ejections - 1, 60))
 
 
 def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -114,7 +114,8 @@ class Admission:
     Start :meth:`run` in a long-lived nursery (or use :func:`open_admission`), then
     ``async with admission.open_slot(model, needs) as slot:``. The registry reports nodes
     with the sync methods :meth:`node_joined`, :meth:`node_left` and
-    :meth:`capacity_changed`; :meth:`set_policy` swaps the configuration.
+    :meth:`capacity_changed`; :meth:`set_policy` swaps the configuration. The gate reports
+    how each attempt went with :meth:`report_success` and :meth:`report_failure`.
     """
 
     def __init__(self, policy: PolicySnapshot | None = None) -> None:
@@ -201,6 +202,19 @@ class Admission:
 
     def set_policy(self, policy: PolicySnapshot) -> None:
         self._carry_out(self._core.set_policy(policy, trio.current_time()))
+
+    def report_success(self, key: CandidateKey) -> None:
+        """An attempt on ``key`` worked (report it as soon as that is known, e.g. at the
+        first token): the candidate is healthy again. See ``AdmissionCore.report_success``."""
+        self._carry_out(self._core.report_success(key, trio.current_time()))
+
+    def report_failure(self, key: CandidateKey) -> None:
+        """An attempt on ``key`` failed for a reason that is the candidate's (node lost,
+        upstream 5xx or 429, first-token timeout, a retryable ``run.failed``), never a
+        client's error. Report it before leaving the slot's block, so that a probe's
+        failure is seen before another request may probe. See
+        ``AdmissionCore.report_failure``."""
+        self._carry_out(self._core.report_failure(key, trio.current_time()))
 
     def statistics(self) -> AdmissionStatistics:
         return self._core.statistics()

@@ -117,6 +117,31 @@ def test_excluded_candidates_are_not_used() -> None:
     )
 
 
+def test_exclusion_holds_when_the_node_rejoins_as_a_new_generation() -> None:
+    """Recovery excludes the failed attempt's key (generation 1); the node reconnects as
+    generation 2 while the retry waits: it must not be admitted there."""
+    a1, b = cand("node-a", generation=1), cand("node-b")
+    core = core_with(a1, b)
+    busy = only_admit(core.submit(0, "m", Needs(), 0.0))
+    assert busy.candidate.node_id == "node-a"
+    only_admit(core.submit(1, "m", Needs(), 0.0))  # node-b is full as well
+    retry = Needs(exclude=frozenset({a1.key}))
+    assert core.submit(2, "m", retry, 1.0, requeue=True) == []
+    assert core.node_joined([cand("node-a", generation=2)], 2.0) == []  # a1's slot is void
+    assert core.is_queued(2)
+    assert only_admit(core.submit(3, "m", Needs(), 2.0)).candidate.generation == 2
+    reject = only_reject(core.node_left("node-b", 1, 3.0))
+    assert (reject.waiter_id, reject.cause) == (2, "no_capable_candidate")
+    assert reject.reasons == ("node-a/ollama-1: already failed for this request",)
+
+
+def test_exclusion_of_an_older_generation_applies_at_submit() -> None:
+    core = core_with(cand("node-a", generation=2))
+    old = cand("node-a", generation=1).key
+    reject = only_reject(core.submit(0, "m", Needs(exclude=frozenset({old})), 0.0))
+    assert reject.reasons == ("node-a/ollama-1: already failed for this request",)
+
+
 def test_predicate_rejects_candidates() -> None:
     core = core_with(cand("node-a"), cand("node-b"))
     needs = Needs(predicate=lambda c: None if c.node_id == "node-b" else "not b")

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from dispatcher.admission import Candidate, CandidateKey, Needs, needs_from_body
+from dispatcher.admission import Candidate, CandidateIdentity, CandidateKey, Needs, needs_from_body
 from dispatcher.wire import ModelInfo, ProviderInfo
 
 from .helpers import cand
@@ -92,6 +92,19 @@ def test_reasons_name_the_candidate() -> None:
         "node-a/ollama-1: no long-context slots for a long request (0 estimated tokens)"
     )
     assert Needs(predicate=lambda c: "too slow").unfit(candidate) == "node-a/ollama-1: too slow"
+
+
+def test_exclusion_matches_any_generation_but_nothing_else() -> None:
+    old = cand("node-a", "ollama-1", generation=1)
+    needs = Needs(exclude=frozenset({old.key}))
+    assert needs.unfit(cand("node-a", "ollama-1", generation=7)) == (
+        "node-a/ollama-1: already failed for this request"
+    )
+    assert needs.unfit(cand("node-a", "ollama-2")) is None  # another provider
+    assert needs.unfit(cand("node-b", "ollama-1")) is None  # another node
+    assert needs.unfit(cand("node-a", "ollama-1", model="other")) is None  # another group
+    assert needs == Needs(exclude=frozenset({old.key}))  # the derived set is not compared
+    assert old.key.identity == old.identity == CandidateIdentity("node-a", "ollama-1", "m")
 
 
 def test_a_raising_predicate_is_a_reason() -> None:
