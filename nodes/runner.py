@@ -280,7 +280,13 @@ class Runner:
         except AdapterError as exc:
             if run.scope.cancel_called:
                 return wire.RunCancelled
-            log.info("run %s failed: %s: %s", run.run_id, exc.code, exc.message)
+            log.info(
+                "run %s failed: %s%s: %s",
+                run.run_id,
+                exc.code,
+                "" if exc.status is None else f" (upstream HTTP {exc.status})",
+                exc.message,
+            )
             return exc
         except Exception as exc:
             if run.scope.cancel_called:
@@ -325,6 +331,7 @@ class Runner:
                 code=error.code,
                 message=error.message,
                 retryable=error.retryable,
+                status=error.status,
             )
         if outcome is wire.RunCancelled:
             usage = self._usage(run, request)

@@ -2,22 +2,38 @@
 upstream errors mapped to :class:`~nodes.adapters.base.AdapterError`, an SSE decoder, and
 option parsing.
 
-Error mapping (see ``docs/node.md``):
+Error mapping (see ``docs/node.md``). An upstream's answer that says the *request* is wrong is
+the client's error: it carries the upstream's ``status``, is not retryable, and its message is
+the upstream's own. Everything else is the node's or the provider's problem: no ``status``,
+and retryable, so the edge may try another candidate.
 
-=================================================  ==========================  =========
-what happened                                      code                        retryable
-=================================================  ==========================  =========
-cannot connect, or any timeout (connect, read...)  ``upstream_unreachable``    yes
-the connection broke after the response began      ``upstream_disconnected``   yes
-HTTP 429                                           ``upstream_rate_limited``   yes
-HTTP 5xx                                           ``upstream_5xx``            yes
-any other HTTP 4xx                                 ``upstream_4xx``            no
-another non-2xx status, or a body we cannot parse  ``upstream_bad_response``   yes
-=================================================  ==========================  =========
+=================================================  ==========================  =========  ======
+what happened                                      code                        retryable  status
+=================================================  ==========================  =========  ======
+HTTP 400, 413, 415, 422 (the client's error)       the upstream's own code,    no         yes
+                                                   else ``invalid_request``
+HTTP 401, 403 (the node's key)                     ``upstream_unauthorized``   yes        --
+HTTP 404 (wrong model name or base URL)            ``upstream_not_found``      yes        --
+HTTP 429                                           ``upstream_rate_limited``   yes        --
+any other HTTP 4xx (408, 409, 405...)              ``upstream_4xx``            yes        --
+HTTP 5xx                                           ``upstream_5xx``            yes        --
+another non-2xx status, or a body we cannot parse  ``upstream_bad_response``   yes        --
+cannot connect, or any timeout (connect, read...)  ``upstream_unreachable``    yes        --
+the connection broke after the response began      ``upstream_disconnected``   yes        --
+=================================================  ==========================  =========  ======
 
-A 4xx/5xx message carries the upstream's own error message when its body has one
-(``{"error": {"message": ...}}``, ``{"error": "..."}``, ``{"detail": ...}`` or
-``{"message": ...}``), else the start of the body text.
+The upstream's message and code are read from its error JSON (:func:`parse_error`: OpenAI's
+``{"error": {"message", "type", "code", "param"}}``, Ollama's ``{"error": "..."}``, vLLM's and
+llama.cpp's variants, ``{"detail": ...}``, ``{"message": ...}``), else the start of the body
+text. A client's-error message is that text alone; the others read ``the provider answered
+HTTP <status>: <text>``.
+
+No message names the provider: messages are composed without its URL, and every
+:class:`~nodes.adapters.base.AdapterError` leaving :func:`post_stream` -- also those the
+caller raises inside the block, e.g. about a body it could not parse -- has the provider's URL,
+origin, ``host:port``, host and base path and the node's credentials removed
+(:class:`Redactor`); the upstream's text may quote any of them. The node's own log keeps the
+URL (INFO, logger ``nodes.adapters.http``).
 
 Each run opens its own ``httpx.AsyncClient`` inside ``async with`` (see :func:`post_stream`):
 the simplest lifetime that is always correct under cancellation. The price is no connection
@@ -27,8 +43,11 @@ noise for a local engine and tens of milliseconds for a remote one.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import AsyncIterator, Mapping
+import re
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar
 
@@ -49,8 +68,19 @@ MAX_ERROR_BODY: Final = 64 * 1024
 """How much of an error response's body is read to find the upstream's message."""
 MAX_ERROR_MESSAGE: Final = 1000
 """Characters of the upstream's message kept in an AdapterError message."""
+MAX_MESSAGE: Final = MAX_ERROR_MESSAGE + 200
+"""Characters of any AdapterError message leaving :func:`post_stream`. Text is cut only after
+it was redacted: a cut through an address would leave a part no redaction recognises."""
 DRAIN_TIMEOUT: Final = 1.0
 """Bound on finishing httpx's iterators after the response was closed (normally instant)."""
+
+CLIENT_ERROR_STATUSES: Final = frozenset({400, 413, 415, 422})
+"""Upstream statuses that say the request itself is wrong: the client's error."""
+CODE_ALIASES: Final[Mapping[str, str]] = {"exceed_context_size_error": "context_length_exceeded"}
+"""Upstream error codes (or, without a code, types) renamed to OpenAI's: llama.cpp's server
+answers a too-long prompt with type ``exceed_context_size_error``."""
+
+log = logging.getLogger("nodes.adapters.http")
 
 _T = TypeVar("_T")
 
@@ -104,19 +134,20 @@ def dumps(value: Any) -> bytes:
 
 
 def loads_object(text: str | bytes, what: str) -> dict[str, Any]:
-    """A JSON object from the upstream, or ``upstream_bad_response``."""
+    """A JSON object from the upstream, or ``upstream_bad_response`` quoting ``text`` whole
+    (:func:`post_stream` redacts, then cuts it)."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
         raise AdapterError(
             "upstream_bad_response",
-            f"the upstream sent {what} that is not JSON: {_clip(str(text), 200)!r}",
+            f"the upstream sent {what} that is not JSON: {str(text)!r}",
             retryable=True,
         ) from None
     if not isinstance(value, dict):
         raise AdapterError(
             "upstream_bad_response",
-            f"the upstream sent {what} that is not a JSON object: {_clip(str(text), 200)!r}",
+            f"the upstream sent {what} that is not a JSON object: {str(text)!r}",
             retryable=True,
         )
     return value
@@ -137,6 +168,176 @@ def error_text(value: Any) -> str | None:
     return None
 
 
+_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_.:-]{0,63}")
+"""What an upstream error code may look like to be passed on (anything else is dropped)."""
+
+
+@attrs.frozen
+class UpstreamError:
+    """What an upstream's error JSON says; None where it says nothing usable."""
+
+    message: str | None = None
+    code: str | None = None
+    """Its own error code: OpenAI's ``error.code`` (``"context_length_exceeded"``), renamed
+    by :data:`CODE_ALIASES`."""
+    status: int | None = None
+    """An HTTP status the body itself names: vLLM and llama.cpp put it in ``code``."""
+
+
+def parse_error(value: Any) -> UpstreamError:
+    """Read an error body: OpenAI's ``{"error": {"message", "type", "code", "param"}}``,
+    vLLM's ``{"message", "type", "code": 400}`` (also under ``error``), llama.cpp's
+    ``{"error": {"code": 400, "message", "type"}}``, Ollama's ``{"error": "..."}``."""
+    if not isinstance(value, dict):
+        return UpstreamError()
+    inner = value.get("error")
+    fields = inner if isinstance(inner, dict) else value
+    raw_code, kind = fields.get("code"), fields.get("type")
+    code: str | None = None
+    if isinstance(raw_code, str) and _CODE.fullmatch(raw_code):
+        code = CODE_ALIASES.get(raw_code, raw_code)
+    elif isinstance(kind, str) and kind in CODE_ALIASES:
+        code = CODE_ALIASES[kind]
+    status = raw_code if type(raw_code) is int and 100 <= raw_code <= 599 else None
+    return UpstreamError(message=error_text(value), code=code, status=status)
+
+
+def status_failure(
+    status: int,
+    body: str,
+    *,
+    reason: str = "",
+    retry_after: str | None = None,
+    redact: Callable[[str], str] | None = None,
+) -> AdapterError:
+    """The failure an upstream's non-2xx answer means (see the table above). ``body``: the
+    start of the response body; ``reason``: the reason phrase; ``retry_after``: the
+    ``Retry-After`` header (a 429's message names it); ``redact`` is applied to the
+    upstream's text before it is cut to :data:`MAX_ERROR_MESSAGE`."""
+    try:
+        parsed = parse_error(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        parsed = UpstreamError()
+    said = parsed.message or _plain_text(body) or reason or "no message"
+    said = _clip(said if redact is None else redact(said), MAX_ERROR_MESSAGE)
+    if status in CLIENT_ERROR_STATUSES:
+        return AdapterError(parsed.code or "invalid_request", said, status=status)
+    detail = f"the provider answered HTTP {status}: {said}"
+    if status == 429:
+        wait = _seconds(retry_after)
+        if wait is not None:
+            detail = f"{detail} (retry after {wait} s)"
+        return AdapterError("upstream_rate_limited", detail, retryable=True)
+    if status in (401, 403):
+        return AdapterError("upstream_unauthorized", detail, retryable=True)
+    if status == 404:
+        return AdapterError("upstream_not_found", detail, retryable=True)
+    if 400 <= status < 600:
+        code = "upstream_5xx" if status >= 500 else "upstream_4xx"
+        return AdapterError(code, detail, retryable=True)
+    return AdapterError("upstream_bad_response", detail, retryable=True)
+
+
+def error_event_failure(value: Any, what: str) -> AdapterError:
+    """The failure an ``{"error": ...}`` event or line in a 2xx stream means: the client's
+    error when the body names a client's-error status (vLLM, llama.cpp: ``code: 400``) or
+    code ``context_length_exceeded`` -- code, message and status as for an HTTP answer --
+    else ``upstream_error`` (retryable), the message prefixed with ``what``. The message is
+    not cut (:func:`post_stream` redacts, then cuts it)."""
+    parsed = parse_error(value)
+    said = parsed.message or f"an error {what} without a message"
+    if parsed.status in CLIENT_ERROR_STATUSES or parsed.code == "context_length_exceeded":
+        status = parsed.status if parsed.status in CLIENT_ERROR_STATUSES else 400
+        return AdapterError(parsed.code or "invalid_request", said, status=status)
+    return AdapterError(
+        "upstream_error", f"the provider sent an error {what}: {said}", retryable=True
+    )
+
+
+_REDACTED_PLACE: Final = "<provider>"
+_REDACTED_SECRET: Final = "<redacted>"
+_SECRET_HEADERS: Final = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
+_STANDARD_SEGMENTS: Final = frozenset({"", "v1", "api", "chat", "completions"})
+"""Path segments every provider of a kind shares: a path made of these alone is no secret."""
+
+
+@attrs.frozen
+class Redactor:
+    """Removes from text what locates the provider -- its URL (with and without credentials
+    or query), origin, ``host:port``, host, and every leading part of its path that is more
+    than the standard ``/v1/chat/completions`` or ``/api/chat`` -- and the node's
+    credentials (``Authorization`` and API-key header values, the URL's user info). A bare
+    port number is left alone: it cannot be told apart from any other number."""
+
+    _secrets: re.Pattern[str] | None
+    _places: re.Pattern[str] | None
+
+    @classmethod
+    def for_request(cls, url: str, headers: Mapping[str, str]) -> Redactor:
+        secrets: set[str] = set()
+        for name, value in headers.items():
+            if name.lower() in _SECRET_HEADERS and value.strip():
+                secrets.add(value.strip())
+                token = value.strip().partition(" ")[2].strip()
+                if token:
+                    secrets.add(token)
+        places = {url.rstrip("/")}
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL:
+            parsed = None
+        if parsed is not None:
+            userinfo = parsed.userinfo.decode("ascii", errors="replace")
+            for secret in (userinfo, urllib.parse.unquote(userinfo), parsed.password):
+                if secret:
+                    secrets.add(secret)
+            host = parsed.host
+            port = parsed.port or {"http": 80, "https": 443}.get(parsed.scheme)
+            netloc = parsed.netloc.decode("ascii", errors="replace")
+            bracketed = f"[{host}]" if ":" in host else host
+            origin = f"{parsed.scheme}://{netloc}"
+            places |= {
+                display_url(url).rstrip("/"),
+                str(parsed).rstrip("/"),
+                origin,
+                netloc,
+                host,
+                f"{bracketed}:{port}",
+            }
+            for path in {parsed.path, parsed.raw_path.decode("ascii", errors="replace")}:
+                segments = path.split("?", 1)[0].split("/")[1:]
+                for end in range(1, len(segments) + 1):
+                    prefix = "/" + "/".join(segments[:end])
+                    places.add(origin + prefix)  # the base URL, whatever its suffix
+                    if not set(segments[:end]) <= _STANDARD_SEGMENTS:
+                        places.add(prefix)
+        return cls(_alternation(secrets, names=False), _alternation(places, names=True))
+
+    def __call__(self, text: str) -> str:
+        if self._secrets is not None:
+            text = self._secrets.sub(_REDACTED_SECRET, text)
+        if self._places is not None:
+            text = self._places.sub(_REDACTED_PLACE, text)
+        return text
+
+
+def _alternation(literals: set[str], *, names: bool) -> re.Pattern[str] | None:
+    """One pattern matching any of ``literals``, longest first. ``names``: case-insensitive,
+    and a literal must not be followed by a character that would make it part of a longer
+    name (``10.0.0.5`` in ``10.0.0.55``, ``/team`` in ``/teams``) nor, when it starts with one,
+    be preceded by one. Secrets are matched anywhere, exactly."""
+    alternatives = []
+    for literal in sorted((x for x in literals if x), key=len, reverse=True):
+        if names:
+            before = r"(?<![\w.-])" if literal[0].isalnum() else ""
+            alternatives.append(rf"{before}{re.escape(literal)}(?![\w-])")
+        else:
+            alternatives.append(re.escape(literal))
+    if not alternatives:
+        return None
+    return re.compile("|".join(alternatives), re.IGNORECASE if names else 0)
+
+
 @asynccontextmanager
 async def post_stream(
     url: str,
@@ -150,10 +351,12 @@ async def post_stream(
     The client and the response live inside this block: leaving it -- normally, by an error,
     or cancelled -- closes the upstream connection. A non-2xx status and every transport
     error (also those raised while the caller reads the body inside the block) come out as
-    :class:`AdapterError`. Read lines with :func:`response_lines`, which closes the iterator
-    when left early.
+    :class:`AdapterError`; every AdapterError leaving the block (the caller's too) has its
+    message passed through a :class:`Redactor` for this request. Read lines with
+    :func:`response_lines`, which closes the iterator when left early.
     """
     where = display_url(url)
+    redact = Redactor.for_request(url, headers)
     started = False
     try:
         async with (
@@ -167,30 +370,47 @@ async def post_stream(
         ):
             started = True
             if not 200 <= response.status_code < 300:
-                raise await _status_error(response, where)
+                raise await _status_error(response, where, redact)
             yield response
+    except AdapterError as exc:
+        exc.message = _clip(redact(exc.message), MAX_MESSAGE)
+        exc.args = (exc.message,)
+        raise
     except httpx.TimeoutException as exc:
-        raise AdapterError(
+        raise _transport_failure(
             "upstream_unreachable",
-            f"{where}: timed out ({type(exc).__name__})",
-            retryable=True,
+            f"the request to the provider timed out ({type(exc).__name__})",
+            where,
+            exc,
         ) from None
     except httpx.TransportError as exc:
         if started:
-            raise AdapterError(
+            raise _transport_failure(
                 "upstream_disconnected",
-                f"{where}: the connection broke mid-response: {_describe(exc)}",
-                retryable=True,
+                f"the connection to the provider broke mid-response ({type(exc).__name__})",
+                where,
+                exc,
             ) from None
-        raise AdapterError(
-            "upstream_unreachable", f"{where}: cannot connect: {_describe(exc)}", retryable=True
+        raise _transport_failure(
+            "upstream_unreachable",
+            f"cannot connect to the provider ({type(exc).__name__})",
+            where,
+            exc,
         ) from None
     except httpx.DecodingError as exc:
-        raise AdapterError(
+        raise _transport_failure(
             "upstream_bad_response",
-            f"{where}: cannot decode the response: {_describe(exc)}",
-            retryable=True,
+            f"cannot decode the provider's response ({type(exc).__name__})",
+            where,
+            exc,
         ) from None
+
+
+def _transport_failure(code: str, message: str, where: str, exc: Exception) -> AdapterError:
+    """A retryable failure whose message names no address: the exception's own text (which
+    may: ``Connect call failed ('10.0.0.5', 8000)``) goes to the log only, with the URL."""
+    log.info("%s: %s: %s", where, message, _describe(exc))
+    return AdapterError(code, message, retryable=True)
 
 
 @asynccontextmanager
@@ -225,7 +445,7 @@ async def _finished(
                 pass
 
 
-async def _status_error(response: httpx.Response, where: str) -> AdapterError:
+async def _status_error(response: httpx.Response, where: str, redact: Redactor) -> AdapterError:
     status = response.status_code
     raw = bytearray()
     async with _finished(response, response.aiter_bytes()) as chunks:
@@ -234,20 +454,29 @@ async def _status_error(response: httpx.Response, where: str) -> AdapterError:
             if len(raw) >= MAX_ERROR_BODY:
                 break
     text = bytes(raw[:MAX_ERROR_BODY]).decode("utf-8", errors="replace")
-    try:
-        upstream = error_text(orjson.loads(text))
-    except orjson.JSONDecodeError:
-        upstream = None
-    if upstream is None:
-        upstream = " ".join(text.split()) or response.reason_phrase or "no message"
-    detail = f"{where} answered HTTP {status}: {_clip(upstream, MAX_ERROR_MESSAGE)}"
-    if status == 429:
-        return AdapterError("upstream_rate_limited", detail, retryable=True)
-    if 500 <= status < 600:
-        return AdapterError("upstream_5xx", detail, retryable=True)
-    if 400 <= status < 500:
-        return AdapterError("upstream_4xx", detail, retryable=False)
-    return AdapterError("upstream_bad_response", detail, retryable=True)
+    # The log names the provider (``where``) but not what the body may echo of the key.
+    log.info("%s answered HTTP %d: %s", where, status, _clip(" ".join(redact(text).split()), 500))
+    return status_failure(
+        status,
+        text,
+        reason=response.reason_phrase,
+        retry_after=response.headers.get("retry-after"),
+        redact=redact,
+    )
+
+
+def _plain_text(body: str) -> str:
+    """A non-JSON error body as a message: its text on one line, or nothing for an HTML page
+    (a proxy's error page says no more than the reason phrase)."""
+    text = " ".join(body.split())
+    return "" if text.startswith("<") else text
+
+
+def _seconds(value: str | None) -> int | None:
+    """A ``Retry-After`` in seconds (its HTTP-date form is ignored)."""
+    if value is None or not value.strip().isdigit():
+        return None
+    return int(value.strip())
 
 
 def _describe(exc: BaseException) -> str:

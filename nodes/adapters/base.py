@@ -14,7 +14,7 @@ The runner turns that into wire events (``run.started``, ``run.delta``..., ``run
 exactly one terminal event). Errors:
 
 * :class:`AdapterError` -- an upstream failure with a code: ``run.failed`` with that code,
-  message and ``retryable`` flag;
+  message, ``retryable`` flag and (for the client's own errors) the upstream's ``status``;
 * any other ``Exception`` -- a bug: ``run.failed`` code ``internal``, not retryable, logged;
 * :class:`DropConnection` -- fault injection only: the node's whole connection is dropped;
 * cancellation (``run.cancel``) arrives as ``trio.Cancelled`` at the adapter's next
@@ -35,14 +35,27 @@ if TYPE_CHECKING:
 
 
 class AdapterError(Exception):
-    """An upstream failure, reported as ``run.failed`` with ``code``, ``message`` and
-    ``retryable`` (may another attempt, on this or another candidate, succeed?)."""
+    """An upstream failure, reported as ``run.failed`` with ``code``, ``message``,
+    ``retryable`` (may another attempt, on this or another candidate, succeed?) and
+    ``status``.
 
-    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+    ``status`` is the upstream's HTTP status, set only when that answer says the *request*
+    is wrong -- the client's error (400, 413, 415, 422), never retryable: the edge relays the
+    status to the client and does not try another candidate. Failures that are the node's or
+    the provider's problem (a bad key, a wrong model name, an outage) leave it None.
+
+    ``message`` may reach the client (in the edge's error body): it must not name the
+    provider's URL, host, port or base path, nor carry the node's credentials.
+    """
+
+    def __init__(
+        self, code: str, message: str, *, retryable: bool = False, status: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
+        self.status = status
 
 
 class DropConnection(Exception):

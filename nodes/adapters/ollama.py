@@ -24,10 +24,15 @@ The OpenAI chat body becomes ``{"model": <served name>, "messages": [...], "stre
 Each line's ``message.content`` is a delta; its ``message.tool_calls`` become OpenAI tool-call
 deltas, one per call: ``{"index": i, "id": "call_<24 hex digits>", "type": "function",
 "function": {"name", "arguments": <the arguments as a JSON string>}}``, ``i`` counting the
-run's calls from 0. The ``done: true`` line gives usage (``prompt_eval_count``, ``eval_count``)
+run's calls from 0. The ``done: true`` line gives usage (``prompt_eval_count``, ``eval_count``;
+estimated, and marked so, when missing)
 and ``done_reason`` (``length`` -> ``length``; ``stop``, ``load``, ``unload`` and anything
 else -> ``stop``, or ``tool_calls`` when the answer had tool calls). An ``{"error": ...}``
-line fails the run (code ``upstream_error``, retryable). Default ``base_url``: ``http://127.0.0.1:11434``.
+line fails the run (code ``upstream_error``, retryable). A non-2xx answer fails as ``_http``
+maps it: Ollama's ``{"error": "..."}`` with 400, 413, 415 or 422 is the client's error (code
+``invalid_request``, the upstream's message and status, not retryable); its 404 for a model it
+does not have is ``upstream_not_found``, retryable elsewhere. Default ``base_url``:
+``http://127.0.0.1:11434``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from dispatcher import wire
 from nodes.adapters._http import (
     HTTPTimeouts,
     chat_url,
-    error_text,
+    error_event_failure,
     loads_object,
     parse_timeout_option,
     post_stream,
@@ -174,8 +179,7 @@ class OllamaAdapter:
                     continue
                 chunk = loads_object(line, "a line")
                 if "error" in chunk:
-                    reason = error_text(chunk) or "an error line without a message"
-                    raise AdapterError("upstream_error", f"ollama failed: {reason}", retryable=True)
+                    raise error_event_failure(chunk, "line")
                 answer = chunk.get("message")
                 if isinstance(answer, dict):
                     content = answer.get("content")

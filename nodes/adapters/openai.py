@@ -9,7 +9,11 @@ client's body); the choice's ``finish_reason`` -> the finish reason (passed thro
 ``length``, ``tool_calls``, ``content_filter``...); the ``usage`` chunk -> usage. A legacy
 ``function_call`` delta (the deprecated ``functions`` API) fails the run with code
 ``unsupported_function_call`` (not retryable): use ``tools``. ``data: [DONE]`` ends the
-stream. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable).
+stream. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
+as the client's error (its code, message and status, not retryable) when it names a 400, 413,
+415 or 422 in ``code`` (vLLM, llama.cpp) or has code ``context_length_exceeded``. A non-2xx
+answer fails as ``_http`` maps it: 400, 413, 415, 422 are the client's error, with the
+upstream's ``error.code`` (else ``invalid_request``), message and status.
 
 ``base_url`` is the server's root (``http://host:8000``) or its ``/v1`` prefix
 (``http://host:8000/v1``, ``https://api.openai.com/v1``); the adapter posts to
@@ -34,7 +38,7 @@ from nodes.adapters._http import (
     HTTPTimeouts,
     SSEDecoder,
     chat_url,
-    error_text,
+    error_event_failure,
     loads_object,
     parse_timeout_option,
     post_stream,
@@ -160,8 +164,7 @@ async def _take_chunk(data: str, out: RunOutput) -> str | None:
     """Report one chunk; its finish reason, if it has one."""
     chunk = loads_object(data, "an SSE event")
     if "error" in chunk:
-        message = error_text(chunk) or "an error event without a message"
-        raise AdapterError("upstream_error", f"the upstream failed: {message}", retryable=True)
+        raise error_event_failure(chunk, "event")
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import trio
 
 from dispatcher import wire
@@ -78,3 +79,11 @@ def assert_well_formed(events: list[Any]) -> None:
     terminals = [e for e in events if isinstance(e, wire.TERMINAL_EVENTS)]
     assert len(terminals) == 1
     assert events[-1] is terminals[0]
+
+
+def assert_no_address(message: str, base_url: str) -> None:
+    """``message`` (a run.failed message, which may reach a client) names nothing of where the
+    provider is: not its URL, host, ``host:port`` nor port."""
+    url = httpx.URL(base_url)
+    for leak in (base_url, f"{url.host}:{url.port}", url.host, str(url.port)):
+        assert leak not in message, (leak, message)

@@ -23,7 +23,9 @@ one token per chunk (SSE event / NDJSON line). ``expected_text`` is their concat
 Usage: ``prompt_tokens`` (a knob) and one completion token per chunk.
 
 Knobs (both fakes): ``status`` (non-200: an error response in the provider's shape, with
-``error_message``; 429 also gets ``retry-after: 1``), ``api_key`` (when set, requests without
+``error_message`` and, OpenAI only, ``error_code`` as ``error.code`` (also in the error event
+of ``fail_mode="error"``); ``error_body``, when set, is sent as the JSON error body instead;
+429 also gets ``retry-after: 1``), ``api_key`` (when set, requests without
 ``Authorization: Bearer <api_key>`` get 401), ``chunk_delay`` (seconds between two events of
 a stream), ``fail_after_chunks`` with ``fail_mode`` (``"abort"``: the connection is cut, the
 client sees a truncated body; ``"error"``: an error event / line, then the stream ends),
@@ -100,6 +102,11 @@ class FakeProvider:
 
     status: int = 200
     error_message: str = "injected failure"
+    error_code: str | int | None = None
+    """OpenAI only: ``error.code`` of error bodies and error events (vLLM and llama.cpp put
+    an HTTP status there)."""
+    error_body: Any = None
+    """Sent as the error response's JSON body instead of :meth:`error_body_for`."""
     api_key: str | None = None
     reply: str = "Hello from the fake provider!"
     chunk_count: int | None = None
@@ -193,17 +200,18 @@ class FakeProvider:
         route = self.route(seen)
         if route is None:
             await self.respond_json(
-                responder, 404, self.error_body(f"no route for {seen.method} {seen.path}")
+                responder, 404, self.error_body_for(f"no route for {seen.method} {seen.path}")
             )
             return
         if self.api_key is not None and seen.authorization != f"Bearer {self.api_key}":
-            await self.respond_json(responder, 401, self.error_body("invalid API key"))
+            await self.respond_json(responder, 401, self.error_body_for("invalid API key"))
             return
         if self.status != 200:
             headers = [(b"retry-after", b"1")] if self.status == 429 else []
-            await self.respond_json(
-                responder, self.status, self.error_body(self.error_message), headers
-            )
+            body = self.error_body
+            if body is None:
+                body = self.error_body_for(self.error_message)
+            await self.respond_json(responder, self.status, body, headers)
             return
         await route(seen, responder)
 
@@ -212,7 +220,7 @@ class FakeProvider:
     ) -> Callable[[SeenRequest, Responder], Awaitable[None]] | None:
         raise NotImplementedError
 
-    def error_body(self, message: str) -> Any:
+    def error_body_for(self, message: str) -> Any:
         raise NotImplementedError
 
     async def respond_json(
@@ -286,9 +294,9 @@ class FakeOpenAI(FakeProvider):
             return self._models
         return None
 
-    def error_body(self, message: str) -> Any:
+    def error_body_for(self, message: str) -> Any:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        return {"error": {"message": message, "type": kind, "param": None, "code": self.error_code}}
 
     def usage(self) -> dict[str, int]:
         completion = len(self.tokens)
@@ -369,7 +377,13 @@ class FakeOpenAI(FakeProvider):
             stream,
             encode=encode,
             content=lambda token: chunk({"content": token}),
-            error={"error": {"message": self.error_message, "type": "server_error"}},
+            error={
+                "error": {
+                    "message": self.error_message,
+                    "type": "server_error",
+                    **({} if self.error_code is None else {"code": self.error_code}),
+                }
+            },
             before=[chunk({"role": "assistant", "content": ""})],
             after=after,
         )
@@ -394,7 +408,7 @@ class FakeOllama(FakeProvider):
             return self._version
         return None
 
-    def error_body(self, message: str) -> Any:
+    def error_body_for(self, message: str) -> Any:
         return {"error": message}
 
     async def _tags(self, seen: SeenRequest, responder: Responder) -> None:

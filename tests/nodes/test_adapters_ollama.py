@@ -13,7 +13,7 @@ from nodes.adapters.base import AdapterError
 from nodes.adapters.ollama import OllamaAdapter, OllamaOptions
 from nodes.config import ModelConfig, OptionsError, ProviderConfig
 from nodes.runner import open_runner
-from tests.nodes._helpers import Recorder, assert_well_formed
+from tests.nodes._helpers import Recorder, assert_no_address, assert_well_formed
 from tests.nodes.fake_providers import FakeOllama, refused_base_url, serve_fake_ollama
 
 MESSAGES = [
@@ -198,8 +198,9 @@ async def test_error_line_mid_stream(fake: FakeOllama) -> None:
     fake.error_message = "model runner has unexpectedly stopped"
     rec = await run(adapter_for(fake.base_url))
     failed = rec.terminal("r1")
-    assert (failed.code, failed.retryable) == ("upstream_error", True)
+    assert (failed.code, failed.retryable, failed.status) == ("upstream_error", True, None)
     assert "model runner has unexpectedly stopped" in failed.message
+    assert_no_address(failed.message, fake.base_url)
     assert rec.text("r1") == "".join(fake.tokens[:2])
 
 
@@ -208,6 +209,7 @@ async def test_stream_cut_before_done(fake: FakeOllama) -> None:
     rec = await run(adapter_for(fake.base_url))
     failed = rec.terminal("r1")
     assert (failed.code, failed.retryable) == ("upstream_disconnected", True)
+    assert_no_address(failed.message, fake.base_url)
 
 
 @pytest.mark.parametrize(
@@ -216,8 +218,8 @@ async def test_stream_cut_before_done(fake: FakeOllama) -> None:
         (500, "upstream_5xx", True),
         (502, "upstream_5xx", True),
         (429, "upstream_rate_limited", True),
-        (404, "upstream_4xx", False),
-        (400, "upstream_4xx", False),
+        # a model this Ollama does not have: the node's problem, another node may have it
+        (404, "upstream_not_found", True),
     ],
 )
 async def test_http_errors(fake: FakeOllama, status: int, code: str, retryable: bool) -> None:
@@ -226,15 +228,48 @@ async def test_http_errors(fake: FakeOllama, status: int, code: str, retryable: 
     rec = await run(adapter_for(fake.base_url))
     failed = rec.terminal("r1")
     assert isinstance(failed, wire.RunFailed)
-    assert (failed.code, failed.retryable) == (code, retryable)
+    assert (failed.code, failed.retryable, failed.status) == (code, retryable, None)
     assert f'HTTP {status}: model "llama3:8b" not found, try pulling it first' in failed.message
     assert rec.types("r1") == ["run.started", "run.failed"]
+    assert_no_address(failed.message, fake.base_url)
+
+
+@pytest.mark.parametrize("status", [400, 413, 415, 422])
+async def test_client_errors_carry_the_upstream_status_and_message(
+    fake: FakeOllama, status: int
+) -> None:
+    fake.status = status
+    fake.error_message = "invalid options: num_predict must be an integer"
+    rec = await run(adapter_for(fake.base_url))
+    failed = rec.terminal("r1")
+    assert failed == wire.RunFailed(
+        run_id="r1",
+        seq=1,
+        code="invalid_request",
+        message="invalid options: num_predict must be an integer",
+        retryable=False,
+        status=status,
+    )
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize("status", [400, 500])
+async def test_an_upstream_that_quotes_its_address_is_redacted(
+    fake: FakeOllama, status: int
+) -> None:
+    fake.status = status
+    fake.error_message = f"cannot load model from {fake.base_url}/api/chat"
+    failed = (await run(adapter_for(fake.base_url))).terminal("r1")
+    assert_no_address(failed.message, fake.base_url)
+    assert "cannot load model from <provider>" in failed.message
 
 
 async def test_connection_refused() -> None:
-    rec = await run(adapter_for(refused_base_url()))
+    base_url = refused_base_url()
+    rec = await run(adapter_for(base_url))
     failed = rec.terminal("r1")
-    assert (failed.code, failed.retryable) == ("upstream_unreachable", True)
+    assert (failed.code, failed.retryable, failed.status) == ("upstream_unreachable", True, None)
+    assert_no_address(failed.message, base_url)
 
 
 async def test_read_timeout_is_unreachable(fake: FakeOllama) -> None:
@@ -242,6 +277,7 @@ async def test_read_timeout_is_unreachable(fake: FakeOllama) -> None:
     rec = await run(adapter_for(fake.base_url, read_timeout=0.2))
     failed = rec.terminal("r1")
     assert (failed.code, failed.retryable) == ("upstream_unreachable", True)
+    assert_no_address(failed.message, fake.base_url)
 
 
 def test_default_base_url_and_registry() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -12,7 +14,7 @@ from nodes.adapters import Adapter, build_adapters, validate_options
 from nodes.adapters.openai import OpenAIAdapter, OpenAIOptions, completions_url
 from nodes.config import ModelConfig, NodeConfigError, OptionsError, ProviderConfig
 from nodes.runner import open_runner
-from tests.nodes._helpers import Recorder, assert_well_formed
+from tests.nodes._helpers import Recorder, assert_no_address, assert_well_formed
 from tests.nodes.fake_providers import FakeOpenAI, refused_base_url, serve_fake_openai
 
 MESSAGES = [
@@ -169,8 +171,14 @@ async def test_cancel_while_waiting_for_the_first_byte(fake: FakeOpenAI) -> None
         (500, "upstream_5xx", True),
         (503, "upstream_5xx", True),
         (429, "upstream_rate_limited", True),
-        (400, "upstream_4xx", False),
-        (404, "upstream_4xx", False),
+        # the node's problem (its key, the served model name, its base URL): another
+        # candidate may succeed; the client's request was fine, so no status
+        (401, "upstream_unauthorized", True),
+        (403, "upstream_unauthorized", True),
+        (404, "upstream_not_found", True),
+        (405, "upstream_4xx", True),
+        (408, "upstream_4xx", True),
+        (409, "upstream_4xx", True),
     ],
 )
 async def test_http_errors(fake: FakeOpenAI, status: int, code: str, retryable: bool) -> None:
@@ -179,17 +187,105 @@ async def test_http_errors(fake: FakeOpenAI, status: int, code: str, retryable: 
     rec = await run(adapter_for(fake.base_url))
     failed = rec.terminal("r1")
     assert isinstance(failed, wire.RunFailed)
-    assert (failed.code, failed.retryable) == (code, retryable)
+    assert (failed.code, failed.retryable, failed.status) == (code, retryable, None)
     assert f"HTTP {status}" in failed.message
     assert f"the model said no ({status})" in failed.message
     assert rec.types("r1") == ["run.started", "run.failed"]
+    assert_no_address(failed.message, fake.base_url)
 
 
-async def test_wrong_key_is_a_4xx_with_the_upstream_message(fake: FakeOpenAI) -> None:
+async def test_429_names_retry_after(fake: FakeOpenAI) -> None:
+    fake.status = 429
+    fake.error_message = "Rate limit reached for requests"
+    failed = (await run(adapter_for(fake.base_url))).terminal("r1")
+    assert failed.message == (
+        "the provider answered HTTP 429: Rate limit reached for requests (retry after 1 s)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "upstream_code", "code"),
+    [
+        (400, "context_length_exceeded", "context_length_exceeded"),
+        (400, None, "invalid_request"),
+        (413, None, "invalid_request"),
+        (415, "unsupported_media", "unsupported_media"),
+        (422, "invalid_value", "invalid_value"),
+    ],
+)
+async def test_client_errors_carry_the_upstream_status_code_and_message(
+    fake: FakeOpenAI, status: int, upstream_code: str | None, code: str
+) -> None:
+    fake.status = status
+    fake.error_code = upstream_code
+    fake.error_message = (
+        "This model's maximum context length is 4096 tokens. However, your messages "
+        "resulted in 5000 tokens. Please reduce the length of the messages."
+    )
+    rec = await run(adapter_for(fake.base_url, api_key="sk-node-secret"))
+    failed = rec.terminal("r1")
+    assert failed == wire.RunFailed(
+        run_id="r1",
+        seq=1,
+        code=code,
+        message=fake.error_message,
+        retryable=False,
+        status=status,
+    )
+    assert rec.types("r1") == ["run.started", "run.failed"]
+    assert len(fake.requests) == 1
+
+
+async def test_llama_cpp_and_vllm_error_shapes(fake: FakeOpenAI) -> None:
+    fake.status = 400
+    fake.error_body = {
+        "error": {
+            "code": 400,
+            "message": "request (4476 tokens) exceeds the available context size (4096 tokens)",
+            "type": "exceed_context_size_error",
+            "n_prompt_tokens": 4476,
+            "n_ctx": 4096,
+        }
+    }
+    failed = (await run(adapter_for(fake.base_url))).terminal("r1")
+    assert (failed.code, failed.status, failed.retryable) == ("context_length_exceeded", 400, False)
+    assert failed.message == fake.error_body["error"]["message"]
+
+    fake.error_body = {
+        "object": "error",
+        "message": "max_tokens must be at least 1, got -3.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    failed = (await run(adapter_for(fake.base_url))).terminal("r1")
+    assert (failed.code, failed.status, failed.retryable) == ("invalid_request", 400, False)
+    assert failed.message == "max_tokens must be at least 1, got -3."
+
+
+@pytest.mark.parametrize("status", [400, 404, 503])
+async def test_an_upstream_that_quotes_its_address_and_the_key_is_redacted(
+    fake: FakeOpenAI, status: int
+) -> None:
+    fake.status = status
+    fake.api_key = "sk-node-secret"
+    url = httpx.URL(fake.base_url)
+    fake.error_message = (
+        f"model not served at {fake.base_url}/v1/chat/completions (host {url.host}, "
+        f"{url.host}:{url.port}) for key sk-node-secret"
+    )
+    failed = (await run(adapter_for(fake.base_url, api_key="sk-node-secret"))).terminal("r1")
+    assert_no_address(failed.message, fake.base_url)
+    assert "sk-node-secret" not in failed.message
+    assert "model not served at <provider> (host <provider>, <provider>)" in failed.message
+    assert "for key <redacted>" in failed.message
+
+
+async def test_wrong_key_is_the_nodes_problem_with_the_upstream_message(fake: FakeOpenAI) -> None:
     fake.api_key = "right"
     rec = await run(adapter_for(fake.base_url, api_key="wrong"))
     failed = rec.terminal("r1")
-    assert (failed.code, failed.retryable) == ("upstream_4xx", False)
+    assert (failed.code, failed.retryable, failed.status) == ("upstream_unauthorized", True, None)
     assert "HTTP 401: invalid API key" in failed.message
     assert "wrong" not in failed.message
 
@@ -197,15 +293,23 @@ async def test_wrong_key_is_a_4xx_with_the_upstream_message(fake: FakeOpenAI) ->
 async def test_404_from_a_wrong_base_url(fake: FakeOpenAI) -> None:
     rec = await run(adapter_for(fake.base_url + "/nowhere"))  # fake: 404 OpenAI-shaped
     failed = rec.terminal("r1")
-    assert failed.code == "upstream_4xx"
-    assert "no route for POST /nowhere/v1/chat/completions" in failed.message
+    assert (failed.code, failed.retryable, failed.status) == ("upstream_not_found", True, None)
+    # the upstream's message quotes the path: the base path is redacted from it
+    assert "HTTP 404: no route for POST <provider>" in failed.message
+    assert "/nowhere" not in failed.message
+    assert_no_address(failed.message, fake.base_url)
 
 
-async def test_connection_refused() -> None:
-    rec = await run(adapter_for(refused_base_url()))
+async def test_connection_refused(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="nodes.adapters.http")
+    base_url = refused_base_url()
+    rec = await run(adapter_for(base_url))
     failed = rec.terminal("r1")
-    assert (failed.code, failed.retryable) == ("upstream_unreachable", True)
+    assert (failed.code, failed.retryable, failed.status) == ("upstream_unreachable", True, None)
     assert "cannot connect" in failed.message
+    assert_no_address(failed.message, base_url)
+    # the node's own log keeps where it was
+    assert any(base_url in r.getMessage() for r in caplog.records)
 
 
 async def test_read_timeout_is_unreachable(fake: FakeOpenAI) -> None:
@@ -214,6 +318,7 @@ async def test_read_timeout_is_unreachable(fake: FakeOpenAI) -> None:
     failed = rec.terminal("r1")
     assert (failed.code, failed.retryable) == ("upstream_unreachable", True)
     assert "timed out" in failed.message
+    assert_no_address(failed.message, fake.base_url)
     assert rec.text("r1") == "".join(fake.tokens[:2])
     await fake.requests[0].disconnected.wait()
 
@@ -223,6 +328,7 @@ async def test_connection_cut_mid_stream(fake: FakeOpenAI) -> None:
     rec = await run(adapter_for(fake.base_url))
     failed = rec.terminal("r1")
     assert (failed.code, failed.retryable) == ("upstream_disconnected", True)
+    assert_no_address(failed.message, fake.base_url)
     assert rec.text("r1") == "".join(fake.tokens[:3])
     # partial usage (estimated) precedes the failure
     assert rec.types("r1")[-2:] == ["run.usage", "run.failed"]
@@ -234,8 +340,35 @@ async def test_error_event_mid_stream(fake: FakeOpenAI) -> None:
     fake.error_message = "CUDA out of memory"
     rec = await run(adapter_for(fake.base_url))
     failed = rec.terminal("r1")
-    assert (failed.code, failed.retryable) == ("upstream_error", True)
+    assert (failed.code, failed.retryable, failed.status) == ("upstream_error", True, None)
     assert "CUDA out of memory" in failed.message
+
+
+async def test_failures_raised_while_reading_the_stream_are_redacted_too(
+    fake: FakeOpenAI,
+) -> None:
+    fake.fail_after_chunks = 1
+    fake.fail_mode = "error"
+    fake.error_message = f"worker at {fake.base_url} lost its GPU"
+    failed = (await run(adapter_for(fake.base_url))).terminal("r1")
+    assert failed.code == "upstream_error"
+    assert failed.message == "the provider sent an error event: worker at <provider> lost its GPU"
+
+
+async def test_client_error_event_mid_stream(fake: FakeOpenAI) -> None:
+    # vLLM streams a validation error as an error event with the status in ``code``
+    fake.fail_after_chunks = 0
+    fake.fail_mode = "error"
+    fake.error_code = 400
+    fake.error_message = "This model's maximum context length is 2048 tokens."
+    rec = await run(adapter_for(fake.base_url))
+    failed = rec.terminal("r1")
+    assert (failed.code, failed.retryable, failed.status) == ("invalid_request", False, 400)
+    assert failed.message == "This model's maximum context length is 2048 tokens."
+
+    fake.error_code = "context_length_exceeded"
+    failed = (await run(adapter_for(fake.base_url))).terminal("r1")
+    assert (failed.code, failed.retryable, failed.status) == ("context_length_exceeded", False, 400)
 
 
 async def test_tool_call_deltas_pass_through_in_order(fake: FakeOpenAI) -> None:
