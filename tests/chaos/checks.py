@@ -1,0 +1,547 @@
+"""The soak's checks and its summary table. Each check is a pure function of a finished
+:class:`~tests.chaos.soak.SoakRun` and returns a :class:`Check`: a name, a figure, and when it
+fails, the evidence (request ids, rows, log lines), so a failure says exactly what broke."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from .processes import tracebacks
+from .soak import (
+    FAULTY_PROVIDER,
+    GAUGES,
+    MAX_ATTEMPTS,
+    NODES,
+    TOTAL_SLOTS,
+    EdgeLog,
+    Seen,
+    SoakRun,
+    gauge_total,
+)
+
+EVIDENCE_LIMIT = 15
+"""Items of evidence shown per failed check (the count is always given in full)."""
+
+ROW_LATENESS_LIMIT = 3.0
+"""A row may be written at most this long after its client saw the end of its request."""
+
+
+@attrs.define
+class Check:
+    name: str
+    ok: bool
+    figure: str
+    evidence: list[str] = attrs.field(factory=list)
+
+    def report(self) -> str:
+        lines = [f"FAILED {self.name}: {self.figure}"]
+        lines += [f"    {item}" for item in self.evidence[:EVIDENCE_LIMIT]]
+        if len(self.evidence) > EVIDENCE_LIMIT:
+            lines.append(f"    ... and {len(self.evidence) - EVIDENCE_LIMIT} more")
+        return "\n".join(lines)
+
+
+def _row(row: dict[str, Any]) -> str:
+    keys = (
+        "attempt",
+        "node_id",
+        "provider_id",
+        "outcome",
+        "billable_to",
+        "usage_source",
+        "prompt_tokens",
+        "completion_tokens",
+        "ttft_s",
+    )
+    return "{" + ", ".join(f"{k}={row.get(k)}" for k in keys) + "}"
+
+
+def rows_by_request(run: SoakRun) -> dict[str, list[dict[str, Any]]]:
+    by: dict[str, list[dict[str, Any]]] = {}
+    for row in run.rows:
+        by.setdefault(row["request_id"], []).append(row)
+    for rows in by.values():
+        rows.sort(key=lambda r: r["attempt"])
+    return by
+
+
+def _log(run: SoakRun) -> EdgeLog:
+    assert run.edge_log is not None
+    return run.edge_log
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_no_silent_truncation(run: SoakRun) -> Check:
+    bad = [s for s in run.seen if s.view in ("truncated", "wrong_content")]
+    return Check(
+        "0 silent truncations",
+        not bad,
+        f"{len(bad)} of {len(run.seen)} answers ended without [DONE] or an error event, "
+        "or were cut, unparseable or wrong",
+        [s.describe() for s in bad],
+    )
+
+
+def check_every_client_answered(run: SoakRun) -> Check:
+    bad = [s for s in run.seen if s.view in ("transport_error", "hung")]
+    missing = len(run.plans) - len(run.seen)
+    evidence = [s.describe() for s in bad]
+    if missing:
+        evidence.insert(0, f"{missing} planned requests never ran")
+    return Check(
+        "every client got an answer (no connection dropped before it, no hang)",
+        not bad and not missing,
+        f"{len(bad)} without any HTTP answer or hung (> bound), {missing} not run",
+        evidence,
+    )
+
+
+def check_node_sessions(run: SoakRun) -> Check:
+    log = _log(run)
+    killed = Counter((k.node_id, k.generation) for k in run.kills)
+    ended = Counter((node, generation) for node, generation, _, _ in log.left)
+    evidence = []
+    for node, generation, _reason, line in log.left:
+        if (node, generation) not in killed:
+            evidence.append(f"unexpected session end: {line.strip()}")
+    for key, count in ended.items():
+        if count > 1:
+            evidence.append(f"node {key[0]} generation {key[1]} ended {count} times")
+    for kill in run.kills:
+        if (kill.node_id, kill.generation) not in ended:
+            evidence.append(
+                f"killed {kill.node_id} generation {kill.generation} at request "
+                f"{kill.at_request}: the edge logged no session end for it"
+            )
+        if kill.rejoined_generation is None:
+            evidence.append(f"killed {kill.node_id} at request {kill.at_request}: never rejoined")
+    for name, text in run.logs.items():
+        if not name.startswith("node-"):
+            continue
+        for line in text.splitlines():
+            if "reconnecting to" in line:
+                evidence.append(f"{name} (pid log) lost its session: {line.strip()}")
+    unexpected = sum(1 for n, g, _, _ in log.left if (n, g) not in killed)
+    return Check(
+        "0 node sessions ended other than the killed ones",
+        not evidence,
+        f"{len(log.left)} sessions ended, {len(run.kills)} nodes killed, "
+        f"{unexpected} unexpected ends",
+        evidence,
+    )
+
+
+def check_gauges(run: SoakRun) -> Check:
+    evidence = []
+    for name in GAUGES:
+        samples = run.metrics.get(name)
+        if samples is None:
+            evidence.append(f"{name}: not in /metrics")
+            continue
+        for labels, value in samples:
+            if value != 0:
+                evidence.append(f"{name}{json.dumps(labels, sort_keys=True)} = {value:g}")
+    figure = ", ".join(
+        f"{g.removeprefix('dispatcher_')}={gauge_total(run.metrics, g):g}" for g in GAUGES
+    )
+    settled = "settled" if run.settled else "NOT settled"
+    return Check(
+        "slots, queue and in-flight gauges back to 0",
+        not evidence,
+        f"{figure} ({settled} after {run.settle_s:.1f} s)",
+        evidence,
+    )
+
+
+def check_nodes_back(run: SoakRun) -> Check:
+    total = gauge_total(run.metrics, "dispatcher_slots_total")
+    nodes = {labels.get("node") for labels, _ in run.metrics.get("dispatcher_slots_total", [])}
+    evidence = []
+    if nodes != set(NODES):
+        evidence.append(f"candidates at the end are on nodes {sorted(map(str, nodes))}")
+    if total != TOTAL_SLOTS:
+        evidence.append(f"dispatcher_slots_total = {total:g}, configured {TOTAL_SLOTS}")
+    return Check(
+        "every node back with all its slots",
+        not evidence,
+        f"slots_total={total:g} of {TOTAL_SLOTS} on {len(nodes)} nodes",
+        evidence,
+    )
+
+
+def check_one_row_per_attempt(run: SoakRun) -> Check:
+    """One row per dispatched attempt: attempt numbers within bounds; an answered request
+    has a row for the attempt that answered (``x-dispatcher-attempts``) and none after it;
+    every attempt the edge logged as failed before the commit has its row; no other row
+    but one final (cancelled) row of a client that left; each request the fake upstream
+    saw has at least as many rows on that provider; no row for a request nobody sent."""
+    by = rows_by_request(run)
+    log = _log(run)
+    known = {s.request_id: s for s in run.seen}
+    evidence = []
+    for rid in sorted(set(by) - set(known)):
+        evidence.append(f"{rid}: rows for a request no client sent: {by[rid]}")
+    for seen in run.seen:
+        rid = seen.request_id
+        rows = by.get(rid, [])
+        attempts = [r["attempt"] for r in rows]
+        failed = log.failed_before_commit.get(rid, {})
+        where = f"{rid} (saw {seen.view}, {'stream' if seen.plan.stream else 'non-stream'})"
+        if len(set(attempts)) != len(attempts):
+            evidence.append(f"{where}: duplicate attempt numbers {attempts}")
+        if any(not 1 <= a <= MAX_ATTEMPTS for a in attempts):
+            evidence.append(f"{where}: attempt numbers out of 1..{MAX_ATTEMPTS}: {attempts}")
+        for attempt, line in sorted(failed.items()):
+            if attempt not in attempts:
+                evidence.append(
+                    f"{where}: no row for attempt {attempt}, which the edge logged: {line.strip()}"
+                )
+        answered = seen.attempts
+        if answered is not None:
+            if answered not in attempts:
+                evidence.append(
+                    f"{where}: answered by attempt {answered} (x-dispatcher-attempts) but no "
+                    f"row for it; rows: {[_row(r) for r in rows]}"
+                )
+            later = [a for a in attempts if a > answered]
+            if later:
+                evidence.append(f"{where}: rows after the answering attempt {answered}: {later}")
+        others = [r for r in rows if r["attempt"] not in failed and r["attempt"] != answered]
+        if seen.view == "left" and answered is None:
+            # the attempt in progress when the client left: dispatched (one row) or not
+            if len(others) > 1:
+                evidence.append(
+                    f"{where}: {len(others)} rows neither logged as failed nor final: "
+                    f"{[_row(r) for r in others]}"
+                )
+        elif others:
+            evidence.append(
+                f"{where}: rows for attempts the edge never logged as failed nor answered "
+                f"with: {[_row(r) for r in others]}"
+            )
+    upstream = Counter(str(r.get("user")) for r in run.upstream_requests)
+    for user, count in sorted(upstream.items()):
+        on_faulty = [r for r in by.get(user, []) if r["provider_id"] == FAULTY_PROVIDER]
+        if len(on_faulty) < count:
+            evidence.append(
+                f"{user}: the faulty upstream got {count} requests for it but the ledger has "
+                f"{len(on_faulty)} rows on {FAULTY_PROVIDER}"
+            )
+    if run.usage_truncated:
+        evidence.insert(0, "GET /v1/usage was truncated: not every row was read")
+    for line in log.text.splitlines():
+        if "dispatcher.usage" in line and ("ERROR" in line or "duplicate" in line.lower()):
+            evidence.append(f"ledger: {line.strip()}")
+    return Check(
+        "exactly one ledger row per dispatched attempt",
+        not evidence,
+        f"{len(run.rows)} rows for {len(by)} requests; "
+        f"{sum(len(v) for v in log.failed_before_commit.values())} attempts logged as failed "
+        "before the commit",
+        evidence,
+    )
+
+
+def check_completed_usage(run: SoakRun) -> Check:
+    """Every ``completed`` row carries the node's reported usage, and it is what the client
+    was told (and what echo / the fake upstream report: words in, words out)."""
+    known = {s.request_id: s for s in run.seen}
+    evidence = []
+    completed = [r for r in run.rows if r["outcome"] == "completed"]
+    for row in completed:
+        rid = row["request_id"]
+        seen = known.get(rid)
+        words = len(seen.plan.words) if seen else None
+        problems = []
+        if row["usage_source"] != "reported":
+            problems.append(f"usage_source={row['usage_source']}")
+        tokens = (row["prompt_tokens"], row["completion_tokens"])
+        if words is not None and tokens != (words, words):
+            problems.append(f"tokens {tokens} but the answer is {words} words in, {words} out")
+        if seen is not None and seen.usage is not None and tuple(seen.usage) != tokens:
+            problems.append(f"the client was told usage {seen.usage}")
+        if problems:
+            evidence.append(f"{rid}: completed row {_row(row)}: {'; '.join(problems)}")
+    return Check(
+        "every completed row carries the node's reported usage",
+        not evidence,
+        f"{len(completed)} completed rows, {len(evidence)} without the reported usage",
+        evidence,
+    )
+
+
+def _final_expectation(seen: Seen) -> tuple[set[str], str | None, bool]:
+    """(allowed final outcomes, required billable_to or None, must a final row exist)."""
+    view = seen.view
+    if view == "complete":
+        return {"completed"}, "client", True
+    if view == "error_event":
+        return {"failed"}, "client", True
+    if view == "left":
+        if seen.left_after_headers:
+            return {"cancelled"}, "client", True
+        return {"cancelled"}, None, False
+    return set(), None, False  # an HTTP error: no final row, every row aborted
+
+
+def check_outcomes_match_clients(run: SoakRun) -> Check:
+    """The final row of each request says what its client saw: ``completed`` iff a full
+    answer, ``cancelled`` iff the client left, ``failed`` iff an error after the stream
+    began; every other row (and every row of a 502) is ``aborted``, billed to the
+    operator."""
+    by = rows_by_request(run)
+    evidence = []
+    mismatches: Counter[str] = Counter()
+    for seen in run.seen:
+        if seen.view in ("truncated", "wrong_content", "transport_error", "hung"):
+            continue  # reported by their own checks
+        rows = by.get(seen.request_id, [])
+        allowed, billable, required = _final_expectation(seen)
+        final = [r for r in rows if r["outcome"] != "aborted"]
+        aborted = [r for r in rows if r["outcome"] == "aborted"]
+        problems = []
+        if len(final) > 1:
+            problems.append(f"{len(final)} rows not aborted")
+        if final:
+            row = final[-1]
+            if row["outcome"] not in allowed:
+                problems.append(f"final row says {row['outcome']}")
+                mismatches[f"{seen.view} -> {row['outcome']}"] += 1
+            elif billable is not None and row["billable_to"] != billable:
+                problems.append(f"final row billable_to={row['billable_to']}, not {billable}")
+                mismatches[f"{seen.view} -> billable {row['billable_to']}"] += 1
+            if rows and row["attempt"] != max(r["attempt"] for r in rows):
+                problems.append("the final row is not the last attempt")
+        elif required:
+            problems.append("no final row")
+            mismatches[f"{seen.view} -> no row"] += 1
+        for row in aborted:
+            if row["billable_to"] != "operator":
+                problems.append(f"aborted attempt {row['attempt']} billed to {row['billable_to']}")
+        if problems:
+            evidence.append(
+                f"{seen.describe()}: {'; '.join(problems)}; rows: {[_row(r) for r in rows]}"
+            )
+    summary = ", ".join(f"{k}: {v}" for k, v in sorted(mismatches.items())) or "none"
+    return Check(
+        "every row's outcome equals what its client saw",
+        not evidence,
+        f"{len(evidence)} requests whose rows disagree with their client (by kind: {summary})",
+        evidence,
+    )
+
+
+def check_request_metrics(run: SoakRun) -> Check:
+    """``dispatcher_requests_total{model="chat"}`` by outcome equals the clients' view."""
+    counted: Counter[str] = Counter()
+    for labels, value in run.metrics.get("dispatcher_requests_total", []):
+        if labels.get("model") == "chat":
+            counted[labels.get("outcome") or "?"] += int(value)
+    views = Counter(s.view for s in run.seen)
+    expected = {
+        "completed": views["complete"],
+        "client_gone": views["left"],
+        "failed": views["error_event"] + sum(v for k, v in views.items() if k.startswith("http_5")),
+    }
+    evidence = [
+        f"outcome={outcome}: the edge counted {counted[outcome]}, the clients saw {want}"
+        for outcome, want in expected.items()
+        if counted[outcome] != want
+    ]
+    return Check(
+        "request-outcome metrics equal what the clients saw",
+        not evidence,
+        ", ".join(f"{k}={counted[k]}" for k in sorted(counted)),
+        evidence,
+    )
+
+
+def check_rows_prompt(run: SoakRun) -> Check:
+    """No row waits: each is written within :data:`ROW_LATENESS_LIMIT` of its client's end."""
+    known = {s.request_id: s for s in run.seen}
+    late = []
+    worst = 0.0
+    for row in run.rows:
+        seen = known.get(row["request_id"])
+        if seen is None:
+            continue
+        lateness = row["ended_at"] - seen.ended_at
+        worst = max(worst, lateness)
+        if lateness > ROW_LATENESS_LIMIT:
+            late.append((lateness, row, seen))
+    late.sort(key=lambda item: -item[0])
+    return Check(
+        f"rows written within {ROW_LATENESS_LIMIT:g} s of their client's end",
+        not late,
+        f"{len(late)} late rows, worst {worst:.2f} s",
+        [
+            f"{s.request_id}: row {_row(r)} written {t:.2f} s after the client saw {s.view}"
+            for t, r, s in late
+        ],
+    )
+
+
+def check_no_tracebacks(run: SoakRun) -> Check:
+    evidence = []
+    for name, text in sorted(run.logs.items()):
+        for trace in tracebacks(text):
+            evidence.append(
+                f"{name}.err:\n" + "\n".join("      " + line for line in trace.splitlines())
+            )
+    return Check(
+        "no traceback in any process's log",
+        not evidence,
+        f"{len(evidence)} tracebacks in {len(run.logs)} process logs",
+        evidence,
+    )
+
+
+def check_coverage(run: SoakRun) -> Check:
+    """The soak did what it claims: ≥ 20% of clients left, at each kind of point; the nodes
+    were killed; the faulty provider injected faults."""
+    count = len(run.seen)
+    left = [s for s in run.seen if s.view == "left"]
+    by = rows_by_request(run)
+    kinds = leave_kinds(run, by)
+    evidence = []
+    if count and len(left) < 0.2 * count:
+        evidence.append(f"only {len(left)} of {count} clients left ({len(left) / count:.0%})")
+    for kind, n in kinds.items():
+        if n == 0:
+            evidence.append(f"no client left {kind}")
+    planned_kills = sum(
+        1 for i in range(1, run.count) if run.kill_every and i % run.kill_every == 0
+    )
+    if len(run.kills) != planned_kills:
+        evidence.append(f"{len(run.kills)} nodes killed, {planned_kills} planned")
+    faults = Counter(r["fault"] for r in run.upstream_requests)
+    if sum(v for k, v in faults.items() if k != "ok") == 0:
+        evidence.append("the faulty provider injected no fault")
+    return Check(
+        "coverage: ≥ 20% of clients left (queued, before the first token, mid-stream), "
+        "kills and faults happened",
+        not evidence,
+        f"{len(left)} left ({len(left) / max(1, count):.0%}): "
+        + ", ".join(f"{k} {v}" for k, v in kinds.items()),
+        evidence,
+    )
+
+
+def leave_kinds(run: SoakRun, by: dict[str, list[dict[str, Any]]]) -> dict[str, int]:
+    """Where the clients that left were, as measured: no row for the attempt in progress
+    (still queued, or not yet sent), a row without a first token, or mid-stream."""
+    kinds = {"while queued": 0, "after dispatch, before the first token": 0, "mid-stream": 0}
+    log = _log(run)
+    for seen in run.seen:
+        if seen.view != "left":
+            continue
+        if seen.left_after_headers:
+            kinds["mid-stream"] += 1
+            continue
+        failed = log.failed_before_commit.get(seen.request_id, {})
+        last = [r for r in by.get(seen.request_id, []) if r["attempt"] not in failed]
+        if not last:
+            kinds["while queued"] += 1
+        elif last[-1].get("ttft_s") is None:
+            kinds["after dispatch, before the first token"] += 1
+        else:
+            kinds["mid-stream"] += 1  # committed at the edge, headers not yet read
+    return kinds
+
+
+CHECKS: tuple[Callable[[SoakRun], Check], ...] = (
+    check_no_silent_truncation,
+    check_every_client_answered,
+    check_node_sessions,
+    check_gauges,
+    check_nodes_back,
+    check_one_row_per_attempt,
+    check_completed_usage,
+    check_outcomes_match_clients,
+    check_request_metrics,
+    check_rows_prompt,
+    check_no_tracebacks,
+    check_coverage,
+)
+
+
+def run_checks(run: SoakRun) -> list[Check]:
+    return [check(run) for check in CHECKS]
+
+
+# ------------------------------------------------------------------------------ summary
+
+
+def _table(rows: Iterable[tuple[str, str]]) -> str:
+    rows = list(rows)
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _counts(counter: Counter[str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counter.items(), key=lambda kv: -kv[1])) or "-"
+
+
+def summary(run: SoakRun, checks: list[Check]) -> str:
+    by = rows_by_request(run)
+    views = Counter(s.view for s in run.seen)
+    stream = sum(1 for p in run.plans if p.stream)
+    planned_leave = Counter(p.leave for p in run.plans)
+    attempts = Counter(str(s.attempts) for s in run.seen if s.attempts is not None)
+    served = Counter(
+        f"{s.headers.get('x-dispatcher-node')}/{s.headers.get('x-dispatcher-provider')}"
+        for s in run.seen
+        if s.headers.get("x-dispatcher-node")
+    )
+    outcomes = Counter(r["outcome"] for r in run.rows)
+    sources = Counter(f"{r['outcome']}:{r['usage_source']}" for r in run.rows)
+    providers = Counter(f"{r['node_id']}/{r['provider_id']}" for r in run.rows)
+    faults = Counter(r["fault"] for r in run.upstream_requests)
+    log = _log(run)
+    kills = "; ".join(
+        f"#{k.at_request} {k.node_id} gen {k.generation}->{k.rejoined_generation}"
+        + (f" ({k.rejoin_s:.2f} s)" if k.rejoin_s is not None else "")
+        for k in run.kills
+    )
+    rss = (
+        f"{(run.rss_before_kib or 0) / 1024:.1f} MiB -> {(run.rss_after_kib or 0) / 1024:.1f} MiB "
+        f"(peak {(run.rss_peak_kib or 0) / 1024:.1f} MiB)"
+    )
+    figures = [
+        ("seed", f"{run.seed} (CHAOS_SEED={run.seed} reproduces the plan)"),
+        (
+            "requests",
+            f"{len(run.seen)} of {run.count} ({stream} streamed, {run.count - stream} not)",
+        ),
+        ("concurrency", f"{run.concurrency} clients, {TOTAL_SLOTS} slots on {len(NODES)} nodes"),
+        ("load time", f"{run.load_s:.1f} s ({len(run.seen) / max(run.load_s, 1e-9):.1f} req/s)"),
+        ("planned leaves", _counts(Counter({k: v for k, v in planned_leave.items() if k != "no"}))),
+        ("clients saw", _counts(views)),
+        ("clients left at", ", ".join(f"{k} {v}" for k, v in leave_kinds(run, by).items())),
+        ("x-dispatcher-attempts", _counts(attempts)),
+        ("answered by", _counts(served)),
+        ("upstream requests", f"{len(run.upstream_requests)}: {_counts(faults)}"),
+        ("node kills", f"{len(run.kills)}: {kills or '-'}"),
+        ("node sessions ended", f"{len(log.left)} (joined {len(log.joined)})"),
+        ("ledger rows", f"{len(run.rows)} for {len(by)} requests: {_counts(outcomes)}"),
+        ("rows by usage source", _counts(sources)),
+        ("rows by provider", _counts(providers)),
+        ("failed-before-commit", str(sum(len(v) for v in log.failed_before_commit.values()))),
+        (
+            "gauges",
+            ", ".join(
+                f"{g.removeprefix('dispatcher_')} {gauge_total(run.metrics, g):g}" for g in GAUGES
+            ),
+        ),
+        ("settle", f"{run.settle_s:.1f} s ({'settled' if run.settled else 'NOT settled'})"),
+        ("edge RSS", rss),
+    ]
+    result = [(("ok    " if c.ok else "FAIL  ") + c.name, c.figure) for c in checks]
+    return f"chaos soak: {len(run.seen)} requests\n{_table(figures)}\nchecks:\n{_table(result)}"
