@@ -8,6 +8,7 @@
     ├── PayloadTooLarge       413 invalid_request_error
     ├── Unauthorized          401 authentication_error
     ├── ModelNotFound         404 invalid_request_error / model_not_found
+    ├── UpstreamRejected      4xx the upstream's own status: the client's mistake, not retried
     └── RunError              a dispatched run could not produce an answer
         ├── StaleGeneration   503 the node reconnected between selection and send
         ├── NodeUnavailable   502 the node connection broke before the run request went out
@@ -74,6 +75,16 @@ class NotFound(DispatcherError):
 
 class ModelNotFound(NotFound):
     default_code = "model_not_found"
+
+
+class UpstreamRejected(DispatcherError):
+    """The upstream refused the request as the client's mistake (a 4xx such as a bad
+    parameter or a context-length overflow): relayed with the upstream's status and its own
+    error code, never retried, never counted against the node."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    default_code = "invalid_request"
 
 
 class RunError(DispatcherError):

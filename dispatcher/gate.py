@@ -47,7 +47,7 @@ import trio
 
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
-from .errors import NodeUnavailable, RunError
+from .errors import NodeUnavailable, RunError, UpstreamRejected
 from .excgroups import holds
 from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
 from .runs import Run, RunSpec
@@ -482,6 +482,11 @@ class Gate:
                     retryable=True,
                 )
             attempt.observe(event)
+            if isinstance(event, wire.RunFailed) and _is_client_error(event):
+                # The upstream refused the request itself: the client's answer, relayed as
+                # the upstream's status (committed: this attempt answered the client).
+                attempt.committed = True
+                raise UpstreamRejected(event.message, code=event.code, status=event.status)
             if isinstance(event, wire.RunFailed):
                 raise _AttemptFailed(
                     event.code,
@@ -696,6 +701,12 @@ class Gate:
 
     def _count(self, key: str) -> None:
         self.statistics[key] = self.statistics.get(key, 0) + 1
+
+
+def _is_client_error(event: wire.RunFailed) -> bool:
+    """A failure that is the upstream's 4xx answer to the request itself: the client's."""
+    status = event.status
+    return status is not None and 400 <= status < 500 and status != 429 and not event.retryable
 
 
 def _is_cancellation(exc: BaseException | None) -> bool:
