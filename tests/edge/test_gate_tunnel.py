@@ -430,3 +430,32 @@ async def test_a_stall_after_commit_is_an_sse_error_and_aborts_the_tunnel(
         (row,) = await edge.rows("stalled", 1)
         assert (row.outcome, row.billable_to, row.path) == ("failed", "client", "tunnel")
         await edge.nothing_left()
+
+
+async def test_a_client_leaving_after_the_relayed_done_is_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The official SDK closes the connection as soon as it reads ``data: [DONE]``; the
+    provider may keep its connection a while longer. The client has the whole answer: the row
+    is ``completed`` with the provider's usage, and the metric agrees."""
+    async with open_edge(monkeypatch) as edge:
+        for fake in edge.fakes.values():
+            fake.linger_after_end = 30
+        with trio.fail_after(10):
+            stream = await trio.open_tcp_stream("127.0.0.1", edge.server.address.port)
+            async with stream:
+                request = raw_post("/v1/chat/completions", chat_body(stream=True))
+                request = request.replace(
+                    b"host: edge\r\n", b"host: edge\r\nx-request-id: done-then-gone\r\n"
+                )
+                await stream.send_all(request)
+                received = b""
+                while b"data: [DONE]\n\n" not in received:
+                    received += await stream.receive_some(65536)
+            await edge.nothing_left()
+        (row,) = await edge.rows("done-then-gone", 1)
+        assert (row.outcome, row.usage_source, row.path) == ("completed", "reported", "tunnel")
+        text = edge.dispatcher.metrics.render().decode()
+        assert 'dispatcher_requests_total{model="' in text
+        assert 'outcome="completed"} 1.0' in text
+        assert 'outcome="client_gone"} 1.0' not in text

@@ -114,6 +114,8 @@ class FakeProvider:
     fail_after_chunks: int | None = None
     fail_mode: Literal["abort", "error"] = "abort"
     stall_after_chunks: int | None = None
+    linger_after_end: float = 0.0
+    """Seconds a stream stays open after its last event (``data: [DONE]``)."""
     prompt_tokens: int = 7
     models: list[str] = attrs.Factory(lambda: ["fake-model"])
 
@@ -276,6 +278,9 @@ class FakeProvider:
             self._changed.unpark_all()
         for event in after:
             await send(event)
+        if self.linger_after_end:
+            # Like a provider that keeps the connection a while after its last event.
+            await trio.sleep(self.linger_after_end)
 
 
 @attrs.define(eq=False, kw_only=True)
