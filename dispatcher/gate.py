@@ -345,7 +345,14 @@ class Gate:
                         attempt = self._new_attempt(request, number, dispatch, started)
                         ended_by: BaseException | None = None
                         try:
-                            answer = await self._commit(request, attempt, number, policy)
+                            try:
+                                answer = await self._commit(request, attempt, number, policy)
+                            except (_AttemptFailed, UpstreamRejected) as exc:
+                                # Before the slot is released, so that a probe's failure
+                                # is seen before another request may probe.
+                                self._report_health(attempt, exc)
+                                raise
+                            self._report_health(attempt, None)
                             before_commit.deadline = math.inf
                             yielded = True
                             yield answer
@@ -401,6 +408,18 @@ class Gate:
             f"every attempt failed before the answer started; last cause: {last_failure.message}",
             code=last_failure.code,
         )
+
+    def _report_health(
+        self, attempt: Attempt | TunnelAttempt, failure: _AttemptFailed | UpstreamRejected | None
+    ) -> None:
+        """Tell admission how the candidate did: it answered (committed, or refused the
+        request as the client's mistake), or it failed for a reason of its own. A client's
+        error, a timeout of the whole request or a cancellation say nothing about it."""
+        key = attempt.result.candidate
+        if failure is None or isinstance(failure, UpstreamRejected):
+            self.pool.admission.report_success(key)
+        elif failure.retryable and failure.code not in _NOT_THE_CANDIDATES_FAULT:
+            self.pool.admission.report_failure(key)
 
     def _new_attempt(
         self, request: GateRequest, number: int, dispatch: Dispatch, started: float
@@ -701,6 +720,10 @@ class Gate:
 
     def _count(self, key: str) -> None:
         self.statistics[key] = self.statistics.get(key, 0) + 1
+
+
+_NOT_THE_CANDIDATES_FAULT = frozenset({"request_timeout", "tunnel_unsupported"})
+"""Retryable attempt failures that say nothing about the candidate's health."""
 
 
 def _is_client_error(event: wire.RunFailed) -> bool:

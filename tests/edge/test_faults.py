@@ -27,7 +27,7 @@ from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import Frame, MemoryConnection, memory_connection_pair
 from dispatcher.usage import UsageRow
 
-from .fakes import ScriptedNode, hello, wait_until
+from .fakes import ScriptedNode, connect, hello, wait_until
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "a b c"}]}
 
@@ -399,3 +399,51 @@ async def test_edge_only_sends_on_the_session_writer(
         assert not conn.aborted
         assert seen >= 1
         await wait_until(lambda: slots_in_use(d) == (0, 0))
+
+
+async def test_recovery_stops_choosing_a_candidate_that_always_fails(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One node fails every run before its first token, the other answers: after two failures
+    the failing one is ejected, so it gets a few attempts, not half of them."""
+    config = EdgeConfig(
+        local_node=False, nodes=NodeSettings(heartbeat_interval=1000, heartbeat_timeout=3000)
+    )
+    rows: list[UsageRow] = []
+    async with open_dispatcher(config) as d:
+        d.gate.record_usage = rows.append
+        bad = await connect(d, hello("bad", slots=4))
+        good = await connect(d, hello("good", slots=4))
+        attempts = {"bad": 0, "good": 0}
+
+        async def serve(node: ScriptedNode, name: str, fail: bool) -> None:
+            while True:
+                request = await node.receive_run()
+                attempts[name] += 1
+                if fail:
+                    await node.emit(
+                        request.run_id,
+                        ("run.started", {}),
+                        (
+                            "run.failed",
+                            {"code": "upstream_5xx", "message": "boom", "retryable": True},
+                        ),
+                    )
+                else:
+                    await node.emit(
+                        request.run_id,
+                        ("run.delta", {"text": "ok"}),
+                        ("run.usage", {"usage": wire.Usage(prompt_tokens=1, completion_tokens=1)}),
+                        ("run.completed", {}),
+                    )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve, bad, "bad", True)
+            nursery.start_soon(serve, good, "good", False)
+            for i in range(40):
+                async with d.gate.open(gate_request(f"r{i}", stream=False)) as answer:
+                    assert isinstance(answer.terminal, wire.RunCompleted)
+                await trio.sleep(0.01)  # 0.4 s in all: well inside the first cool-down
+            nursery.cancel_scope.cancel()
+    assert attempts["good"] == 40
+    assert attempts["bad"] <= 2, attempts
