@@ -44,7 +44,7 @@ import trio
 from dispatcher import wire
 from dispatcher.excgroups import first_leaf
 from dispatcher.transport import ConnectionClosed
-from nodes.adapters._http import HTTPTimeouts, display_url, parse_timeout_option
+from nodes.adapters._http import HTTPTimeouts, Redactor, display_url, parse_timeout_option
 from nodes.config import NodeConfigError, ProviderConfig
 
 log = logging.getLogger("nodes.tunnel")
@@ -310,17 +310,23 @@ class TunnelRunner:
                 tunnel_id=tunnel_id, error=f"bad_request: window {request.window} is not positive"
             )
         url = provider.url(request.path, request.query)
-        where = display_url(url)
+        headers = request_headers(request.headers, provider.api_key)
+        # The edge relays these errors to clients: they name "the provider", never its URL,
+        # host or the node's key (the node's own log keeps the URL).
+        redact = Redactor.for_request(url, dict(headers))
+        where = "the provider"
         started = False
         try:
             async with client.stream(
                 request.method,
                 url,
-                headers=request_headers(request.headers, provider.api_key),
+                headers=headers,
                 content=request.body.encode("utf-8"),
             ) as response:
                 started = True
-                log.debug("tunnel %s: %s answered %d", tunnel_id, where, response.status_code)
+                log.debug(
+                    "tunnel %s: %s answered %d", tunnel_id, display_url(url), response.status_code
+                )
                 await self._send(
                     wire.TunnelStart(
                         tunnel_id=tunnel_id,
@@ -330,18 +336,22 @@ class TunnelRunner:
                 )
                 await self._pump(tunnel, response, where)
         except httpx.TimeoutException as exc:
+            log.info("tunnel %s: %s timed out: %s", tunnel_id, display_url(url), _name(exc))
             if started:
-                error = f"upstream_disconnected: {where}: timed out mid-response ({_name(exc)})"
+                error = f"upstream_disconnected: {where} timed out mid-response ({_kind(exc)})"
             else:
-                error = f"upstream_unreachable: {where}: timed out ({_name(exc)})"
+                error = f"upstream_unreachable: {where} timed out ({_kind(exc)})"
             return wire.TunnelEnd(tunnel_id=tunnel_id, error=error, retryable=not started)
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            log.info("tunnel %s: %s failed: %s", tunnel_id, display_url(url), _name(exc))
             kind = "upstream_disconnected" if started else "upstream_unreachable"
             return wire.TunnelEnd(
-                tunnel_id=tunnel_id, error=f"{kind}: {where}: {_name(exc)}", retryable=not started
+                tunnel_id=tunnel_id,
+                error=f"{kind}: {where}: {redact(_name(exc))}",
+                retryable=not started,
             )
         except _UpstreamFailed as exc:
-            return wire.TunnelEnd(tunnel_id=tunnel_id, error=exc.error)
+            return wire.TunnelEnd(tunnel_id=tunnel_id, error=redact(exc.error))
         return wire.TunnelEnd(tunnel_id=tunnel_id)
 
     async def _pump(self, tunnel: _Tunnel, response: httpx.Response, where: str) -> None:
@@ -401,6 +411,10 @@ class TunnelRunner:
 
 def _find_closed(exc: BaseException) -> ConnectionClosed | None:
     return first_leaf(exc, ConnectionClosed)
+
+
+def _kind(exc: BaseException) -> str:
+    return type(exc).__name__
 
 
 def _name(exc: BaseException) -> str:

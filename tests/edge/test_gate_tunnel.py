@@ -459,3 +459,19 @@ async def test_a_client_leaving_after_the_relayed_done_is_completed(
         assert 'dispatcher_requests_total{model="' in text
         assert 'outcome="completed"} 1.0' in text
         assert 'outcome="client_gone"} 1.0' not in text
+
+
+async def test_no_client_facing_message_names_the_providers_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with open_edge(monkeypatch, max_attempts=2) as edge:
+        edge.a.break_body = edge.b.break_body = True
+        response = await edge.post(chat_body(), "no-address")
+        assert response.status_code == 502
+        message = response.json()["error"]["message"]
+        assert "broke off" in message
+        for fake in edge.fakes.values():
+            address = fake.base_url.removeprefix("http://")
+            assert address not in message
+        assert "127.0.0.1" not in message
+        await edge.nothing_left()
