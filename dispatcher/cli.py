@@ -61,53 +61,64 @@ def main(argv: Sequence[str] | None = None) -> int:
             if config.usage_db is None:
                 data_dir = config.default_data_dir()
                 config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
-            trio.run(_serve, config, args.host, args.port)
-        else:
-            return _node(args)
+            return trio.run(_serve, config, args.host, args.port)
+        return _node(args)
     except ConfigError as exc:
         print(f"dispatcher: configuration error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # only before the signal receiver is in place
         return 130
-    return 0
 
 
-async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> None:
+async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> int:
+    """The edge until it has drained (exit status 0) or a second signal stopped it at once
+    (128 + the signal number)."""
     from .http import Server
     from .service import open_dispatcher
 
-    async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
-        if config.local_node:
-            await dispatcher.attach_local_node()
+    status = 0
+    # Signals are ours from the start: one that comes during startup drains once we serve.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
+            if config.local_node:
+                await dispatcher.attach_local_node()
 
-        # task_status is passed on to serve_http, which calls started().
-        async def serve(task_status: trio.TaskStatus[Server]) -> None:  # noqa: ASYNC128
-            await dispatcher.serve(host=host, port=port, task_status=task_status)
-            # Graceful shutdown is complete: stop listening for signals too.
-            nursery.cancel_scope.cancel(reason="server stopped")
+            # task_status is passed on to serve_http, which calls started().
+            async def serve(task_status: trio.TaskStatus[Server]) -> None:  # noqa: ASYNC128
+                await dispatcher.serve(host=host, port=port, task_status=task_status)
+                # The drain and the shutdown are over: stop listening for signals too.
+                nursery.cancel_scope.cancel(reason="server stopped")
 
-        server: Server = await nursery.start(serve)
-        address = server.address
-        tls = config.http.tls_certificate is not None
-        base = f"{'https' if tls else 'http'}://{address.host}:{address.port}"
-        models = ", ".join(sorted(dispatcher.registry.models())) or "none yet"
-        print(
-            f"trio-dispatcher edge listening on {base}/v1\n"
-            f"  models: {models}\n"
-            f"  usage ledger: {config.usage_db}\n"
-            f"  nodes connect to {'wss' if tls else 'ws'}://{address.host}:{address.port}"
-            "/v1/nodes/connect\n"
-            "  Ctrl-C or SIGTERM shuts down gracefully",
-            flush=True,
-        )
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            server: Server = await nursery.start(serve)
+            address = server.address
+            tls = config.http.tls_certificate is not None
+            base = f"{'https' if tls else 'http'}://{address.host}:{address.port}"
+            models = ", ".join(sorted(dispatcher.registry.models())) or "none yet"
+            grace = config.http.shutdown_grace
+            print(
+                f"trio-dispatcher edge listening on {base}/v1\n"
+                f"  models: {models}\n"
+                f"  usage ledger: {config.usage_db}\n"
+                f"  nodes connect to {'wss' if tls else 'ws'}://{address.host}:{address.port}"
+                "/v1/nodes/connect\n"
+                f"  Ctrl-C or SIGTERM drains (in-flight requests get {grace:g} s); "
+                "twice stops at once",
+                flush=True,
+            )
             async for signum in signals:
+                name = signal.Signals(signum).name
                 if server.shutting_down:
-                    log.warning("second signal: stopping now")
+                    log.warning("%s again: stopping now", name)
+                    status = 128 + signum
                     nursery.cancel_scope.cancel(reason="second signal")
                     break
-                log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                log.info(
+                    "%s: draining (in-flight requests get %g s; again to stop at once)",
+                    name,
+                    grace,
+                )
                 server.shutdown()
+    return status
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -127,5 +138,10 @@ def _node(args: argparse.Namespace) -> int:
     if args.node_id:
         changes["node_id"] = args.node_id
     config = attrs.evolve(config, **changes)
-    print(f"trio-dispatcher node {config.node_id} dialling {config.edge_url}", flush=True)
+    print(
+        f"trio-dispatcher node {config.node_id} dialling {config.edge_url}\n"
+        f"  Ctrl-C or SIGTERM drains (in-flight runs get {config.drain_grace:g} s); "
+        "twice stops at once",
+        flush=True,
+    )
     return run_node(config)

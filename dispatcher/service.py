@@ -9,6 +9,11 @@ everything::
         async with dispatcher.open_run(RunSpec(model="echo", body=body)) as run:
             async for event in run:
                 ...
+
+Draining (:meth:`Dispatcher.drain`, what ``dispatcher serve`` does on SIGTERM): admit nothing
+new (new requests get 503 ``shutting_down``, ``/readyz`` answers 503), tell every node session
+``edge.draining``, let in-flight requests, runs and tunnels finish within the grace, then end
+what is left: a stream with a final ``shutting_down`` event, an unanswered request with 503.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING
 
 import attrs
@@ -26,6 +31,7 @@ from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
 from .catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
 from .config import EdgeConfig
+from .errors import DispatcherError
 from .gate import Gate
 from .metrics import Metrics
 from .nodelink import NodeLinkSettings, serve_node_connection
@@ -42,6 +48,25 @@ if TYPE_CHECKING:
     from .http import Server
 
 log = logging.getLogger("dispatcher")
+
+DRAIN_RETRY_AFTER = 1.0
+"""``Retry-After`` (seconds) of the 503 a draining edge answers: soon, and elsewhere."""
+
+
+class ShuttingDown(DispatcherError):
+    """The dispatcher is draining or shut down: it admits nothing new (503, retry)."""
+
+    status = 503
+    default_code = "shutting_down"
+
+
+@attrs.define(eq=False)
+class Work:
+    """One request being served (see :meth:`Dispatcher.track_work`)."""
+
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    answered: bool = False
+    """The response has started: from here only a stream's own scope can end it cleanly."""
 
 
 @attrs.define(eq=False)
@@ -61,16 +86,36 @@ class Dispatcher:
     _nursery: trio.Nursery
     started_at: float = attrs.field(factory=time.time)
     _stream_scopes: set[trio.CancelScope] = attrs.field(factory=set)
+    _work: set[Work] = attrs.field(factory=set)
+    _idle: trio.Event = attrs.field(factory=trio.Event)
+    _drain_deadline: float | None = None
     shutting_down: bool = False
+    """Set when what the drain left is ended (streams get their final event at once)."""
 
-    def open_run(self, spec: RunSpec) -> AbstractAsyncContextManager[Run]:
-        """Queue, take a slot, subscribe, send; see :mod:`dispatcher.runs`."""
-        return self.runs.open_run(spec)
+    def __attrs_post_init__(self) -> None:
+        self._idle.set()
 
-    def open_dispatch(self, request: DispatchRequest) -> AbstractAsyncContextManager[Dispatch]:
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` (or :meth:`start_draining`) was called: nothing new is
+        admitted."""
+        return self._drain_deadline is not None
+
+    @asynccontextmanager
+    async def open_run(self, spec: RunSpec) -> AsyncIterator[Run]:
+        """Queue, take a slot, subscribe, send; see :mod:`dispatcher.runs`. Raises
+        :class:`ShuttingDown` once the dispatcher is draining."""
+        with self.track_work():
+            async with self.runs.open_run(spec) as run:
+                yield run
+
+    @asynccontextmanager
+    async def open_dispatch(self, request: DispatchRequest) -> AsyncIterator[Dispatch]:
         """One admission over the model's provider pool, then the winning candidate's path
-        (see :mod:`dispatcher.pool`)."""
-        return self.pool.open(request)
+        (see :mod:`dispatcher.pool`). Raises :class:`ShuttingDown` once draining."""
+        with self.track_work():
+            async with self.pool.open(request) as dispatch:
+                yield dispatch
 
     # -- nodes ------------------------------------------------------------------------
 
@@ -82,7 +127,12 @@ class Dispatcher:
 
     async def serve_node_connection(self, conn: Connection, peer: str = "in-memory") -> None:
         await serve_node_connection(
-            conn, self.registry, self.nodelink_settings, on_capacity=self.on_capacity, peer=peer
+            conn,
+            self.registry,
+            self.nodelink_settings,
+            on_capacity=self.on_capacity,
+            on_draining=self.on_draining,
+            peer=peer,
         )
 
     async def attach_local_node(self, node_config: NodeConfig | None = None) -> str:
@@ -108,11 +158,21 @@ class Dispatcher:
         return config.node_id
 
     def on_capacity(self, session: NodeSession, change: wire.Capacity) -> None:
+        if session.draining:
+            return  # a draining node takes nothing new, whatever it announces
         for candidate in candidates_for_session(session):
             if candidate.provider_id == change.provider_id and candidate.model == change.model:
                 self.admission.capacity_changed(
                     candidate.key, change.slots, change.long_context_slots
                 )
+
+    def on_draining(self, session: NodeSession) -> None:
+        """The node said ``node.draining``: admit nothing more onto its candidates (their
+        slots drop to 0; the runs and tunnels they hold finish and release as usual)."""
+        for candidate in candidates_for_session(session):
+            # long_context_slots unchanged: a queued long request must not be rejected as
+            # incapable because this node is leaving; with 0 slots it just admits nobody.
+            self.admission.capacity_changed(candidate.key, 0, candidate.long_context_slots)
 
     def _node_joined(self, session: NodeSession) -> None:
         self.admission.node_joined(candidates_for_session(session))
@@ -138,27 +198,98 @@ class Dispatcher:
     def candidates(self) -> list[Candidate]:
         return [c for s in self.registry.sessions.values() for c in candidates_for_session(s)]
 
-    # -- HTTP -------------------------------------------------------------------------
+    # -- draining ---------------------------------------------------------------------
+
+    @contextmanager
+    def track_work(self) -> Iterator[Work]:
+        """Count one request as in flight: :meth:`drain` waits for it. Raises
+        :class:`ShuttingDown` when draining. When the grace is over, a request that has not
+        started its answer (``work.answered`` still False) has ``work.scope`` cancelled."""
+        if self.draining:
+            raise ShuttingDown(
+                "the dispatcher is shutting down; retry the request",
+                retry_after=DRAIN_RETRY_AFTER,
+            )
+        work = Work()
+        self._work.add(work)
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        try:
+            with work.scope:
+                if self.shutting_down:
+                    work.scope.cancel(reason="dispatcher shut down")
+                yield work
+        finally:
+            self._work.discard(work)
+            if not self._work:
+                self._idle.set()
+
+    def in_flight(self) -> int:
+        """Requests being served now (those :meth:`drain` waits for)."""
+        return len(self._work)
+
+    def start_draining(self, grace: float | None = None) -> None:
+        """Begin draining without waiting (idempotent): admit nothing new and tell every
+        node session ``edge.draining``. ``grace`` defaults to ``http.shutdown_grace``."""
+        if self._drain_deadline is not None:
+            return
+        if grace is None:
+            grace = self.config.http.shutdown_grace
+        self._drain_deadline = trio.current_time() + grace
+        log.info(
+            "draining: admitting nothing new; %d request(s) in flight get %.1f s",
+            len(self._work),
+            grace,
+        )
+        for session in list(self.registry.sessions.values()):
+            session.post(wire.EdgeDraining(grace=grace))
+
+    async def drain(self, grace: float | None = None) -> bool:
+        """Drain: :meth:`start_draining`, wait until no request is in flight or the grace
+        is over, then end what is left (:meth:`begin_shutdown`). Returns True when nothing
+        was left. Calling it again waits with the first call's deadline."""
+        self.start_draining(grace)
+        assert self._drain_deadline is not None
+        with trio.move_on_at(self._drain_deadline):
+            await self._idle.wait()
+        left = len(self._work)
+        if left:
+            log.warning("drain grace is over: ending %d request(s) still in flight", left)
+        else:
+            log.info("drained: no request in flight")
+        await self.begin_shutdown()
+        return not left
 
     @contextmanager
     def stream_scope(self) -> Iterator[trio.CancelScope]:
-        """A scope for one streamed response; graceful shutdown cancels it so the handler
-        can send its final event before the server's grace period ends."""
+        """A scope for one streamed response; when the drain's grace is over it is
+        cancelled so the handler sends its final event."""
         with trio.CancelScope() as scope:
             self._stream_scopes.add(scope)
             try:
                 if self.shutting_down:
-                    scope.cancel()
+                    scope.cancel(reason="dispatcher shut down")
                 yield scope
             finally:
                 self._stream_scopes.discard(scope)
 
     async def begin_shutdown(self) -> None:
-        """End open streams cleanly (each sends a final error event)."""
+        """End what is in flight now (idempotent): each open stream sends a final error event
+        (``shutting_down``); a request not yet answered is cancelled (the HTTP API answers
+        503). Nothing new is admitted from here on."""
+        self.start_draining(0)
         self.shutting_down = True
         for scope in list(self._stream_scopes):
-            scope.cancel()
+            scope.cancel(reason="dispatcher shutting down")
+        for work in list(self._work):
+            if not work.answered:
+                work.scope.cancel(reason="dispatcher shutting down")
         await trio.lowlevel.checkpoint()
+
+    # -- HTTP -------------------------------------------------------------------------
+
+    async def _drain_for_server(self) -> None:
+        await self.drain(self.config.http.shutdown_grace)
 
     async def serve(  # noqa: ASYNC128 (task_status is passed on to serve_http)
         self,
@@ -168,7 +299,9 @@ class Dispatcher:
         task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve the HTTP API (OpenAI routes and the node websocket) until cancelled or
-        shut down through the server handle passed to ``task_status``."""
+        shut down through the server handle passed to ``task_status``: ``server.shutdown()``
+        drains (:meth:`drain`, ``http.shutdown_grace``) while the server still answers, then
+        closes the node websockets with 1001 and stops."""
         from .api.app import make_handler
         from .http import Limits, serve_http
 
@@ -194,6 +327,7 @@ class Dispatcher:
             port=port if port is not None else self.config.port,
             limits=limits,
             ssl_context=ssl_context,
+            on_drain=self._drain_for_server,
             on_shutdown=self.begin_shutdown,
             task_status=task_status,
         )

@@ -13,13 +13,21 @@ One session::
     then, concurrently until the connection ends:
       receive loop:  ping -> pong, run.request -> runner.start, run.cancel -> runner.cancel,
                      tunnel.request / tunnel.credit / tunnel.cancel -> the tunnel runner
-                     (nodes.tunnel), a malformed frame -> close 1002;
+                     (nodes.tunnel), edge.draining -> noted (the edge's close that follows
+                     is a normal end), a malformed frame -> close 1002;
                      watchdog: each receive has a deadline; nothing from the edge for
                      heartbeat_timeout_factor x heartbeat_interval -> the edge is gone,
                      close 1001;
       runner:        the runs, and one writer task sending all their events (nodes.runner);
       tunnels:       each tunnel a task relaying one HTTP request to its provider
-                     (nodes.tunnel).
+                     (nodes.tunnel);
+      drain:         once :class:`Drain` is requested: node.draining -> the edge, new
+                     run.request / tunnel.request answered with a retryable failure
+                     (``node_draining``), in-flight runs and tunnels get config.drain_grace,
+                     then close 1001 and serve_node returns.
+
+:func:`run_node` (``dispatcher node``) requests the drain on the first SIGINT or SIGTERM and
+stops at once on the second.
 
 Errors are split in two: :class:`NodeRejected` is permanent; everything else that ends a
 session (``transport.ConnectionClosed``, ``OSError``, a timeout, a protocol error, even an
@@ -28,15 +36,17 @@ unexpected exception, which is logged with its traceback) is transient.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import random
+import signal
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import attrs
 import trio
@@ -75,6 +85,38 @@ CANCELLED_CLOSE_TIMEOUT: Final = 0.1
 CONNECT_TIMEOUT: Final = 10.0
 WEBSOCKET_QUEUE_SIZE: Final = 16
 """Edge-to-node messages trio-websocket buffers before it stops reading the socket."""
+NODE_DRAINING: Final = "node_draining"
+"""The failure code of a run or tunnel the edge sent after the node said it is draining."""
+
+
+class Drain:
+    """A request to drain a node: tell the edge, take no new work, finish what runs (within
+    ``config.drain_grace``), leave. Pass it to :func:`serve_node` (or
+    :func:`serve_node_session`) and call :meth:`request` from any task in the same Trio run
+    (a signal watcher, say); ``serve_node`` then returns once the node has left."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def is_requested(self) -> bool:
+        return self._event.is_set()
+
+    def request(self) -> None:
+        """Ask for the drain (idempotent, never blocks)."""
+        if self._event.is_set():
+            return
+        self._event.set()
+        for callback in self._callbacks:
+            callback()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def _on_request(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` when the drain is requested; returns the unsubscribe."""
+        self._callbacks.append(callback)
+        return lambda: self._callbacks.remove(callback)
 
 
 class NodeRejected(Exception):
@@ -104,11 +146,15 @@ class _Sender:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = trio.Lock()
+        self.on_sent: Callable[[wire.NodeMessage], None] | None = None
+        """Told of every message once it is on the wire."""
 
     async def send(self, message: wire.NodeMessage) -> None:
         frame = wire.encode(message)
         async with self._lock:
             await self._conn.send(frame)
+        if self.on_sent is not None:
+            self.on_sent(message)
 
     async def send_data(self, tunnel_id: str, data: bytes) -> None:
         frame = wire.encode_tunnel_data(tunnel_id, data)
@@ -122,15 +168,16 @@ async def serve_node_session(
     *,
     adapters: Mapping[str, Adapter] | None = None,
     tunnels: Mapping[str, TunnelProvider] | None = None,
+    drain: Drain | None = None,
     task_status: trio.TaskStatus[wire.Welcome] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one connection to the edge, from ``hello`` until the connection ends.
 
     Returns when the session is over for a transient reason (connection lost, edge silent,
-    protocol error, handshake timeout), after closing ``conn``. Raises :class:`NodeRejected`
-    when the edge refuses the node for good. ``task_status.started(welcome)`` is called once
-    the edge has welcomed the node. ``adapters`` defaults to
-    ``build_adapters(config.providers)``, ``tunnels`` to
+    protocol error, handshake timeout), or once it has drained after ``drain`` was requested,
+    after closing ``conn``. Raises :class:`NodeRejected` when the edge refuses the node for
+    good. ``task_status.started(welcome)`` is called once the edge has welcomed the node.
+    ``adapters`` defaults to ``build_adapters(config.providers)``, ``tunnels`` to
     ``tunnel_providers(config.providers)``.
     """
     if adapters is None:
@@ -153,7 +200,9 @@ async def serve_node_session(
             if welcome.heartbeat_interval > 0
             else float("inf")
         )
-        code, reason = await _serve_welcomed(conn, sender, adapters, tunnels, silence_limit)
+        code, reason = await _serve_welcomed(
+            conn, sender, adapters, tunnels, silence_limit, drain, config.drain_grace
+        )
     except _EndSession as exc:
         code, reason = exc.code, exc.reason
         log.warning("ending session with the edge: %s", reason)
@@ -207,21 +256,72 @@ async def _handshake(conn: Connection, sender: _Sender, config: NodeConfig) -> w
     return message
 
 
+@attrs.define(eq=False)
+class _SessionState:
+    draining: bool = False
+    """We told the edge ``node.draining``: new runs and tunnels are refused."""
+    edge_draining: bool = False
+    """The edge told us ``edge.draining``: its close is a normal end."""
+    runs: collections.Counter[str] = attrs.Factory(collections.Counter)
+    """Runs handed to the runner whose terminal event is not yet sent (by id; a duplicate
+    id counts twice: the runner answers it with its own terminal event)."""
+    tunnels: set[str] = attrs.Factory(set)
+    """Tunnels handed to the tunnel runner whose ``tunnel.end`` is not yet sent."""
+    _idle: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+
+    def sent(self, message: wire.NodeMessage) -> None:
+        if isinstance(message, wire.TERMINAL_EVENTS):
+            left = self.runs.get(message.run_id, 0)
+            if left > 1:
+                self.runs[message.run_id] = left - 1
+            elif left == 1:
+                del self.runs[message.run_id]
+        elif isinstance(message, wire.TunnelEnd):
+            self.tunnels.discard(message.tunnel_id)
+        else:
+            return
+        if not self.runs and not self.tunnels:
+            self._idle.unpark_all()
+
+    async def wait_idle(self) -> None:
+        while self.runs or self.tunnels:
+            await self._idle.park()
+
+
 async def _serve_welcomed(
     conn: Connection,
     sender: _Sender,
     adapters: Mapping[str, Adapter],
     tunnel_providers: Mapping[str, TunnelProvider],
     silence_limit: float,
+    drain: Drain | None,
+    drain_grace: float,
 ) -> tuple[int, str]:
     """Run the welcomed session; return the close code and reason when it must end."""
     end: tuple[int, str] = (CLOSE_NORMAL, "session ended")
+    state = _SessionState()
+    sender.on_sent = state.sent
     try:
         async with (
             open_runner(sender.send, adapters=adapters) as runner,
             open_tunnels(sender.send, sender.send_data, tunnel_providers) as tunnels,
+            trio.open_nursery() as nursery,
         ):
-            end = await _receive_loop(conn, sender, runner, tunnels, silence_limit)
+
+            async def receive() -> None:
+                nonlocal end
+                end = await _receive_loop(conn, sender, runner, tunnels, silence_limit, state)
+                nursery.cancel_scope.cancel(reason="session over")
+
+            async def drain_when_asked(drain: Drain) -> None:
+                nonlocal end
+                await drain.wait()
+                end = await _drain(sender, drain_grace, state)
+                nursery.cancel_scope.cancel(reason="node drained")
+
+            nursery.start_soon(receive)
+            if drain is not None:
+                nursery.start_soon(drain_when_asked, drain)
     except* DropConnection as group:
         reason = str(first_leaf(group, DropConnection))
         log.warning("dropping the connection to the edge (%s)", reason)
@@ -230,13 +330,44 @@ async def _serve_welcomed(
         # The runner's nursery wraps the tunnels' nursery: the group may be nested.
         closed = first_leaf(group, ConnectionClosed)
         assert closed is not None  # except* matched, so there is one at some depth
-        log.info("connection to the edge lost: %s (code %s)", closed.reason, closed.code)
+        if state.edge_draining:
+            log.info("the edge closed the session after draining (code %s)", closed.code)
+        else:
+            log.info("connection to the edge lost: %s (code %s)", closed.reason, closed.code)
         end = (CLOSE_NORMAL, f"connection lost: {closed.reason}")
     return end
 
 
+async def _drain(sender: _Sender, grace: float, state: _SessionState) -> tuple[int, str]:
+    """Tell the edge, refuse new work, give what runs ``grace`` seconds; the close to send."""
+    state.draining = True
+    with trio.move_on_after(grace):
+        log.info(
+            "draining: taking no new work; %d run(s) and %d tunnel(s) in flight get %.1f s",
+            sum(state.runs.values()),
+            len(state.tunnels),
+            grace,
+        )
+        await sender.send(wire.NodeDraining(grace=grace))
+        await state.wait_idle()
+        log.info("drained: leaving the edge")
+        return CLOSE_GOING_AWAY, "node drained"
+    log.warning(
+        "drain grace of %.1f s is over: leaving with %d run(s) and %d tunnel(s) unfinished",
+        grace,
+        sum(state.runs.values()),
+        len(state.tunnels),
+    )
+    return CLOSE_GOING_AWAY, "node drain grace over"
+
+
 async def _receive_loop(
-    conn: Connection, sender: _Sender, runner: Runner, tunnels: TunnelRunner, silence_limit: float
+    conn: Connection,
+    sender: _Sender,
+    runner: Runner,
+    tunnels: TunnelRunner,
+    silence_limit: float,
+    state: _SessionState,
 ) -> tuple[int, str]:
     while True:
         with trio.move_on_after(silence_limit) as watchdog:
@@ -262,6 +393,17 @@ async def _receive_loop(
             return _protocol_error(str(exc))
         if isinstance(message, wire.Ping):
             await sender.send(wire.Pong(nonce=message.nonce))
+        elif isinstance(message, wire.RunRequest) and state.draining:
+            log.info("run %s: refused, this node is draining", message.run_id)
+            await sender.send(
+                wire.RunFailed(
+                    run_id=message.run_id,
+                    seq=0,
+                    code=NODE_DRAINING,
+                    message="this node is draining: it takes no new runs",
+                    retryable=True,
+                )
+            )
         elif isinstance(message, wire.RunRequest):
             log.debug(
                 "run %s: request for %s on provider %s",
@@ -269,11 +411,21 @@ async def _receive_loop(
                 message.served_model,
                 message.provider_id,
             )
+            state.runs[message.run_id] += 1
             runner.start(message)
         elif isinstance(message, wire.RunCancel):
             runner.cancel(message.run_id, message.reason)
         elif isinstance(message, wire.TunnelCredit):
             tunnels.credit(message.tunnel_id, message.bytes)
+        elif isinstance(message, wire.TunnelRequest) and state.draining:
+            log.info("tunnel %s: refused, this node is draining", message.tunnel_id)
+            await sender.send(
+                wire.TunnelEnd(
+                    tunnel_id=message.tunnel_id,
+                    error=f"{NODE_DRAINING}: this node is draining: it takes no new tunnels",
+                    retryable=True,
+                )
+            )
         elif isinstance(message, wire.TunnelRequest):
             log.debug(
                 "tunnel %s: %s %s on provider %s",
@@ -282,9 +434,18 @@ async def _receive_loop(
                 message.path,
                 message.provider_id,
             )
+            state.tunnels.add(message.tunnel_id)
             tunnels.start(message)
         elif isinstance(message, wire.TunnelCancel):
             tunnels.cancel(message.tunnel_id)
+        elif isinstance(message, wire.EdgeDraining):
+            if not state.edge_draining:
+                state.edge_draining = True
+                log.info(
+                    "the edge is draining (grace %.1f s): finishing what runs here, then "
+                    "reconnecting",
+                    message.grace,
+                )
         else:
             return _protocol_error(f"unexpected {_describe(message)} from the edge")
 
@@ -516,6 +677,18 @@ class Backoff:
         self.failures = 0
 
 
+@attrs.define(eq=False)
+class _Attempt:
+    """One dial and session of :func:`serve_node`."""
+
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    welcomed: bool = False
+
+    def abandon_unless_welcomed(self) -> None:
+        if not self.welcomed:
+            self.scope.cancel(reason="node draining")
+
+
 class _WelcomeStatus:
     """A ``task_status`` for :func:`serve_node_session` that reports the first welcome."""
 
@@ -531,9 +704,10 @@ async def serve_node(
     *,
     dial: Dial | None = None,
     rng: random.Random | None = None,
+    drain: Drain | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> NoReturn:
-    """Keep this node connected to the edge until cancelled.
+) -> None:
+    """Keep this node connected to the edge until cancelled, or until it has drained.
 
     Dials with ``dial`` (default :func:`dial_edge`), serves a session, and after any
     connection loss or dial failure waits a :class:`Backoff` delay (reset after a session
@@ -541,6 +715,10 @@ async def serve_node(
     is called after the *first* welcome, so ``await nursery.start(serve_node, config)``
     returns once the node is registered. Raises :class:`NodeRejected` (logged at ERROR) when
     the edge refuses the node for good.
+
+    When ``drain`` is requested the session drains (see :func:`serve_node_session`) and
+    ``serve_node`` returns; requested while not connected (or before welcome), it returns at
+    once.
     """
     if dial is None:
 
@@ -550,26 +728,35 @@ async def serve_node(
     adapters = build_adapters(config.providers)
     tunnels = tunnel_providers(config.providers)
     backoff = Backoff(config.reconnect_min_backoff, config.reconnect_max_backoff, rng=rng)
+    if drain is None:
+        drain = Drain()  # never requested
     welcomed = False
 
-    def on_welcome() -> None:
+    def on_welcome(attempt: _Attempt) -> None:
         nonlocal welcomed
+        attempt.welcomed = True
         if not welcomed:
             welcomed = True
             task_status.started()
 
-    while True:
+    while not drain.is_requested():
         connected_at: float | None = None
+        attempt = _Attempt()
+        # A drain asked for while dialling or before welcome abandons the attempt; once
+        # welcomed, the session drains itself.
+        unsubscribe = drain._on_request(attempt.abandon_unless_welcomed)
         try:
-            async with dial() as conn:
-                connected_at = trio.current_time()
-                await serve_node_session(
-                    conn,
-                    config,
-                    adapters=adapters,
-                    tunnels=tunnels,
-                    task_status=_WelcomeStatus(on_welcome),
-                )
+            with attempt.scope:
+                async with dial() as conn:
+                    connected_at = trio.current_time()
+                    await serve_node_session(
+                        conn,
+                        config,
+                        adapters=adapters,
+                        tunnels=tunnels,
+                        drain=drain,
+                        task_status=_WelcomeStatus(partial(on_welcome, attempt)),
+                    )
             outcome = "session ended"
         except NodeRejected as exc:
             _log_rejection(config, exc)
@@ -583,6 +770,10 @@ async def serve_node(
                 raise rejected from exc
             log.exception("unexpected error in the node session")
             outcome = f"error: {_explain(exc)}"
+        finally:
+            unsubscribe()
+        if drain.is_requested():
+            break
         if (
             connected_at is not None
             and trio.current_time() - connected_at > config.reconnect_reset_after
@@ -596,7 +787,9 @@ async def serve_node(
             backoff.failures,
             outcome,
         )
-        await trio.sleep(delay)
+        with trio.move_on_after(delay):
+            await drain.wait()
+    log.info("node %s drained: stopping", config.node_id)
 
 
 def _log_rejection(config: NodeConfig, exc: NodeRejected) -> None:
@@ -609,12 +802,44 @@ def _find_rejection(exc: BaseException) -> NodeRejected | None:
 
 
 def run_node(config: NodeConfig, *, dial: Dial | None = None) -> int:
-    """Run :func:`serve_node` in a fresh Trio loop until interrupted (Ctrl-C) and return the
-    process exit status: 2 when the edge rejected the node for good, 0 otherwise."""
+    """Run :func:`serve_node` in a fresh Trio loop (main thread only) and return the process
+    exit status. The first SIGINT (Ctrl-C) or SIGTERM drains the node
+    (``config.drain_grace``), then it exits 0; a second one stops it at once (exit status
+    128 + the signal number). 2 when the edge rejected the node for good."""
     try:
-        trio.run(partial(serve_node, config, dial=dial))
-    except NodeRejected:
-        return 2
-    except KeyboardInterrupt:
+        return trio.run(partial(_serve_until_signalled, config, dial))
+    except KeyboardInterrupt:  # only before the signal receiver is in place
         log.info("node %s stopped", config.node_id)
-    return 0
+        return 0
+
+
+async def _serve_until_signalled(config: NodeConfig, dial: Dial | None) -> int:
+    status = 0
+    drain = Drain()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def serve() -> None:
+                nonlocal status
+                try:
+                    await serve_node(config, dial=dial, drain=drain)
+                except NodeRejected:
+                    status = 2
+                nursery.cancel_scope.cancel(reason="node stopped")
+
+            nursery.start_soon(serve)
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not drain.is_requested():
+                    log.info(
+                        "%s: draining (in-flight work gets %.1f s; again to stop at once)",
+                        name,
+                        config.drain_grace,
+                    )
+                    drain.request()
+                else:
+                    log.warning("%s again: stopping now", name)
+                    status = 128 + signum
+                    nursery.cancel_scope.cancel(reason="second signal")
+                    break
+    return status

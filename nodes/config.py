@@ -104,6 +104,9 @@ class NodeConfig:
     reconnect_max_backoff: float = 30.0
     reconnect_reset_after: float = 30.0
     """A session that lasted longer than this resets the backoff to its minimum."""
+    drain_grace: float = 30.0
+    """On SIGTERM / Ctrl-C (or :class:`nodes.agent.Drain`), how long the node's in-flight runs
+    and tunnels get to finish after it told the edge ``node.draining``, before it leaves."""
 
 
 def default_node_config(node_id: str | None = None) -> NodeConfig:
@@ -209,6 +212,7 @@ def _parse(source: str, data: dict[str, Any], environ: Mapping[str, str]) -> Nod
             f"must be at least reconnect_min_backoff ({min_backoff}), got {max_backoff}",
         )
     reset_after = node.number("reconnect_reset_after", minimum=0.0, default=30.0)
+    drain_grace = node.number("drain_grace", minimum=0.0, default=30.0)
     node.finish()
 
     if not providers_raw:
@@ -231,6 +235,7 @@ def _parse(source: str, data: dict[str, Any], environ: Mapping[str, str]) -> Nod
         reconnect_min_backoff=min_backoff,
         reconnect_max_backoff=max_backoff,
         reconnect_reset_after=reset_after,
+        drain_grace=drain_grace,
     )
 
 

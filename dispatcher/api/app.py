@@ -24,9 +24,20 @@ from ..errors import (
     Unauthorized,
     error_status_and_body,
 )
-from ..http import BodyTooLarge, Handler, PeerGone, Request, Responder, WebSocket, WebSocketClosed
+from ..http import (
+    BodyTooLarge,
+    Handler,
+    Headers,
+    HTTPStream,
+    PeerGone,
+    Request,
+    Responder,
+    WebSocket,
+    WebSocketClosed,
+)
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..nodelink import serve_node_connection
+from ..service import DRAIN_RETRY_AFTER, ShuttingDown, Work
 from ..transport import ConnectionClosed
 from ..usage import parse_usage_query, usage_report_json
 from . import openai, tunnel_relay
@@ -85,6 +96,39 @@ class ServerWebSocketConnection:
             pass
 
 
+class _WorkResponder:
+    """The responder a work route gets: it tells the drain when the answer starts (from
+    then on only a stream's own scope may end it) and the handler whether it did."""
+
+    def __init__(self, inner: Responder, work: Work) -> None:
+        self._inner = inner
+        self._work = work
+        self.started = False
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._inner.shutting_down
+
+    async def respond(self, status: int, headers: Headers = (), body: bytes = b"") -> None:
+        self._work.answered = True
+        await self._inner.respond(status, headers, body)
+        self.started = True
+
+    async def start_stream(self, status: int, headers: Headers = ()) -> HTTPStream:
+        self._work.answered = True
+        stream = await self._inner.start_stream(status, headers)
+        self.started = True
+        return stream
+
+    async def accept_websocket(
+        self, subprotocol: str | None = None, headers: Headers = ()
+    ) -> WebSocket:
+        self._work.answered = True
+        ws = await self._inner.accept_websocket(subprotocol, headers)
+        self.started = True
+        return ws
+
+
 Route = Callable[["Dispatcher", Request, Responder, RouteContext], Awaitable[None]]
 
 
@@ -121,6 +165,13 @@ def make_handler(dispatcher: Dispatcher) -> Handler:
             if path == NODE_CONNECT_PATH:
                 if not request.is_websocket_upgrade:
                     raise BadRequest("this endpoint takes a websocket upgrade from a node")
+                if dispatcher.draining:
+                    # Refused before the upgrade: the node retries with backoff (a 503 is
+                    # transient to it), by then maybe to the edge's successor.
+                    raise ShuttingDown(
+                        "the edge is shutting down; reconnect later",
+                        retry_after=DRAIN_RETRY_AFTER,
+                    )
                 ws = await responder.accept_websocket()
                 client = request.client
                 peer = f"{client.host}:{client.port}" if client else "unknown"
@@ -129,12 +180,16 @@ def make_handler(dispatcher: Dispatcher) -> Handler:
                     dispatcher.registry,
                     dispatcher.nodelink_settings,
                     on_capacity=dispatcher.on_capacity,
+                    on_draining=dispatcher.on_draining,
                     peer=peer,
                 )
                 return
             if path == "/healthz":
                 body = orjson.dumps({"status": "ok", "nodes": len(dispatcher.registry.sessions)})
                 await responder.respond(200, (*openai.JSON_HEADERS, *headers), body)
+                return
+            if path == "/readyz":
+                await _readyz(dispatcher, responder, headers)
                 return
             route = _ROUTES.get(path)
             if route is None:
@@ -147,7 +202,20 @@ def make_handler(dispatcher: Dispatcher) -> Handler:
                     code="method_not_allowed",
                 )
             attribution = authorize(request)
-            await func(dispatcher, request, responder, RouteContext(headers, attribution))
+            ctx = RouteContext(headers, attribution)
+            if path not in _WORK_PATHS:
+                await func(dispatcher, request, responder, ctx)
+                return
+            # A request that runs a model: the drain waits for it (track_work refuses it
+            # with 503 once draining), and ends it when the grace is over.
+            with dispatcher.track_work() as work:
+                watched = _WorkResponder(responder, work)
+                await func(dispatcher, request, watched, ctx)
+            if work.scope.cancelled_caught and not watched.started:
+                raise ShuttingDown(
+                    "the dispatcher shut down before answering; retry the request",
+                    retry_after=DRAIN_RETRY_AFTER,
+                )
         except BodyTooLarge:
             await _respond_error(
                 responder, PayloadTooLarge("request body is over the size limit"), headers
@@ -156,6 +224,25 @@ def make_handler(dispatcher: Dispatcher) -> Handler:
             await _respond_error(responder, exc, headers)
 
     return handler
+
+
+async def _readyz(
+    dispatcher: Dispatcher, responder: Responder, headers: tuple[tuple[bytes, bytes], ...]
+) -> None:
+    """Readiness (``/healthz`` is liveness): 200 while the edge takes requests -- not
+    draining, at least one model served -- else 503."""
+    models = sorted(dispatcher.registry.models())
+    if dispatcher.draining:
+        status = "draining"
+    elif not models:
+        status = "no_models"
+    else:
+        status = "ready"
+    body = orjson.dumps(
+        {"status": status, "nodes": len(dispatcher.registry.sessions), "models": models}
+    )
+    code = 200 if status == "ready" else 503
+    await responder.respond(code, (*openai.JSON_HEADERS, *headers), body)
 
 
 async def _respond_error(
@@ -214,6 +301,8 @@ async def _usage(
 
 
 _ADMIN_PATHS = frozenset({"/v1/usage"})
+_WORK_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+"""Routes that run a model: refused while draining, waited for by the drain."""
 
 _ROUTES: dict[str, tuple[str, Route]] = {
     "/v1/usage": ("GET", _usage),

@@ -426,7 +426,7 @@ class Connection:
                         deadline = trio.current_time() + limits.header_timeout
                     else:
                         deadline = trio.current_time() + limits.keepalive_timeout
-                if not got_bytes and server.shutting_down:
+                if not got_bytes and server.closing:
                     return None
                 if trio.current_time() >= deadline:
                     if got_bytes:
@@ -626,7 +626,7 @@ class Connection:
         ws.ingest(leftover)
         self._reader_wake.wake()
         await ws.send_handshake(response)
-        if self.server.shutting_down:
+        if self.server.closing:
             await ws.send_close(GOING_AWAY, "server shutting down")
         return ws
 

@@ -31,6 +31,7 @@ class Server:
         address: Address,
         ssl_context: ssl.SSLContext | None,
         error_page: ErrorPage | None = None,
+        drains: bool = False,
     ) -> None:
         self.handler = handler
         self.limits = limits
@@ -38,6 +39,9 @@ class Server:
         self.error_page = error_page
         self._address = address
         self._shutting_down = False
+        self._drains = drains
+        self._draining = False
+        self._closing = False
         self._shutdown_requested = trio.Event()
         self._all_closed = trio.Event()
         self._stopped = trio.Event()
@@ -53,7 +57,20 @@ class Server:
 
     @property
     def shutting_down(self) -> bool:
+        """True once graceful shutdown has begun (the drain phase included)."""
         return self._shutting_down
+
+    @property
+    def draining(self) -> bool:
+        """True during the drain phase (only with an ``on_drain`` hook): the server still
+        accepts and serves, every response carries ``Connection: close``."""
+        return self._draining
+
+    @property
+    def closing(self) -> bool:
+        """True once the server stops accepting: idle connections close, websockets get
+        1001, in-flight requests get what is left of the grace."""
+        return self._closing
 
     @property
     def connection_count(self) -> int:
@@ -66,6 +83,10 @@ class Server:
         """
         if not self._shutting_down:
             self._shutting_down = True
+            if self._drains:
+                self._draining = True
+            else:
+                self._closing = True
             self._shutdown_requested.set()
 
     # --- accepting --------------------------------------------------------------------
@@ -112,7 +133,7 @@ class Server:
         finally:
             self._connections.discard(conn)
             self._slots.release()
-            if self._shutting_down and not self._connections:
+            if self._closing and not self._connections:
                 self._all_closed.set()
 
     async def _watch_writes(self) -> None:
@@ -140,8 +161,18 @@ class Server:
         accept_scope: trio.CancelScope,
         connections: trio.Nursery,
         on_shutdown: ShutdownHook | None,
+        on_drain: ShutdownHook | None = None,
     ) -> None:
         deadline = trio.current_time() + self.limits.shutdown_grace
+        if on_drain is not None:
+            # The drain phase: everything still works (the app answers what it will no
+            # longer take), until the app says it is drained or the grace is over.
+            with trio.move_on_at(deadline):
+                await _run_hook(on_drain)
+            self._draining = False
+            self._closing = True
+            # What the drain left gets its last words (a final event, a close frame).
+            deadline = max(deadline, trio.current_time() + self.limits.linger_timeout)
         accept_scope.cancel(reason="server shutting down")
         with trio.move_on_after(CLOSE_TIMEOUT):
             for listener in listeners:
@@ -188,13 +219,16 @@ async def serve_http(  # noqa: ASYNC114
     limits: Limits = _DEFAULT_LIMITS,
     ssl_context: ssl.SSLContext | None = None,
     on_shutdown: ShutdownHook | None = None,
+    on_drain: ShutdownHook | None = None,
     error_page: ErrorPage | None = None,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve HTTP/1.1 and websockets with ``handler`` until shut down.
 
     Reports the :class:`Server` through ``task_status.started`` once listening.
-    ``server.shutdown()`` shuts down gracefully (see the docs); cancelling this task stops
+    ``server.shutdown()`` shuts down gracefully (see the docs): with ``on_drain``, that hook
+    runs first while the server still serves, for up to ``shutdown_grace``; then
+    ``on_shutdown`` runs and the server stops accepting. Cancelling this task stops
     everything at once.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
@@ -205,6 +239,7 @@ async def serve_http(  # noqa: ASYNC114
         address=Address(str(host_port[0]), int(host_port[1])),
         ssl_context=ssl_context,
         error_page=error_page,
+        drains=on_drain is not None,
     )
     try:
         async with trio.open_nursery() as connections:
@@ -213,7 +248,7 @@ async def serve_http(  # noqa: ASYNC114
             connections.start_soon(server._watch_writes)
             task_status.started(server)
             await server._shutdown_requested.wait()
-            await server._shut_down(listeners, accept_scope, connections, on_shutdown)
+            await server._shut_down(listeners, accept_scope, connections, on_shutdown, on_drain)
             connections.cancel_scope.cancel(reason="shutdown grace period is over")
     finally:
         server._stopped.set()
@@ -230,6 +265,7 @@ async def serve_http_until_signal(  # noqa: ASYNC114
     limits: Limits = _DEFAULT_LIMITS,
     ssl_context: ssl.SSLContext | None = None,
     on_shutdown: ShutdownHook | None = None,
+    on_drain: ShutdownHook | None = None,
     error_page: ErrorPage | None = None,
     signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM),
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
@@ -247,6 +283,7 @@ async def serve_http_until_signal(  # noqa: ASYNC114
                     limits=limits,
                     ssl_context=ssl_context,
                     on_shutdown=on_shutdown,
+                    on_drain=on_drain,
                     error_page=error_page,
                 )
             )

@@ -217,13 +217,16 @@ async def test_client_disconnect_mid_stream_cancels_node_run(edge: Edge) -> None
 
 
 async def test_graceful_shutdown_ends_streams_with_an_error_event(nursery: trio.Nursery) -> None:
-    config = EdgeConfig(port=0, http=HTTPSettings(shutdown_grace=5))
+    # A stream longer than the grace (10 s of tokens, 0.5 s of grace): it goes on while the
+    # edge drains, and is ended with the shutting_down event when the grace is over.
+    config = EdgeConfig(port=0, http=HTTPSettings(shutdown_grace=0.5))
     async with open_dispatcher(config) as dispatcher:
         await dispatcher.attach_local_node()
         server: Server = await nursery.start(dispatcher.serve)
         url = f"http://127.0.0.1:{server.address.port}"
         body = chat(" ".join(f"w{i}" for i in range(500)), stream=True, echo={"token_delay": 0.02})
         lines: list[str] = []
+        at_shutdown = 0
         async with (
             httpx.AsyncClient(base_url=url) as client,
             client.stream("POST", "/v1/chat/completions", json=body) as response,
@@ -232,10 +235,12 @@ async def test_graceful_shutdown_ends_streams_with_an_error_event(nursery: trio.
                 lines.append(line)
                 if len(lines) == 4:
                     server.shutdown()
+                    at_shutdown = len(lines)
         await wait_until(lambda: dispatcher.runs.stats.cancels_sent == 1)
     data = [line for line in lines if line.startswith("data: ")]
     assert "shutting_down" in data[-1]
     assert "data: [DONE]" not in data
+    assert len(lines) > at_shutdown + 10  # the stream went on during the grace
 
 
 async def test_usage_is_attributed_to_the_key_id_and_admin_only(nursery: trio.Nursery) -> None:

@@ -43,6 +43,7 @@ def test_serve_http_signature() -> None:
         "limits",
         "ssl_context",
         "on_shutdown",
+        "on_drain",
         "error_page",
         "task_status",
     ]
