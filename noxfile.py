@@ -5,6 +5,7 @@ Sessions run on the interpreter that runs nox (Python 3.11 or newer).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -37,6 +38,26 @@ def fuzz(session: nox.Session) -> None:
         "faulthandler_timeout=0",
         *session.posargs,
         env={"HYPOTHESIS_PROFILE": "fuzz"},
+    )
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """The chaos soak at full length: CHAOS_REQUESTS (default 2,000) requests, its summary
+    printed; CHAOS_SEED and CHAOS_CONCURRENCY pass through (see tests/chaos/test_chaos.py).
+    The test command runs the 300-request version."""
+    session.install(".[test]")
+    requests = os.environ.get("CHAOS_REQUESTS", "2000")
+    session.run(
+        "pytest",
+        "tests/chaos",
+        "-m",
+        "chaos",
+        "-s",
+        "-o",
+        "faulthandler_timeout=0",
+        *session.posargs,
+        env={"CHAOS_REQUESTS": requests},
     )
 
 

@@ -27,6 +27,10 @@ from .soak import (
 EVIDENCE_LIMIT = 15
 """Items of evidence shown per failed check (the count is always given in full)."""
 
+GAUGES_ZERO_LIMIT = 3.0
+"""The gauges must read 0 within this long of the last client's end: a cancel confirmation
+takes milliseconds, the drain timeout that would cover a lost one is 5 s."""
+
 ROW_LATENESS_LIMIT = 3.0
 """A row may be written at most this long after its client saw the end of its request."""
 
@@ -103,6 +107,15 @@ def check_every_client_answered(run: SoakRun) -> Check:
     )
 
 
+_NODE_SESSION_END = (
+    "connection to the edge lost",
+    "ending session",
+    "dropping the connection",
+    "reconnecting to",
+)
+"""What a node logs when its session ends (``nodes/agent.py``)."""
+
+
 def check_node_sessions(run: SoakRun) -> Check:
     log = _log(run)
     killed = Counter((k.node_id, k.generation) for k in run.kills)
@@ -122,12 +135,12 @@ def check_node_sessions(run: SoakRun) -> Check:
             )
         if kill.rejoined_generation is None:
             evidence.append(f"killed {kill.node_id} at request {kill.at_request}: never rejoined")
-    for name, text in run.logs.items():
+    for name, text in sorted(run.logs.items()):
         if not name.startswith("node-"):
             continue
         for line in text.splitlines():
-            if "reconnecting to" in line:
-                evidence.append(f"{name} (pid log) lost its session: {line.strip()}")
+            if any(marker in line for marker in _NODE_SESSION_END):
+                evidence.append(f"{name}.err: {line.strip()}")
     unexpected = sum(1 for n, g, _, _ in log.left if (n, g) not in killed)
     return Check(
         "0 node sessions ended other than the killed ones",
@@ -148,14 +161,22 @@ def check_gauges(run: SoakRun) -> Check:
         for labels, value in samples:
             if value != 0:
                 evidence.append(f"{name}{json.dumps(labels, sort_keys=True)} = {value:g}")
+    zero = run.gauges_zero_s
+    if zero is None:
+        evidence.append(f"the gauges never all read 0 in {run.settle_s:.1f} s")
+    elif zero > GAUGES_ZERO_LIMIT:
+        evidence.append(
+            f"the gauges first all read 0 {zero:.1f} s after the last client's end "
+            f"(limit {GAUGES_ZERO_LIMIT:g} s)"
+        )
     figure = ", ".join(
         f"{g.removeprefix('dispatcher_')}={gauge_total(run.metrics, g):g}" for g in GAUGES
     )
-    settled = "settled" if run.settled else "NOT settled"
+    when = "never" if zero is None else f"{zero:.1f} s"
     return Check(
-        "slots, queue and in-flight gauges back to 0",
+        f"slots, queue and in-flight gauges back to 0 (within {GAUGES_ZERO_LIMIT:g} s)",
         not evidence,
-        f"{figure} ({settled} after {run.settle_s:.1f} s)",
+        f"{figure} (all 0 after {when})",
         evidence,
     )
 
@@ -258,13 +279,16 @@ def check_completed_usage(run: SoakRun) -> Check:
     for row in completed:
         rid = row["request_id"]
         seen = known.get(rid)
-        words = len(seen.plan.words) if seen else None
         problems = []
         if row["usage_source"] != "reported":
             problems.append(f"usage_source={row['usage_source']}")
         tokens = (row["prompt_tokens"], row["completion_tokens"])
-        if words is not None and tokens != (words, words):
-            problems.append(f"tokens {tokens} but the answer is {words} words in, {words} out")
+        if seen is not None:
+            words = (seen.plan.prompt_words, len(seen.plan.words))
+            if tokens != words:
+                problems.append(
+                    f"tokens {tokens} but the request is {words[0]} words in, {words[1]} out"
+                )
         if seen is not None and seen.usage is not None and tuple(seen.usage) != tokens:
             problems.append(f"the client was told usage {seen.usage}")
         if problems:
@@ -338,27 +362,85 @@ def check_outcomes_match_clients(run: SoakRun) -> Check:
     )
 
 
+_VIEW_METRIC = {"complete": "completed", "left": "client_gone", "error_event": "failed"}
+_ROW_METRIC = {
+    "completed": "completed",
+    "cancelled": "client_gone",
+    "failed": "failed",
+    "aborted": "failed",
+}
+
+
+def _metric_for_view(view: str) -> str | None:
+    if view.startswith("http_5"):
+        return "failed"
+    return _VIEW_METRIC.get(view)
+
+
 def check_request_metrics(run: SoakRun) -> Check:
-    """``dispatcher_requests_total{model="chat"}`` by outcome equals the clients' view."""
+    """``dispatcher_requests_total{model="chat"}`` by outcome equals the clients' view
+    (completed = full answers, client_gone = clients that left, failed = SSE error events
+    and 5xx answers)."""
     counted: Counter[str] = Counter()
     for labels, value in run.metrics.get("dispatcher_requests_total", []):
         if labels.get("model") == "chat":
             counted[labels.get("outcome") or "?"] += int(value)
-    views = Counter(s.view for s in run.seen)
-    expected = {
-        "completed": views["complete"],
-        "client_gone": views["left"],
-        "failed": views["error_event"] + sum(v for k, v in views.items() if k.startswith("http_5")),
-    }
+    expected: Counter[str] = Counter()
+    for seen in run.seen:
+        outcome = _metric_for_view(seen.view)
+        if outcome is not None:
+            expected[outcome] += 1
     evidence = [
         f"outcome={outcome}: the edge counted {counted[outcome]}, the clients saw {want}"
-        for outcome, want in expected.items()
+        for outcome, want in sorted(expected.items())
         if counted[outcome] != want
     ]
+    if evidence:
+        # The metric is one number per outcome; name the requests whose last row (which
+        # the edge may count by) disagrees with what their client saw.
+        by = rows_by_request(run)
+        for seen in run.seen:
+            rows = by.get(seen.request_id)
+            want = _metric_for_view(seen.view)
+            if not rows or want is None:
+                continue
+            by_row = _ROW_METRIC[rows[-1]["outcome"]]
+            if by_row != want:
+                evidence.append(
+                    f"suspect {seen.describe()}: its last row is {rows[-1]['outcome']} "
+                    f"(-> {by_row}), the client saw {seen.view} (-> {want}); "
+                    f"rows: {[_row(r) for r in rows]}"
+                )
     return Check(
         "request-outcome metrics equal what the clients saw",
         not evidence,
-        ", ".join(f"{k}={counted[k]}" for k in sorted(counted)),
+        ", ".join(f"{k}={counted[k]}" for k in sorted(counted))
+        + " (clients: "
+        + ", ".join(f"{k}={expected[k]}" for k in sorted(expected))
+        + ")",
+        evidence,
+    )
+
+
+def check_recovery_excludes_failed(run: SoakRun) -> Check:
+    """A recovery never re-chooses a candidate (node, provider) that already failed for the
+    request, whatever its generation."""
+    evidence = []
+    for rid, rows in sorted(rows_by_request(run).items()):
+        failed: set[tuple[str, str]] = set()
+        for row in rows:
+            key = (row["node_id"], row["provider_id"])
+            if key in failed:
+                evidence.append(
+                    f"{rid}: attempt {row['attempt']} went to {key[0]}/{key[1]} again after it "
+                    f"failed for this request; rows: {[_row(r) for r in rows]}"
+                )
+            if row["outcome"] == "aborted":
+                failed.add(key)
+    return Check(
+        "a recovery never re-chooses a candidate that failed for the request",
+        not evidence,
+        f"{len(evidence)} re-chosen candidates",
         evidence,
     )
 
@@ -466,6 +548,7 @@ CHECKS: tuple[Callable[[SoakRun], Check], ...] = (
     check_completed_usage,
     check_outcomes_match_clients,
     check_request_metrics,
+    check_recovery_excludes_failed,
     check_rows_prompt,
     check_no_tracebacks,
     check_coverage,
@@ -540,7 +623,11 @@ def summary(run: SoakRun, checks: list[Check]) -> str:
                 f"{g.removeprefix('dispatcher_')} {gauge_total(run.metrics, g):g}" for g in GAUGES
             ),
         ),
-        ("settle", f"{run.settle_s:.1f} s ({'settled' if run.settled else 'NOT settled'})"),
+        (
+            "settle",
+            f"{run.settle_s:.1f} s ({'settled' if run.settled else 'NOT settled'}; gauges 0 "
+            f"after {'never' if run.gauges_zero_s is None else f'{run.gauges_zero_s:.1f} s'})",
+        ),
         ("edge RSS", rss),
     ]
     result = [(("ok    " if c.ok else "FAIL  ") + c.name, c.figure) for c in checks]

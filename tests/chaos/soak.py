@@ -21,7 +21,7 @@ import math
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -156,15 +156,33 @@ class Plan:
     request asks for a slow first token)."""
     leave_after_words: int | None = None
     """``mid_stream``: close the connection once this many words have arrived."""
+    context_words: int = 0
+    """Words of a long system message before the user's (a long-context request: its
+    ``run.request`` frame is megabytes, so writing it to the node takes a while)."""
 
     @property
     def text(self) -> str:
         return " ".join(self.words)
 
+    @property
+    def prompt_words(self) -> int:
+        """What echo and the fake upstream report as ``prompt_tokens``."""
+        return self.context_words + len(self.words)
+
+    def context(self) -> str:
+        vocabulary = _VOCABULARY
+        return " ".join(
+            vocabulary[(self.index + i) % len(vocabulary)] for i in range(self.context_words)
+        )
+
     def body(self) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        if self.context_words:
+            messages.append({"role": "system", "content": self.context()})
+        messages.append({"role": "user", "content": self.text})
         body: dict[str, Any] = {
             "model": MODEL,
-            "messages": [{"role": "user", "content": self.text}],
+            "messages": messages,
             "stream": self.stream,
             "user": self.request_id,
             "echo": {"token_delay": self.token_delay},
@@ -175,43 +193,53 @@ class Plan:
 
 
 def make_plans(count: int, seed: int) -> list[Plan]:
-    """``count`` requests: ~60% streamed; ~12% leave early (before the first token: while
-    queued, or dispatched and waiting for a slow first token), ~22% of the streams
-    (~13% overall) leave mid-stream, with enough of the answer still to come that the run
-    cannot have finished when they leave."""
+    """``count`` requests, ~60% streamed:
+
+    * ~12% leave early, at a random moment in the first 0.3 s: while queued, or dispatched
+      and waiting for the first token (they ask for a 0.3 s delay before each token);
+    * ~35% of the streams (~20% overall) leave mid-stream after a random number of words,
+      with at least 60 words (0.12 s) still to come, so the run cannot have finished;
+    * ~4% are long-context requests (a system message of 0.5-2 MB), half of which leave
+      within 0.15 s -- possibly while their ``run.request`` is being written to the node;
+    * the rest ask for 6-30 words at 2-8 ms each.
+    """
     rng = random.Random(seed)
     plans = []
     for index in range(count):
         stream = rng.random() < 0.6
         roll = rng.random()
         request_id = f"chaos-{seed}-{index:05d}"
+        common: dict[str, Any] = {"index": index, "request_id": request_id, "stream": stream}
         if roll < 0.12:
-            words = rng.randint(4, 8)
             plan = Plan(
-                index=index,
-                request_id=request_id,
-                stream=stream,
-                words=tuple(rng.choices(_VOCABULARY, k=words)),
+                **common,
+                words=tuple(rng.choices(_VOCABULARY, k=rng.randint(4, 8))),
                 token_delay=0.3,
                 leave="early",
                 leave_after_s=rng.uniform(0.0, 0.3),
             )
-        elif stream and roll < 0.12 + 0.22:
-            words = rng.randint(30, 45)
+        elif stream and roll < 0.12 + 0.35:
+            words = rng.randint(100, 160)
             plan = Plan(
-                index=index,
-                request_id=request_id,
-                stream=True,
+                **{**common, "stream": True},
                 words=tuple(rng.choices(_VOCABULARY, k=words)),
-                token_delay=0.008,
+                token_delay=0.002,
                 leave="mid_stream",
-                leave_after_words=rng.randint(1, words - 20),
+                leave_after_words=rng.randint(1, words - 60),
+            )
+        elif roll > 0.96:
+            leaves = rng.random() < 0.5
+            plan = Plan(
+                **common,
+                words=tuple(rng.choices(_VOCABULARY, k=rng.randint(6, 12))),
+                token_delay=0.3 if leaves else 0.005,
+                leave="early" if leaves else "no",
+                leave_after_s=rng.uniform(0.0, 0.15) if leaves else None,
+                context_words=rng.randint(80_000, 320_000),
             )
         else:
             plan = Plan(
-                index=index,
-                request_id=request_id,
-                stream=stream,
+                **common,
                 words=tuple(rng.choices(_VOCABULARY, k=rng.randint(6, 30))),
                 token_delay=round(rng.uniform(0.002, 0.008), 4),
                 leave="no",
@@ -336,6 +364,39 @@ async def _finished(
                 pass
 
 
+class _Body(httpx.AsyncByteStream):
+    """A request body that calls ``on_sent`` once httpx has written all of it (when it asks
+    for more). Not an async generator, unlike httpx's own ``ByteStream``: a client cancelled
+    while its body is being sent would leave one suspended, and Trio warns about that."""
+
+    def __init__(self, data: bytes, on_sent: Callable[[], None]) -> None:
+        self._data: bytes | None = data
+        self._on_sent: Callable[[], None] | None = on_sent
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data, self._data = self._data, None
+        if data is None:
+            on_sent, self._on_sent = self._on_sent, None
+            if on_sent is not None:
+                on_sent()
+            raise StopAsyncIteration
+        return data
+
+
+@asynccontextmanager
+async def _sent(client: httpx.AsyncClient, request: httpx.Request) -> AsyncIterator[httpx.Response]:
+    """``client.stream`` for a prepared request: the response, closed when the block is left."""
+    response = await client.send(request, stream=True)
+    try:
+        yield response
+    finally:
+        with trio.move_on_after(DRAIN_BOUND, shield=True):
+            await response.aclose()
+
+
 def _sse_events(buffer: bytearray) -> Iterator[str]:
     """Complete SSE events' ``data`` taken from the front of ``buffer``."""
     while True:
@@ -353,16 +414,24 @@ async def run_client(client: httpx.AsyncClient, plan: Plan) -> Seen:
     seen = Seen(plan)
     seen.started_at = time.time()
     finished_reading = False
-    leave_at = math.inf if plan.leave_after_s is None else plan.leave_after_s
     with trio.move_on_after(REQUEST_BOUND) as bound:
-        with trio.move_on_after(leave_at) as leave_scope:
+        with trio.CancelScope() as leave_scope:
+
+            def sent() -> None:
+                # an early leaver's clock starts once its whole request is on the wire
+                if plan.leave_after_s is not None:
+                    leave_scope.deadline = trio.current_time() + plan.leave_after_s
+
             try:
-                async with client.stream(
+                data = orjson.dumps(plan.body())
+                request = client.build_request(
                     "POST",
                     "/v1/chat/completions",
-                    json=plan.body(),
-                    headers={"x-request-id": plan.request_id},
-                ) as response:
+                    content=data,
+                    headers={"x-request-id": plan.request_id, "content-type": "application/json"},
+                )
+                request.stream = _Body(data, sent)
+                async with _sent(client, request) as response:
                     seen.status = response.status_code
                     seen.headers = {k.lower(): v for k, v in response.headers.items()}
                     try:
@@ -611,6 +680,8 @@ class SoakRun:
     load_s: float = 0.0
     settle_s: float = 0.0
     settled: bool = False
+    gauges_zero_s: float | None = None
+    """Seconds from the last client's end until every gauge first read 0."""
     rss_before_kib: int | None = None
     rss_after_kib: int | None = None
     rss_peak_kib: int | None = None
@@ -754,6 +825,8 @@ async def settle(topology: Topology, run: SoakRun, bound: float = 40.0) -> None:
                 if attempts != last_attempts:
                     last_attempts, stable_since = attempts, now
                 gauges_zero = all(gauge_total(metrics, g) == 0 for g in GAUGES)
+                if gauges_zero and run.gauges_zero_s is None:
+                    run.gauges_zero_s = now - started
                 if (
                     gauges_zero
                     and stable_since is not None
