@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -38,6 +39,96 @@ class NodeLinkSettings:
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 15.0
     """A node silent for this long is dropped and its runs fail."""
+    limits: HelloLimits = attrs.field(factory=lambda: HelloLimits())
+    """What one node may announce (``hello`` and ``capacity`` beyond these are refused)."""
+
+
+@attrs.frozen(kw_only=True)
+class HelloLimits:
+    """Bounds on what one node may announce: a node must not be able to grow the edge's
+    memory or its metric series at will, nor put unsafe text into headers and logs."""
+
+    max_slots: int = 4096
+    """Per model of a provider (``slots``; ``long_context_slots`` may not exceed it)."""
+    max_providers: int = 32
+    max_models: int = 512
+    """Models over all of the node's providers."""
+    max_name_length: int = 128
+    """Node id, provider id, model names and capabilities; the label may be 200."""
+    max_capabilities: int = 16
+
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+"""Node and provider ids: safe in a header, a metric label and a log line."""
+_MODEL = re.compile(r"[A-Za-z0-9._:/@+=~-]+")
+"""Model names (public and served): what model ids look like, nothing that needs escaping."""
+_CAPABILITY = re.compile(r"[a-z0-9_]+")
+MAX_LABEL = 200
+
+
+def check_hello(hello: wire.Hello, limits: HelloLimits) -> str | None:
+    """Why ``hello`` is refused, or None when it is within ``limits`` (pure)."""
+
+    def bad_id(what: str, value: str, pattern: re.Pattern[str] = _ID) -> str | None:
+        if not value or len(value) > limits.max_name_length:
+            return f"{what} must be 1 to {limits.max_name_length} characters"
+        if pattern.fullmatch(value) is None:
+            return f"{what} {escape(value)} has characters outside [{pattern.pattern}]"
+        return None
+
+    reason = bad_id("node_id", hello.node_id)
+    if reason is not None:
+        return reason
+    if len(hello.label) > MAX_LABEL or any(not ch.isprintable() for ch in hello.label):
+        return f"label must be at most {MAX_LABEL} printable characters"
+    if len(hello.providers) > limits.max_providers:
+        return f"{len(hello.providers)} providers announced; at most {limits.max_providers}"
+    models = sum(len(p.models) for p in hello.providers)
+    if models > limits.max_models:
+        return f"{models} models announced; at most {limits.max_models}"
+    seen: set[str] = set()
+    for provider in hello.providers:
+        reason = bad_id("provider id", provider.id)
+        if reason is None and provider.id in seen:
+            reason = f"provider id {provider.id!r} announced twice"
+        if reason is not None:
+            return reason
+        seen.add(provider.id)
+        for what, value in (("provider type", provider.type), ("adapter", provider.adapter)):
+            reason = bad_id(f"{provider.id}: {what}", value, _MODEL)
+            if reason is not None:
+                return reason
+        for model in provider.models:
+            where = f"{provider.id}/{model.name}"
+            reason = (
+                bad_id(f"{provider.id}: model name", model.name, _MODEL)
+                or bad_id(f"{where}: served_name", model.served_name, _MODEL)
+                or check_slots(model.slots, model.long_context_slots, limits)
+            )
+            if reason is not None:
+                return f"{where}: {reason}" if reason.startswith("slots") else reason
+            if model.context_window is not None and model.context_window < 1:
+                return f"{where}: context_window must be positive"
+            if len(model.capabilities) > limits.max_capabilities:
+                return f"{where}: at most {limits.max_capabilities} capabilities"
+            for capability in model.capabilities:
+                reason = bad_id(f"{where}: capability", capability, _CAPABILITY)
+                if reason is not None:
+                    return reason
+    return None
+
+
+def check_slots(slots: int, long_context_slots: int, limits: HelloLimits) -> str | None:
+    if not 0 <= slots <= limits.max_slots:
+        return f"slots {slots} is outside 0..{limits.max_slots}"
+    if not 0 <= long_context_slots <= slots:
+        return f"slots: long_context_slots {long_context_slots} is outside 0..slots ({slots})"
+    return None
+
+
+def escape(text: str) -> str:
+    """``text`` quoted, with anything unprintable escaped: safe in one log line."""
+    return repr(text)
 
 
 class _Closing(Exception):
@@ -78,7 +169,7 @@ async def serve_node_connection(
         log.info(
             "node %s (%s) joined from %s, generation %d, models: %s",
             hello.node_id,
-            hello.label or "-",
+            escape(hello.label) if hello.label else "-",
             peer,
             session.generation,
             ", ".join(sorted({m.name for p in hello.providers for m in p.models})) or "none",
@@ -140,6 +231,9 @@ async def _receive_hello(conn: Connection, settings: NodeLinkSettings) -> wire.H
     if not _token_ok(message.token, settings.node_tokens):
         reason = "missing node token" if message.token is None else "invalid node token"
         raise _Closing(CLOSE_AUTH_FAILED, reason)
+    refused = check_hello(message, settings.limits)
+    if refused is not None:
+        raise _Closing(CLOSE_PROTOCOL_ERROR, f"bad hello: {refused}")
     return message
 
 
@@ -207,6 +301,9 @@ async def _serve_session(
             except (wire.ProtocolError, SessionProtocolError) as exc:
                 raise _Closing(CLOSE_PROTOCOL_ERROR, str(exc)) from None
             if isinstance(message, wire.Capacity):
+                refused = check_slots(message.slots, message.long_context_slots, settings.limits)
+                if refused is not None:
+                    raise _Closing(CLOSE_PROTOCOL_ERROR, f"bad capacity: {refused}")
                 if on_capacity is not None:
                     on_capacity(session, message)
             elif isinstance(message, wire.NodeDraining):

@@ -232,3 +232,68 @@ async def test_capacity_change_applies(
             if [c.total for c in stats.candidates.values()] == [3]:
                 break
             await trio.sleep(0.01)
+
+
+def _hello_with(**model: object) -> wire.Hello:
+    base = hello("bad", model="bad", token=TOKEN)
+    provider = base.providers[0]
+    changed = attrs.evolve(provider.models[0], **model)  # type: ignore[arg-type]
+    return attrs.evolve(base, providers=(attrs.evolve(provider, models=(changed,)),))
+
+
+@pytest.mark.parametrize(
+    ("greeting", "reason"),
+    [
+        (_hello_with(slots=-1), "slots -1 is outside 0..4096"),
+        (_hello_with(slots=10**9), "is outside 0..4096"),
+        (_hello_with(slots=2, long_context_slots=3), "long_context_slots 3 is outside"),
+        (attrs.evolve(hello("bad", token=TOKEN), node_id="evil\r\nx-forged: 1"), "node_id"),
+        (attrs.evolve(hello("bad", token=TOKEN), node_id=""), "node_id must be 1 to 128"),
+        (attrs.evolve(hello("bad", token=TOKEN), label="ok\nforged log line"), "label"),
+        (_hello_with(name="has space"), "model name 'has space' has characters"),
+        (_hello_with(capabilities=("Tools!",)), "capability"),
+        (_hello_with(context_window=0), "context_window must be positive"),
+    ],
+)
+async def test_hostile_hello_is_refused_and_the_edge_serves_on(
+    dispatcher: Dispatcher,
+    autojump_clock: trio.testing.MockClock,
+    greeting: wire.Hello,
+    reason: str,
+) -> None:
+    good = await connect(dispatcher, hello("good", model="good", token=TOKEN))
+    bad = await raw_node(dispatcher)
+    await bad.send(greeting)
+    closed = await closed_with(bad)
+    assert closed.code == 1002
+    assert closed.reason.startswith("bad hello: ")
+    assert reason in closed.reason
+    assert set(dispatcher.registry.sessions) == {"good"}
+    await assert_other_node_serves(dispatcher, good)
+
+
+async def test_ten_thousand_models_are_refused(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    base = hello("bad", token=TOKEN)
+    provider = base.providers[0]
+    models = tuple(attrs.evolve(provider.models[0], name=f"m{i}") for i in range(10_000))
+    greeting = attrs.evolve(base, providers=(attrs.evolve(provider, models=models),))
+    good = await connect(dispatcher, hello("good", model="good", token=TOKEN))
+    bad = await raw_node(dispatcher)
+    await bad.send(greeting)
+    closed = await closed_with(bad)
+    assert (closed.code, closed.reason) == (1002, "bad hello: 10000 models announced; at most 512")
+    assert len(dispatcher.admission.statistics().groups) <= 1
+    await assert_other_node_serves(dispatcher, good)
+
+
+async def test_capacity_out_of_range_closes_the_session(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    good = await connect(dispatcher, hello("good", model="good", token=TOKEN))
+    bad = await connect(dispatcher, hello("bad", model="bad", token=TOKEN))
+    await bad.send(wire.Capacity(provider_id="p1", model="bad", slots=-5))
+    closed = await closed_with(bad)
+    assert (closed.code, closed.reason) == (1002, "bad capacity: slots -5 is outside 0..4096")
+    await assert_other_node_serves(dispatcher, good)
