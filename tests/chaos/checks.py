@@ -303,6 +303,38 @@ def check_completed_usage(run: SoakRun) -> Check:
     )
 
 
+def check_echo_usage_reported(run: SoakRun) -> Check:
+    """Every row of an ``echo`` attempt carries the node's reported usage, whatever its
+    outcome -- echo reports usage from its start, and the node sends it with the run's end
+    or its cancel confirmation -- unless the node was killed while the attempt ran (then the
+    edge can only estimate). (The ``openai`` adapter learns usage only from the upstream's
+    last chunk, so its unfinished attempts are estimated by the node, rightly.)"""
+    evidence = []
+    echo_rows = [r for r in run.rows if r["provider_id"] == "echo"]
+    for row in echo_rows:
+        if row["usage_source"] == "reported":
+            continue
+        start = row["ended_at"] - (row["duration_s"] or 0.0)
+        killed = [
+            k
+            for k in run.kills
+            if k.node_id == row["node_id"] and start - 0.5 <= k.at_wall <= row["ended_at"] + 0.5
+        ]
+        if not killed:
+            evidence.append(
+                f"{row['request_id']}: {_row(row)} is estimated, and {row['node_id']} was not "
+                "killed while it ran"
+            )
+    return Check(
+        "every echo row carries the node's reported usage (unless its node was killed)",
+        not evidence,
+        f"{len(echo_rows)} echo rows, "
+        f"{sum(1 for r in echo_rows if r['usage_source'] != 'reported')} estimated, "
+        f"{len(evidence)} of them on a live node",
+        evidence,
+    )
+
+
 def _final_expectation(seen: Seen) -> tuple[set[str], str | None, bool]:
     """(allowed final outcomes, required billable_to or None, must a final row exist)."""
     view = seen.view
@@ -553,6 +585,7 @@ CHECKS: tuple[Callable[[SoakRun], Check], ...] = (
     check_nodes_back,
     check_one_row_per_attempt,
     check_completed_usage,
+    check_echo_usage_reported,
     check_outcomes_match_clients,
     check_request_metrics,
     check_recovery_excludes_failed,

@@ -574,6 +574,9 @@ class Kill:
     generation: int | None
     at_request: int
     at: float
+    """``time.monotonic()`` of the SIGKILL."""
+    at_wall: float = 0.0
+    """``time.time()`` of the SIGKILL (rows' ``ended_at`` is wall-clock time)."""
     rejoined_generation: int | None = None
     rejoin_s: float | None = None
 
@@ -720,7 +723,7 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
             node_id = rotation[len(run.kills) % len(rotation)]
             proc = topology.nodes[node_id]
             kill = Kill(node_id, topology.edge_log().generation(node_id), at_request, 0.0)
-            kill.at = time.monotonic()
+            kill.at, kill.at_wall = time.monotonic(), time.time()
             topology.procs.kill(proc)
             run.killed.add(proc.name)
             run.kills.append(kill)
