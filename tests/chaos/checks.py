@@ -217,6 +217,9 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
         attempts = [r["attempt"] for r in rows]
         failed = log.failed_before_commit.get(rid, {})
         where = f"{rid} (saw {seen.view}, {'stream' if seen.plan.stream else 'non-stream'})"
+        echoed = seen.headers.get("x-request-id")
+        if seen.status is not None and echoed != rid:
+            evidence.append(f"{where}: the edge answered with x-request-id {echoed!r}")
         if len(set(attempts)) != len(attempts):
             evidence.append(f"{where}: duplicate attempt numbers {attempts}")
         if any(not 1 <= a <= MAX_ATTEMPTS for a in attempts):
