@@ -173,6 +173,8 @@ _SHORT: Final = 0
 _LONG: Final = 1
 _CLASSES: Final[tuple[RequestClass, RequestClass]] = ("short", "long")
 _COMPACT_MIN: Final = 256
+_NOT_EJECTED: Final = float("-inf")
+"""Selection rank of a candidate that is not ejected: before any cool-down's end."""
 
 
 def _capmask(capabilities: Iterable[str]) -> int:
@@ -700,9 +702,9 @@ class AdmissionCore:
         best: _CandidateState | None = None
         best_key: tuple[float, int, float, int] | None = None
         for state in options:
-            until = state.health.ejected_until
+            until = state.health.ejected_until  # None unless ejected
             key = (
-                0.0 if until is None else until,
+                _NOT_EJECTED if until is None else until,
                 0 if state.candidate.node_id == preferred else 1,
                 state.load(),
                 state.last_pick,

@@ -11,8 +11,15 @@ every decision the core returns against the rules of ``docs/admission.md``:
   that could have used the same candidate;
 * never a stale generation, never a candidate that fails the waiter's needs;
 * work-conserving: no queued waiter could use a candidate with room in its class;
-* every waiter ends exactly once; timeouts and drain deadlines fire in time order;
-* the core's statistics and next deadline agree with the model;
+* every waiter ends exactly once; timeouts, drain deadlines and cool-down ends fire in
+  time order;
+* health (failure-aware selection): the model keeps each identity's state (healthy, ejected
+  until when, probing with or without its probe) from the reports and the clock, and checks
+  that an ejected candidate is only ever admitted onto by a waiter that no healthy or
+  probing candidate can serve (so never while a healthy capable one has a free slot), that
+  a probing candidate has at most one probe in flight, and that work-conserving and FIFO
+  hold with health taken into account;
+* the core's statistics (health included) and next deadline agree with the model;
 * teardown: after releasing everything and letting time pass, nothing is in use, draining
   or queued.
 """
@@ -37,6 +44,7 @@ from dispatcher.admission import (
     AdmissionCore,
     Admit,
     Candidate,
+    CandidateIdentity,
     CandidateKey,
     Decision,
     Needs,
@@ -71,6 +79,9 @@ def _policy(
     cap: int | None = None,
     long_tokens: int | None = 3000,
     drain: float = 3.0,
+    eject_after: int = 2,
+    eject_base: float = 2.0,
+    eject_max: float = 8.0,
 ) -> Policy:
     return Policy(
         max_queue=max_queue,
@@ -79,6 +90,9 @@ def _policy(
         long_context_tokens=long_tokens,
         drain_timeout_s=drain,
         retry_after_s=1.0,
+        eject_after_failures=eject_after,
+        eject_base_s=eject_base,
+        eject_max_s=eject_max,
     )
 
 
@@ -89,13 +103,15 @@ POLICIES = (
         aliases={"alias1": "g1"},
     ),
     PolicySnapshot(
-        default=_policy(max_queue=6, timeout=5.0, cap=1, long_tokens=None, drain=1.0),
-        groups={"g2": _policy(max_queue=1, timeout=0.0), "g3": _policy()},
+        default=_policy(
+            max_queue=6, timeout=5.0, cap=1, long_tokens=None, drain=1.0, eject_after=1
+        ),
+        groups={"g2": _policy(max_queue=1, timeout=0.0, eject_after=0), "g3": _policy()},
         aliases={"alias1": "g2"},
     ),
     PolicySnapshot(
-        default=_policy(max_queue=0, cap=2, long_tokens=5000),
-        groups={"g1": _policy(max_queue=4, timeout=2.0, long_tokens=1000)},
+        default=_policy(max_queue=0, cap=2, long_tokens=5000, eject_base=1.0, eject_max=3.0),
+        groups={"g1": _policy(max_queue=4, timeout=2.0, long_tokens=1000, eject_after=3)},
     ),
 )
 
@@ -134,6 +150,18 @@ class MSlot:
     deadline: float = 0.0
 
 
+@attrs.define
+class MHealth:
+    """One identity's health, as the rules of ``docs/admission.md`` say it must be."""
+
+    state: str = "healthy"
+    failures: int = 0
+    ejections: int = 0
+    until: float | None = None
+    seq: int = -1
+    probe: int | None = None
+
+
 class AdmissionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -151,6 +179,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.submitted: set[WaiterId] = set()
         self.ended: set[WaiterId] = set()
         self.ids = itertools.count()
+        self.health: dict[CandidateIdentity, MHealth] = {}
+        self.cool_seq = itertools.count()
+        self.ejections = 0
 
     # ------------------------------------------------------------------ model helpers
 
@@ -193,6 +224,50 @@ class AdmissionMachine(RuleBasedStateMachine):
     def fits(self, waiter: MWaiter, candidate: Candidate) -> bool:
         return waiter.needs.unfit(candidate, self.klass(waiter)) is None
 
+    def h(self, identity: CandidateIdentity) -> MHealth:
+        return self.health.get(identity, MHealth())
+
+    def health_allows(self, waiter: MWaiter, candidate: Candidate) -> bool:
+        """Whether health lets ``waiter`` onto ``candidate`` (room and needs aside)."""
+        health = self.h(candidate.identity)
+        if health.state == "healthy":
+            return True
+        if health.state == "probing":
+            return health.probe is None
+        return not any(
+            self.fits(waiter, c) and self.h(c.identity).state != "ejected"
+            for c in self.group_candidates(waiter.group)
+        )
+
+    def usable(self, waiter: MWaiter, candidate: Candidate) -> bool:
+        return (
+            self.fits(waiter, candidate)
+            and self.has_room(candidate.key, self.klass(waiter))
+            and self.health_allows(waiter, candidate)
+        )
+
+    def drop_slot(self, slot_id: int) -> MSlot | None:
+        slot = self.slots.pop(slot_id, None)
+        if slot is not None:
+            health = self.health.get(slot.key.identity)
+            if health is not None and health.probe == slot_id:
+                health.probe = None
+        return slot
+
+    def eject(self, health: MHealth, policy: Policy) -> None:
+        health.ejections += 1
+        health.state = "ejected"
+        health.probe = None
+        cool_down = min(policy.eject_max_s, policy.eject_base_s * 2 ** (health.ejections - 1))
+        health.until = self.now + cool_down
+        health.seq = next(self.cool_seq)
+        self.ejections += 1
+
+    def reset(self, health: MHealth) -> None:
+        health.state = "healthy"
+        health.failures = health.ejections = 0
+        health.until = health.probe = None
+
     def note_limits_changed(self) -> None:
         for key in self.candidates:
             if not self.within(key):
@@ -210,7 +285,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.over.discard(key)
         for slot_id in [i for i, s in self.slots.items() if s.key.node_id == node]:
             if self.slots[slot_id].key.generation == generation:
-                del self.slots[slot_id]
+                self.drop_slot(slot_id)
 
     # ------------------------------------------------------------------ decision checks
 
@@ -225,6 +300,17 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert admit.request_class == klass
         assert self.fits(waiter, admit.candidate), "admitted to a candidate failing the needs"
         assert self.has_room(key, klass), f"admitted beyond the limits of {key}"
+        health = self.h(key.identity)
+        if health.state == "ejected":
+            for other in self.group_candidates(waiter.group):
+                assert not (
+                    self.fits(waiter, other)
+                    and self.h(other.identity).state == "healthy"
+                    and self.has_room(other.key, klass)
+                ), f"admitted onto ejected {key} while healthy {other.key} had room"
+        assert self.health_allows(waiter, admit.candidate), (
+            f"health forbids {waiter.id!r} on {key} ({health})"
+        )
         for other in self.queued.values():
             if (
                 other.id != waiter.id
@@ -232,8 +318,14 @@ class AdmissionMachine(RuleBasedStateMachine):
                 and self.klass(other) == klass
                 and other.order < waiter.order
                 and self.fits(other, admit.candidate)
+                and self.health_allows(other, admit.candidate)
             ):
                 raise AssertionError(f"{waiter.id!r} overtook older waiter {other.id!r}")
+        if health.state != "healthy":
+            event(f"admitted onto a candidate that is {health.state}")
+        if health.state == "probing":
+            assert health.probe is None, "a second probe in flight"
+            self.health[key.identity].probe = admit.slot_id
         if waiter.id in self.queued:
             assert admit.reason == ("requeued" if waiter.retry else "queued"), admit
             assert admit.queued_for >= 0
@@ -271,9 +363,28 @@ class AdmissionMachine(RuleBasedStateMachine):
             for slot_id, s in self.slots.items()
             if s.draining and s.deadline <= self.now
         ]
+        cool_downs = {h.seq: identity for identity, h in self.health.items()}
+        events += [
+            (h.until, 2, h.seq, h.seq)
+            for h in self.health.values()
+            if h.state == "ejected" and h.until is not None and h.until <= self.now
+        ]
         events.sort(key=lambda e: e[:3])
         for _, kind, _, ident in events:
-            if kind == 0:
+            if kind == 2:
+                assert isinstance(ident, int)
+                identity = cool_downs[ident]
+                health = self.health[identity]
+                health.state, health.until = "probing", None
+                if decisions:  # the probe, if a waiter can take it
+                    head = decisions[0]
+                    if (
+                        isinstance(head, Admit)
+                        and head.candidate.identity == identity
+                        and head.waiter_id in self.queued
+                    ):
+                        self.check_queued_decision(decisions.popleft())
+            elif kind == 0:
                 if ident not in self.queued:
                     continue
                 assert decisions, f"waiter {ident!r} past its deadline was not rejected"
@@ -284,16 +395,17 @@ class AdmissionMachine(RuleBasedStateMachine):
                 self.end(ident)
             else:
                 assert isinstance(ident, int)
-                slot = self.slots.pop(ident, None)
+                slot = self.slots.get(ident)
                 if slot is None or not slot.draining:
                     continue
+                self.drop_slot(ident)
                 while decisions:
                     head = decisions[0]
                     if not (
                         isinstance(head, Admit)
                         and head.candidate.key == slot.key
                         and head.waiter_id in self.queued
-                        and self.has_room(slot.key, self.klass(self.queued[head.waiter_id]))
+                        and self.usable(self.queued[head.waiter_id], head.candidate)
                     ):
                         break
                     self.check_queued_decision(decisions.popleft())
@@ -367,7 +479,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             expected = [needs.unfit(c, klass) for c in candidates]
             assert sorted(reject.reasons) == sorted(r for r in expected if r is not None)
             self.end(waiter_id)
-        elif any(self.fits(waiter, c) and self.has_room(c.key, klass) for c in candidates):
+        elif any(self.usable(waiter, c) for c in candidates):
             [admit] = own
             assert isinstance(admit, Admit), admit
             assert admit.reason == ("requeued" if requeue else "immediate")
@@ -418,7 +530,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         method = self.core.confirm_drain if confirm else self.core.release
         pending = self.run(method(slot_id, self.now))
         if slot_id in self.slots:
-            del self.slots[slot_id]
+            self.drop_slot(slot_id)
         else:
             assert not pending, pending
         self.finish(pending)
@@ -538,17 +650,76 @@ class AdmissionMachine(RuleBasedStateMachine):
     def set_policy(self, index: int) -> None:
         pending = self.run(self.core.set_policy(POLICIES[index], self.now))
         self.policy = POLICIES[index]
+        for identity, health in self.health.items():
+            if self.group_policy(identity.model).eject_after_failures == 0:
+                self.reset(health)
         self.note_limits_changed()
         self.finish(pending)
 
-    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 11.0]), tick=st.booleans())
-    def advance(self, dt: float, tick: bool) -> None:
-        self.now += dt
-        if tick:
-            pending = self.run(self.core.tick(self.now))
-            assert not pending, pending
-        else:
-            self.expired_now = dt == 0 and self.expired_now
+    def report_keys(self, data: st.DataObject) -> CandidateKey:
+        """A candidate to report on: a live one, one a slot is on (maybe a session that is
+        gone), an older generation of a live one, or one the core never saw."""
+        keys = set(self.candidates) | {s.key for s in self.slots.values()}
+        keys |= {attrs.evolve(k, generation=k.generation - 1) for k in self.candidates}
+        keys |= {CandidateKey("n9", 1, "p1", "g1"), CandidateKey("n1", 1, "p1", "g3")}
+        return data.draw(st.sampled_from(sorted(keys)), label="reported key")
+
+    def do_report(self, key: CandidateKey, success: bool) -> None:
+        """Report on ``key`` to the core and apply the same rule to the model."""
+        if success:
+            pending = self.run(self.core.report_success(key, self.now))
+            health = self.health.get(key.identity)
+            if health is not None:
+                event(f"success while {health.state}")
+                self.reset(health)
+            self.finish(pending)
+            return
+        pending = self.run(self.core.report_failure(key, self.now))
+        policy = self.group_policy(key.model)
+        identity = key.identity
+        known = identity in self.health or (key.node_id in self.nodes and key.model in self.served)
+        if policy.eject_after_failures and known:
+            health = self.health.setdefault(identity, MHealth())
+            health.failures += 1
+            if health.state == "probing" or (
+                health.state == "healthy" and health.failures >= policy.eject_after_failures
+            ):
+                self.eject(health, policy)
+                event(f"ejected (level {health.ejections})")
+        self.finish(pending)
+
+    @rule(data=st.data(), times=st.integers(1, 3))
+    def report_failure(self, data: st.DataObject, times: int) -> None:
+        key = self.report_keys(data)
+        for _ in range(times):
+            self.do_report(key, success=False)
+
+    @rule(data=st.data())
+    def report_success(self, data: st.DataObject) -> None:
+        self.do_report(self.report_keys(data), success=True)
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data(), failed=st.booleans(), retry=st.booleans())
+    def attempt_ends(self, data: st.DataObject, failed: bool, retry: bool) -> None:
+        """What the gate does: report an attempt's outcome, then leave its slot; a failed
+        attempt may be retried with its candidate excluded."""
+        slot_id = data.draw(st.sampled_from(sorted(self.slots)))
+        key = self.slots[slot_id].key
+        self.do_report(key, success=not failed)
+        if slot_id in self.slots:  # a drain that expired just now took it already
+            pending = self.run(self.core.release(slot_id, self.now))
+            self.drop_slot(slot_id)
+            self.finish(pending)
+        if failed and retry:
+            self.do_submit(key.model, Needs(exclude=frozenset({key})), True)
+
+    @precondition(lambda self: any(h.state == "ejected" for h in self.health.values()))
+    @rule()
+    def cool_down_ends(self) -> None:
+        """Jump to the end of the next cool-down and tick (probes, more often)."""
+        self.now = max(self.now, min(h.until for h in self.health.values() if h.until is not None))
+        pending = self.run(self.core.tick(self.now))
+        assert not pending, pending
 
     # ------------------------------------------------------------------ invariants
 
@@ -567,11 +738,19 @@ class AdmissionMachine(RuleBasedStateMachine):
                 f"{waiter.id!r} queued with no capable candidate"
             )
             for candidate in candidates:
-                assert not (
-                    self.fits(waiter, candidate)
-                    and self.has_room(candidate.key, self.klass(waiter))
-                ), f"{waiter.id!r} waits while {candidate.key} has room for it"
+                assert not self.usable(waiter, candidate), (
+                    f"{waiter.id!r} waits while {candidate.key} has room for it"
+                )
             assert waiter.deadline > self.now
+
+    @invariant()
+    def one_probe_at_most(self) -> None:
+        for identity, health in self.health.items():
+            probes = [i for i, s in self.slots.items() if i == health.probe]
+            assert len(probes) <= 1
+            if health.probe is not None:
+                assert health.state == "probing", (identity, health)
+                assert self.slots[health.probe].key.identity == identity
 
     @invariant()
     def statistics_agree(self) -> None:
@@ -597,6 +776,21 @@ class AdmissionMachine(RuleBasedStateMachine):
                 self.limits(key)[0],
                 self.limits(key)[2],
             )
+            health = self.h(key.identity)
+            assert (
+                candidate_stats.health,
+                candidate_stats.consecutive_failures,
+                candidate_stats.ejections,
+                candidate_stats.ejected_until,
+                candidate_stats.probe_in_flight,
+            ) == (
+                health.state,
+                health.failures,
+                health.ejections,
+                health.until,
+                health.probe is not None,
+            ), (key, health)
+        assert stats.ejections == self.ejections
         for waiter_id in self.queued:
             assert self.core.is_queued(waiter_id)
         for slot_id in self.slot_ids_seen:
@@ -608,6 +802,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def next_deadline_agrees(self) -> None:
         times = [w.deadline for w in self.queued.values()]
         times += [s.deadline for s in self.slots.values() if s.draining]
+        times += [h.until for h in self.health.values() if h.until is not None]
         assert self.core.next_deadline() == (min(times) if times else None)
 
     def teardown(self) -> None:
@@ -617,11 +812,14 @@ class AdmissionMachine(RuleBasedStateMachine):
             for slot_id in sorted(self.slots):
                 if slot_id in self.slots:
                     pending = self.run(self.core.release(slot_id, self.now))
-                    self.slots.pop(slot_id, None)  # unless its drain just expired
+                    self.drop_slot(slot_id)  # unless its drain just expired
                     self.finish(pending)
             if not self.slots:
                 self.now += 100.0
                 assert not self.run(self.core.tick(self.now))
+        self.now += 100.0  # past every cool-down, also with nothing held or queued
+        assert not self.run(self.core.tick(self.now))
+        assert all(h.state != "ejected" for h in self.health.values())
         stats = self.core.statistics()
         assert (stats.in_use, stats.draining, stats.waiting) == (0, 0, 0)
         assert self.core.next_deadline() is None
