@@ -302,12 +302,12 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert self.has_room(key, klass), f"admitted beyond the limits of {key}"
         health = self.h(key.identity)
         if health.state == "ejected":
-            for other in self.group_candidates(waiter.group):
+            for healthy in self.group_candidates(waiter.group):
                 assert not (
-                    self.fits(waiter, other)
-                    and self.h(other.identity).state == "healthy"
-                    and self.has_room(other.key, klass)
-                ), f"admitted onto ejected {key} while healthy {other.key} had room"
+                    self.fits(waiter, healthy)
+                    and self.h(healthy.identity).state == "healthy"
+                    and self.has_room(healthy.key, klass)
+                ), f"admitted onto ejected {key} while healthy {healthy.key} had room"
         assert self.health_allows(waiter, admit.candidate), (
             f"health forbids {waiter.id!r} on {key} ({health})"
         )
