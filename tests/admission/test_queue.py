@@ -305,3 +305,50 @@ async def test_driver_runs_once(autojump_clock: trio.testing.MockClock) -> None:
     async with open_admission() as admission:
         with pytest.raises(RuntimeError, match="already running"):
             await admission.run()
+
+
+async def test_a_failing_candidate_is_ejected_and_probed_when_its_cool_down_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    a, b = cand("node-a"), cand("node-b")
+    async with open_admission(PolicySnapshot(default=Policy(queue_timeout_s=30))) as admission:
+        admission.node_joined([a, b])
+        admission.report_failure(a.key)
+        admission.report_failure(a.key)
+        stats = admission.statistics().candidates[a.key]
+        assert (stats.health, stats.consecutive_failures, stats.ejected_until) == (
+            "ejected",
+            2,
+            5.0,
+        )
+        async with trio.open_nursery() as nursery:
+            held = await nursery.start(hold, admission)
+            assert isinstance(held, Slot)
+            assert held.candidate.node_id == "node-b"  # node-a is idle but ejected
+            async with admission.open_slot("m", Needs()) as probe:  # parks until 5 s
+                assert trio.current_time() == 5
+                assert (probe.candidate.node_id, probe.queue_wait) == ("node-a", 5)
+                stats = admission.statistics().candidates[a.key]
+                assert (stats.health, stats.probe_in_flight) == ("probing", True)
+                admission.report_success(probe.candidate.key)
+            nursery.cancel_scope.cancel()
+        stats = admission.statistics().candidates[a.key]
+        assert (stats.health, stats.consecutive_failures, stats.ejections) == ("healthy", 0, 0)
+        assert admission.statistics().ejections == 1
+
+
+async def test_a_failed_probe_ejects_again_for_twice_as_long(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_admission() as admission:
+        admission.node_joined([cand()])
+        admission.report_failure(cand().key)
+        admission.report_failure(cand().key)
+        await trio.sleep(5)
+        assert admission.statistics().candidates[cand().key].health == "probing"
+        async with admission.open_slot("m", Needs()) as slot:
+            admission.report_failure(slot.candidate.key)
+        stats = admission.statistics().candidates[cand().key]
+        assert (stats.health, stats.ejected_until, stats.ejections) == ("ejected", 15, 2)
+        async with admission.open_slot("m", Needs()) as slot:  # the only one: fallback
+            assert slot.queue_reason == "immediate"

@@ -2,15 +2,19 @@
 time: requests that open a slot and hold it for a while (and may drain it, release it early,
 or be cancelled at any point), nodes that join, leave, rejoin and change capacity.
 
-Afterwards nothing may be in use, draining or queued, every task has finished, and each
-request ended exactly one way. Along the way, every admission must be to the node's current
-session and within the candidate's slots.
+Some requests report how their attempt went (success or a candidate-caused failure) before
+leaving the block, as the gate does, so candidates get ejected, probed and restored.
+
+Afterwards nothing may be in use, draining or queued, no probe is left in flight, every
+task has finished, and each request ended exactly one way. Along the way, every admission
+must be to the node's current session and within the candidate's slots.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Literal
 
 import attrs
 import trio
@@ -32,7 +36,11 @@ from .helpers import cand
 NODES = ("n1", "n2")
 POLICY = PolicySnapshot(
     default=Policy(max_queue=4, queue_timeout_s=6, drain_timeout_s=2, retry_after_s=1),
-    groups={"m": Policy(max_queue=4, queue_timeout_s=6, drain_timeout_s=2)},
+    groups={
+        "m": Policy(
+            max_queue=4, queue_timeout_s=6, drain_timeout_s=2, eject_base_s=2, eject_max_s=4
+        )
+    },
 )
 times = st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 8.0])
 
@@ -47,6 +55,7 @@ class Request:
     drain: bool
     confirm_after: float | None
     release_early: bool
+    report: Literal["success", "failure"] | None = None
 
 
 @attrs.frozen
@@ -80,6 +89,7 @@ requests = st.builds(
     drain=st.booleans(),
     confirm_after=st.none() | times,
     release_early=st.booleans(),
+    report=st.sampled_from([None, "success", "failure", "failure"]),
 )
 joins = st.builds(
     Join, at=times, node=st.sampled_from(NODES), slots=st.integers(0, 2), tools=st.booleans()
@@ -129,6 +139,10 @@ def run_scenario(steps: list[Request | Join | Leave | Capacity]) -> Counter[str]
                                 stats = candidates[key]
                                 assert stats.in_use + stats.draining <= slots_of[key]
                             await trio.sleep(step.hold)
+                            if step.report == "success":
+                                admission.report_success(key)
+                            elif step.report == "failure":
+                                admission.report_failure(key)
                             if step.release_early:
                                 slot.release()
                                 await trio.sleep(step.hold)
@@ -173,6 +187,7 @@ def run_scenario(steps: list[Request | Join | Leave | Capacity]) -> Counter[str]
             await trio.sleep(POLICY.default.drain_timeout_s + 1)  # unconfirmed drains expire
             stats = admission.statistics()
             assert (stats.in_use, stats.draining, stats.waiting) == (0, 0, 0), stats
+            assert not any(c.probe_in_flight for c in stats.candidates.values()), stats
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     request_indexes = [i for i, step in enumerate(steps) if isinstance(step, Request)]
