@@ -512,6 +512,19 @@ def check_rows_prompt(run: SoakRun) -> Check:
     )
 
 
+def check_processes_alive(run: SoakRun) -> Check:
+    """Every process but the SIGKILLed ones still runs, and the edge answered at the end."""
+    evidence = [f"{name} exited with status {code}" for name, code in sorted(run.exited.items())]
+    if run.readback_error is not None:
+        evidence.append(f"/metrics or GET /v1/usage could not be read: {run.readback_error}")
+    return Check(
+        "every process alive (but the killed ones), the edge answering",
+        not evidence,
+        f"{len(run.logs)} processes, {len(run.exited)} exited on their own",
+        evidence,
+    )
+
+
 def check_no_tracebacks(run: SoakRun) -> Check:
     evidence = []
     for name, text in sorted(run.logs.items()):
@@ -593,6 +606,7 @@ CHECKS: tuple[Callable[[SoakRun], Check], ...] = (
     check_request_metrics,
     check_recovery_excludes_failed,
     check_rows_prompt,
+    check_processes_alive,
     check_no_tracebacks,
     check_coverage,
 )

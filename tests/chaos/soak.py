@@ -698,6 +698,11 @@ class SoakRun:
     killed: set[str] = attrs.field(factory=set)
     """Incarnation names that were SIGKILLed on purpose."""
     upstream_requests: list[dict[str, Any]] = attrs.field(factory=list)
+    readback_error: str | None = None
+    """Why ``/metrics`` or ``GET /v1/usage`` could not be read at the end, if they could not."""
+    exited: dict[str, int | None] = attrs.field(factory=dict)
+    """Processes (not SIGKILLed on purpose) that were no longer running at the end: their
+    exit status."""
 
 
 async def run_load(topology: Topology, run: SoakRun) -> None:
@@ -814,15 +819,23 @@ def expected_rows_present(run: SoakRun, rows: list[dict[str, Any]], log: EdgeLog
 
 async def settle(topology: Topology, run: SoakRun, bound: float = 40.0) -> None:
     """Wait (bounded) until the gauges are back to 0, every row that must exist exists, and
-    the row count has not moved for 2 s; then read everything back into ``run``."""
+    the row count has not moved for 2 s; then read everything back into ``run``. An edge
+    that cannot be read is recorded (``run.readback_error``), not raised: the checks then
+    say what is missing."""
     started = time.monotonic()
     stable_since: float | None = None
     last_attempts = -1
+    report: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=topology.base_url, timeout=30) as client:
         with trio.move_on_after(bound):
-            while True:
-                metrics = await scrape_metrics(client)
-                report = await fetch_usage(client)
+            while topology.edge.running:
+                try:
+                    metrics = await scrape_metrics(client)
+                    report = await fetch_usage(client)
+                except httpx.HTTPError as exc:
+                    run.readback_error = f"{type(exc).__name__}: {exc}"
+                    await trio.sleep(0.25)
+                    continue
                 attempts = report["totals"]["attempts"]
                 now = time.monotonic()
                 if attempts != last_attempts:
@@ -840,14 +853,23 @@ async def settle(topology: Topology, run: SoakRun, bound: float = 40.0) -> None:
                     break
                 await trio.sleep(0.25)
         run.settle_s = time.monotonic() - started
-        run.metrics = await scrape_metrics(client)
-        report = await fetch_usage(client)
-    run.rows = report["rows"]
-    run.usage_totals = report["totals"]
+        try:
+            run.metrics = await scrape_metrics(client)
+            report = await fetch_usage(client)
+            run.readback_error = None
+        except httpx.HTTPError as exc:
+            run.readback_error = f"{type(exc).__name__}: {exc}"
+    run.rows = report.get("rows", [])
+    run.usage_totals = report.get("totals", {})
     run.usage_truncated = bool(report.get("truncated"))
     run.rss_after_kib = topology.edge.rss_kib()
     run.edge_log = topology.edge_log()
     run.logs = {p.name: p.stderr() for p in topology.procs.procs}
+    run.exited = {
+        p.name: p.popen.returncode
+        for p in topology.procs.procs
+        if not p.killed and p.popen.poll() is not None
+    }
     run.upstream_requests = [
         json.loads(line) for line in topology.upstream_log.read_text().splitlines() if line.strip()
     ]
