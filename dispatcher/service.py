@@ -104,18 +104,21 @@ class Dispatcher:
     @asynccontextmanager
     async def open_run(self, spec: RunSpec) -> AsyncIterator[Run]:
         """Queue, take a slot, subscribe, send; see :mod:`dispatcher.runs`. Raises
-        :class:`ShuttingDown` once the dispatcher is draining."""
-        with self.track_work():
+        :class:`ShuttingDown` once the dispatcher is draining, and out of the block when a
+        drain's grace ran out before it was left."""
+        with self.track_work() as work:
             async with self.runs.open_run(spec) as run:
                 yield run
+        _raise_if_cut_off(work)
 
     @asynccontextmanager
     async def open_dispatch(self, request: DispatchRequest) -> AsyncIterator[Dispatch]:
         """One admission over the model's provider pool, then the winning candidate's path
-        (see :mod:`dispatcher.pool`). Raises :class:`ShuttingDown` once draining."""
-        with self.track_work():
+        (see :mod:`dispatcher.pool`). Raises :class:`ShuttingDown` like :meth:`open_run`."""
+        with self.track_work() as work:
             async with self.pool.open(request) as dispatch:
                 yield dispatch
+        _raise_if_cut_off(work)
 
     # -- nodes ------------------------------------------------------------------------
 
@@ -334,6 +337,13 @@ class Dispatcher:
 
     def set_policy(self, snapshot: PolicySnapshot) -> None:
         self.admission.set_policy(snapshot)
+
+
+def _raise_if_cut_off(work: Work) -> None:
+    if work.scope.cancelled_caught:
+        raise ShuttingDown(
+            "the dispatcher shut down before this finished", retry_after=DRAIN_RETRY_AFTER
+        )
 
 
 @asynccontextmanager

@@ -1,0 +1,247 @@
+"""Draining a node (``Drain``; SIGTERM in ``dispatcher node``) and a node seeing the edge
+drain, in virtual time over in-memory connections with a scripted edge."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from dispatcher import wire
+from dispatcher.transport import (
+    Connection,
+    ConnectionClosed,
+    MemoryConnection,
+    memory_connection_pair,
+)
+from nodes.agent import NODE_DRAINING, Drain, serve_node, serve_node_session
+from nodes.config import NodeConfig, default_node_config, load_node_config
+
+
+def config(**changes: Any) -> NodeConfig:
+    return attrs.evolve(default_node_config("node-1"), **changes)
+
+
+@attrs.define(eq=False)
+class Edge:
+    """The edge end of a node connection, scripted by the test."""
+
+    conn: MemoryConnection
+    seen: list[wire.Message] = attrs.Factory(list)
+
+    async def welcome(self) -> None:
+        assert isinstance(await self.receive(), wire.Hello)
+        await self.send(
+            wire.Welcome(protocol=wire.PROTOCOL_VERSION, generation=1, heartbeat_interval=5.0)
+        )
+
+    async def send(self, message: wire.Message) -> None:
+        await self.conn.send(wire.encode(message))
+
+    async def receive(self) -> wire.Message:
+        frame = await self.conn.receive()
+        assert isinstance(frame, str)
+        message = wire.decode(frame)
+        self.seen.append(message)
+        return message
+
+    async def receive_until(self, kind: type[Any], **fields: Any) -> Any:
+        while True:
+            message = await self.receive()
+            if isinstance(message, kind) and all(
+                getattr(message, k) == v for k, v in fields.items()
+            ):
+                return message
+
+    async def closed(self) -> ConnectionClosed:
+        """Read until the node closes; returns how."""
+        try:
+            while True:
+                await self.receive()
+        except ConnectionClosed as exc:
+            return exc
+
+
+def run_request(run_id: str, words: int, delay: float) -> wire.RunRequest:
+    text = " ".join(f"w{i}" for i in range(words))
+    return wire.RunRequest(
+        run_id=run_id,
+        provider_id="echo",
+        model="echo",
+        served_model="echo",
+        body={
+            "model": "echo",
+            "messages": [{"role": "user", "content": text}],
+            "echo": {"token_delay": delay},
+        },
+    )
+
+
+def terminals(edge: Edge, run_id: str) -> list[Any]:
+    return [
+        m
+        for m in edge.seen
+        if isinstance(m, wire.TERMINAL_EVENTS) and getattr(m, "run_id", None) == run_id
+    ]
+
+
+async def test_a_draining_node_finishes_its_runs_refuses_new_work_and_leaves(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    node_end, edge_end = memory_connection_pair()
+    edge = Edge(edge_end)
+    drain = Drain()
+    returned: list[float] = []
+
+    async def node() -> None:
+        await serve_node_session(node_end, config(drain_grace=30), drain=drain)
+        returned.append(trio.current_time())
+
+    nursery.start_soon(node)
+    await edge.welcome()
+    await edge.send(run_request("r1", 4, 0.5))  # about 2 s
+    await edge.receive_until(wire.RunStarted, run_id="r1")
+    start = trio.current_time()
+    drain.request()
+    assert await edge.receive_until(wire.NodeDraining) == wire.NodeDraining(grace=30)
+
+    # Work the edge sent before it learned: refused, retryable, so it goes elsewhere.
+    await edge.send(run_request("r2", 1, 0))
+    refused = await edge.receive_until(wire.RunFailed, run_id="r2")
+    assert (refused.seq, refused.code, refused.retryable) == (0, NODE_DRAINING, True)
+    await edge.send(
+        wire.TunnelRequest(
+            tunnel_id="t1", provider_id="echo", method="POST", path="/v1/x", window=1024
+        )
+    )
+    end = await edge.receive_until(wire.TunnelEnd, tunnel_id="t1")
+    assert end.retryable
+    assert end.error is not None
+    assert end.error.startswith(NODE_DRAINING)
+
+    closed = await edge.closed()
+    closed_at = trio.current_time()
+    with trio.fail_after(10):
+        while not returned:
+            await trio.sleep(0.01)
+    [done] = terminals(edge, "r1")
+    assert isinstance(done, wire.RunCompleted)  # the run in flight finished normally
+    assert closed.code == 1001
+    assert [t.TYPE for t in terminals(edge, "r2")] == ["run.failed"]
+    assert 1.5 <= closed_at - start <= 2.5  # when the run ended, not after the grace
+    assert returned[0] - closed_at < 0.1
+
+
+async def test_the_drain_grace_bounds_the_wait(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    node_end, edge_end = memory_connection_pair()
+    edge = Edge(edge_end)
+    drain = Drain()
+    nursery.start_soon(partial_session, node_end, config(drain_grace=3), drain)
+    await edge.welcome()
+    await edge.send(run_request("r1", 100, 1.0))  # 100 s
+    await edge.receive_until(wire.RunStarted, run_id="r1")
+    start = trio.current_time()
+    drain.request()
+    closed = await edge.closed()
+    assert trio.current_time() - start == pytest.approx(3)
+    assert closed.code == 1001
+    assert terminals(edge, "r1") == []  # cut off: the edge fails it as a lost node's run
+    assert "grace of 3.0 s is over" in caplog.text
+
+
+async def partial_session(conn: Connection, cfg: NodeConfig, drain: Drain) -> None:
+    await serve_node_session(conn, cfg, drain=drain)
+
+
+class Dialer:
+    """Each dial connects to a fresh scripted edge run by ``behaviour``, or fails."""
+
+    def __init__(self, nursery: trio.Nursery, behaviour: Any = None) -> None:
+        self.nursery = nursery
+        self.behaviour = behaviour
+        self.attempts: list[float] = []
+
+    @asynccontextmanager
+    async def __call__(self) -> AsyncIterator[Connection]:
+        self.attempts.append(trio.current_time())
+        await trio.lowlevel.checkpoint()
+        if self.behaviour is None:
+            raise ConnectionClosed("connection refused")
+        node_end, edge_end = memory_connection_pair()
+        self.nursery.start_soon(self.behaviour, Edge(edge_end))
+        yield node_end
+
+
+async def test_edge_draining_then_its_close_is_a_normal_end(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="nodes")
+
+    async def draining_edge(edge: Edge) -> None:
+        await edge.welcome()
+        await edge.send(run_request("r1", 4, 0.5))
+        await edge.send(wire.EdgeDraining(grace=10))
+        await edge.receive_until(wire.RunCompleted, run_id="r1")  # the node kept serving
+        await edge.conn.aclose(1001, "server shutting down")
+
+    dialer = Dialer(nursery, draining_edge)
+    with trio.move_on_after(5):
+        await serve_node(config(), dial=dialer)
+    assert len(dialer.attempts) >= 2  # it reconnected, with backoff
+    assert 0.5 <= dialer.attempts[1] - dialer.attempts[0] - 2 <= 1.5
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert noisy == []
+    assert "the edge is draining" in caplog.text
+
+
+async def test_a_drain_while_disconnected_returns_at_once(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    dialer = Dialer(nursery)  # never connects
+    drain = Drain()
+
+    async def drain_soon() -> None:
+        await trio.sleep(10)
+        drain.request()
+
+    nursery.start_soon(drain_soon)
+    await serve_node(config(), dial=dialer, drain=drain)
+    assert trio.current_time() == 10  # not at the end of a backoff delay
+
+
+async def test_a_drain_before_welcome_abandons_the_attempt(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    async def silent_edge(edge: Edge) -> None:
+        await edge.receive()  # hello, and never a welcome
+        await trio.sleep_forever()
+
+    dialer = Dialer(nursery, silent_edge)
+    drain = Drain()
+
+    async def drain_soon() -> None:
+        await trio.sleep(1)
+        drain.request()
+
+    nursery.start_soon(drain_soon)
+    await serve_node(config(handshake_timeout=60), dial=dialer, drain=drain)
+    assert trio.current_time() == pytest.approx(1, abs=0.2)
+    assert len(dialer.attempts) == 1
+
+
+def test_drain_grace_is_configurable(tmp_path: Any) -> None:
+    path = tmp_path / "node.toml"
+    path.write_text(
+        '[node]\nid = "n"\ndrain_grace = 5\n\n[[providers]]\nid = "echo"\ntype = "echo"\n'
+        '[[providers.models]]\nname = "echo"\n'
+    )
+    assert load_node_config(path).drain_grace == 5.0
+    assert default_node_config("n").drain_grace == 30.0
