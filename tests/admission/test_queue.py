@@ -344,9 +344,10 @@ async def test_a_failed_probe_ejects_again_for_twice_as_long(
         admission.node_joined([cand()])
         admission.report_failure(cand().key)
         admission.report_failure(cand().key)
-        await trio.sleep(5)
-        assert admission.statistics().candidates[cand().key].health == "probing"
+        await trio.sleep(5)  # the cool-down ends (open_slot sees it, driver tick or not)
         async with admission.open_slot("m", Needs()) as slot:
+            stats = admission.statistics().candidates[cand().key]
+            assert (stats.health, stats.probe_in_flight) == ("probing", True)
             admission.report_failure(slot.candidate.key)
         stats = admission.statistics().candidates[cand().key]
         assert (stats.health, stats.ejected_until, stats.ejections) == ("ejected", 15, 2)
