@@ -121,9 +121,12 @@ class RequestResult:
 @attrs.frozen(kw_only=True)
 class GateRequest:
     request_id: str
+    """The edge's own id of the request: the ledger's key."""
     dispatch: DispatchRequest
     stream: bool
     attribution: str | None = None
+    client_request_id: str | None = None
+    """The client's own ``x-request-id``, stored beside the edge's id (never the key)."""
     prepare: PrepareAttempt | None = attrs.field(default=None, eq=False)
     """Called fresh for every attempt (attempt number, chosen candidate, spec) before the run
     is sent: per-attempt credentials, headers, options."""
@@ -712,6 +715,8 @@ class Gate:
             ttft_s=ttft,
             duration_s=trio.current_time() - started_at,
             ended_at=time.time(),
+            client_request_id=request.client_request_id,
+            route=request.dispatch.route,
         )
         try:
             self.record_usage(row)

@@ -89,7 +89,7 @@ WRITE_ATTEMPTS: Final = 5
 """Tries of one batch's transaction before its rows are given up."""
 RETRY_DELAY: Final = 0.1
 """Seconds before the first retry of a failed transaction; doubles each time."""
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 ExecutionPath = Literal["normalized", "tunnel"]
 UsageSource = Literal["reported", "estimated"]
@@ -143,6 +143,11 @@ class UsageRow:
     duration_s: float
     ended_at: float
     """Unix time the attempt ended."""
+    client_request_id: str | None = None
+    """The client's own ``x-request-id``, if it sent one: searchable, never the key (the
+    edge generates ``request_id``, so reusing an id cannot hide a request from the ledger)."""
+    route: str | None = None
+    """The API route the request came in on (``/v1/chat/completions``, ...)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -201,6 +206,7 @@ class UsageReport:
     truncated: bool
     """More rows matched than ``limit``; the totals still cover all of them."""
     totals: UsageTotals
+    client_request_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -233,6 +239,7 @@ class UsageQuery(TypedDict, total=False):
     attribution: str
     model: str
     limit: int
+    client_request_id: str
 
 
 # --------------------------------------------------------------------------- the database
@@ -257,9 +264,12 @@ CREATE TABLE IF NOT EXISTS usage (
     ttft_s REAL,
     duration_s REAL NOT NULL,
     ended_at REAL NOT NULL,
+    client_request_id TEXT,
+    route TEXT,
     PRIMARY KEY (request_id, attempt)
 );
 CREATE INDEX IF NOT EXISTS usage_ended_at ON usage (ended_at);
+CREATE INDEX IF NOT EXISTS usage_client_request_id ON usage (client_request_id);
 CREATE INDEX IF NOT EXISTS usage_attribution ON usage (attribution, ended_at);
 CREATE INDEX IF NOT EXISTS usage_model_group ON usage (model_group, ended_at);
 """
@@ -313,7 +323,16 @@ class _Database:
             if str(mode).lower() != "wal":
                 log.warning("%s: journal_mode is %s, not WAL", name, mode)
         conn.execute("PRAGMA synchronous=NORMAL")
-        conn.executescript(f"BEGIN; {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
+        migrate = ""
+        if version == 1:
+            # Version 2 added the client's own request id and the route.
+            migrate = (
+                "ALTER TABLE usage ADD COLUMN client_request_id TEXT; "
+                "ALTER TABLE usage ADD COLUMN route TEXT;"
+            )
+        conn.executescript(
+            f"BEGIN; {migrate} {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;"
+        )
 
     def write(self, rows: Sequence[UsageRow]) -> _WriteResult:
         """Insert ``rows`` in one transaction. A row whose key is already there is skipped and
@@ -351,6 +370,7 @@ class _Database:
         attribution: str | None,
         model: str | None,
         limit: int,
+        client_request_id: str | None = None,
     ) -> tuple[list[UsageRow], bool, UsageTotals]:
         clauses: list[str] = []
         params: list[object] = []
@@ -359,6 +379,7 @@ class _Database:
             ("ended_at < ?", until),
             ("attribution = ?", attribution),
             ("model_group = ?", model),
+            ("client_request_id = ?", client_request_id),
         ):
             if value is not None:
                 clauses.append(clause)
@@ -517,11 +538,12 @@ class UsageLedger:
         attribution: str | None = None,
         model: str | None = None,
         limit: int = 1000,
+        client_request_id: str | None = None,
     ) -> UsageReport:
         """Rows whose attempt ended in ``[since, until)`` (unix seconds), for
-        ``attribution`` and model group ``model`` when given, newest first, at most ``limit``
-        of them; totals over every matching row. Everything recorded before the call is
-        included."""
+        ``attribution``, model group ``model`` and the client's own request id
+        ``client_request_id`` when given, newest first, at most ``limit`` of them; totals
+        over every matching row. Everything recorded before the call is included."""
         if isinstance(limit, bool) or not isinstance(limit, int):
             raise TypeError(f"limit must be an int, got {limit!r}")
         if not 0 <= limit <= MAX_QUERY_LIMIT:
@@ -530,13 +552,21 @@ class UsageLedger:
             raise ValueError(f"since ({since}) is after until ({until})")
         await self.flush()
         rows, truncated, totals = await trio.to_thread.run_sync(
-            self._db.query, since, until, attribution, model, limit, limiter=self._limiter
+            self._db.query,
+            since,
+            until,
+            attribution,
+            model,
+            limit,
+            client_request_id,
+            limiter=self._limiter,
         )
         return UsageReport(
             since=since,
             until=until,
             attribution=attribution,
             model=model,
+            client_request_id=client_request_id,
             limit=limit,
             rows=tuple(rows),
             truncated=truncated,
@@ -713,7 +743,14 @@ async def open_usage_ledger(
 
 # --------------------------------------------------------------------------- HTTP helpers
 
-_QUERY_PARAMETERS: Final = ("since", "until", "attribution", "model", "limit")
+_QUERY_PARAMETERS: Final = (
+    "since",
+    "until",
+    "attribution",
+    "model",
+    "client_request_id",
+    "limit",
+)
 
 
 def _parse_time(name: str, value: str) -> float:
@@ -757,6 +794,8 @@ def parse_usage_query(query_string: str) -> UsageQuery:
             query["attribution"] = value
         elif name == "model":
             query["model"] = value
+        elif name == "client_request_id":
+            query["client_request_id"] = value
         else:
             if not value.isdigit() or not value.isascii():
                 raise ValueError(f"limit: expected a whole number, got {value!r}")
@@ -788,6 +827,7 @@ def usage_report_json(report: UsageReport) -> bytes:
                 "until": report.until,
                 "attribution": report.attribution,
                 "model": report.model,
+                "client_request_id": report.client_request_id,
                 "limit": report.limit,
             },
             "totals": {

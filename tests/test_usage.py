@@ -458,6 +458,7 @@ async def test_report_json(filled: UsageLedger) -> None:
         "until": None,
         "attribution": "key-2",
         "model": None,
+        "client_request_id": None,
         "limit": 1,
     }
     assert body["truncated"] is True
@@ -602,3 +603,44 @@ def test_exactly_one_row_per_key(
 @pytest.fixture(autouse=True)
 def _usage_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="dispatcher.usage")
+
+
+async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    v1_columns = [c for c in attrs.fields_dict(UsageRow) if c not in ("client_request_id", "route")]
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(
+            "CREATE TABLE usage (request_id TEXT NOT NULL, attempt INTEGER NOT NULL, "
+            "model_group TEXT NOT NULL, served_model TEXT NOT NULL, provider_id TEXT NOT NULL, "
+            "node_id TEXT NOT NULL, path TEXT NOT NULL, attribution TEXT, "
+            "prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+            "usage_source TEXT NOT NULL, outcome TEXT NOT NULL, billable_to TEXT NOT NULL, "
+            "queue_wait_s REAL NOT NULL, ttft_s REAL, duration_s REAL NOT NULL, "
+            "ended_at REAL NOT NULL, PRIMARY KEY (request_id, attempt)); "
+            "PRAGMA user_version=1;"
+        )
+        old = make_row("old-1")
+        marks = ", ".join("?" * len(v1_columns))
+        conn.execute(
+            f"INSERT INTO usage ({', '.join(v1_columns)}) VALUES ({marks})",
+            [getattr(old, c) for c in v1_columns],
+        )
+        conn.commit()
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(make_row("new-1", client_request_id="mine", route="/v1/chat/completions"))
+        report = await ledger.query()
+    assert {r.request_id for r in report.rows} == {"old-1", "new-1"}
+    (new,) = [r for r in report.rows if r.request_id == "new-1"]
+    assert (new.client_request_id, new.route) == ("mine", "/v1/chat/completions")
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+
+
+async def test_rows_are_searchable_by_the_clients_request_id() -> None:
+    async with open_usage_ledger(":memory:") as ledger:
+        ledger.record(make_row("edge-1", client_request_id="reused"))
+        ledger.record(make_row("edge-2", client_request_id="reused"))
+        ledger.record(make_row("edge-3", client_request_id="other"))
+        report = await ledger.query(**parse_usage_query("client_request_id=reused"))
+    assert sorted(r.request_id for r in report.rows) == ["edge-1", "edge-2"]
+    assert report.totals.requests == 2
