@@ -71,6 +71,9 @@ _VOCABULARY = (
 
 LeaveKind = Literal["no", "early", "mid_stream"]
 
+MID_STREAM_MARGIN = 100
+"""Words of a mid-stream leaver's answer still to come when it leaves (3 ms each)."""
+
 
 # ------------------------------------------------------------------------------ configs
 
@@ -198,7 +201,9 @@ def make_plans(count: int, seed: int) -> list[Plan]:
     * ~12% leave early, at a random moment in the first 0.3 s: while queued, or dispatched
       and waiting for the first token (they ask for a 0.3 s delay before each token);
     * ~35% of the streams (~20% overall) leave mid-stream after a random number of words,
-      with at least 60 words (0.12 s) still to come, so the run cannot have finished;
+      with at least :data:`MID_STREAM_MARGIN` words (0.3 s) still to come, so the run cannot
+      have finished at the edge when the client leaves (even a client lagging behind on a
+      loaded machine); otherwise its row would rightly say ``completed``;
     * ~4% are long-context requests (a system message of 0.5-2 MB), half of which leave
       within 0.15 s -- possibly while their ``run.request`` is being written to the node;
     * the rest ask for 6-30 words at 2-8 ms each.
@@ -219,13 +224,13 @@ def make_plans(count: int, seed: int) -> list[Plan]:
                 leave_after_s=rng.uniform(0.0, 0.3),
             )
         elif stream and roll < 0.12 + 0.35:
-            words = rng.randint(100, 160)
+            words = rng.randint(150, 220)
             plan = Plan(
                 **{**common, "stream": True},
                 words=tuple(rng.choices(_VOCABULARY, k=words)),
-                token_delay=0.002,
+                token_delay=0.003,
                 leave="mid_stream",
-                leave_after_words=rng.randint(1, words - 60),
+                leave_after_words=rng.randint(1, words - MID_STREAM_MARGIN),
             )
         elif roll > 0.96:
             leaves = rng.random() < 0.5
