@@ -22,6 +22,7 @@ from .soak import (
     EdgeLog,
     Seen,
     SoakRun,
+    client_id_of,
     gauge_total,
 )
 
@@ -69,12 +70,12 @@ def _row(row: dict[str, Any]) -> str:
 
 
 def rows_by_request(run: SoakRun) -> dict[str, list[dict[str, Any]]]:
-    by: dict[str, list[dict[str, Any]]] = {}
-    for row in run.rows:
-        by.setdefault(row["request_id"], []).append(row)
-    for rows in by.values():
-        rows.sort(key=lambda r: r["attempt"])
-    return by
+    """Rows by the client's request id, by attempt (see :class:`~tests.chaos.soak.RowIndex`)."""
+    return run.index.by_client
+
+
+def _client_of(run: SoakRun, row: dict[str, Any]) -> str:
+    return client_id_of(row, {s.request_id for s in run.seen})
 
 
 def _log(run: SoakRun) -> EdgeLog:
@@ -216,11 +217,17 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
         rid = seen.request_id
         rows = by.get(rid, [])
         attempts = [r["attempt"] for r in rows]
-        failed = log.failed_before_commit.get(rid, {})
+        failed = run.index.failed.get(rid, {})
         where = f"{rid} (saw {seen.view}, {'stream' if seen.plan.stream else 'non-stream'})"
+        keys = sorted({r["request_id"] for r in rows})
+        if len(keys) > 1:
+            evidence.append(f"{where}: its rows have {len(keys)} ledger keys: {keys}")
         echoed = seen.headers.get("x-request-id")
-        if seen.status is not None and echoed != rid:
-            evidence.append(f"{where}: the edge answered with x-request-id {echoed!r}")
+        if seen.status is not None and echoed not in {rid, *keys}:
+            evidence.append(
+                f"{where}: the edge answered x-request-id {echoed!r}, neither the client's id "
+                f"nor the ledger key of its rows {keys}"
+            )
         if len(set(attempts)) != len(attempts):
             evidence.append(f"{where}: duplicate attempt numbers {attempts}")
         if any(not 1 <= a <= MAX_ATTEMPTS for a in attempts):
@@ -261,6 +268,8 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
                 f"{user}: the faulty upstream got {count} requests for it but the ledger has "
                 f"{len(on_faulty)} rows on {FAULTY_PROVIDER}"
             )
+    for line in run.index.unmapped:
+        evidence.append(f"the edge logged a failed attempt of a request with no row: {line}")
     if run.usage_truncated:
         evidence.insert(0, "GET /v1/usage was truncated: not every row was read")
     for line in log.text.splitlines():
@@ -271,9 +280,13 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
         not evidence,
         f"{len(run.rows)} rows for {len(by)} requests; "
         f"{sum(len(v) for v in log.failed_before_commit.values())} attempts logged as failed "
-        "before the commit",
+        "before the commit" + (", rows keyed by the edge's own ids" if _edge_keyed(run) else ""),
         evidence,
     )
+
+
+def _edge_keyed(run: SoakRun) -> bool:
+    return any(r["request_id"] != _client_of(run, r) for r in run.rows)
 
 
 def check_completed_usage(run: SoakRun) -> Check:
@@ -283,7 +296,7 @@ def check_completed_usage(run: SoakRun) -> Check:
     evidence = []
     completed = [r for r in run.rows if r["outcome"] == "completed"]
     for row in completed:
-        rid = row["request_id"]
+        rid = _client_of(run, row)
         seen = known.get(rid)
         problems = []
         if row["usage_source"] != "reported":
@@ -326,8 +339,8 @@ def check_echo_usage_reported(run: SoakRun) -> Check:
         ]
         if not killed:
             evidence.append(
-                f"{row['request_id']}: {_row(row)} is estimated, and {row['node_id']} was not "
-                "killed while it ran"
+                f"{_client_of(run, row)}: {_row(row)} is estimated, and {row['node_id']} was "
+                "not killed while it ran"
             )
     return Check(
         "every echo row carries the node's reported usage (unless its node was killed)",
@@ -556,7 +569,7 @@ def check_rows_prompt(run: SoakRun) -> Check:
     late = []
     worst = 0.0
     for row in run.rows:
-        seen = known.get(row["request_id"])
+        seen = known.get(_client_of(run, row))
         if seen is None:
             continue
         lateness = row["ended_at"] - seen.ended_at
@@ -638,14 +651,13 @@ def leave_kinds(run: SoakRun, by: dict[str, list[dict[str, Any]]]) -> dict[str, 
     """Where the clients that left were, as measured: no row for the attempt in progress
     (still queued, or not yet sent), a row without a first token, or mid-stream."""
     kinds = {"while queued": 0, "after dispatch, before the first token": 0, "mid-stream": 0}
-    log = _log(run)
     for seen in run.seen:
         if seen.view != "left":
             continue
         if seen.left_after_headers:
             kinds["mid-stream"] += 1
             continue
-        failed = log.failed_before_commit.get(seen.request_id, {})
+        failed = run.index.failed.get(seen.request_id, {})
         last = [r for r in by.get(seen.request_id, []) if r["attempt"] not in failed]
         if not last:
             kinds["while queued"] += 1

@@ -694,6 +694,7 @@ class SoakRun:
     rss_after_kib: int | None = None
     rss_peak_kib: int | None = None
     rows: list[dict[str, Any]] = attrs.field(factory=list)
+    index: RowIndex = attrs.field(factory=lambda: RowIndex({}, {}, {}, []))
     usage_totals: dict[str, Any] = attrs.field(factory=dict)
     usage_truncated: bool = False
     metrics: dict[str, list[tuple[dict[str, str], float]]] = attrs.field(factory=dict)
@@ -809,15 +810,65 @@ def gauge_total(metrics: Metrics, name: str) -> float:
     return sum(value for _, value in metrics.get(name, []))
 
 
-def expected_rows_present(run: SoakRun, rows: list[dict[str, Any]], log: EdgeLog) -> bool:
+Row = dict[str, Any]
+"""A ledger row as ``GET /v1/usage`` lists it."""
+
+
+@attrs.frozen
+class RowIndex:
+    """The ledger rows by the client they belong to. A row belongs to the client whose own
+    id it carries: ``client_request_id`` (ledger schema 2, where the edge makes up the key)
+    or, when that is absent, its key ``request_id`` (the edge keys rows by the client's
+    ``x-request-id``). The edge logs attempts by the key; ``edge_ids`` maps keys back."""
+
+    by_client: dict[str, list[Row]]
+    """Client request id -> its rows, by attempt."""
+    edge_ids: dict[str, str]
+    """Ledger key -> client request id."""
+    failed: dict[str, dict[int, str]]
+    """Client request id -> attempt -> the edge's "failed before commit" log line."""
+    unmapped: list[str]
+    """"failed before commit" lines of a key that no row and no client has."""
+
+    @classmethod
+    def build(cls, client_ids: set[str], rows: list[Row], log: EdgeLog) -> RowIndex:
+        by_client: dict[str, list[Row]] = {}
+        edge_ids: dict[str, str] = {}
+        for row in rows:
+            client = client_id_of(row, client_ids)
+            by_client.setdefault(client, []).append(row)
+            edge_ids.setdefault(row["request_id"], client)
+        for client_rows in by_client.values():
+            client_rows.sort(key=lambda r: r["attempt"])
+        failed: dict[str, dict[int, str]] = {}
+        unmapped: list[str] = []
+        for key, attempts in log.failed_before_commit.items():
+            owner = edge_ids.get(key) or (key if key in client_ids else None)
+            if owner is None:
+                unmapped += attempts.values()
+            else:
+                failed.setdefault(owner, {}).update(attempts)
+        return cls(by_client, edge_ids, failed, unmapped)
+
+
+def client_id_of(row: Row, client_ids: set[str]) -> str:
+    """The client's own id of ``row`` (see :class:`RowIndex`)."""
+    own = row.get("client_request_id")
+    if isinstance(own, str) and own in client_ids:
+        return own
+    return str(row["request_id"])
+
+
+def expected_rows_present(run: SoakRun, rows: list[Row], log: EdgeLog) -> bool:
     """Every row the clients and the edge's log say must exist is there (the settle test)."""
-    have = {(r["request_id"], r["attempt"]) for r in rows}
+    index = RowIndex.build({s.request_id for s in run.seen}, rows, log)
+    if index.unmapped:
+        return False
     for seen in run.seen:
-        rid = seen.request_id
-        for attempt in log.failed_before_commit.get(rid, {}):
-            if (rid, attempt) not in have:
-                return False
-        if seen.attempts is not None and (rid, seen.attempts) not in have:
+        attempts = {r["attempt"] for r in index.by_client.get(seen.request_id, [])}
+        if set(index.failed.get(seen.request_id, {})) - attempts:
+            return False
+        if seen.attempts is not None and seen.attempts not in attempts:
             return False
     return True
 
@@ -865,10 +916,11 @@ async def settle(topology: Topology, run: SoakRun, bound: float = 40.0) -> None:
         except httpx.HTTPError as exc:
             run.readback_error = f"{type(exc).__name__}: {exc}"
     run.rows = report.get("rows", [])
+    run.edge_log = topology.edge_log()
+    run.index = RowIndex.build({s.request_id for s in run.seen}, run.rows, run.edge_log)
     run.usage_totals = report.get("totals", {})
     run.usage_truncated = bool(report.get("truncated"))
     run.rss_after_kib = topology.edge.rss_kib()
-    run.edge_log = topology.edge_log()
     run.logs = {p.name: p.stderr() for p in topology.procs.procs}
     run.exited = {
         p.name: p.popen.returncode
