@@ -249,18 +249,22 @@ class Dispatcher:
 
     async def drain(self, grace: float | None = None) -> bool:
         """Drain: :meth:`start_draining`, wait until no request is in flight or the grace
-        is over, then end what is left (:meth:`begin_shutdown`). Returns True when nothing
-        was left. Calling it again waits with the first call's deadline."""
+        is over, then end what is left (as :meth:`begin_shutdown`; also when this is
+        cancelled). Returns True when nothing was left. Calling it again waits with the
+        first call's deadline."""
         self.start_draining(grace)
         assert self._drain_deadline is not None
-        with trio.move_on_at(self._drain_deadline):
-            await self._idle.wait()
-        left = len(self._work)
-        if left:
-            log.warning("drain grace is over: ending %d request(s) still in flight", left)
-        else:
-            log.info("drained: no request in flight")
-        await self.begin_shutdown()
+        try:
+            with trio.move_on_at(self._drain_deadline):
+                await self._idle.wait()
+        finally:
+            left = len(self._work)
+            if left:
+                log.warning("drain grace is over: ending %d request(s) still in flight", left)
+            else:
+                log.info("drained: no request in flight")
+            self._cut_off()
+        await trio.lowlevel.checkpoint()
         return not left
 
     @contextmanager
@@ -280,6 +284,10 @@ class Dispatcher:
         """End what is in flight now (idempotent): each open stream sends a final error event
         (``shutting_down``); a request not yet answered is cancelled (the HTTP API answers
         503). Nothing new is admitted from here on."""
+        self._cut_off()
+        await trio.lowlevel.checkpoint()
+
+    def _cut_off(self) -> None:
         self.start_draining(0)
         self.shutting_down = True
         for scope in list(self._stream_scopes):
@@ -287,7 +295,6 @@ class Dispatcher:
         for work in list(self._work):
             if not work.answered:
                 work.scope.cancel(reason="dispatcher shutting down")
-        await trio.lowlevel.checkpoint()
 
     # -- HTTP -------------------------------------------------------------------------
 
