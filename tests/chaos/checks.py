@@ -5,6 +5,7 @@ fails, the evidence (request ids, rows, log lines), so a failure says exactly wh
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -736,6 +737,13 @@ def summary(run: SoakRun, checks: list[Check]) -> str:
             f"{len(run.seen)} of {run.count} ({stream} streamed, {run.count - stream} not)",
         ),
         ("concurrency", f"{run.concurrency} clients, {TOTAL_SLOTS} slots on {len(NODES)} nodes"),
+        (
+            "machine load",
+            "-"
+            if run.load_average is None
+            else f"{run.load_average[0]:.1f} -> {run.load_average[1]:.1f} (1-min load average, "
+            f"{os.cpu_count()} CPUs)",
+        ),
         ("load time", f"{run.load_s:.1f} s ({len(run.seen) / max(run.load_s, 1e-9):.1f} req/s)"),
         ("planned leaves", _counts(Counter({k: v for k, v in planned_leave.items() if k != "no"}))),
         ("clients saw", _counts(views)),

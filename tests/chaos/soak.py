@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import time
@@ -71,8 +72,9 @@ _VOCABULARY = (
 
 LeaveKind = Literal["no", "early", "mid_stream"]
 
-MID_STREAM_MARGIN = 100
-"""Words of a mid-stream leaver's answer still to come when it leaves (3 ms each)."""
+MID_STREAM_MARGIN = 150
+"""Words of a mid-stream leaver's answer still to come when it leaves (3 ms each: 0.45 s,
+more than a client lags behind the edge even on a loaded 2-core machine)."""
 
 
 # ------------------------------------------------------------------------------ configs
@@ -201,7 +203,7 @@ def make_plans(count: int, seed: int) -> list[Plan]:
     * ~12% leave early, at a random moment in the first 0.3 s: while queued, or dispatched
       and waiting for the first token (they ask for a 0.3 s delay before each token);
     * ~35% of the streams (~20% overall) leave mid-stream after a random number of words,
-      with at least :data:`MID_STREAM_MARGIN` words (0.3 s) still to come, so the run cannot
+      with at least :data:`MID_STREAM_MARGIN` words (0.45 s) still to come, so the run cannot
       have finished at the edge when the client leaves (even a client lagging behind on a
       loaded machine); otherwise its row would rightly say ``completed``;
     * ~4% are long-context requests (a system message of 0.5-2 MB), half of which leave
@@ -224,7 +226,7 @@ def make_plans(count: int, seed: int) -> list[Plan]:
                 leave_after_s=rng.uniform(0.0, 0.3),
             )
         elif stream and roll < 0.12 + 0.35:
-            words = rng.randint(150, 220)
+            words = rng.randint(MID_STREAM_MARGIN + 50, MID_STREAM_MARGIN + 120)
             plan = Plan(
                 **{**common, "stream": True},
                 words=tuple(rng.choices(_VOCABULARY, k=words)),
@@ -693,6 +695,8 @@ class SoakRun:
     rss_before_kib: int | None = None
     rss_after_kib: int | None = None
     rss_peak_kib: int | None = None
+    load_average: tuple[float, float] | None = None
+    """The machine's 1-minute load average before and after the load."""
     rows: list[dict[str, Any]] = attrs.field(factory=list)
     index: RowIndex = attrs.field(factory=lambda: RowIndex({}, {}, {}, []))
     usage_totals: dict[str, Any] = attrs.field(factory=dict)
@@ -761,6 +765,7 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
     )
     timeout = httpx.Timeout(REQUEST_BOUND)
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     async with (
         httpx.AsyncClient(base_url=topology.base_url, limits=limits, timeout=timeout) as client,
         trio.open_nursery() as nursery,
@@ -776,6 +781,7 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
                 for plan in run.plans:
                     await send.send(plan)
         run.load_s = time.monotonic() - started
+        run.load_average = (load_before, os.getloadavg()[0])
         kill_requests.close()
         with trio.move_on_after(30):  # the last restart's wait is bounded inside too
             await killer_done.wait()
