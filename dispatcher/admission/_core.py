@@ -354,6 +354,8 @@ class AdmissionCore:
         self._cooldowns_dead = 0
         self._cooldown_seq = itertools.count()
         self._ejections = 0
+        self._unhealthy = 0
+        """Identities ejected or probing: while 0, selection skips every health check."""
         self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._admissions: dict[AdmitReason, int] = dict.fromkeys(ADMIT_REASONS, 0)
         self._rejections: dict[RejectCause, int] = dict.fromkeys(REJECT_CAUSES, 0)
@@ -405,26 +407,27 @@ class AdmissionCore:
         if group.candidates:
             fit: list[_CandidateState] = []
             reasons: list[str] = []
-            healthy = False
             for state in group.candidates.values():
                 reason = self._unfit(state, waiter)
                 if reason is None:
                     fit.append(state)
-                    healthy = healthy or not state.ejected
                 else:
                     reasons.append(reason)
             if not fit:
                 self._reject_incapable(decisions, waiter_id, name, reasons)
                 return decisions
-            waiter.fallback = not healthy
-            chosen = self._pick(
-                waiter,
-                (
-                    s
-                    for s in fit
-                    if s.free(klass) and s.accepting() and (waiter.fallback or not s.ejected)
-                ),
-            )
+            if not self._unhealthy:
+                chosen = self._pick(waiter, (s for s in fit if s.free(klass)))
+            else:
+                fallback = waiter.fallback = all(s.ejected for s in fit)
+                chosen = self._pick(
+                    waiter,
+                    (
+                        s
+                        for s in fit
+                        if s.free(klass) and s.accepting() and (fallback or not s.ejected)
+                    ),
+                )
             if chosen is not None:
                 self._admit(decisions, waiter, chosen, "requeued" if requeue else "immediate")
                 return decisions
@@ -701,8 +704,9 @@ class AdmissionCore:
         )
         best: _CandidateState | None = None
         best_key: tuple[float, int, float, int] | None = None
+        unhealthy = self._unhealthy
         for state in options:
-            until = state.health.ejected_until  # None unless ejected
+            until = state.health.ejected_until if unhealthy else None  # None unless ejected
             key = (
                 _NOT_EJECTED if until is None else until,
                 0 if state.candidate.node_id == preferred else 1,
@@ -727,9 +731,10 @@ class AdmissionCore:
         state.slot_ids.add(slot.id)
         state.in_use[waiter.klass] += 1
         state.last_pick = next(self._picks)
-        health = state.health
-        if health.state == "probing":
-            health.probe = slot.id
+        if self._unhealthy:
+            health = state.health
+            if health.state == "probing":
+                health.probe = slot.id
         session = waiter.needs.session_id
         if session is not None:
             key = (waiter.group.name, session)
@@ -796,7 +801,8 @@ class AdmissionCore:
     def _end(self, waiter: _Waiter, *, popped: bool = False) -> None:
         """Take a queued waiter out (lazily: it stays in its deque and, unless ``popped``,
         in the deadline heap, marked as ended)."""
-        self._flag(waiter, False)
+        if waiter.fallback:
+            self._flag(waiter, False)
         waiter.live = False
         del self._waiters[waiter.id]
         group = waiter.group
@@ -846,7 +852,7 @@ class AdmissionCore:
         state.slot_ids.discard(slot.id)
         now_free = state.room()
         health = state.health
-        if health.probe == slot.id:  # the probe ended without a report: another may go
+        if self._unhealthy and health.probe == slot.id:  # the probe ended, not reported
             health.probe = None
             opened = [k for k in (_SHORT, _LONG) if now_free[k]]
         else:
@@ -861,7 +867,7 @@ class AdmissionCore:
         ``bound``, if given). An ejected ``state`` serves fallback waiters only."""
         best: _Waiter | None = None
         empty: list[tuple[int, bool, int]] = []
-        ejected = state.ejected
+        ejected = self._unhealthy and state.ejected
         for key, queue in group.queues.items():
             if key[0] != klass or key[2] & ~state.capmask:
                 continue
@@ -902,7 +908,7 @@ class AdmissionCore:
         while True:
             oldest: _Waiter | None = None
             for state in states:
-                if not state.accepting():
+                if self._unhealthy and not state.accepting():
                     continue
                 for klass in classes:
                     if not state.free(klass):
@@ -915,7 +921,13 @@ class AdmissionCore:
             if oldest is None:
                 return
             waiter = oldest
-            chosen = self._pick(waiter, self._usable(waiter, states))
+            if self._unhealthy:
+                chosen = self._pick(waiter, self._usable(waiter, states))
+            else:
+                chosen = self._pick(
+                    waiter,
+                    (s for s in states if s.free(waiter.klass) and self._unfit(s, waiter) is None),
+                )
             assert chosen is not None
             self._admit(decisions, waiter, chosen, "requeued" if waiter.retry else "queued")
 
@@ -1014,6 +1026,8 @@ class AdmissionCore:
             yield state
 
     def _eject(self, decisions: list[Decision], health: _Health, policy: Policy) -> None:
+        if health.state == "healthy":
+            self._unhealthy += 1
         health.ejections += 1
         health.state = "ejected"
         health.probe = None
@@ -1029,6 +1043,8 @@ class AdmissionCore:
     def _reset_health(self, health: _Health) -> None:
         """Healthy, no failures, cool-down level 0 (its heap entry, if any, goes stale)."""
         was_ejected = health.state == "ejected"
+        if health.state != "healthy":
+            self._unhealthy -= 1
         health.state = "healthy"
         health.failures = 0
         health.ejections = 0
@@ -1084,7 +1100,7 @@ class AdmissionCore:
         while True:
             waiter_due = self._peek_deadline()
             drain_due = self._peek_drain()
-            cool_due = self._peek_cooldown()
+            cool_due = self._peek_cooldown() if self._cooldowns else None
             if (
                 cool_due is not None
                 and cool_due <= self._now
