@@ -17,10 +17,11 @@ import orjson
 import trio
 
 from .. import wire
-from ..errors import BadRequest, openai_error_object
+from ..errors import openai_error_object
 from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..runs import Run
+from . import schema
 from .common import counted_request, dispatch_headers, gate_request
 from .tunnel_relay import relay, tunnel_call
 
@@ -34,7 +35,6 @@ SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 @attrs.frozen(kw_only=True)
@@ -45,61 +45,18 @@ class ChatRequest:
     include_usage: bool
 
 
-def parse_chat_request(raw: bytes) -> ChatRequest:
-    """Validate a chat-completions body; raise :class:`BadRequest` naming the bad field."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-
-    def bad(param: str, reason: str) -> BadRequest:
-        return BadRequest(f"'{param}': {reason}", param=param, code="invalid_value")
-
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "a non-empty string is required")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "a non-empty array of messages is required")
-    for index, message in enumerate(messages):
-        where = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise bad(where, "each message must be an object")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise bad(f"{where}.role", f"must be one of {', '.join(sorted(_ROLES))}")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise bad(f"{where}.content", "must be a string, an array of parts, or null")
-        if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
-            raise bad(f"{where}.content", "each content part must be an object")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad("stream", "must be a boolean")
-    include_usage = False
+def parse_chat_request(raw: bytes, *, max_size: int | None = None) -> ChatRequest:
+    """Parse and validate a chat-completions body (:data:`schema.CHAT_COMPLETIONS`); raise
+    :class:`BadRequest` naming the bad field. The body is kept as the client sent it."""
+    body = schema.load_object(raw, max_size=max_size)
+    schema.validate(body, schema.CHAT_COMPLETIONS)
     options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise bad("stream_options", "must be an object")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise bad("stream_options.include_usage", "must be a boolean")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (type(value) is not int or value < 1):
-            raise bad(name, "must be a positive integer")
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        if value is not None and (type(value) not in (int, float)):
-            raise bad(name, "must be a number")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad("n", "only n=1 is supported")
-    return ChatRequest(model=model, body=body, stream=stream, include_usage=include_usage)
+    return ChatRequest(
+        model=body["model"],
+        body=body,
+        stream=body.get("stream") is True,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+    )
 
 
 def _usage_object(usage: wire.Usage | None) -> dict[str, int]:

@@ -45,11 +45,11 @@ import trio
 
 from .. import wire
 from ..admission import Candidate
-from ..errors import BadRequest
 from ..gate import AttemptFailed, PreCommit, TunnelAnswer, TunnelCall
 from ..http import PeerGone, Request, Responder
 from ..pool import DispatchResult
 from ..tunnel import Tunnel, TunnelFailed
+from . import schema
 from .common import CutResponse, counted_request, dispatch_headers, gate_request
 
 if TYPE_CHECKING:
@@ -605,28 +605,14 @@ async def _relay_body(
 # --------------------------------------------------------------------------- routes
 
 
-def parse_tunnel_body(raw: bytes) -> dict[str, Any]:
-    """A JSON object with a string ``model`` (the provider validates the rest); ``stream``
-    a boolean and ``stream_options`` an object when present."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest(
-            "'model': a non-empty string is required", param="model", code="invalid_value"
-        )
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise BadRequest("'stream': must be a boolean", param="stream", code="invalid_value")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise BadRequest(
-            "'stream_options': must be an object", param="stream_options", code="invalid_value"
-        )
+def parse_tunnel_body(
+    raw: bytes, *, route: str | None = None, max_size: int | None = None
+) -> dict[str, Any]:
+    """Parse and validate a ``/v1/completions`` or ``/v1/embeddings`` body (without ``route``,
+    the body says which: :func:`schema.tunnel_schema`); raise :class:`BadRequest` naming the
+    bad field. The body is kept as the client sent it."""
+    body = schema.load_object(raw, max_size=max_size)
+    schema.validate(body, schema.tunnel_schema(body, route))
     return body
 
 

@@ -259,7 +259,8 @@ async def test_a_provider_400_is_relayed_as_is(monkeypatch: pytest.MonkeyPatch) 
     async with open_edge(monkeypatch) as edge:
         edge.a.status = edge.b.status = 400
         edge.a.error_message = edge.b.error_message = "bad temperature"
-        response = await edge.post(chat_body(temperature=-3), "bad")
+        # A value the edge accepts (0..2) and this provider refuses.
+        response = await edge.post(chat_body(temperature=1.9), "bad")
         assert response.status_code == 400
         assert response.json()["error"]["message"] == "bad temperature"
         assert response.headers["x-dispatcher-attempts"] == "1"
