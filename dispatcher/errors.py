@@ -9,6 +9,7 @@
     ├── Unauthorized          401 authentication_error
     ├── ModelNotFound         404 invalid_request_error / model_not_found
     ├── UpstreamRejected      4xx the upstream's own status: the client's mistake, not retried
+    ├── ShuttingDown          503 the edge is draining: nothing new is admitted
     └── RunError              a dispatched run could not produce an answer
         ├── StaleGeneration   503 the node reconnected between selection and send
         ├── NodeUnavailable   502 the node connection broke before the run request went out
@@ -85,6 +86,13 @@ class UpstreamRejected(DispatcherError):
     status = 400
     error_type = "invalid_request_error"
     default_code = "invalid_request"
+
+
+class ShuttingDown(DispatcherError):
+    """The dispatcher is draining or shut down: it admits nothing new (503, retry)."""
+
+    status = 503
+    default_code = "shutting_down"
 
 
 class RunError(DispatcherError):

@@ -727,7 +727,7 @@ class Gate:
         self.statistics[key] = self.statistics.get(key, 0) + 1
 
 
-_NOT_THE_CANDIDATES_FAULT = frozenset({"request_timeout", "tunnel_unsupported"})
+_NOT_THE_CANDIDATES_FAULT = frozenset({"request_timeout", "tunnel_unsupported", "node_draining"})
 """Retryable attempt failures that say nothing about the candidate's health."""
 
 

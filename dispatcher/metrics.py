@@ -29,6 +29,7 @@ OUTCOMES = (
     "client_gone",  # the client left before the end
     "rejected",  # admission said no: 404, 400 no capable candidate, 429, 503
     "bad_request",  # the request itself was invalid
+    "shutting_down",  # refused or cut off by the edge's drain
 )
 
 

@@ -30,6 +30,10 @@ CLOSE_AUTH_FAILED = 4001
 CLOSE_SUPERSEDED = 4002
 CLOSE_HEARTBEAT = 4003
 
+LAST_FRAMES_TIMEOUT = 1.0
+"""After a write found the connection closed, how long the receive loop may still read the
+frames the node sent before it closed."""
+
 
 @attrs.frozen(kw_only=True)
 class NodeLinkSettings:
@@ -271,6 +275,11 @@ async def _serve_session(
             await session.serve_writer()
         except ConnectionClosed as exc:
             end(_Closing(CLOSE_GOING_AWAY, f"connection lost while sending: {exc.reason}"))
+            # The node may have closed right after its last events (a drained node sends its
+            # final run.completed, then leaves): let the receive loop take what is already
+            # queued -- it ends when the closed connection runs dry -- within a bound.
+            scope.deadline = min(scope.deadline, trio.current_time() + LAST_FRAMES_TIMEOUT)
+            return
         except NodeGone as exc:
             end(_Closing(CLOSE_POLICY, str(exc)))
         scope.cancel()

@@ -31,7 +31,7 @@ from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
 from .catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
 from .config import EdgeConfig
-from .errors import DispatcherError
+from .errors import ShuttingDown
 from .gate import Gate
 from .metrics import Metrics
 from .nodelink import NodeLinkSettings, serve_node_connection
@@ -51,13 +51,6 @@ log = logging.getLogger("dispatcher")
 
 DRAIN_RETRY_AFTER = 1.0
 """``Retry-After`` (seconds) of the 503 a draining edge answers: soon, and elsewhere."""
-
-
-class ShuttingDown(DispatcherError):
-    """The dispatcher is draining or shut down: it admits nothing new (503, retry)."""
-
-    status = 503
-    default_code = "shutting_down"
 
 
 @attrs.define(eq=False)
@@ -396,3 +389,6 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
             yield dispatcher
         finally:
             nursery.cancel_scope.cancel(reason="dispatcher closed")
+
+
+__all__ = ["Dispatcher", "ShuttingDown", "Work", "open_dispatcher"]

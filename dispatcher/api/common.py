@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from ..admission import AdmissionError, Predicate
-from ..errors import RunError
+from ..errors import RunError, ShuttingDown
 from ..gate import GateRequest, RequestResult, TunnelCall
 from ..http import PeerGone, Request
 from ..pool import DispatchRequest, DispatchResult
@@ -60,6 +60,9 @@ def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
     dispatcher.metrics.inflight_requests += 1
     try:
         yield result
+    except ShuttingDown:
+        result.outcome = "shutting_down"
+        raise
     except trio.Cancelled:
         result.outcome = "client_gone"
         raise

@@ -40,6 +40,7 @@ class ServerLikeConnection:
 
     inner: MemoryConnection
     hold: trio.Event | None = None
+    receive_hold: trio.Event | None = None
     send_time: float = 0.0
     in_flight: int = 0
     aborted: bool = False
@@ -60,6 +61,8 @@ class ServerLikeConnection:
         await self.inner.send(frame)
 
     async def receive(self) -> Frame:
+        if self.receive_hold is not None:
+            await self.receive_hold.wait()
         return await self.inner.receive()
 
     async def aclose(self, code: int = 1000, reason: str = "") -> None:
@@ -447,3 +450,32 @@ async def test_recovery_stops_choosing_a_candidate_that_always_fails(
             nursery.cancel_scope.cancel()
     assert attempts["good"] == 40
     assert attempts["bad"] <= 2, attempts
+
+
+async def test_a_node_that_closes_right_after_its_last_event_completes_its_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A drained node sends its last ``run.completed`` and closes at once; if the edge's
+    writer finds the connection closed first (a ping), the queued frames are still read."""
+    async with edge_with_node(slots=1) as (d, node, conn, _rows):
+        session = d.registry.sessions["node-a"]
+        events: list[wire.RunEvent] = []
+        async with trio.open_nursery() as nursery:
+
+            async def client() -> None:
+                async with d.open_run(spec()) as run:
+                    async for event in run:
+                        events.append(event)
+
+            nursery.start_soon(client)
+            request = await node.receive_run()
+            conn.receive_hold = trio.Event()
+            await node.send(wire.Pong(nonce=0))  # the receive loop now waits on the hold
+            await trio.testing.wait_all_tasks_blocked()
+            await node.emit(request.run_id, ("run.delta", {"text": "ok"}), ("run.completed", {}))
+            await node.conn.aclose(1001, "node drained")
+            session.post(wire.Ping(nonce=99))  # the writer meets the closed connection first
+            await trio.testing.wait_all_tasks_blocked()
+            hold, conn.receive_hold = conn.receive_hold, None
+            hold.set()
+        assert [type(e) for e in events] == [wire.RunDelta, wire.RunCompleted]
