@@ -20,7 +20,7 @@ import trio.testing
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
-from dispatcher.gate import GateRequest
+from dispatcher.gate import Answer, GateRequest
 from dispatcher.pool import DispatchRequest
 from dispatcher.runs import RunSpec
 from dispatcher.service import Dispatcher, open_dispatcher
@@ -260,8 +260,9 @@ async def test_a_run_that_completed_as_its_client_left_is_billed_as_reported(
 
                 nursery.start_soon(node_side)
                 async with d.gate.open(gate_request()) as answer:
+                    assert isinstance(answer, Answer)
                     assert answer.head  # committed at the first delta
-                    run = answer.run  # type: ignore[union-attr]
+                    run = answer.run
                     await wait_until(lambda: run.finished)
                     client.cancel()  # the client leaves with usage + completed unread
                     await trio.sleep_forever()
@@ -331,6 +332,7 @@ async def test_usage_the_node_estimated_is_recorded_as_estimated(
 
             nursery.start_soon(node_side)
             async with d.gate.open(gate_request(stream=False)) as answer:
+                assert isinstance(answer, Answer)
                 assert isinstance(answer.terminal, wire.RunCompleted)
         await wait_until(lambda: len(rows) == 1)
     assert (rows[0].outcome, rows[0].usage_source) == ("completed", "estimated")
@@ -390,6 +392,7 @@ async def test_edge_only_sends_on_the_session_writer(
                     leave.cancel()
             assert not conn.aborted
             hold, conn.hold = conn.hold, None
+            assert hold is not None
             hold.set()
             seen = 0
             with trio.move_on_after(1):
@@ -445,6 +448,7 @@ async def test_recovery_stops_choosing_a_candidate_that_always_fails(
             nursery.start_soon(serve, good, "good", False)
             for i in range(40):
                 async with d.gate.open(gate_request(f"r{i}", stream=False)) as answer:
+                    assert isinstance(answer, Answer)
                     assert isinstance(answer.terminal, wire.RunCompleted)
                 await trio.sleep(0.01)  # 0.4 s in all: well inside the first cool-down
             nursery.cancel_scope.cancel()
