@@ -107,6 +107,9 @@ class EdgeConfig:
     usage_db: str | None = None
     """The usage ledger's SQLite file. ``dispatcher serve`` defaults it to
     ``DATA_DIR/usage.sqlite3``; embedded dispatchers default to ``:memory:``."""
+    expose_node_ids: bool = False
+    """Name the answering node and provider in ``x-dispatcher-node`` / ``-provider`` response
+    headers. Off by default: node ids are the operator's business, not every client's."""
     http: HTTPSettings = HTTPSettings()
     nodes: NodeSettings = NodeSettings()
     admission: QueuePolicySettings = QueuePolicySettings()

@@ -727,8 +727,12 @@ class Gate:
         self.statistics[key] = self.statistics.get(key, 0) + 1
 
 
-_NOT_THE_CANDIDATES_FAULT = frozenset({"request_timeout", "tunnel_unsupported", "node_draining"})
-"""Retryable attempt failures that say nothing about the candidate's health."""
+_NOT_THE_CANDIDATES_FAULT = frozenset(
+    {"request_timeout", "tunnel_unsupported", "node_draining", "node_lost", "stale_generation"}
+)
+"""Retryable attempt failures that say nothing about the candidate's health. A lost node
+session ends every run on it at once and removes its candidates anyway: counting each of
+those runs as a failure would eject the node's next session for one event."""
 
 
 def _is_client_error(event: wire.RunFailed) -> bool:
