@@ -48,8 +48,7 @@ class ChatRequest:
 def parse_chat_request(raw: bytes, *, max_size: int | None = None) -> ChatRequest:
     """Parse and validate a chat-completions body (:data:`schema.CHAT_COMPLETIONS`); raise
     :class:`BadRequest` naming the bad field. The body is kept as the client sent it."""
-    body = schema.load_object(raw, max_size=max_size)
-    schema.validate(body, schema.CHAT_COMPLETIONS)
+    body = schema.parse(raw, schema.CHAT_COMPLETIONS, max_size=max_size)
     options = body.get("stream_options")
     return ChatRequest(
         model=body["model"],

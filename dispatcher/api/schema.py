@@ -1,26 +1,28 @@
 """What the edge accepts in an OpenAI request body, checked before anything is dispatched.
 
-Two steps, both raising :class:`~dispatcher.errors.BadRequest` (a 400 in OpenAI's error shape)
-and nothing else, whatever the bytes:
+:func:`parse` (the bytes) and :func:`validate` (a parsed body) raise
+:class:`~dispatcher.errors.BadRequest` -- a 400 in OpenAI's error shape -- and nothing else,
+whatever the input:
 
-* :func:`load_object` parses the body: valid JSON, an object, nested at most
-  :data:`MAX_JSON_DEPTH` levels (the encoders that later serialize a body refuse ~254 levels;
-  a client must not be able to reach them), and, when the caller gives one, within a size limit
-  (413).
-* :func:`validate` checks the parsed body against a schema: :data:`CHAT_COMPLETIONS`,
-  :data:`COMPLETIONS` or :data:`EMBEDDINGS`. Every field the OpenAI API documents is checked for
-  its type, range or allowed values; fields it does not know are left alone (providers have
-  extensions). The error's ``param`` is the path of the offending field
-  (``messages[2].content[0].type``), its ``code`` one of ``invalid_type``, ``invalid_value``,
-  ``missing_required_parameter`` or ``unsupported_value``, and its message starts with the
-  quoted path.
+* the body must be JSON, an object, within the caller's size limit if it gives one (else
+  :class:`~dispatcher.errors.PayloadTooLarge`, 413), and nested at most
+  :data:`MAX_JSON_DEPTH` levels: the encoders that later serialize a body refuse ~254 levels,
+  and a client must not be able to reach them (code ``invalid_json``);
+* it must match its route's schema -- :data:`CHAT_COMPLETIONS`, :data:`COMPLETIONS`,
+  :data:`EMBEDDINGS`: every field the OpenAI API documents is checked for its type, range or
+  allowed values; fields it does not know are left alone (providers have extensions). The
+  error's ``param`` is the path of the field at fault (``messages[2].content[0].type``), its
+  ``code`` one of ``invalid_type``, ``invalid_value``, ``missing_required_parameter`` or
+  ``unsupported_value``, and its message starts with that path, quoted.
 
 A schema is a tree of small frozen nodes (:class:`Object`, :class:`Array`, :class:`String`,
 :class:`Tagged` ...) that *check* a value and build nothing: the body the edge forwards stays
-the client's own dict, untouched. ``null`` is the same as an absent field unless the field is
-required (and not :attr:`Object.nullable`). The check recurses along the schema, never along
-the data, so it cannot exhaust the stack; free-form objects (a tool's ``parameters``, a JSON
-schema) are only required to be objects -- the depth limit bounds them.
+the client's own dict. ``null`` counts as an absent field unless the field is required (and
+not :attr:`Object.nullable`). The check recurses along the schema, never along the data, so
+it cannot exhaust the stack. The depth limit is part of the same pass: where the schema knows
+the structure, its own nesting bounds the depth; what it does not know (an unknown field, a
+tool's ``parameters``, a JSON schema) is walked, level by level, and only there -- so a body
+with no free-form parts costs no walk at all.
 
 docs/api.md lists what is validated.
 """
@@ -38,20 +40,27 @@ from ..errors import BadRequest, PayloadTooLarge
 
 MAX_JSON_DEPTH: Final = 64
 """The deepest nesting of arrays and objects a request body may have; the body object itself is
-level 1. Generous for JSON schemas in ``tools`` and ``response_format``; far below the 254
+level 1. Generous for the JSON schemas in ``tools`` and ``response_format``; far below the 254
 levels at which orjson refuses to serialize."""
 
 JSONObject = dict[str, Any]
 
-# --------------------------------------------------------------------------- parsing
+_TOO_DEEP: Final = f"nested deeper than the limit of {MAX_JSON_DEPTH} levels of arrays and objects"
+
+# --------------------------------------------------------------------------- entry points
+
+
+def parse(raw: bytes, schema: Schema, *, max_size: int | None = None) -> JSONObject:
+    """The request body ``raw`` as a JSON object that matches ``schema``; raise
+    :class:`BadRequest` (or :class:`PayloadTooLarge` over ``max_size`` bytes) if it is not."""
+    body = load_object(raw, max_size=max_size)
+    validate(body, schema)
+    return body
 
 
 def load_object(raw: bytes, *, max_size: int | None = None) -> JSONObject:
-    """Parse a request body that must be a JSON object.
-
-    Over ``max_size`` bytes: :class:`PayloadTooLarge` (413). Not JSON, not an object, or nested
-    deeper than :data:`MAX_JSON_DEPTH`: :class:`BadRequest` with code ``invalid_json``.
-    """
+    """Parse a request body that must be a JSON object (its depth is :func:`validate`'s
+    business: the walk is shared with the schema's)."""
     if max_size is not None and len(raw) > max_size:
         raise PayloadTooLarge(
             f"request body of {len(raw)} bytes is over the size limit of {max_size} bytes"
@@ -59,63 +68,50 @@ def load_object(raw: bytes, *, max_size: int | None = None) -> JSONObject:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        # orjson gives up at 1024 levels; say which limit the client hit, ours.
+        # orjson gives up at 1024 levels; name the limit the client hit, ours.
         if _text_deeper_than(raw, MAX_JSON_DEPTH):
-            raise _too_deep() from None
+            raise BadRequest(f"request body is {_TOO_DEEP}", code="invalid_json") from None
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if type(body) is not dict:
         raise BadRequest("request body must be a JSON object", code="invalid_json")
-    # A body with no more opening brackets than the limit cannot be nested deeper than it (a
-    # bracket inside a string only adds to the count): two C-speed scans spare the walk for
-    # most bodies.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
-        raise _too_deep()
     return body
 
 
-def _too_deep() -> BadRequest:
-    return BadRequest(
-        f"request body is nested deeper than the limit of {MAX_JSON_DEPTH} levels of arrays "
-        "and objects",
-        code="invalid_json",
-    )
-
-
-def _deeper_than(root: JSONObject, limit: int) -> bool:
-    """Whether ``root`` nests containers more than ``limit`` levels deep: a walk level by level
-    that stops at the first container past the limit."""
-    level: list[Any] = [root]
-    depth = 1
-    while level:
-        if depth > limit:
-            return True
-        below: list[Any] = []
-        for container in level:
-            for child in container.values() if type(container) is dict else container:
-                kind = type(child)
-                if kind is dict or kind is list:
-                    below.append(child)
-        level = below
-        depth += 1
-    return False
+def validate(body: JSONObject, schema: Schema) -> None:
+    """Check ``body`` against ``schema`` and :data:`MAX_JSON_DEPTH`; raise
+    :class:`BadRequest` naming the field at fault."""
+    try:
+        schema.check(body, 1)
+    except Invalid as exc:
+        raise exc.as_bad_request() from None
 
 
 _TOKENS: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 
 
 def _text_deeper_than(raw: bytes, limit: int) -> bool:
-    """Whether the JSON text ``raw`` (not necessarily valid) opens more than ``limit`` levels;
-    strings are skipped. Only for the error path: a regex scan, not a parse."""
+    """Whether the JSON text ``raw`` (not necessarily valid) opens more than ``limit`` levels,
+    strings skipped. For the error path only: a regex scan, not a parse."""
     depth = 0
     for token in _TOKENS.finditer(raw):
         char = token[0][:1]
-        if char in (b"[", b"{"):
+        if char == b"[" or char == b"{":
             depth += 1
             if depth > limit:
                 return True
-        elif char in (b"]", b"}"):
+        elif char == b"]" or char == b"}":
             depth -= 1
     return False
+
+
+def _check_nesting(value: list[Any] | JSONObject, depth: int) -> None:
+    """Raise :class:`Invalid` if ``value``, a container at level ``depth``, nests containers
+    past :data:`MAX_JSON_DEPTH`. Recursive, but never more than that many calls deep."""
+    if depth > MAX_JSON_DEPTH:
+        raise Invalid("invalid_json", _TOO_DEEP)
+    for child in value.values() if type(value) is dict else value:
+        if type(child) is dict or type(child) is list:
+            _check_nesting(child, depth + 1)
 
 
 # --------------------------------------------------------------------------- schema nodes
@@ -148,8 +144,9 @@ class Invalid(Exception):
 
 
 class Schema(Protocol):
-    def check(self, value: object) -> None:
-        """Return if ``value`` matches; raise :class:`Invalid` if not."""
+    def check(self, value: object, depth: int) -> None:
+        """Return if ``value`` matches; raise :class:`Invalid` if not. ``depth`` is the level
+        of ``value`` in the body (the body is 1)."""
 
     def describe(self) -> str:
         """What a matching value is, for messages: "a boolean", "a number from 0 to 2"."""
@@ -201,7 +198,7 @@ def _range(low: float | None, high: float | None) -> str:
 
 @attrs.frozen
 class Boolean:
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not bool:
             raise _wrong_type(self, value)
 
@@ -216,7 +213,7 @@ class Integer:
     low: int | None = None
     high: int | None = None
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not int:
             raise _wrong_type(self, value)
         if (self.low is not None and value < self.low) or (
@@ -239,7 +236,7 @@ class Number:
     low: float | None = None
     high: float | None = None
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not float and type(value) is not int:
             raise _wrong_type(self, value)
         if (self.low is not None and value < self.low) or (
@@ -260,7 +257,7 @@ class String:
     what: str | None = None
     """What the string is, for messages, instead of one derived from the limits."""
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not str:
             raise _wrong_type(self, value)
         if len(value) < self.min_length or (
@@ -295,7 +292,7 @@ class Enum:
     def _make_set(self) -> frozenset[str]:
         return frozenset(self.values)
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not str:
             raise _wrong_type(self, value)
         if value not in self._set:
@@ -305,6 +302,11 @@ class Enum:
         return _one_of(self.values)
 
 
+def _length(value: list[Any], low: int, high: int | None, schema: Schema) -> None:
+    if len(value) < low or (high is not None and len(value) > high):
+        raise Invalid("invalid_value", f"must be {schema.describe()}, got {len(value)} items")
+
+
 @attrs.frozen
 class Array:
     items: Schema
@@ -312,17 +314,15 @@ class Array:
     max_items: int | None = None
     what: str | None = None
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not list:
             raise _wrong_type(self, value)
-        if len(value) < self.min_items or (
-            self.max_items is not None and len(value) > self.max_items
-        ):
-            raise Invalid("invalid_value", f"must be {self.describe()}, got {len(value)} items")
+        _length(value, self.min_items, self.max_items, self)
         check = self.items.check
+        depth += 1
         for index, item in enumerate(value):
             try:
-                check(item)
+                check(item, depth)
             except Invalid as exc:
                 exc.at.append(index)
                 raise
@@ -344,11 +344,10 @@ class Tokens:
 
     min_items: int = 0
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not list:
             raise _wrong_type(self, value)
-        if len(value) < self.min_items:
-            raise Invalid("invalid_value", f"must be {self.describe()}, got {len(value)} items")
+        _length(value, self.min_items, None, self)
         for index, token in enumerate(value):
             if type(token) is not int or token < 0:
                 raise Invalid(
@@ -372,13 +371,10 @@ class ByFirstItem:
     min_items: int = 1
     max_items: int | None = None
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not list:
             raise _wrong_type(self, value)
-        if len(value) < self.min_items or (
-            self.max_items is not None and len(value) > self.max_items
-        ):
-            raise Invalid("invalid_value", f"must be {self.describe()}, got {len(value)} items")
+        _length(value, self.min_items, self.max_items, self)
         if not value:
             return
         schema = self.kinds.get(type(value[0]))
@@ -386,7 +382,7 @@ class ByFirstItem:
             raise Invalid(
                 "invalid_type", f"must be an item of {self.describe()}, got {_kind(value[0])}", 0
             )
-        schema.check(value)
+        schema.check(value, depth)
 
     def describe(self) -> str:
         return self.what
@@ -399,11 +395,11 @@ class OneOf:
     kinds: Mapping[type, Schema]
     what: str
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         schema = self.kinds.get(type(value))
         if schema is None:
             raise _wrong_type(self, value)
-        schema.check(value)
+        schema.check(value, depth)
 
     def describe(self) -> str:
         return self.what
@@ -417,7 +413,7 @@ Rule = Callable[[JSONObject], None]
 @attrs.frozen
 class Object:
     """A JSON object: each field it knows is checked when present (``null`` counts as absent);
-    those it does not know are accepted as they are."""
+    those it does not know are accepted as they are, once their depth is."""
 
     fields: Mapping[str, Schema] = attrs.field(factory=dict)
     required: tuple[str, ...] = ()
@@ -425,24 +421,31 @@ class Object:
     """Required fields that may be ``null`` (a ``function`` message's ``content``)."""
     rules: tuple[Rule, ...] = ()
     what: str = "an object"
+    _checks: Mapping[str, Callable[[object, int], None]] = attrs.field(init=False, repr=False)
 
-    def check(self, value: object) -> None:
+    @_checks.default
+    def _bind(self) -> Mapping[str, Callable[[object, int], None]]:
+        return {name: schema.check for name, schema in self.fields.items()}
+
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not dict:
             raise _wrong_type(self, value)
         for name in self.required:
             if value.get(name) is None and name not in self.nullable:
+                wanted = f"{self.fields[name].describe()} is required"
                 if name in value:
-                    raise Invalid("invalid_type", _missing(self.fields[name]) + ", got null", name)
-                raise Invalid("missing_required_parameter", _missing(self.fields[name]), name)
-        fields = self.fields
+                    raise Invalid("invalid_type", wanted + ", got null", name)
+                raise Invalid("missing_required_parameter", wanted, name)
+        checks = self._checks
+        depth += 1
         for name, item in value.items():
-            if item is None:
-                continue
-            schema = fields.get(name)
-            if schema is None:
-                continue
             try:
-                schema.check(item)
+                check = checks.get(name)
+                if check is not None:
+                    if item is not None:
+                        check(item, depth)
+                elif type(item) is dict or type(item) is list:
+                    _check_nesting(item, depth)
             except Invalid as exc:
                 exc.at.append(name)
                 raise
@@ -451,10 +454,6 @@ class Object:
 
     def describe(self) -> str:
         return self.what
-
-
-def _missing(schema: Schema) -> str:
-    return f"{schema.describe()} is required"
 
 
 @attrs.frozen
@@ -468,7 +467,7 @@ class Tagged:
     """Where the object is, for the message of a tag it may not have there: "in a system
     message"."""
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not dict:
             raise _wrong_type(self, value)
         tag = value.get(self.tag)
@@ -482,7 +481,7 @@ class Tagged:
                 f"must be {allowed}, got {_shown(tag)}",
                 self.tag,
             )
-        schema.check(value)
+        schema.check(value, depth)
 
     def describe(self) -> str:
         return self.what
@@ -490,15 +489,14 @@ class Tagged:
 
 @attrs.frozen
 class Map:
-    """An object used as a map: any keys (matching ``keys`` if given), every value a
-    ``values``."""
+    """An object used as a map: any keys (each a ``keys`` if given), every value a ``values``."""
 
     values: Schema
     keys: Schema | None = None
     max_items: int | None = None
     what: str = "an object"
 
-    def check(self, value: object) -> None:
+    def check(self, value: object, depth: int) -> None:
         if type(value) is not dict:
             raise _wrong_type(self, value)
         if self.max_items is not None and len(value) > self.max_items:
@@ -506,16 +504,17 @@ class Map:
                 "invalid_value", f"must have at most {self.max_items} keys, got {len(value)}"
             )
         keys, check = self.keys, self.values.check
+        depth += 1
         for key, item in value.items():
             try:
                 if keys is not None:
                     try:
-                        keys.check(key)
+                        keys.check(key, depth)
                     except Invalid:
                         raise Invalid(
                             "invalid_value", f"keys must be {keys.describe()}, got {_shown(key)}"
                         ) from None
-                check(item)
+                check(item, depth)
             except Invalid as exc:
                 exc.at.append(key)
                 raise
@@ -524,15 +523,20 @@ class Map:
         return self.what
 
 
-ANY_OBJECT: Final = Object()
+@attrs.frozen
+class FreeForm:
+    """Any JSON object, such as a JSON schema: only its depth is checked."""
+
+    def check(self, value: object, depth: int) -> None:
+        if type(value) is not dict:
+            raise _wrong_type(self, value)
+        _check_nesting(value, depth)
+
+    def describe(self) -> str:
+        return "an object"
 
 
-def validate(body: JSONObject, schema: Schema) -> None:
-    """Check ``body`` against ``schema``; raise :class:`BadRequest` naming the field at fault."""
-    try:
-        schema.check(body)
-    except Invalid as exc:
-        raise exc.as_bad_request() from None
+ANY_OBJECT: Final = FreeForm()
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -966,6 +970,7 @@ __all__ = [
     "Invalid",
     "Schema",
     "load_object",
+    "parse",
     "tunnel_schema",
     "validate",
 ]
