@@ -302,6 +302,10 @@ class Enum:
         return _one_of(self.values)
 
 
+def enum(*values: str) -> Enum:
+    return Enum(values)
+
+
 def _length(value: list[Any], low: int, high: int | None, schema: Schema) -> None:
     if len(value) < low or (high is not None and len(value) > high):
         raise Invalid("invalid_value", f"must be {schema.describe()}, got {len(value)} items")
@@ -572,30 +576,23 @@ def _needs_stream(body: JSONObject) -> None:
         raise Invalid("invalid_value", "only allowed when 'stream' is true", "stream_options")
 
 
-_TEXT_PART: Final = Object({"text": STRING}, required=("text",))
+def _under(key: str, payload: Schema) -> Object:
+    """A member of a tagged union that carries its payload under the key its tag names:
+    ``{"type": "image_url", "image_url": {...}}``."""
+    return Object({key: payload}, required=(key,))
+
+
 _PARTS: Final[Mapping[str, Object]] = {
-    "text": _TEXT_PART,
-    "image_url": Object(
-        {
-            "image_url": Object(
-                {"url": NON_EMPTY, "detail": Enum(("auto", "low", "high", "original"))},
-                required=("url",),
-            )
-        },
-        required=("image_url",),
+    "text": Object({"text": STRING}, required=("text",)),
+    "image_url": _under(
+        "image_url",
+        Object({"url": NON_EMPTY, "detail": enum("auto", "low", "high", "original")}, ("url",)),
     ),
-    "input_audio": Object(
-        {
-            "input_audio": Object(
-                {"data": STRING, "format": Enum(("wav", "mp3"))}, required=("data", "format")
-            )
-        },
-        required=("input_audio",),
+    "input_audio": _under(
+        "input_audio",
+        Object({"data": STRING, "format": enum("wav", "mp3")}, ("data", "format")),
     ),
-    "file": Object(
-        {"file": Object({"file_data": STRING, "file_id": STRING, "filename": STRING})},
-        required=("file",),
-    ),
+    "file": _under("file", Object({"file_data": STRING, "file_id": STRING, "filename": STRING})),
     "refusal": Object({"refusal": STRING}, required=("refusal",)),
 }
 
@@ -609,149 +606,125 @@ def _content(parts: tuple[str, ...], where: str) -> OneOf:
     )
 
 
-_FUNCTION_CALL: Final = Object(
-    {"name": STRING, "arguments": STRING}, required=("name", "arguments")
-)
+_TEXT_ONLY: Final = ("text",)
+_FUNCTION_CALL: Final = Object({"name": STRING, "arguments": STRING}, ("name", "arguments"))
 _TOOL_CALL: Final = Tagged(
     "type",
     {
-        "function": Object({"id": STRING, "function": _FUNCTION_CALL}, required=("id", "function")),
+        "function": Object({"id": STRING, "function": _FUNCTION_CALL}, ("id", "function")),
         "custom": Object(
-            {
-                "id": STRING,
-                "custom": Object({"name": STRING, "input": STRING}, required=("name", "input")),
-            },
-            required=("id", "custom"),
+            {"id": STRING, "custom": Object({"name": STRING, "input": STRING}, ("name", "input"))},
+            ("id", "custom"),
         ),
     },
     "a tool call object",
 )
 _MESSAGES: Final[Mapping[str, Object]] = {
     "system": Object(
-        {"content": _content(("text",), "in a system message"), "name": STRING},
-        required=("content",),
+        {"content": _content(_TEXT_ONLY, "in a system message"), "name": STRING}, ("content",)
     ),
     "developer": Object(
-        {"content": _content(("text",), "in a developer message"), "name": STRING},
-        required=("content",),
+        {"content": _content(_TEXT_ONLY, "in a developer message"), "name": STRING}, ("content",)
     ),
     "user": Object(
         {
             "content": _content(("text", "image_url", "input_audio", "file"), "in a user message"),
             "name": STRING,
         },
-        required=("content",),
+        ("content",),
     ),
     "assistant": Object(
         {
             "content": _content(("text", "refusal"), "in an assistant message"),
             "refusal": STRING,
             "name": STRING,
-            "audio": Object({"id": STRING}, required=("id",)),
+            "audio": Object({"id": STRING}, ("id",)),
             "tool_calls": Array(_TOOL_CALL, what="an array of tool calls"),
             "function_call": _FUNCTION_CALL,
         }
     ),
     "tool": Object(
-        {"content": _content(("text",), "in a tool message"), "tool_call_id": STRING},
-        required=("content", "tool_call_id"),
+        {"content": _content(_TEXT_ONLY, "in a tool message"), "tool_call_id": STRING},
+        ("content", "tool_call_id"),
     ),
     "function": Object(
-        {"content": STRING, "name": STRING}, required=("content", "name"), nullable=("content",)
+        {"content": STRING, "name": STRING}, ("content", "name"), nullable=("content",)
     ),
 }
 MESSAGE: Final = Tagged("role", _MESSAGES, "a message object")
 
 _FUNCTION: Final = Object(
     {"name": _NAME, "description": STRING, "parameters": ANY_OBJECT, "strict": BOOLEAN},
-    required=("name",),
+    ("name",),
+)
+_GRAMMAR: Final = Object(
+    {"definition": STRING, "syntax": enum("lark", "regex")}, ("definition", "syntax")
+)
+_CUSTOM_TOOL: Final = Object(
+    {
+        "name": NON_EMPTY,
+        "description": STRING,
+        "format": Tagged(
+            "type", {"text": Object(), "grammar": _under("grammar", _GRAMMAR)}, "a format object"
+        ),
+    },
+    ("name",),
 )
 _TOOL: Final = Tagged(
     "type",
-    {
-        "function": Object({"function": _FUNCTION}, required=("function",)),
-        "custom": Object(
-            {
-                "custom": Object(
-                    {
-                        "name": NON_EMPTY,
-                        "description": STRING,
-                        "format": Tagged(
-                            "type",
-                            {
-                                "text": Object(),
-                                "grammar": Object(
-                                    {
-                                        "grammar": Object(
-                                            {
-                                                "definition": STRING,
-                                                "syntax": Enum(("lark", "regex")),
-                                            },
-                                            required=("definition", "syntax"),
-                                        )
-                                    },
-                                    required=("grammar",),
-                                ),
-                            },
-                            "a format object",
-                        ),
-                    },
-                    required=("name",),
-                )
-            },
-            required=("custom",),
-        ),
-    },
+    {"function": _under("function", _FUNCTION), "custom": _under("custom", _CUSTOM_TOOL)},
     "a tool object",
 )
-_NAMED: Final = Object({"name": NON_EMPTY}, required=("name",))
+_NAMED: Final = Object({"name": NON_EMPTY}, ("name",))
+_ALLOWED_TOOLS: Final = Object(
+    {"mode": enum("auto", "required"), "tools": Array(ANY_OBJECT, what="an array of tools")},
+    ("mode", "tools"),
+)
 _TOOL_CHOICE: Final = OneOf(
     {
-        str: Enum(("none", "auto", "required")),
+        str: enum("none", "auto", "required"),
         dict: Tagged(
             "type",
             {
-                "function": Object({"function": _NAMED}, required=("function",)),
-                "custom": Object({"custom": _NAMED}, required=("custom",)),
-                "allowed_tools": Object(
-                    {
-                        "allowed_tools": Object(
-                            {
-                                "mode": Enum(("auto", "required")),
-                                "tools": Array(ANY_OBJECT, what="an array of tool objects"),
-                            },
-                            required=("mode", "tools"),
-                        )
-                    },
-                    required=("allowed_tools",),
-                ),
+                "function": _under("function", _NAMED),
+                "custom": _under("custom", _NAMED),
+                "allowed_tools": _under("allowed_tools", _ALLOWED_TOOLS),
             },
             "a tool choice object",
         ),
     },
     what="'none', 'auto', 'required' or a tool choice object",
 )
+_JSON_SCHEMA: Final = Object(
+    {"name": _NAME, "description": STRING, "schema": ANY_OBJECT, "strict": BOOLEAN}, ("name",)
+)
 _RESPONSE_FORMAT: Final = Tagged(
     "type",
     {
         "text": Object(),
         "json_object": Object(),
-        "json_schema": Object(
-            {
-                "json_schema": Object(
-                    {
-                        "name": _NAME,
-                        "description": STRING,
-                        "schema": ANY_OBJECT,
-                        "strict": BOOLEAN,
-                    },
-                    required=("name",),
-                )
-            },
-            required=("json_schema",),
-        ),
+        "json_schema": _under("json_schema", _JSON_SCHEMA),
     },
     "a response format object",
+)
+_AUDIO: Final = Object(
+    {
+        "format": enum("wav", "aac", "mp3", "flac", "opus", "pcm16"),
+        "voice": OneOf(
+            {str: NON_EMPTY, dict: Object({"id": NON_EMPTY}, ("id",))},
+            what="a voice name or an object with a voice id",
+        ),
+    },
+    ("format", "voice"),
+)
+_LOCATION: Final = Object({"city": STRING, "country": STRING, "region": STRING, "timezone": STRING})
+_WEB_SEARCH: Final = Object(
+    {
+        "search_context_size": enum("low", "medium", "high"),
+        "user_location": Tagged(
+            "type", {"approximate": _under("approximate", _LOCATION)}, "a user location object"
+        ),
+    }
 )
 
 
@@ -787,13 +760,13 @@ CHAT_COMPLETIONS: Final = Object(
         "user": STRING,
         "safety_identifier": STRING,
         "prompt_cache_key": STRING,
-        "prompt_cache_retention": Enum(("in_memory", "24h")),
+        "prompt_cache_retention": enum("in_memory", "24h"),
         "tools": Array(_TOOL, max_items=128, what="an array of at most 128 tools"),
         "tool_choice": _TOOL_CHOICE,
         "parallel_tool_calls": BOOLEAN,
         "functions": Array(_FUNCTION, max_items=128, what="an array of at most 128 functions"),
         "function_call": OneOf(
-            {str: Enum(("none", "auto")), dict: _NAMED},
+            {str: enum("none", "auto"), dict: _NAMED},
             what="'none', 'auto' or an object naming a function",
         ),
         "response_format": _RESPONSE_FORMAT,
@@ -804,49 +777,17 @@ CHAT_COMPLETIONS: Final = Object(
             what="an object of at most 16 strings",
         ),
         "store": BOOLEAN,
-        "reasoning_effort": Enum(("none", "minimal", "low", "medium", "high", "xhigh", "max")),
-        "verbosity": Enum(("low", "medium", "high")),
-        "service_tier": Enum(("auto", "default", "flex", "scale", "priority", "fast")),
-        "modalities": Array(Enum(("text", "audio")), what="an array of 'text' or 'audio'"),
-        "audio": Object(
-            {
-                "format": Enum(("wav", "aac", "mp3", "flac", "opus", "pcm16")),
-                "voice": OneOf(
-                    {str: NON_EMPTY, dict: Object({"id": NON_EMPTY}, required=("id",))},
-                    what="a voice name or an object with a voice id",
-                ),
-            },
-            required=("format", "voice"),
-        ),
+        "reasoning_effort": enum("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+        "verbosity": enum("low", "medium", "high"),
+        "service_tier": enum("auto", "default", "flex", "scale", "priority", "fast"),
+        "modalities": Array(enum("text", "audio"), what="an array of 'text' or 'audio'"),
+        "audio": _AUDIO,
         "prediction": Tagged(
             "type",
-            {"content": Object({"content": _content(("text",), "in a prediction")})},
+            {"content": Object({"content": _content(_TEXT_ONLY, "in a prediction")})},
             "a prediction object",
         ),
-        "web_search_options": Object(
-            {
-                "search_context_size": Enum(("low", "medium", "high")),
-                "user_location": Tagged(
-                    "type",
-                    {
-                        "approximate": Object(
-                            {
-                                "approximate": Object(
-                                    {
-                                        "city": STRING,
-                                        "country": STRING,
-                                        "region": STRING,
-                                        "timezone": STRING,
-                                    }
-                                )
-                            },
-                            required=("approximate",),
-                        )
-                    },
-                    "a user location object",
-                ),
-            }
-        ),
+        "web_search_options": _WEB_SEARCH,
     },
     required=("model", "messages"),
     rules=(_only_one_choice, _needs_stream, _top_logprobs_need_logprobs),
@@ -917,7 +858,7 @@ EMBEDDINGS: Final = Object(
             what="a non-empty string, an array of strings, an array of token ids or an array "
             "of token id arrays",
         ),
-        "encoding_format": Enum(("float", "base64")),
+        "encoding_format": enum("float", "base64"),
         "dimensions": Integer(low=1),
         "user": STRING,
         # Not OpenAI's, but the edge reads it (whether to stream the relayed answer).
