@@ -1,24 +1,67 @@
 """Edge configuration: TOML, validated into frozen attrs classes.
 
-A config error names the file, the key and the reason, e.g.
-``edge.toml: $.http.max_body_size: expected int, got str``, and the daemon refuses to start.
-Every key has a default, so an empty file (or no file) is a working edge.
+A config error names the file, the key path and the reason, in the same style as the node's
+(``nodes.config``)::
+
+    edge.toml: http.max_body_size: expected an integer, got 'big'
+    edge.toml: api_keys: expected an array of strings, got a string
+    edge.toml: nodes.lable: unknown key
+
+and the daemon refuses to start. Every key has a default, so an empty file (or no file) is a
+working edge.
+
+**Secrets.** Client keys, admin keys and node tokens are arrays of strings (a bare string is
+an error: it would otherwise be read as one key per character) and may come from environment
+variables. :func:`load_edge_config` and :func:`parse_edge_config` -- the daemon's path --
+resolve them once, when the file is loaded:
+
+* ``api_keys_env`` / ``admin_keys_env`` / ``nodes.tokens_env`` name a variable of
+  comma-separated values. When the file does not name one, the daemon reads
+  ``DISPATCHER_API_KEYS`` / ``DISPATCHER_ADMIN_KEYS`` / ``DISPATCHER_NODE_TOKENS`` if set.
+* A variable the file names that is unset or empty is an error; so is a default variable
+  that is set but empty (most often a template that failed to fill it in): either would
+  silently turn authentication off.
+
+The loaded config holds the values (the ``*_env`` fields are None afterwards). An
+:class:`EdgeConfig` built in Python reads only the variables it names, when its keys are
+asked for (:meth:`EdgeConfig.client_api_keys` and friends), with the same strictness.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tomllib
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import cattrs
+from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
+
+DEFAULT_API_KEYS_ENV: Final = "DISPATCHER_API_KEYS"
+DEFAULT_ADMIN_KEYS_ENV: Final = "DISPATCHER_ADMIN_KEYS"
+DEFAULT_NODE_TOKENS_ENV: Final = "DISPATCHER_NODE_TOKENS"
+
+ENVIRONMENT: Final = "environment"
+"""The ``source`` of an error in a default environment variable (not in any file)."""
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_ID_PATTERN = re.compile(r"[A-Za-z0-9._:*?\[\]!-]+\Z")
+"""A node id glob: node id characters (see ``nodelink``) plus ``* ? [ ] !``."""
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
 class ConfigError(Exception):
-    """A configuration file that cannot be used; ``str()`` says where and why."""
+    """A configuration that cannot be used; ``str()`` is ``"<file>: <key>: <reason>"``."""
+
+    def __init__(self, source: str, key: str, reason: str) -> None:
+        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
+        self.source = source
+        self.key = key
+        self.reason = reason
 
 
 @attrs.frozen(kw_only=True)
@@ -35,11 +78,28 @@ class HTTPSettings:
 
 
 @attrs.frozen(kw_only=True)
+class NodeToken:
+    """A node token bound to the node ids it may claim: a table in ``nodes.tokens``.
+
+    ``ids`` are glob patterns (``fnmatch``, case-sensitive: ``*``, ``?``, ``[...]``), e.g.
+    ``["gpu-*"]``; ``["*"]`` allows any id. The token is ``value`` or, better, the
+    environment variable ``value_env`` (the whole value is one token) -- exactly one of
+    them."""
+
+    value: str | None = attrs.field(default=None, repr=False)
+    value_env: str | None = None
+    ids: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
 class NodeSettings:
-    tokens: tuple[str, ...] = attrs.field(default=(), repr=False)
-    """Node tokens accepted in ``hello``. Empty: any node may join (fine on loopback only)."""
+    tokens: tuple[str | NodeToken, ...] = attrs.field(default=(), repr=False)
+    """Node tokens accepted in ``hello``: a string may claim any node id, a
+    :class:`NodeToken` only the ids it lists. Empty (and no token in ``tokens_env``): any
+    node may join, under any id (fine on loopback only)."""
     tokens_env: str | None = None
-    """Name of an environment variable holding comma-separated node tokens."""
+    """Name of an environment variable holding comma-separated node tokens (any id). The
+    daemon reads ``DISPATCHER_NODE_TOKENS`` when this is not set."""
     hello_timeout: float = 10.0
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 15.0
@@ -93,14 +153,18 @@ class EdgeConfig:
     host: str = "127.0.0.1"
     port: int = 8700
     local_node: bool = True
-    """Run an in-process node serving the built-in ``echo`` model."""
+    """Run an in-process node serving the built-in ``echo`` model. It is trusted: it needs no
+    node token, and no other connection can take over its id."""
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
     """Client API keys (``Authorization: Bearer ...``). Empty: no key needed."""
     api_keys_env: str | None = None
+    """Name of an environment variable of comma-separated client keys, added to
+    ``api_keys``. The daemon reads ``DISPATCHER_API_KEYS`` when this is not set."""
     admin_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
     """Keys for the admin routes (``GET /v1/usage``). Empty: admin routes are open only when
     no client API key is configured either."""
     admin_keys_env: str | None = None
+    """As ``api_keys_env``, for admin keys (default ``DISPATCHER_ADMIN_KEYS``)."""
     data_dir: str | None = None
     """Where the edge keeps its files; default ``$XDG_DATA_HOME/trio-dispatcher`` (or
     ``~/.local/share/trio-dispatcher``)."""
@@ -115,14 +179,19 @@ class EdgeConfig:
     admission: QueuePolicySettings = QueuePolicySettings()
     models: dict[str, QueuePolicySettings] = attrs.field(factory=dict)
 
-    def node_tokens(self) -> tuple[str, ...]:
-        return self.nodes.tokens + _env_list(self.nodes.tokens_env)
+    def node_tokens(self) -> tuple[str | NodeToken, ...]:
+        """The accepted node tokens, with every ``*_env`` resolved (each
+        :class:`NodeToken` has its ``value``). Raises :class:`ConfigError` for a named
+        variable that is unset or empty."""
+        return resolve_secrets(self).nodes.tokens
 
     def client_api_keys(self) -> tuple[str, ...]:
-        return self.api_keys + _env_list(self.api_keys_env)
+        """The client API keys, ``api_keys_env`` resolved (see :meth:`node_tokens`)."""
+        return resolve_secrets(self).api_keys
 
     def admin_api_keys(self) -> tuple[str, ...]:
-        return self.admin_keys + _env_list(self.admin_keys_env)
+        """The admin keys, ``admin_keys_env`` resolved (see :meth:`node_tokens`)."""
+        return resolve_secrets(self).admin_keys
 
     def default_data_dir(self) -> Path:
         if self.data_dir:
@@ -131,45 +200,301 @@ class EdgeConfig:
         return Path(base) / "trio-dispatcher"
 
 
-def _env_list(name: str | None) -> tuple[str, ...]:
-    if not name:
+# --------------------------------------------------------------------------- secrets
+
+
+def resolve_secrets(
+    config: EdgeConfig,
+    *,
+    environ: Mapping[str, str] | None = None,
+    default_env: bool = False,
+    source: str = "<config>",
+) -> EdgeConfig:
+    """``config`` with the secrets of every ``*_env`` variable moved into the values
+    (``api_keys``, ``admin_keys``, ``nodes.tokens``) and the ``*_env`` fields cleared.
+
+    ``environ`` defaults to ``os.environ``. With ``default_env`` (the daemon), a field that
+    names no variable reads its ``DISPATCHER_*`` default when that is set. Raises
+    :class:`ConfigError` for a named variable that is unset or empty, and for a default
+    variable that is set but empty."""
+    env = os.environ if environ is None else environ
+
+    def values(field: str, named: str | None, default: str) -> tuple[str, ...]:
+        if named is not None:
+            return _env_values(env, named, source=source, key=field, explicit=True)
+        if default_env:
+            return _env_values(env, default, source=ENVIRONMENT, key=default, explicit=False)
         return ()
-    return tuple(item.strip() for item in os.environ.get(name, "").split(",") if item.strip())
+
+    tokens: list[str | NodeToken] = []
+    for index, token in enumerate(config.nodes.tokens):
+        if isinstance(token, NodeToken) and token.value_env is not None:
+            key = f"nodes.tokens[{index}].value_env"
+            (value,) = _env_values(env, token.value_env, source=source, key=key, split=False)
+            token = attrs.evolve(token, value=value, value_env=None)
+        tokens.append(token)
+    tokens.extend(values("nodes.tokens_env", config.nodes.tokens_env, DEFAULT_NODE_TOKENS_ENV))
+    return attrs.evolve(
+        config,
+        api_keys=config.api_keys
+        + values("api_keys_env", config.api_keys_env, DEFAULT_API_KEYS_ENV),
+        api_keys_env=None,
+        admin_keys=config.admin_keys
+        + values("admin_keys_env", config.admin_keys_env, DEFAULT_ADMIN_KEYS_ENV),
+        admin_keys_env=None,
+        nodes=attrs.evolve(config.nodes, tokens=tuple(tokens), tokens_env=None),
+    )
+
+
+def _env_values(
+    environ: Mapping[str, str],
+    name: str,
+    *,
+    source: str,
+    key: str,
+    explicit: bool = True,
+    split: bool = True,
+) -> tuple[str, ...]:
+    raw = environ.get(name)
+    if raw is None:
+        if explicit:
+            raise ConfigError(source, key, f"environment variable {name} is not set")
+        return ()
+    if split:
+        items = tuple(item.strip() for item in raw.split(",") if item.strip())
+    else:
+        items = (raw.strip(),) if raw.strip() else ()
+    if not items:
+        if explicit:
+            raise ConfigError(source, key, f"environment variable {name} is empty")
+        raise ConfigError(
+            source, key, "is set but empty: unset it to run without, or give the values"
+        )
+    return items
+
+
+# --------------------------------------------------------------------------- structuring
+
+
+class _Invalid(Exception):
+    """A problem at ``at`` (a key path relative to where the hook was called: ``[2]`` or
+    ``name``, or empty), either a ``reason`` or a nested structuring error ``inner``."""
+
+    def __init__(self, reason: str = "", *, at: str = "", inner: BaseException | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.at = at
+        self.inner = inner
+
+
+def _show(value: Any) -> str:
+    """A value in an error message (the node's style: ``'x'``, ``3``, a table, an array)."""
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return repr(value)
+
+
+def _kind(value: Any) -> str:
+    """A value's TOML type, never the value (for secrets)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return "a date or time"
 
 
 _converter = make_converter(forbid_extra_keys=True)
 
+_EXPECTED = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 
-def _strict(kind: type[Any]) -> Any:
+
+def _strict(kind: type[Any]) -> Callable[[Any, Any], Any]:
     def structure(value: Any, _: Any) -> Any:
         ok = type(value) is kind or (kind is float and type(value) is int)
         if not ok:
-            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
-        return value
+            raise _Invalid(f"expected {_EXPECTED[kind]}, got {_show(value)}")
+        return float(value) if kind is float else value
 
     return structure
 
 
-for _kind in (str, int, float, bool):
-    _converter.register_structure_hook(_kind, _strict(_kind))
+for _kind_type in (str, int, float, bool):
+    _converter.register_structure_hook(_kind_type, _strict(_kind_type))
 
 
-def parse_edge_config(raw: dict[str, Any], *, source: str = "<config>") -> EdgeConfig:
+def _string(value: Any, at: str) -> str:
+    # Never the value itself: these arrays hold secrets.
+    if not isinstance(value, str):
+        raise _Invalid(f"expected a string, got {_kind(value)}", at=at)
+    if not value.strip():
+        raise _Invalid("expected a non-empty string", at=at)
+    return value
+
+
+def _array(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _Invalid(f"expected an array of {what}, got {_kind(value)}")
+    return value
+
+
+def _strings(value: Any, _: Any) -> tuple[str, ...]:
+    return tuple(_string(item, f"[{i}]") for i, item in enumerate(_array(value, "strings")))
+
+
+def _tokens(value: Any, _: Any) -> tuple[str | NodeToken, ...]:
+    tokens: list[str | NodeToken] = []
+    for index, item in enumerate(_array(value, "tokens (strings or tables)")):
+        at = f"[{index}]"
+        if isinstance(item, dict):
+            try:
+                tokens.append(_converter.structure(item, NodeToken))
+            except Exception as exc:
+                raise _Invalid(at=at, inner=exc) from None
+        elif isinstance(item, str):
+            tokens.append(_string(item, at))
+        else:
+            raise _Invalid(f"expected a string or a table, got {_kind(item)}", at=at)
+    return tuple(tokens)
+
+
+def _models(value: Any, _: Any) -> dict[str, QueuePolicySettings]:
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected a table, got {_show(value)}")
+    models = {}
+    for name, item in value.items():
+        try:
+            models[name] = _converter.structure(item, QueuePolicySettings)
+        except Exception as exc:
+            raise _Invalid(at=_key("", name), inner=exc) from None
+    return models
+
+
+def _table_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:
+    inner = make_dict_structure_fn(cls, _converter)
+
+    def structure(value: Any, _: Any) -> Any:
+        if not isinstance(value, dict):
+            raise _Invalid(f"expected a table, got {_show(value)}")
+        return inner(value, cls)
+
+    return structure
+
+
+_GENERIC_HOOKS: Final[dict[object, Callable[[Any, Any], Any]]] = {
+    tuple[str, ...]: _strings,
+    tuple[str | NodeToken, ...]: _tokens,
+    dict[str, QueuePolicySettings]: _models,
+}
+# Generic aliases are not classes: dispatch on equality.
+_converter.register_structure_hook_func(
+    lambda t: t in _GENERIC_HOOKS, lambda value, t: _GENERIC_HOOKS[t](value, t)
+)
+_converter.register_structure_hook_factory(attrs.has, _table_hook)
+
+
+def _key(path: str, name: object) -> str:
+    if isinstance(name, int):
+        return f"{path}[{name}]"
+    text = str(name)
+    part = text if _BARE_KEY.match(text) else '"' + text.replace('"', '\\"') + '"'
+    return f"{path}.{part}" if path else part
+
+
+def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, str]]:
+    """(key path, reason) for every problem in a structuring error, unknown keys first."""
+    if isinstance(exc, _Invalid):
+        if not exc.at or not path or exc.at.startswith("["):
+            where = path + exc.at
+        else:
+            where = f"{path}.{exc.at}"
+        if exc.inner is not None:
+            yield from _problems(exc.inner, where)
+        else:
+            yield where, exc.reason
+    elif isinstance(exc, cattrs.ClassValidationError | cattrs.IterableValidationError):
+        with_notes, without = exc.group_exceptions()
+        for inner in without:
+            yield from _problems(inner, path)
+        for inner, note in with_notes:
+            name = note.index if isinstance(note, cattrs.IterableValidationNote) else note.name
+            yield from _problems(inner, _key(path, name))
+    elif isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        for name in sorted(exc.extra_fields):
+            yield _key(path, name), "unknown key"
+    elif isinstance(exc, KeyError):
+        yield path, "missing"
+    elif isinstance(exc, AttributeError):
+        yield path, "expected a table"
+    else:
+        yield path, str(exc) or type(exc).__name__
+
+
+def parse_edge_config(
+    raw: dict[str, Any],
+    *,
+    source: str = "<config>",
+    environ: Mapping[str, str] | None = None,
+) -> EdgeConfig:
+    """Validate a parsed TOML document and resolve its secrets (``environ``, default
+    ``os.environ``, with the ``DISPATCHER_*`` defaults; see the module docstring). Raises
+    :class:`ConfigError` naming the first problem."""
     try:
         config = _converter.structure(raw, EdgeConfig)
-    except cattrs.BaseValidationError as exc:
-        reasons = "; ".join(cattrs.transform_error(exc, path="$"))
-        raise ConfigError(f"{source}: {reasons}") from None
+    except Exception as exc:
+        key, reason = next(_problems(exc, ""), ("", str(exc)))
+        raise ConfigError(source, key, reason) from None
     _validate(config, source)
-    return config
+    return resolve_secrets(config, environ=environ, default_env=True, source=source)
 
 
 def _validate(config: EdgeConfig, source: str) -> None:
     def check(ok: bool, key: str, reason: str) -> None:
         if not ok:
-            raise ConfigError(f"{source}: $.{key}: {reason}")
+            raise ConfigError(source, key, reason)
+
+    def env_name(key: str, name: str | None) -> None:
+        if name is not None:
+            check(
+                _ENV_NAME.match(name) is not None,
+                key,
+                f"expected the name of an environment variable, got {name!r}",
+            )
 
     check(0 <= config.port <= 65535, "port", f"{config.port} is not a TCP port")
+    env_name("api_keys_env", config.api_keys_env)
+    env_name("admin_keys_env", config.admin_keys_env)
+    env_name("nodes.tokens_env", config.nodes.tokens_env)
+    for index, token in enumerate(config.nodes.tokens):
+        if not isinstance(token, NodeToken):
+            continue
+        key = f"nodes.tokens[{index}]"
+        env_name(f"{key}.value_env", token.value_env)
+        check(
+            (token.value is None) != (token.value_env is None),
+            key,
+            "give either value or value_env (exactly one)",
+        )
+        check(
+            bool(token.ids),
+            f"{key}.ids",
+            'expected at least one node id or glob pattern (["*"] for any id)',
+        )
+        for position, pattern in enumerate(token.ids):
+            check(
+                _ID_PATTERN.match(pattern) is not None,
+                f"{key}.ids[{position}]",
+                f"expected a node id or a glob pattern of one, got {pattern!r}",
+            )
     check(config.nodes.heartbeat_interval > 0, "nodes.heartbeat_interval", "must be > 0")
     check(
         config.nodes.heartbeat_timeout > config.nodes.heartbeat_interval,
@@ -184,7 +509,7 @@ def _validate(config: EdgeConfig, source: str) -> None:
     )
     for name, policy in {
         "admission": config.admission,
-        **{f"models.{k}": v for k, v in config.models.items()},
+        **{_key("models", k): v for k, v in config.models.items()},
     }.items():
         if policy.max_queue is not None:
             check(policy.max_queue >= 0, f"{name}.max_queue", "must be >= 0")
@@ -192,15 +517,24 @@ def _validate(config: EdgeConfig, source: str) -> None:
             check(policy.queue_timeout_s > 0, f"{name}.queue_timeout_s", "must be > 0")
 
 
-def load_edge_config(path: str | os.PathLike[str] | None) -> EdgeConfig:
-    """Read and validate an edge config file; no path means all defaults."""
+def load_edge_config(
+    path: str | os.PathLike[str] | None, *, environ: Mapping[str, str] | None = None
+) -> EdgeConfig:
+    """Read and validate an edge config file and resolve its secrets (see
+    :func:`parse_edge_config`); no path means all defaults (the ``DISPATCHER_*`` variables
+    still apply)."""
     if path is None:
-        return EdgeConfig()
+        return parse_edge_config({}, source="(no config file)", environ=environ)
     file = Path(path)
+    source = str(file)
     try:
-        raw = tomllib.loads(file.read_text(encoding="utf-8"))
+        text = file.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(source, "", f"cannot read the file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(source, "", "the file is not UTF-8 text") from None
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{file}: not valid TOML: {exc}") from None
-    return parse_edge_config(raw, source=str(file))
+        raise ConfigError(source, "", f"invalid TOML: {exc}") from None
+    return parse_edge_config(raw, source=source, environ=environ)

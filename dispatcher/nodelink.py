@@ -5,20 +5,33 @@ agnostic: the HTTP endpoint runs it over our server's websocket, and embedded ap
 run it over an in-memory connection. Whatever the node sends that breaks the protocol closes
 *that* session (code 1002, with the reason) and is logged; nothing it sends can hurt the edge
 or other nodes.
+
+**Who may be which node.** With node tokens configured, ``hello.token`` must be one of them,
+and the token must be allowed the node id it claims (:class:`NodeCredential`: a plain token
+may claim any id, a bound one only the ids its patterns match); otherwise the connection is
+closed with 4001. A connection claiming the id of a *live* session authenticated with another
+credential is refused with 4004 and the live session goes on untouched; one with the same
+credential supersedes it (a node reconnecting; the old session is fenced by its generation).
+On an open edge (no tokens) every connection has the same, empty credential: any of them may
+take over any node id -- except the in-process node's, which is trusted
+(``authenticated_as=LOCAL_CREDENTIAL``) and so never shares a credential with a connection.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import hmac
 import logging
 import re
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import attrs
 import trio
 
 from . import wire
-from .registry import NodeGone, NodeSession, Registry, SessionProtocolError
+from .registry import NodeGone, NodeIdInUse, NodeSession, Registry, SessionProtocolError
 from .transport import Connection, ConnectionClosed
 
 log = logging.getLogger("dispatcher.nodes")
@@ -29,16 +42,36 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_AUTH_FAILED = 4001
 CLOSE_SUPERSEDED = 4002
 CLOSE_HEARTBEAT = 4003
+CLOSE_NODE_ID_IN_USE = 4004
+"""The node id is held by a live session that authenticated with another credential."""
+
+LOCAL_CREDENTIAL: Final = "in-process"
+"""The credential of the in-process node (``Dispatcher.attach_local_node``): trusted without
+a token, and never equal to a connection's (those are token digests, or None)."""
 
 LAST_FRAMES_TIMEOUT = 1.0
 """After a write found the connection closed, how long the receive loop may still read the
 frames the node sent before it closed."""
 
 
+@attrs.frozen
+class NodeCredential:
+    """A node token and the node ids it may claim."""
+
+    token: str = attrs.field(repr=False)
+    ids: tuple[str, ...] | None = None
+    """Glob patterns (``fnmatch``, case-sensitive) of the node ids this token may claim;
+    None: any id."""
+
+    def allows(self, node_id: str) -> bool:
+        return self.ids is None or any(fnmatch.fnmatchcase(node_id, p) for p in self.ids)
+
+
 @attrs.frozen(kw_only=True)
 class NodeLinkSettings:
-    node_tokens: tuple[str, ...] = attrs.field(default=(), repr=False)
-    """When non-empty, ``hello.token`` must equal one of these."""
+    node_tokens: tuple[str | NodeCredential, ...] = attrs.field(default=(), repr=False)
+    """When non-empty, ``hello.token`` must equal one of these, and that token must allow
+    the node id (a plain string allows any id)."""
     hello_timeout: float = 10.0
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 15.0
@@ -142,16 +175,44 @@ class _Closing(Exception):
         self.reason = reason
 
 
-def _token_ok(token: str | None, allowed: Sequence[str]) -> bool:
+@attrs.frozen
+class Authenticated:
+    """The credential a ``hello`` authenticated with: a digest of its token (never logged),
+    or None on an open edge."""
+
+    credential: str | None
+
+
+@attrs.frozen
+class Refused:
+    """Why a ``hello``'s token is refused (close 4001)."""
+
+    reason: str
+
+
+def authenticate(
+    token: str | None, node_id: str, allowed: Sequence[str | NodeCredential]
+) -> Authenticated | Refused:
+    """Whether ``token`` may claim ``node_id`` (pure). No tokens configured: anyone, with no
+    credential."""
     if not allowed:
-        return True
+        return Authenticated(None)
     if token is None:
-        return False
+        return Refused("missing node token")
     given = token.encode()
-    ok = False
-    for candidate in allowed:  # no early exit: constant time over the configured tokens
-        ok |= hmac.compare_digest(given, candidate.encode())
-    return ok
+    matched = False
+    permitted = False
+    for entry in allowed:  # no early exit: constant time over the configured tokens
+        credential = entry if isinstance(entry, NodeCredential) else NodeCredential(entry)
+        # An empty configured token matches nothing (not even an empty one).
+        match = hmac.compare_digest(given, credential.token.encode()) and bool(credential.token)
+        matched |= match
+        permitted |= match and credential.allows(node_id)
+    if not matched:
+        return Refused("invalid node token")
+    if not permitted:
+        return Refused(f"node token not allowed for node id {escape(node_id)}")
+    return Authenticated(hashlib.sha256(given).hexdigest())
 
 
 async def serve_node_connection(
@@ -162,14 +223,21 @@ async def serve_node_connection(
     on_capacity: Callable[[NodeSession, wire.Capacity], None] | None = None,
     on_draining: Callable[[NodeSession], None] | None = None,
     peer: str = "in-memory",
+    authenticated_as: str | None = None,
 ) -> None:
     """Serve one node connection until it closes. Never raises for anything the node does.
-    Every session that ends logs why (``node ... left: <reason>``)."""
+    Every session that ends logs why (``node ... left: <reason>``).
+
+    ``authenticated_as``: the connection is trusted as this credential (the in-process node,
+    :data:`LOCAL_CREDENTIAL`): its ``hello.token`` is not checked."""
     session: NodeSession | None = None
     close_code, close_reason = CLOSE_GOING_AWAY, "session ended"
     try:
-        hello = await _receive_hello(conn, settings)
-        session = registry.register(hello, conn)
+        hello, credential = await _receive_hello(conn, settings, authenticated_as)
+        try:
+            session = registry.register(hello, conn, credential=credential)
+        except NodeIdInUse as exc:
+            raise _Closing(CLOSE_NODE_ID_IN_USE, str(exc)) from None
         log.info(
             "node %s (%s) joined from %s, generation %d, models: %s",
             hello.node_id,
@@ -213,7 +281,10 @@ async def serve_node_connection(
             await conn.aclose(close_code, close_reason)
 
 
-async def _receive_hello(conn: Connection, settings: NodeLinkSettings) -> wire.Hello:
+async def _receive_hello(
+    conn: Connection, settings: NodeLinkSettings, authenticated_as: str | None
+) -> tuple[wire.Hello, str | None]:
+    """The node's hello and the credential it authenticated with."""
     with trio.move_on_after(settings.hello_timeout) as scope:
         frame = await conn.receive()
     if scope.cancelled_caught:
@@ -232,13 +303,16 @@ async def _receive_hello(conn: Connection, settings: NodeLinkSettings) -> wire.H
             f"protocol version {message.protocol} is not supported "
             f"(this edge speaks {wire.PROTOCOL_VERSION})",
         )
-    if not _token_ok(message.token, settings.node_tokens):
-        reason = "missing node token" if message.token is None else "invalid node token"
-        raise _Closing(CLOSE_AUTH_FAILED, reason)
+    credential = authenticated_as
+    if authenticated_as is None:
+        auth = authenticate(message.token, message.node_id, settings.node_tokens)
+        if isinstance(auth, Refused):
+            raise _Closing(CLOSE_AUTH_FAILED, auth.reason)
+        credential = auth.credential
     refused = check_hello(message, settings.limits)
     if refused is not None:
         raise _Closing(CLOSE_PROTOCOL_ERROR, f"bad hello: {refused}")
-    return message
+    return message, credential
 
 
 async def _serve_session(

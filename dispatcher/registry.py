@@ -1,8 +1,11 @@
 """Connected node sessions, their generations, and the routing of run events to subscribers.
 
 Each accepted node connection becomes a :class:`NodeSession` with a fresh generation number. A
-reconnect of the same node id supersedes the old session: the old one is marked stale, its
-subscribers get a ``stale_generation`` failure, and nothing more is sent on it.
+reconnect of the same node id *with the same credential* supersedes the old session: the old
+one is marked stale, its subscribers get a ``stale_generation`` failure, and nothing more is
+sent on it. A connection claiming a live session's node id with another credential is refused
+(:class:`NodeIdInUse`) and the live session is untouched: holding some node token does not
+make you every node.
 
 A session routes the run events its node sends to the subscription of that run (opened by
 :mod:`dispatcher.runs` before the run request is sent, so no event can be missed). Events for
@@ -58,6 +61,10 @@ class NodeGone(Exception):
 
 class SessionProtocolError(Exception):
     """The node broke the protocol; its session must be closed."""
+
+
+class NodeIdInUse(Exception):
+    """A live session holds this node id under another credential."""
 
 
 @attrs.define(eq=False)
@@ -231,6 +238,9 @@ class NodeSession:
     )
     """The last RECENT_TUNNELS tunnels whose route closed (None once their end arrived)."""
     closed_reason: str | None = None
+    credential: str | None = attrs.field(default=None, repr=False)
+    """Who the node authenticated as (see ``nodelink.authenticate``); only a connection
+    with the same credential may supersede this session."""
     draining: bool = False
     """The node said it is draining (``node.draining``): nothing new is routed to it."""
     ended: trio.Event = attrs.field(factory=trio.Event)
@@ -434,12 +444,20 @@ class Registry:
     def on_leave(self, callback: Callable[[NodeSession], None]) -> None:
         self._left.append(callback)
 
-    def register(self, hello: wire.Hello, conn: Connection) -> NodeSession:
-        """A new session for ``hello.node_id``, superseding any current one."""
+    def register(
+        self, hello: wire.Hello, conn: Connection, *, credential: str | None = None
+    ) -> NodeSession:
+        """A new session for ``hello.node_id``, superseding the current one if it has the
+        same ``credential``. Raises :class:`NodeIdInUse` (and changes nothing) if the current
+        one has another."""
         old = self.sessions.get(hello.node_id)
         if old is not None:
+            if old.credential != credential:
+                raise NodeIdInUse(f"node id {hello.node_id!r} is in use by another credential")
             self._end(old, "stale_generation", "superseded by a reconnect of the same node")
-        session = NodeSession(hello.node_id, next(self._generations), hello, conn)
+        session = NodeSession(
+            hello.node_id, next(self._generations), hello, conn, credential=credential
+        )
         self.sessions[hello.node_id] = session
         for callback in self._joined:
             callback(session)

@@ -18,9 +18,10 @@ what is left: a stream with a final ``shutting_down`` event, an unanswered reque
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING
 
@@ -30,11 +31,11 @@ import trio
 from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
 from .catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
-from .config import EdgeConfig
+from .config import EdgeConfig, NodeToken
 from .errors import ShuttingDown
 from .gate import Gate
 from .metrics import Metrics
-from .nodelink import NodeLinkSettings, serve_node_connection
+from .nodelink import LOCAL_CREDENTIAL, NodeCredential, NodeLinkSettings, serve_node_connection
 from .pool import Dispatch, DispatchRequest, Pool
 from .registry import NodeSession, Registry
 from .runs import Run, Runs, RunSpec
@@ -45,7 +46,7 @@ from .usage import UsageLedger, open_usage_ledger
 if TYPE_CHECKING:
     from nodes.config import NodeConfig
 
-    from .http import Server
+    from .http import Limits, Server
 
 log = logging.getLogger("dispatcher")
 
@@ -133,24 +134,59 @@ class Dispatcher:
 
     async def attach_local_node(self, node_config: NodeConfig | None = None) -> str:
         """Run an in-process node (default: the built-in ``echo`` model) over an in-memory
-        connection, in the dispatcher's nursery. Returns once it has registered."""
+        connection, in the dispatcher's nursery. Returns once it has registered.
+
+        The in-process node is trusted: it needs no node token (whatever ``nodes.tokens``
+        says), and its session has its own credential (``nodelink.LOCAL_CREDENTIAL``), so no
+        connection can take over its id while it runs. Raises ``RuntimeError`` if it ended
+        without registering (its id is held by another node's live session, say)."""
         from nodes.agent import serve_node_session
         from nodes.config import default_node_config
 
         config = node_config or default_node_config(node_id="local")
         edge_end, node_end = memory_connection_pair()
+        node_ended = trio.Event()
 
         async def run_node() -> None:
             try:
                 await serve_node_session(node_end, config)
             finally:
+                node_ended.set()
                 with trio.move_on_after(1, shield=True):
                     await node_end.aclose()
 
-        await self.attach_node(edge_end)
+        self._nursery.start_soon(
+            functools.partial(
+                serve_node_connection,
+                edge_end,
+                self.registry,
+                self.nodelink_settings,
+                on_capacity=self.on_capacity,
+                on_draining=self.on_draining,
+                peer="in-process",
+                authenticated_as=LOCAL_CREDENTIAL,
+            )
+        )
         self._nursery.start_soon(run_node)
-        while config.node_id not in self.registry.sessions:
-            await self.registry.wait_changed()
+
+        def registered() -> bool:
+            session = self.registry.sessions.get(config.node_id)
+            return session is not None and session.credential == LOCAL_CREDENTIAL
+
+        while not registered():
+            if node_ended.is_set():
+                raise RuntimeError(
+                    f"the in-process node {config.node_id!r} ended before it registered "
+                    "(see the log)"
+                )
+            async with trio.open_nursery() as waiting:
+
+                async def wait_for(event: Callable[[], Awaitable[object]]) -> None:
+                    await event()
+                    waiting.cancel_scope.cancel()
+
+                waiting.start_soon(wait_for, self.registry.wait_changed)
+                waiting.start_soon(wait_for, node_ended.wait)
         return config.node_id
 
     def on_capacity(self, session: NodeSession, change: wire.Capacity) -> None:
@@ -299,25 +335,31 @@ class Dispatcher:
         *,
         host: str | None = None,
         port: int | None = None,
+        limits: Limits | None = None,
         task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve the HTTP API (OpenAI routes and the node websocket) until cancelled or
         shut down through the server handle passed to ``task_status``: ``server.shutdown()``
         drains (:meth:`drain`, ``http.shutdown_grace``) while the server still answers, then
-        closes the node websockets with 1001 and stops."""
-        from .api.app import make_handler
+        closes the node websockets with 1001 and stops.
+
+        ``limits`` replaces the server limits built from ``config.http`` (an embedder's own
+        timeouts, e.g. ``body_timeout``, which the config does not set). Errors the HTTP
+        layer answers itself get the OpenAI error body (``api.app.error_page``)."""
+        from .api.app import error_page, make_handler
         from .http import Limits, serve_http
 
         http = self.config.http
-        limits = Limits(
-            max_header_size=http.max_header_size,
-            max_body_size=http.max_body_size,
-            header_timeout=http.header_timeout,
-            keepalive_timeout=http.keepalive_timeout,
-            write_timeout=http.write_timeout,
-            max_connections=http.max_connections,
-            shutdown_grace=http.shutdown_grace,
-        )
+        if limits is None:
+            limits = Limits(
+                max_header_size=http.max_header_size,
+                max_body_size=http.max_body_size,
+                header_timeout=http.header_timeout,
+                keepalive_timeout=http.keepalive_timeout,
+                write_timeout=http.write_timeout,
+                max_connections=http.max_connections,
+                shutdown_grace=http.shutdown_grace,
+            )
         ssl_context = None
         if http.tls_certificate and http.tls_private_key:
             import ssl
@@ -332,6 +374,7 @@ class Dispatcher:
             ssl_context=ssl_context,
             on_drain=self._drain_for_server,
             on_shutdown=self.begin_shutdown,
+            error_page=error_page,
             task_status=task_status,
         )
 
@@ -346,6 +389,14 @@ def _raise_if_cut_off(work: Work) -> None:
         )
 
 
+def _credential(token: str | NodeToken) -> str | NodeCredential:
+    if isinstance(token, str):
+        return token
+    if token.value is None:  # node_tokens() resolves value_env; this is a bug
+        raise ValueError("a node token without a value")
+    return NodeCredential(token.value, token.ids)
+
+
 @asynccontextmanager
 async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dispatcher]:
     """The embedding entry point: a running dispatcher, stopped when the block exits."""
@@ -353,7 +404,7 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
     registry = Registry()
     admission = Admission(policy_snapshot_from_config(config))
     settings = NodeLinkSettings(
-        node_tokens=config.node_tokens(),
+        node_tokens=tuple(_credential(token) for token in config.node_tokens()),
         hello_timeout=config.nodes.hello_timeout,
         heartbeat_interval=config.nodes.heartbeat_interval,
         heartbeat_timeout=config.nodes.heartbeat_timeout,
