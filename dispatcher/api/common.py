@@ -84,7 +84,9 @@ def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
 
 
 def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes, bytes], ...]:
-    """``x-dispatcher-*``: the attempt that answered."""
+    """``x-dispatcher-*``: the attempt that answered. ``-node`` and ``-provider`` reach the
+    client only with ``expose_node_ids`` (the work routes' responder drops them otherwise,
+    see ``api.app``)."""
     return (
         (b"x-dispatcher-attempts", str(attempts).encode()),
         (b"x-dispatcher-node", result.node_id.encode()),
@@ -106,6 +108,7 @@ def gate_request(
     session = request.header(b"x-session-id")
     return GateRequest(
         request_id=ctx.request_id,
+        client_request_id=ctx.client_request_id,
         dispatch=DispatchRequest(
             model=body["model"],
             body=body,

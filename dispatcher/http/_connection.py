@@ -17,6 +17,7 @@ is cancelled) and raises :class:`PeerGone`.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import struct
 import time
@@ -35,7 +36,9 @@ from ._types import (
     BadRequest,
     BodyTooLarge,
     Headers,
+    HTTPError,
     HTTPStream,
+    Limits,
     PeerGone,
     RequestTimeout,
     WebSocket,
@@ -59,6 +62,11 @@ _DONE: Final = 2
 _WEBSOCKET: Final = 3
 
 _CLOSED_STATES: Final = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+
+_BLANK_LINE: Final = re.compile(rb"\n\r?\n")
+"""The end of a request head (h11 accepts a bare LF as a line end too)."""
+MAX_MESSAGE: Final = 200
+"""Longest message given to the error page."""
 
 
 class _DateCache:
@@ -88,13 +96,74 @@ def _head_size(event: h11.Request) -> int:
     return size
 
 
-def _raw_response(status: int, body: bytes) -> bytes:
-    """An error response built without h11 (for when its state machine cannot send)."""
-    return (
-        b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n%s"
-        % (status, _reason(status), len(body), body)
-    )
+def _raw_response(status: int, headers: Headers, body: bytes) -> bytes:
+    """An error response built without h11 (for when its state machine cannot send);
+    ``headers`` already carry the framing."""
+    head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in headers)
+    return b"HTTP/1.1 %d %s\r\n%s\r\n%s" % (status, _reason(status), head, body)
+
+
+def _head_lines(buffer: bytes | bytearray) -> list[bytes] | None:
+    """The header lines of the request head at the start of ``buffer``, without the request
+    line and the line ends; None when the head's end is not in ``buffer``."""
+    end = _BLANK_LINE.search(buffer)
+    if end is None:
+        return None
+    lines = bytes(buffer[: end.start()]).split(b"\n")
+    return [line.removesuffix(b"\r") for line in lines[1:]]
+
+
+def _framing_problem(
+    event: h11.Request, lines: list[bytes] | None, limits: Limits
+) -> tuple[int, str] | None:
+    """Why a request h11 parsed must still be refused, and the connection closed, or None.
+
+    What h11 lets through but a proxy in front of us might read differently (request
+    smuggling): RFC 9112 section 6.1 (Transfer-Encoding in HTTP/1.0), 6.3 (Content-Length
+    beside Transfer-Encoding), 5.2 (obsolete line folding, which we refuse rather than
+    unfold). ``lines`` are the raw header lines (:func:`_head_lines`)."""
+    if not event.http_version.startswith(b"1."):
+        return 505, f"HTTP/{event.http_version.decode('ascii')} is not served; use HTTP/1.1"
+    if len(event.target) > limits.max_target_length:
+        return 414, f"the request target is over {limits.max_target_length} bytes"
+    chunked = length = False
+    for name, _ in event.headers:
+        if name == b"transfer-encoding":
+            chunked = True
+        elif name == b"content-length":
+            length = True
+    if chunked and length:
+        return 400, "both Content-Length and Transfer-Encoding: the body's length is ambiguous"
+    if chunked and event.http_version == b"1.0":
+        return 400, "Transfer-Encoding in an HTTP/1.0 request"
+    if lines is None:
+        return 431, "the request head is too large"
+    if any(line[:1] in (b" ", b"\t") for line in lines):
+        return 400, "obsolete line folding in a header"
+    return None
+
+
+def _transfer_coding_status(lines: list[bytes] | None) -> int:
+    """The status for a head h11 refused for its Transfer-Encoding (h11 takes a lone
+    ``chunked`` only): 501 when ``chunked`` is the final coding, once, after codings we do
+    not implement (RFC 9112 section 6.1); else 400, as the body's length cannot be known
+    (section 6.3)."""
+    codings: list[bytes] = []
+    for line in lines or ():
+        name, _, value = line.partition(b":")
+        if name.lower() == b"transfer-encoding":
+            codings.extend(coding.strip().lower() for coding in value.split(b","))
+    if codings and codings[-1] == b"chunked" and codings.count(b"chunked") == 1:
+        return 501
+    return 400
+
+
+def _message(status: int, detail: str | None) -> str:
+    phrase = _reason(status).decode("ascii")
+    message = f"{phrase}: {detail}" if detail else phrase
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 3] + "..."
+    return message
 
 
 def _peer_address(stream: trio.SocketStream) -> Address | None:
@@ -320,31 +389,33 @@ class Connection:
         if self._ws is not None:
             self._ws.connection_lost()
 
-    def _error_page(self, status: int, reason: bytes) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    def _error_page(self, status: int, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
         """Headers and body of an error response the driver writes itself."""
         error_page = self.server.error_page
         if error_page is not None:
             try:
-                headers, body = error_page(status, reason.decode("ascii"))
+                headers, body = error_page(status, message)
                 return list(headers), body
             except Exception:
                 logger.exception("the error_page hook failed for status %d", status)
-        return [(b"content-type", b"text/plain; charset=utf-8")], b"%d %s\n" % (status, reason)
+        body = b"%d %s\n" % (status, message.encode("ascii", "backslashreplace"))
+        return [(b"content-type", b"text/plain; charset=utf-8")], body
 
-    async def _reject(self, status: int, *, linger: bool = True) -> None:
-        """Answer an error status with ``Connection: close`` (the caller then closes)."""
+    async def _reject(self, status: int, detail: str | None = None, *, linger: bool = True) -> None:
+        """Answer an error status with ``Connection: close`` (the caller then closes);
+        ``detail`` says what was wrong."""
         h = self._h11
         reason = _reason(status)
-        headers, body = self._error_page(status, reason)
+        headers, body = self._error_page(status, _message(status, detail))
+        headers.extend(
+            [
+                (b"content-length", b"%d" % len(body)),
+                (b"connection", b"close"),
+                (b"date", _DateCache.get()),
+            ]
+        )
         data = None
         if h.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            headers.extend(
-                [
-                    (b"content-length", b"%d" % len(body)),
-                    (b"connection", b"close"),
-                    (b"date", _DateCache.get()),
-                ]
-            )
             try:
                 data = h.send(h11.Response(status_code=status, headers=headers, reason=reason))
                 if self._method != b"HEAD":
@@ -353,7 +424,7 @@ class Connection:
             except h11.LocalProtocolError:
                 data = None
         if data is None:
-            data = _raw_response(status, body)
+            data = _raw_response(status, headers, b"" if self._method == b"HEAD" else body)
         try:
             await self.send_bytes(data)
         except PeerGone:
@@ -392,14 +463,19 @@ class Connection:
         self._inbuf.clear()
         self._reader_wake.wake()
 
-    async def _receive_request_head(self) -> h11.Request | None:
-        """The next request's head, or None when the connection should close."""
+    async def _receive_request_head(self) -> tuple[h11.Request, list[bytes] | None] | None:
+        """The next request's head and its raw header lines (see :func:`_head_lines`), or
+        None when the connection should close."""
         h = self._h11
         server = self.server
         limits = server.limits
         first = self._served == 0
         got_bytes = False
         deadline = self._opened_at + limits.header_timeout if first else None
+        # The raw bytes of the head, for what h11 does not tell (obsolete line folding):
+        # what h11 holds of the next request already, then what we feed it.
+        head = bytearray(h.trailing_data[0])
+        head_cap = 2 * limits.max_header_size + 1024
         while True:
             if self._aborted:
                 return None
@@ -407,7 +483,10 @@ class Connection:
                 event = h.next_event()
             except h11.RemoteProtocolError as exc:
                 if not self._eof:
-                    await self._reject(exc.error_status_hint)
+                    status = exc.error_status_hint
+                    if status == 501:  # h11's "only Transfer-Encoding: chunked"
+                        status = _transfer_coding_status(_head_lines(head))
+                    await self._reject(status, str(exc))
                 return None
             if event is h11.NEED_DATA:
                 if self._inbuf:
@@ -415,6 +494,8 @@ class Connection:
                         got_bytes = True
                         if not first:
                             deadline = trio.current_time() + limits.header_timeout
+                    if len(head) < head_cap:
+                        head += self._inbuf
                     self._feed()
                     continue
                 if self._eof:
@@ -430,13 +511,14 @@ class Connection:
                     return None
                 if trio.current_time() >= deadline:
                     if got_bytes:
-                        await self._reject(408, linger=False)
+                        detail = f"no complete request head within {limits.header_timeout} s"
+                        await self._reject(408, detail, linger=False)
                     return None
                 with trio.move_on_at(deadline):
                     await self._main.wait()
                 continue
             if type(event) is h11.Request:
-                return event
+                return event, _head_lines(head)
             return None  # ConnectionClosed
 
     async def receive_body_chunk(self, *, checkpoint: bool = True) -> bytes | None:
@@ -503,29 +585,33 @@ class Connection:
     async def _serve(self) -> None:
         while True:
             self._method = b""
-            event = await self._receive_request_head()
-            if event is None:
+            received = await self._receive_request_head()
+            if received is None:
                 return
-            if not await self._handle_request(event):
+            if not await self._handle_request(*received):
                 return
             if self.server.shutting_down:
                 return
             self._h11.start_next_cycle()
 
-    async def _handle_request(self, event: h11.Request) -> bool:
+    async def _handle_request(self, event: h11.Request, lines: list[bytes] | None) -> bool:
         """Run the handler for one request; True if the connection can be reused."""
         server = self.server
         limits = server.limits
         self._served += 1
         self._method = event.method
         if _head_size(event) > limits.max_header_size:
-            await self._reject(431)
+            await self._reject(431, f"the request head is over {limits.max_header_size} bytes")
+            return False
+        problem = _framing_problem(event, lines, limits)
+        if problem is not None:
+            await self._reject(*problem)
             return False
         request = _Request(self, event)
         self._expect_pending = self._h11.they_are_waiting_for_100_continue
         if request.declared_too_large and self._expect_pending:
             # At once, in the driver: the client holds the body back until we answer.
-            await self._reject(413)
+            await self._reject(413, f"the request body is over {limits.max_body_size} bytes")
             return False
         responder = _Responder(self, request)
         scope = trio.CancelScope()
@@ -559,7 +645,9 @@ class Connection:
             if status is None or gone:
                 return False
             if responder.state == _NOT_STARTED:
-                await self._reject(status)
+                # Our own errors say what was wrong; a handler's bug stays in the log.
+                detail = str(failure) if isinstance(failure, HTTPError) else None
+                await self._reject(status, detail)
             else:
                 self._abort("handler failed after answering")
             return False

@@ -67,6 +67,8 @@ class Limits:
 
     max_header_size: int = 16 * 1024
     """Request line plus headers, in bytes; over it: 431 and close."""
+    max_target_length: int = 8 * 1024
+    """The request target (path and query), in bytes; over it: 414 and close."""
     max_body_size: int = 8 * 1024 * 1024
     """Request body, in bytes; over it: 413."""
     header_timeout: float = 10.0
@@ -167,6 +169,9 @@ class Responder(Protocol):
 Handler = Callable[[Request, Responder], Awaitable[None]]
 ShutdownHook = Callable[[], Awaitable[None]]
 ErrorPage = Callable[[int, str], tuple[Headers, bytes]]
-"""``(status, reason phrase) -> (headers, body)`` of the error responses the driver writes
-itself (400, 408, 413, 431, 500...), e.g. to give them the application's JSON error format.
-The driver adds ``content-length``, ``connection: close`` and ``date``."""
+"""``(status, message) -> (headers, body)`` of the error responses the driver writes itself
+(400, 408, 413, 414, 431, 500, 501, 505), e.g. to give them the application's JSON error
+format. ``message`` is the reason phrase, followed by what was wrong when the driver knows
+(``"Bad Request: both Content-Length and Transfer-Encoding"``); at most 200 characters, any
+bytes of the client's quoted. The driver adds ``content-length``, ``connection: close`` and
+``date``; the response always closes the connection."""

@@ -44,6 +44,7 @@ async def open_edge(**policy: object) -> AsyncIterator[Edge]:
     config = EdgeConfig(
         port=0,
         local_node=False,
+        expose_node_ids=True,
         admission=QueuePolicySettings(**policy),  # type: ignore[arg-type]
         models={"m": QueuePolicySettings()},  # "m" is known even while no node serves it
     )

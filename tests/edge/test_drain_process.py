@@ -97,6 +97,7 @@ def start_edge(tmp_path: Path, *, grace: float, local_node: bool = False) -> Any
     config = tmp_path / "edge.toml"
     config.write_text(
         f"local_node = {str(local_node).lower()}\n"
+        "expose_node_ids = true\n"
         f'usage_db = "{tmp_path / "usage.sqlite3"}"\n'
         f"[http]\nshutdown_grace = {grace}\n"
         "[nodes]\nheartbeat_interval = 1\nheartbeat_timeout = 5\n"
@@ -197,7 +198,7 @@ async def in_process_edge() -> AsyncIterator[tuple[Dispatcher, int]]:
     # Default heartbeats (5 s): nothing here waits for one, and each ping the edge sends is a
     # chance to hit the nodelink race where a node's close ends its session before the edge
     # read the node's last frames (reported; nodelink.py is not ours).
-    config = EdgeConfig(port=0, local_node=False)
+    config = EdgeConfig(port=0, local_node=False, expose_node_ids=True)
     async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
         server: Server = await nursery.start(dispatcher.serve)
         yield dispatcher, server.address.port

@@ -64,6 +64,7 @@ async def open_edge(usage_db: str = ":memory:", **policy: Any) -> AsyncIterator[
     config = EdgeConfig(
         port=0,
         local_node=False,
+        expose_node_ids=True,
         usage_db=usage_db,
         http=HTTPSettings(shutdown_grace=2),
         nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),
@@ -81,8 +82,11 @@ def chat(text: str = "one two three four five six", **extra: Any) -> dict[str, A
 
 
 async def rows_for(edge: Edge, request_id: str) -> list[UsageRow]:
+    """The rows of the request the client sent with ``x-request-id: request_id`` (the edge
+    keys rows by its own id and keeps the client's as ``client_request_id``)."""
     report = await edge.dispatcher.ledger.query()
-    return sorted((r for r in report.rows if r.request_id == request_id), key=lambda r: r.attempt)
+    rows = [r for r in report.rows if r.client_request_id == request_id]
+    return sorted(rows, key=lambda r: r.attempt)
 
 
 def sse_events(raw: str) -> list[str]:
@@ -280,7 +284,7 @@ async def test_usage_endpoint_totals_and_restart(tmp_path: Any) -> None:
     assert usage["totals"]["requests"] == 3
     assert usage["totals"]["attempts"] == 3
     assert usage["totals"]["completion_tokens"] == 9
-    assert {row["request_id"] for row in usage["rows"]} == {"r0", "r1", "r2"}
+    assert {row["client_request_id"] for row in usage["rows"]} == {"r0", "r1", "r2"}
 
 
 async def test_a_stall_after_commit_is_an_sse_error_without_done() -> None:

@@ -88,15 +88,17 @@ class Edge:
             return await client.post(path, json=body, headers={"x-request-id": request_id})
 
     async def rows(self, request_id: str, count: int) -> list[UsageRow]:
-        """The request's usage rows, once there are ``count`` (rows are recorded when the
-        gate's block ends, which may be just after the client got its answer)."""
+        """The usage rows of the request sent with ``x-request-id: request_id`` (its
+        ``client_request_id``; the key is the edge's), once there are ``count`` (rows are
+        recorded when the gate's block ends, which may be just after the client got its
+        answer)."""
         ledger = self.dispatcher.ledger
         rows: list[UsageRow] = []
         with trio.fail_after(5):
             while True:
                 report = await ledger.query()
                 rows = sorted(
-                    (r for r in report.rows if r.request_id == request_id),
+                    (r for r in report.rows if r.client_request_id == request_id),
                     key=lambda r: r.attempt,
                 )
                 if len(rows) >= count:
@@ -104,7 +106,7 @@ class Edge:
                 await trio.sleep(0.01)
         await trio.sleep(0.05)
         report = await ledger.query()
-        assert len([r for r in report.rows if r.request_id == request_id]) == count
+        assert len([r for r in report.rows if r.client_request_id == request_id]) == count
         return rows
 
     async def nothing_left(self) -> None:
@@ -139,6 +141,7 @@ async def open_edge(monkeypatch: pytest.MonkeyPatch, **policy: Any) -> AsyncIter
     config = EdgeConfig(
         port=0,
         local_node=False,
+        expose_node_ids=True,
         usage_db=":memory:",
         http=HTTPSettings(shutdown_grace=2),
         nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),

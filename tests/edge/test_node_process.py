@@ -30,6 +30,7 @@ async def test_node_process_joins_leaves_and_rejoins() -> None:
     config = EdgeConfig(
         port=0,
         local_node=False,
+        expose_node_ids=True,
         nodes=NodeSettings(tokens=("t0k3n",), heartbeat_interval=1, heartbeat_timeout=5),
     )
     async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:

@@ -329,6 +329,7 @@ async def open_env(
     config = EdgeConfig(
         port=0,
         local_node=False,
+        expose_node_ids=True,
         api_keys=(CLIENT_KEY,),
         nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),
     )

@@ -255,7 +255,9 @@ async def test_error_page_hook_formats_driver_errors(nursery: trio.Nursery) -> N
     raw = await read_until_eof(stream)
     assert status_of(raw) == 400
     assert b"content-type: application/json" in raw.lower()
-    assert raw.endswith(b'\r\n\r\n{"error": {"code": 400, "message": "Bad Request"}}')
+    # The hook gets the reason phrase and what was wrong (h11's words, client bytes quoted).
+    message = b"Bad Request: illegal request line: bytearray(b'\\x00garbage')"
+    assert raw.endswith(b'\r\n\r\n{"error": {"code": 400, "message": "' + message + b'"}}')
     await assert_serves(server)
 
 
