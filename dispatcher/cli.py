@@ -1,34 +1,63 @@
-"""The ``dispatcher`` command: ``dispatcher serve`` (the edge) and ``dispatcher node``."""
+"""The ``dispatcher`` command: ``dispatcher serve`` (the edge) and ``dispatcher node``.
+
+A startup failure -- a bad config, a secret variable that is not set, a port in use, TLS
+files that cannot be loaded, an edge URL that is not one, a provider key that is missing --
+is one line on stderr naming the thing and the reason, and exit status 2; no traceback::
+
+    dispatcher: edge.toml: api_keys: expected an array of strings, got a string
+    dispatcher: cannot listen on 127.0.0.1:8700: address already in use
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
-from .config import ConfigError, EdgeConfig, load_edge_config
+from .config import ConfigError, EdgeConfig, NodeToken, load_edge_config
+from .excgroups import first_leaf
 
 log = logging.getLogger("dispatcher.cli")
 
 DEFAULT_EDGE_URL = "ws://127.0.0.1:8700/v1/nodes/connect"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; ``str()`` names the thing and the reason (one line)."""
 
 
 def _parser() -> argparse.ArgumentParser:
+    # --log-level goes before or after the subcommand: each parser has its own copy (not a
+    # shared parent, whose action objects argparse shares), and the subcommand's leaves the
+    # top-level value alone unless given.
+    def log_level(parser: argparse.ArgumentParser, default: str) -> None:
+        parser.add_argument(
+            "--log-level",
+            default=default,
+            type=str.upper,
+            choices=LOG_LEVELS,
+            help="log level (default INFO)",
+        )
+
     parser = argparse.ArgumentParser(
         prog="dispatcher", description="One OpenAI-compatible endpoint in front of your LLMs."
     )
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    log_level(parser, "INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the edge (the OpenAI-compatible HTTP endpoint)")
+    log_level(serve, argparse.SUPPRESS)
     serve.add_argument("--config", help="edge config file (TOML)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8700; 0 = any)")
@@ -39,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     node = sub.add_parser("node", help="run a node that dials the edge and serves models")
+    log_level(node, argparse.SUPPRESS)
     node.add_argument("--edge", default=None, help=f"edge websocket URL ({DEFAULT_EDGE_URL})")
     node.add_argument("--config", help="node config file (TOML)")
     node.add_argument("--token", help="node token, if the edge requires one")
@@ -53,24 +83,141 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from nodes.config import NodeConfigError
+
+    expected = (ConfigError, NodeConfigError, StartupError)
     try:
         if args.command == "serve":
-            config = load_edge_config(args.config)
-            if args.no_local_node:
-                config = attrs.evolve(config, local_node=False)
-            if config.usage_db is None:
-                data_dir = config.default_data_dir()
-                config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
-            return trio.run(_serve, config, args.host, args.port)
-        return _node(args)
-    except ConfigError as exc:
-        print(f"dispatcher: configuration error: {exc}", file=sys.stderr)
-        return 2
+            return _serve_command(args)
+        return _node_command(args)
+    except expected as exc:
+        return _fail(exc)
+    except BaseExceptionGroup as group:
+        # From inside trio.run: what failed at startup, wrapped by the nurseries.
+        failure = first_leaf(group, expected)
+        if failure is None:
+            raise
+        return _fail(failure)
     except KeyboardInterrupt:  # only before the signal receiver is in place
         return 130
 
 
-async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> int:
+def _fail(exc: BaseException) -> int:
+    print(f"dispatcher: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    config = load_edge_config(args.config)
+    if args.no_local_node:
+        config = attrs.evolve(config, local_node=False)
+    if args.host is not None:
+        config = attrs.evolve(config, host=args.host)
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            raise StartupError(f"--port: {args.port} is not a TCP port")
+        config = attrs.evolve(config, port=args.port)
+    if config.usage_db is None:
+        data_dir = config.default_data_dir()
+        config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
+    _check_tls(config)
+    _check_usage_db(config.usage_db)
+    return trio.run(_serve, config)
+
+
+def _check_tls(config: EdgeConfig) -> None:
+    """Load the TLS certificate and key now, so a missing or bad file is a one-line error
+    before anything starts."""
+    http = config.http
+    if http.tls_certificate is None or http.tls_private_key is None:
+        return
+    for key, path in (
+        ("http.tls_certificate", http.tls_certificate),
+        ("http.tls_private_key", http.tls_private_key),
+    ):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise StartupError(f"{key}: cannot read {path}: {_strerror(exc)}") from None
+    try:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(http.tls_certificate, http.tls_private_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise StartupError(
+            f"http.tls_certificate: cannot load {http.tls_certificate} with "
+            f"{http.tls_private_key}: {_strerror(exc)}"
+        ) from None
+
+
+def _check_usage_db(path: str | None) -> None:
+    if path is None or path == ":memory:":
+        return
+    directory = Path(path).expanduser().parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartupError(
+            f"usage_db: cannot create the directory {directory}: {_strerror(exc)}"
+        ) from None
+    if not os.access(directory, os.W_OK):
+        raise StartupError(f"usage_db: cannot write to the directory {directory}")
+
+
+def _strerror(exc: BaseException) -> str:
+    """An OS or TLS error's reason, lower-case first, without the errno noise."""
+    if isinstance(exc, ssl.SSLError):
+        reason = str(exc.reason or exc)
+        if reason == "PEM_LIB":
+            return "not a PEM certificate and key (SSL: PEM_LIB)"
+        return f"SSL: {reason}"
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    text = text or type(exc).__name__
+    return text[:1].lower() + text[1:]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name (other than localhost), or "" / "0.0.0.0": all interfaces
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def auth_summary(config: EdgeConfig) -> list[str]:
+    """The banner's auth lines: who may use the edge, read its usage, join it as a node."""
+    client = set(config.client_api_keys())
+    admin = set(config.admin_api_keys())
+    tokens = config.node_tokens()
+    if client:
+        lines = [f"client auth: on ({_plural(len(client), 'key')})"]
+    else:
+        lines = ["client auth: OFF — anyone can use this edge"]
+    if admin:
+        lines.append(f"admin auth: on ({_plural(len(admin), 'key')})")
+    elif client:
+        lines.append("admin auth: on (no admin key configured: GET /v1/usage refuses everyone)")
+    else:
+        lines.append("admin auth: OFF — anyone can read GET /v1/usage")
+    if tokens:
+        bound = sum(isinstance(token, NodeToken) for token in tokens)
+        parts = [f"{len(tokens) - bound} for any node id"] if bound < len(tokens) else []
+        parts += [f"{bound} bound to node ids"] if bound else []
+        lines.append(f"node auth: on ({_plural(len(tokens), 'token')}: {', '.join(parts)})")
+    else:
+        lines.append("node auth: OFF — any node may join and take over any node id")
+    return lines
+
+
+async def _serve(config: EdgeConfig) -> int:
     """The edge until it has drained (exit status 0) or a second signal stopped it at once
     (128 + the signal number)."""
     from .http import Server
@@ -85,19 +232,27 @@ async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> int:
 
             # task_status is passed on to serve_http, which calls started().
             async def serve(task_status: trio.TaskStatus[Server]) -> None:  # noqa: ASYNC128
-                await dispatcher.serve(host=host, port=port, task_status=task_status)
+                await dispatcher.serve(task_status=task_status)
                 # The drain and the shutdown are over: stop listening for signals too.
                 nursery.cancel_scope.cancel(reason="server stopped")
 
-            server: Server = await nursery.start(serve)
+            try:
+                server: Server = await nursery.start(serve)
+            except OSError as exc:
+                where = f"[{config.host}]" if ":" in config.host else config.host
+                raise StartupError(
+                    f"cannot listen on {where}:{config.port}: {_strerror(exc)}"
+                ) from None
             address = server.address
             tls = config.http.tls_certificate is not None
             base = f"{'https' if tls else 'http'}://{address.host}:{address.port}"
             models = ", ".join(sorted(dispatcher.registry.models())) or "none yet"
             grace = config.http.shutdown_grace
+            auth = "".join(f"  {line}\n" for line in auth_summary(config))
             print(
                 f"trio-dispatcher edge listening on {base}/v1\n"
                 f"  models: {models}\n"
+                f"{auth}"
                 f"  usage ledger: {config.usage_db}\n"
                 f"  nodes connect to {'wss' if tls else 'ws'}://{address.host}:{address.port}"
                 "/v1/nodes/connect\n"
@@ -105,6 +260,20 @@ async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> int:
                 "twice stops at once",
                 flush=True,
             )
+            if not _is_loopback(config.host):
+                if not config.client_api_keys():
+                    log.warning(
+                        "serving %s (not loopback) with NO client API key: anyone who can "
+                        "reach this port can use it; set api_keys or DISPATCHER_API_KEYS",
+                        config.host or "all interfaces",
+                    )
+                if not config.node_tokens():
+                    log.warning(
+                        "serving %s (not loopback) with NO node token: anyone who can reach "
+                        "this port can join as a node, take over node ids and receive "
+                        "prompts; set nodes.tokens or DISPATCHER_NODE_TOKENS",
+                        config.host or "all interfaces",
+                    )
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if server.shutting_down:
@@ -121,23 +290,38 @@ async def _serve(config: EdgeConfig, host: str | None, port: int | None) -> int:
     return status
 
 
-def _node(args: argparse.Namespace) -> int:
-    from nodes.agent import run_node
-    from nodes.config import NodeConfigError, default_node_config, load_node_config
+# --------------------------------------------------------------------------- node
 
-    try:
-        config = load_node_config(args.config) if args.config else default_node_config()
-    except NodeConfigError as exc:
-        print(f"dispatcher node: configuration error: {exc}", file=sys.stderr)
-        return 2
+
+def _node_command(args: argparse.Namespace) -> int:
+    from nodes.adapters import build_adapters
+    from nodes.agent import run_node
+    from nodes.config import NodeConfigError, check_edge_url, default_node_config, load_node_config
+    from nodes.tunnel import tunnel_providers
+
+    config = load_node_config(args.config) if args.config else default_node_config()
     changes: dict[str, Any] = {}
     if args.edge:
+        reason = check_edge_url(args.edge)
+        if reason is not None:
+            raise StartupError(f"--edge: {reason}")
         changes["edge_url"] = args.edge
     if args.token:
         changes["token"] = args.token
     if args.node_id:
         changes["node_id"] = args.node_id
     config = attrs.evolve(config, **changes)
+    # What the node reads when it starts (a provider's api_key_env, a cli command): fail
+    # now, in one line, rather than inside the daemon.
+    try:
+        build_adapters(config.providers)
+        tunnel_providers(config.providers)
+    except NodeConfigError as exc:
+        for index, provider in enumerate(config.providers):
+            if args.config and exc.source == f"provider {provider.id!r}":
+                key = f"providers[{index}].{exc.key}"
+                raise NodeConfigError(args.config, key, exc.reason) from None
+        raise
     print(
         f"trio-dispatcher node {config.node_id} dialling {config.edge_url}\n"
         f"  Ctrl-C or SIGTERM drains (in-flight runs get {config.drain_grace:g} s); "

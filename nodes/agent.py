@@ -56,7 +56,7 @@ from dispatcher import wire
 from dispatcher.excgroups import first_leaf, leaves
 from dispatcher.transport import Connection, ConnectionClosed, Frame
 from nodes.adapters import Adapter, DropConnection, build_adapters
-from nodes.config import NodeConfig, hello_from_config
+from nodes.config import NodeConfig, check_edge_url, hello_from_config
 from nodes.runner import Runner, open_runner
 from nodes.tunnel import TunnelProvider, TunnelRunner, open_tunnels, tunnel_providers
 
@@ -539,10 +539,14 @@ class _EdgeAddress:
 
     @classmethod
     def parse(cls, url: str) -> _EdgeAddress:
+        """Raises ``ValueError`` (the reason and the likely fix) for a URL that is not an
+        edge's node endpoint (:func:`nodes.config.check_edge_url`)."""
+        reason = check_edge_url(url)
+        if reason is not None:
+            raise ValueError(f"edge_url: {reason}")
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("ws", "wss") or not parts.hostname:
-            raise ValueError(f"not a ws:// or wss:// URL: {url!r}")
-        tls = parts.scheme == "wss"
+        assert parts.hostname is not None  # checked by check_edge_url
+        tls = parts.scheme.lower() == "wss"
         resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         return cls(parts.hostname, parts.port or (443 if tls else 80), resource, tls)
 
@@ -719,8 +723,12 @@ async def serve_node(
     When ``drain`` is requested the session drains (see :func:`serve_node_session`) and
     ``serve_node`` returns; requested while not connected (or before welcome), it returns at
     once.
+
+    Raises ``ValueError`` at once, before dialling, when the default dial is used and
+    ``config.edge_url`` is not an edge's node endpoint (a mistake no retry can fix).
     """
     if dial is None:
+        _EdgeAddress.parse(config.edge_url)
 
         def dial() -> AbstractAsyncContextManager[Connection]:
             return dial_edge(config)

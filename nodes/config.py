@@ -19,6 +19,7 @@ import re
 import shlex
 import socket
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, NoReturn, TypeAlias, get_args
@@ -31,7 +32,10 @@ AdapterType: TypeAlias = Literal["echo", "ollama", "openai", "cli"]
 ADAPTER_TYPES: Final[tuple[str, ...]] = get_args(AdapterType)
 EXECUTION_PATHS: Final[tuple[str, ...]] = get_args(wire.ExecutionPath)
 
-DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700/v1/nodes/connect"
+NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
+"""The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
+may put a prefix before it)."""
+DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + NODE_CONNECT_PATH
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -107,6 +111,30 @@ class NodeConfig:
     drain_grace: float = 30.0
     """On SIGTERM / Ctrl-C (or :class:`nodes.agent.Drain`), how long the node's in-flight runs
     and tunnels get to finish after it told the edge ``node.draining``, before it leaves."""
+
+
+def check_edge_url(url: str) -> str | None:
+    """Why ``url`` is not an edge's node endpoint (``ws[s]://HOST[:PORT][/PREFIX]/v1/nodes/
+    connect``), with the likely fix; None when it is one."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  # raises ValueError for a port that is not a number
+    except ValueError as exc:
+        return f"expected a ws:// or wss:// URL, got {url!r} ({exc})"
+    scheme = parts.scheme.lower()
+    if scheme in ("http", "https"):
+        fixed = ("ws" if scheme == "http" else "wss") + url[len(scheme) :]
+        if not parts.path.endswith(NODE_CONNECT_PATH):
+            fixed = fixed.rstrip("/") + NODE_CONNECT_PATH
+        return f"expected a ws:// or wss:// URL, got {url!r} (try {fixed})"
+    if scheme not in ("ws", "wss") or not parts.hostname:
+        return f"expected a ws:// or wss:// URL, got {url!r}"
+    if not parts.path.endswith(NODE_CONNECT_PATH):
+        fixed = urllib.parse.urlunsplit(
+            (parts.scheme, parts.netloc, parts.path.rstrip("/") + NODE_CONNECT_PATH, "", "")
+        )
+        return f"expected a URL ending in {NODE_CONNECT_PATH}, got {url!r} (try {fixed})"
+    return None
 
 
 def default_node_config(node_id: str | None = None) -> NodeConfig:
@@ -192,8 +220,9 @@ def _parse(source: str, data: dict[str, Any], environ: Mapping[str, str]) -> Nod
     node_id = node.optional_string("id") or socket.gethostname()
     label = node.optional_string("label") or ""
     edge_url = node.optional_string("edge_url") or DEFAULT_EDGE_URL
-    if not edge_url.startswith(("ws://", "wss://")):
-        node.fail("edge_url", f"expected a ws:// or wss:// URL, got {edge_url!r}")
+    bad_url = check_edge_url(edge_url)
+    if bad_url is not None:
+        node.fail("edge_url", bad_url)
     token = node.optional_string("token")
     token_env = node.env_name("token_env")
     if token is not None and token_env is not None:
