@@ -657,6 +657,17 @@ def test_deep_json_is_a_400(parse: Parse, body: dict[str, Any], levels: int) -> 
     assert f"limit of {schema.MAX_JSON_DEPTH} levels" in info.value.message
 
 
+def test_only_the_start_of_a_bad_text_is_scanned_for_depth() -> None:
+    """Past orjson's own limit (1024 levels) the body is not JSON to orjson at all: the edge
+    looks for the nesting in its first 4 KiB only, so that no bad body costs more than a
+    millisecond or so to answer; past that the error is orjson's. A 400 either way."""
+    late = b'{"pad": "' + b"x" * 5000 + b'", "a": ' + nested(2000) + b"}"
+    with pytest.raises(BadRequest) as info:
+        parse_chat_request(late)
+    assert info.value.code == "invalid_json"
+    assert "not valid JSON" in info.value.message
+
+
 @pytest.mark.parametrize(
     ("raw", "param"),
     [
