@@ -14,6 +14,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -125,6 +126,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
     _check_tls(config)
     _check_usage_db(config.usage_db)
+    log.debug("edge config: %r", config)  # secrets have repr=False
     return trio.run(_serve, config)
 
 
@@ -170,10 +172,10 @@ def _check_usage_db(path: str | None) -> None:
 def _strerror(exc: BaseException) -> str:
     """An OS or TLS error's reason, lower-case first, without the errno noise."""
     if isinstance(exc, ssl.SSLError):
-        reason = str(exc.reason or exc)
-        if reason == "PEM_LIB":
+        text = re.sub(r"\s*\(_ssl\.c:\d+\)$", "", str(exc))
+        if exc.reason == "PEM_LIB" or "PEM lib" in text:
             return "not a PEM certificate and key (SSL: PEM_LIB)"
-        return f"SSL: {reason}"
+        return text
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     text = text or type(exc).__name__
     return text[:1].lower() + text[1:]
@@ -227,15 +229,13 @@ async def _serve(config: EdgeConfig) -> int:
     # Signals are ours from the start: one that comes during startup drains once we serve.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
-            if config.local_node:
-                await dispatcher.attach_local_node()
-
             # task_status is passed on to serve_http, which calls started().
             async def serve(task_status: trio.TaskStatus[Server]) -> None:  # noqa: ASYNC128
                 await dispatcher.serve(task_status=task_status)
                 # The drain and the shutdown are over: stop listening for signals too.
                 nursery.cancel_scope.cancel(reason="server stopped")
 
+            # Listen first: a port in use is then the only thing said (no node logs before).
             try:
                 server: Server = await nursery.start(serve)
             except OSError as exc:
@@ -243,6 +243,8 @@ async def _serve(config: EdgeConfig) -> int:
                 raise StartupError(
                     f"cannot listen on {where}:{config.port}: {_strerror(exc)}"
                 ) from None
+            if config.local_node:
+                await dispatcher.attach_local_node()
             address = server.address
             tls = config.http.tls_certificate is not None
             base = f"{'https' if tls else 'http'}://{address.host}:{address.port}"
