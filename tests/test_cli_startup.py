@@ -254,9 +254,14 @@ def start_edge(tmp_path: Path, *args: str, env: dict[str, str] | None = None) ->
     stdout = process.stdout
     assert stdout is not None
     lines: queue.Queue[str] = queue.Queue()
+
     # A thread reads: the banner's lines arrive in one write, and a select() on the pipe
     # would not see those already in the file object's buffer.
-    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     banner: list[str] = []
     while not any(line.startswith("  Ctrl-C") for line in banner):
         try:
