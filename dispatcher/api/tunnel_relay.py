@@ -647,7 +647,7 @@ async def tunnel_route(
 ) -> None:
     """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
     with counted_request(dispatcher) as counted:
-        body = parse_tunnel_body(await request.body())
+        body = parse_tunnel_body(await request.body(), route=request.path)
         counted.model = dispatcher.metric_model_label(body["model"])
         gated = gate_request(
             request,
