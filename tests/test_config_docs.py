@@ -1,0 +1,71 @@
+"""The TOML examples in the docs are real: each fenced ``toml`` block is loaded through the
+real loader (the edge's for ``configuration.md`` and ``quickstart.md``, the node's for
+``node.md``). A block whose first line is ``# error: <message>`` must fail with exactly that
+message (the file named as in the docs); every other block must load."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dispatcher.config import ConfigError, load_edge_config
+from nodes.config import NodeConfigError, load_node_config
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BLOCK = re.compile(r"^```toml\n(.*?)^```", re.DOTALL | re.MULTILINE)
+ERROR = "# error: "
+
+ENVIRON = {
+    # The variables the examples name; the error examples name others, left unset.
+    "NODE_A_TOKEN": "token-a",
+    "NODE_B_TOKEN": "token-b",
+    "EDGE_ADMIN_KEYS": "admin-1",
+    "EDGE_NODE_TOKENS": "node-1,node-2",
+    "NODE_TOKEN": "node-secret",
+}
+
+LOADERS = {"configuration.md": "edge", "quickstart.md": "edge", "node.md": "node"}
+
+
+def examples() -> list[tuple[str, int, str]]:
+    found = []
+    for name in LOADERS:
+        text = (DOCS / name).read_text(encoding="utf-8")
+        for match in BLOCK.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append((name, line, match.group(1)))
+    return found
+
+
+EXAMPLES = examples()
+
+
+def test_the_docs_have_examples() -> None:
+    by_doc = {name: sum(1 for doc, _, _ in EXAMPLES if doc == name) for name in LOADERS}
+    assert by_doc["configuration.md"] >= 8, by_doc
+    assert by_doc["node.md"] >= 6, by_doc
+    assert any(block.startswith(ERROR) for _, _, block in EXAMPLES)
+
+
+@pytest.mark.parametrize(
+    ("doc", "line", "block"), EXAMPLES, ids=[f"{doc}:{line}" for doc, line, _ in EXAMPLES]
+)
+def test_example(tmp_path: Path, doc: str, line: int, block: str) -> None:
+    kind = LOADERS[doc]
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(block, encoding="utf-8")
+    expected = block.splitlines()[0].removeprefix(ERROR) if block.startswith(ERROR) else None
+    try:
+        if kind == "edge":
+            load_edge_config(path, environ=ENVIRON)
+        else:
+            load_node_config(path, environ=ENVIRON)
+    except (ConfigError, NodeConfigError) as exc:
+        message = str(exc).replace(f"{tmp_path}/", "")
+        if expected is None:
+            pytest.fail(f"{doc}:{line}: the example does not load: {message}")
+        assert message == expected, f"{doc}:{line}"
+    else:
+        assert expected is None, f"{doc}:{line}: loaded, but the docs say: {expected}"
