@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings, NodeToken
+from dispatcher.http import Server
 from dispatcher.nodelink import (
     Authenticated,
     NodeCredential,
@@ -21,6 +23,8 @@ from dispatcher.nodelink import (
 from dispatcher.runs import RunSpec
 from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import ConnectionClosed, memory_connection_pair
+from nodes.agent import dial_edge, serve_node, serve_node_session
+from nodes.config import default_node_config
 
 from .fakes import ScriptedNode, connect, hello, wait_until
 
@@ -251,3 +255,44 @@ async def test_attach_local_node_raises_when_its_id_is_held(
         with pytest.raises(RuntimeError, match="ended before it registered"):
             await d.attach_local_node()
         assert d.registry.sessions["local"].is_open
+
+
+async def test_takeover_over_real_websockets_leaves_the_victims_stream_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The real node agent on both sides, over real websockets: the impostor's session ends
+    with 4004 (transient for the agent: it would retry, not stop), the victim's stream goes
+    on to its end."""
+    caplog.set_level("INFO")
+    config = EdgeConfig(port=0, local_node=False, nodes=NodeSettings(tokens=(TOKEN_A, TOKEN_B)))
+    async with open_dispatcher(config) as d, trio.open_nursery() as nursery:
+        server: Server = await nursery.start(d.serve)
+        url = f"ws://127.0.0.1:{server.address.port}/v1/nodes/connect"
+        victim = attrs.evolve(default_node_config("gpu-1"), edge_url=url, token=TOKEN_A)
+        await nursery.start(serve_node, victim)
+        generation = d.registry.sessions["gpu-1"].generation
+        words = "the victim keeps streaming to the very end"
+        body = {
+            "model": "echo",
+            "messages": [{"role": "user", "content": words}],
+            "echo": {"token_delay": 0.05},
+        }
+        text = ""
+        last: wire.RunEvent | None = None
+        async with d.open_run(RunSpec(model="echo", body=body)) as run:
+            async for event in run:
+                if isinstance(event, wire.RunDelta):
+                    if not text:
+                        impostor = attrs.evolve(victim, token=TOKEN_B)
+                        with trio.fail_after(10):
+                            async with dial_edge(impostor) as conn:
+                                # Returns (the session ended), does not raise NodeRejected.
+                                await serve_node_session(conn, impostor)
+                    text += event.text
+                last = event
+        assert isinstance(last, wire.RunCompleted)
+        assert text == words
+        assert d.registry.sessions["gpu-1"].generation == generation
+        nursery.cancel_scope.cancel()
+    assert "refused: node id 'gpu-1' is in use by another credential" in caplog.text
+    assert "(code 4004)" in caplog.text  # the impostor agent's side: a transient close
