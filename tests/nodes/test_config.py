@@ -3,15 +3,19 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import attrs
 import pytest
+import trio
 
 from dispatcher import wire
+from nodes.agent import serve_node
 from nodes.config import (
     DEFAULT_EDGE_URL,
     ModelConfig,
     NodeConfig,
     NodeConfigError,
     ProviderConfig,
+    check_edge_url,
     default_node_config,
     hello_from_config,
     load_node_config,
@@ -171,6 +175,11 @@ def test_minimal_config_uses_defaults(tmp_path: Path) -> None:
             "node.edge_url: expected a ws:// or wss:// URL, got 'https://edge.example:8700/v1/nodes/connect'",
         ),
         (
+            VALID.replace("/v1/nodes/connect", ""),
+            "node.edge_url: expected a URL ending in /v1/nodes/connect, got "
+            "'wss://edge.example:8700' (try wss://edge.example:8700/v1/nodes/connect)",
+        ),
+        (
             VALID.replace('api_key_env = "VLLM_KEY"', 'api_key_env = "sk-abc123"'),
             "providers[1].api_key_env: expected the name of an environment variable, "
             "got 'sk-abc123'",
@@ -259,3 +268,40 @@ def test_node_config_is_frozen() -> None:
     config = NodeConfig(node_id="n")
     with pytest.raises(AttributeError):
         config.node_id = "m"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("ws://127.0.0.1:8700/v1/nodes/connect", None),
+        ("wss://edge.example/prefix/v1/nodes/connect", None),
+        (
+            "http://edge:8700/v1/nodes/connect",
+            "expected a ws:// or wss:// URL, got 'http://edge:8700/v1/nodes/connect' "
+            "(try ws://edge:8700/v1/nodes/connect)",
+        ),
+        (
+            "https://edge.example",
+            "expected a ws:// or wss:// URL, got 'https://edge.example' "
+            "(try wss://edge.example/v1/nodes/connect)",
+        ),
+        (
+            "ws://edge:8700/",
+            "expected a URL ending in /v1/nodes/connect, got 'ws://edge:8700/' "
+            "(try ws://edge:8700/v1/nodes/connect)",
+        ),
+        ("edge:8700", "expected a ws:// or wss:// URL, got 'edge:8700'"),
+        ("ws:///v1/nodes/connect", "expected a ws:// or wss:// URL, got 'ws:///v1/nodes/connect'"),
+    ],
+)
+def test_check_edge_url(url: str, reason: str | None) -> None:
+    assert check_edge_url(url) == reason
+
+
+async def test_serve_node_refuses_a_bad_edge_url_before_dialling() -> None:
+    config = attrs.evolve(default_node_config("n"), edge_url="http://127.0.0.1:1")
+    with (
+        trio.fail_after(5),  # at once: no dial, no retry loop
+        pytest.raises(ValueError, match=r"^edge_url: expected a ws:// or wss:// URL"),
+    ):
+        await serve_node(config)
