@@ -195,13 +195,18 @@ _JSON_FORMATS: Final = frozenset({"json_object", "json_schema"})
 def needs_from_body(body: Mapping[str, Any], *, session_id: str | None = None) -> Needs:
     """The needs of an OpenAI chat-completions body.
 
-    ``tools`` / ``functions`` present -> tools; ``response_format.type`` ``json_object`` or
+    ``tools`` (or the legacy ``functions``) non-empty -> tools, unless ``tool_choice`` (for
+    ``functions``: ``function_call``) is ``"none"``: then the model may not call any, so a
+    candidate without the capability can serve it (the body is forwarded as it is, tools
+    included); ``response_format.type`` ``json_object`` or
     ``json_schema`` -> json; a content part of type ``image_url`` / ``input_image`` -> vision;
     estimated tokens = characters of all message text / 4 (rounded up) + ``max_tokens``
     (or ``max_completion_tokens``, or 0). Malformed parts are ignored: validating the body is
     the API layer's job, this only has to be cheap and never raise.
     """
-    tools = bool(body.get("tools")) or bool(body.get("functions"))
+    tools = (bool(body.get("tools")) and body.get("tool_choice") != "none") or (
+        bool(body.get("functions")) and body.get("function_call") != "none"
+    )
     response_format = body.get("response_format")
     json = isinstance(response_format, Mapping) and response_format.get("type") in _JSON_FORMATS
     vision = False

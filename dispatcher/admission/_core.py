@@ -34,6 +34,18 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   health taken into account: an ejected candidate only for a fallback waiter, a probing one
   only while its probe is not in flight). So a release only has to look for waiters when it
   turned a full candidate free (or ended a probe).
+
+Bounded memory (nodes are not trusted: one may announce hundreds of new model names at each
+reconnect):
+
+* invariant: a group exists only while it has a candidate, a queued waiter, or the policy
+  names it. The input that takes its last candidate or waiter away drops it (O(1) per
+  group it touched); ``set_policy`` drops the ones it no longer names.
+* an identity's health outlives its node session only while there is something to remember,
+  and at most :data:`HEALTH_MEMORY` departed identities are remembered (the longest gone is
+  forgotten first); at most :data:`NODE_MEMORY` departed nodes are remembered.
+* a table that shrank to a quarter of its peak is rebuilt (Python dicts never shrink by
+  themselves), amortized O(1) per removal.
 """
 
 from __future__ import annotations
@@ -72,6 +84,12 @@ REJECT_CAUSES: Final[tuple[RejectCause, ...]] = (
 HEALTH_STATES: Final[tuple[HealthState, ...]] = ("healthy", "ejected", "probing")
 SESSION_MEMORY: Final = 10_000
 """Sessions whose last node the core remembers (least recently used ones are forgotten)."""
+HEALTH_MEMORY: Final = 10_000
+"""Departed identities (no joined candidate) whose health the core remembers; beyond that
+the one that left first is forgotten (it comes back healthy)."""
+NODE_MEMORY: Final = 10_000
+"""Departed nodes whose newest generation the core remembers (to ignore their stale
+announcements); beyond that the one that left first is forgotten."""
 
 
 @attrs.frozen(kw_only=True)
@@ -112,7 +130,8 @@ class CandidateStatistics:
     ``consecutive_failures`` since the last success; ``ejections`` in a row without a
     success (the cool-down level); ``ejected_until`` (same clock as the inputs' ``now``)
     while ejected, else None; ``probe_in_flight`` while probing with its one request
-    admitted."""
+    admitted; ``ejections_total``: every ejection of the identity since the core last
+    started remembering it (a counter; see "Bounded memory" in ``docs/admission.md``)."""
 
     total: int
     in_use: int
@@ -125,6 +144,7 @@ class CandidateStatistics:
     ejections: int = 0
     ejected_until: float | None = None
     probe_in_flight: bool = False
+    ejections_total: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -173,8 +193,15 @@ _SHORT: Final = 0
 _LONG: Final = 1
 _CLASSES: Final[tuple[RequestClass, RequestClass]] = ("short", "long")
 _COMPACT_MIN: Final = 256
+_SHRINK_MIN: Final = 8
+"""A table is rebuilt when it shrank to a quarter of a peak above this."""
 _NOT_EJECTED: Final = float("-inf")
 """Selection rank of a candidate that is not ejected: before any cool-down's end."""
+
+
+def _known_names(policy: PolicySnapshot) -> frozenset[str]:
+    """The groups ``policy`` names (``PolicySnapshot.knows``), as a set: O(1) to test."""
+    return frozenset(policy.groups) | frozenset(policy.aliases.values())
 
 
 def _capmask(capabilities: Iterable[str]) -> int:
@@ -228,6 +255,8 @@ class _Health:
     """The slot of the one request a probing candidate took."""
     live: _CandidateState | None = None
     """The candidate of the node's current session, if it is joined."""
+    ejections_total: int = 0
+    """Every ejection since this record was made (for metrics; not part of ``pristine``)."""
 
     @property
     def pristine(self) -> bool:
@@ -335,11 +364,15 @@ class AdmissionCore:
 
     def __init__(self, policy: PolicySnapshot | None = None) -> None:
         self._policy = policy if policy is not None else PolicySnapshot()
+        self._known = _known_names(self._policy)
         self._now = float("-inf")
         self._groups: dict[str, _Group] = {}
-        self._ever_served: set[str] = set()
+        """Only groups with a candidate, a queued waiter, or named by the policy."""
+        self._groups_peak = 0
         self._nodes: dict[str, tuple[int, bool]] = {}
         """node id -> (newest generation seen, still joined?)"""
+        self._gone_nodes: OrderedDict[str, None] = OrderedDict()
+        """The departed nodes of ``_nodes``, in the order they left."""
         self._by_node: dict[tuple[str, int], list[_CandidateState]] = {}
         self._waiters: dict[WaiterId, _Waiter] = {}
         self._slots: dict[SlotId, _Slot] = {}
@@ -350,6 +383,9 @@ class AdmissionCore:
         self._deadlines_dead = 0
         self._drains: list[tuple[float, SlotId]] = []
         self._health: dict[CandidateIdentity, _Health] = {}
+        self._health_peak = 0
+        self._away: OrderedDict[CandidateIdentity, None] = OrderedDict()
+        """The identities of ``_health`` with no joined candidate, in the order they left."""
         self._cooldowns: list[tuple[float, int, _Health]] = []
         self._cooldowns_dead = 0
         self._cooldown_seq = itertools.count()
@@ -387,7 +423,7 @@ class AdmissionCore:
             raise ValueError(f"waiter {waiter_id!r} is already queued")
         decisions = self._advance(now)
         name = self._policy.resolve(model)
-        if name not in self._ever_served and not self._policy.knows(name):
+        if name not in self._groups and name not in self._known:
             self._reject(decisions, waiter_id, "unknown_model", f"model {model!r} does not exist")
             return decisions
         group = self._group(name)
@@ -453,6 +489,7 @@ class AdmissionCore:
         if waiter is not None:
             self._end(waiter)
             self._cancellations += 1
+            self._prune(waiter.group)
         return decisions
 
     def release(self, slot_id: SlotId, now: float) -> list[Decision]:
@@ -486,10 +523,13 @@ class AdmissionCore:
         """Candidates of a node session. A newer generation of a node supersedes the older
         one's candidates (their slots become void); an older or departed generation is
         ignored. A known key is updated in place (its slots stay). Parked waiters are
-        admitted at once."""
+        admitted at once. A group the superseded session served and the new one does not
+        is dropped if nothing else keeps it (see :meth:`node_left`)."""
         decisions = self._advance(now)
         touched: dict[str, list[_CandidateState]] = {}
         reresolve: set[str] = set()
+        superseded: set[str] = set()
+        left: list[_Health] = []
         for candidate in candidates:
             node = candidate.node_id
             seen = self._nodes.get(node)
@@ -500,10 +540,11 @@ class AdmissionCore:
                 ):
                     continue
                 if candidate.generation > generation:
-                    reresolve.update(self._remove_node(node, generation))
+                    superseded |= self._remove_node(node, generation, left)
+                if not joined:
+                    del self._gone_nodes[node]
             self._nodes[node] = (candidate.generation, True)
             group = self._group(candidate.model)
-            self._ever_served.add(group.name)
             state = group.candidates.get(candidate.key)
             if state is None:
                 if not group.candidates:
@@ -511,7 +552,9 @@ class AdmissionCore:
                 identity = candidate.identity
                 health = self._health.get(identity)
                 if health is None:
-                    health = self._health[identity] = _Health(identity)
+                    health = self._new_health(identity)
+                else:
+                    self._away.pop(identity, None)
                 state = _CandidateState(candidate=candidate, group=group, health=health)
                 health.live = state
                 group.candidates[candidate.key] = state
@@ -520,27 +563,36 @@ class AdmissionCore:
                 state.update(candidate)
                 reresolve.add(group.name)
             touched.setdefault(group.name, []).append(state)
-        for name in reresolve:
+        for name in reresolve | superseded:
             self._reresolve(decisions, self._groups[name])
         for name, states in touched.items():
             self._fill(decisions, self._groups[name], states)
+        for name in superseded:
+            self._prune(self._groups[name])
+        for health in left:  # unless the new session announced it again
+            if health.live is None:
+                self._left(health)
         return decisions
 
     def node_left(self, node_id: str, generation: int, now: float) -> list[Decision]:
         """The node session ended: its candidates go, their in-use and draining slots become
         void (a later release or confirm is a no-op), and waiters that no remaining candidate
         can serve are rejected (those of a group left with no candidate at all keep
-        waiting: a node may join)."""
+        waiting: a node may join). A group left with no candidate and no waiter is dropped
+        unless the policy names it: a request for it is then ``unknown_model``."""
         decisions = self._advance(now)
         seen = self._nodes.get(node_id)
         groups: set[str] = set()
         if seen is None or generation >= seen[0]:
             self._nodes[node_id] = (generation, False)
+            self._depart_node(node_id)
             if seen is not None and generation > seen[0]:  # a newer session ended: both go
                 groups |= self._remove_node(node_id, seen[0])
         groups |= self._remove_node(node_id, generation)
         for name in groups:
-            self._reresolve(decisions, self._groups[name])
+            group = self._groups[name]
+            self._reresolve(decisions, group)
+            self._prune(group)
         return decisions
 
     def capacity_changed(
@@ -566,11 +618,12 @@ class AdmissionCore:
         the new limits open."""
         decisions = self._advance(now)
         self._policy = policy
+        self._known = _known_names(policy)
         for health in self._health.values():
             if policy.policy_for(health.identity.model).eject_after_failures == 0:
                 self._reset_health(health)
         for health in [h for h in self._health.values() if h.pristine]:
-            del self._health[health.identity]
+            self._forget(health)
         for group in list(self._groups.values()):
             old = group.policy
             group.policy = policy.policy_for(group.name)
@@ -580,6 +633,8 @@ class AdmissionCore:
                 self._reclassify(group)
                 self._reresolve(decisions, group)
             self._fill(decisions, group, list(group.candidates.values()))
+        for group in list(self._groups.values()):  # the ones it no longer names
+            self._prune(group)
         return decisions
 
     def report_success(self, key: CandidateKey, now: float) -> list[Decision]:
@@ -596,7 +651,7 @@ class AdmissionCore:
         state = health.live
         if state is None:
             if health.pristine:
-                del self._health[health.identity]
+                self._forget(health)
         elif before != "healthy":
             self._fill(decisions, state.group, [state])
         return decisions
@@ -608,17 +663,20 @@ class AdmissionCore:
         ``eject_after_failures`` consecutive ones, a probing one at once (with the next
         longer cool-down); failures while ejected are only counted. Any generation of the
         node counts (the identity is the provider, not the session). No-op when the group's
-        policy has ``eject_after_failures == 0`` or for a node or group never seen."""
+        policy has ``eject_after_failures == 0``, and for an identity the core has no health
+        of unless its node is remembered and its group has a candidate now."""
         decisions = self._advance(now)
         policy = self._policy.policy_for(key.model)
         if policy.eject_after_failures == 0:
             return decisions
         identity = key.identity
         health = self._health.get(identity)
-        if health is None:
-            if key.node_id not in self._nodes or key.model not in self._ever_served:
+        if health is None:  # so not joined: a joined candidate always has its health
+            group = self._groups.get(key.model)
+            if key.node_id not in self._nodes or group is None or not group.candidates:
                 return decisions
-            health = self._health[identity] = _Health(identity)
+            health = self._new_health(identity)
+            self._depart_health(health)
         health.failures += 1
         if health.state == "probing" or (
             health.state == "healthy" and health.failures >= policy.eject_after_failures
@@ -639,6 +697,13 @@ class AdmissionCore:
         cooldown = self._peek_cooldown()
         times = [t for t in (waiter, drain, cooldown) if t is not None]
         return min(times) if times else None
+
+    def knows_model(self, model: str) -> bool:
+        """Whether ``model`` (a group or an alias) names a group: one the core holds (it has
+        a candidate or a queued waiter) or one the policy names. :meth:`submit` refuses any
+        other as ``unknown_model``."""
+        name = self._policy.resolve(model)
+        return name in self._groups or name in self._known
 
     def statistics(self) -> AdmissionStatistics:
         groups = {
@@ -662,6 +727,7 @@ class AdmissionCore:
                     ejections=health.ejections,
                     ejected_until=health.ejected_until,
                     probe_in_flight=health.state == "probing" and health.probe is not None,
+                    ejections_total=health.ejections_total,
                 )
         return AdmissionStatistics(
             groups=groups,
@@ -689,7 +755,33 @@ class AdmissionCore:
         group = self._groups.get(name)
         if group is None:
             group = self._groups[name] = _Group(name=name, policy=self._policy.policy_for(name))
+            self._groups_peak = max(self._groups_peak, len(self._groups))
         return group
+
+    def _prune(self, group: _Group) -> None:
+        """Drop ``group`` unless something keeps it: a candidate, a queued waiter, or the
+        policy naming it. Call it after any input that may have taken the last of them."""
+        if group.candidates or group.depth[_SHORT] or group.depth[_LONG]:
+            return
+        name = group.name
+        if name in self._known or self._groups.get(name) is not group:
+            return
+        del self._groups[name]
+        group.queues.clear()  # only ended waiters are left in them
+        group.fallbacks.clear()
+        group.garbage = 0
+        if self._groups_peak > _SHRINK_MIN and len(self._groups) * 4 < self._groups_peak:
+            self._groups = dict(self._groups)
+            self._groups_peak = len(self._groups)
+
+    def _depart_node(self, node_id: str) -> None:
+        """``node_id`` left: remember it (its generation) among the last NODE_MEMORY."""
+        gone = self._gone_nodes
+        gone[node_id] = None
+        gone.move_to_end(node_id)
+        if len(gone) > NODE_MEMORY:
+            oldest, _ = gone.popitem(last=False)
+            del self._nodes[oldest]  # departed: no candidate or slot of it is left
 
     def _unfit(self, state: _CandidateState, waiter: _Waiter) -> str | None:
         return waiter.needs.unfit(state.candidate, _CLASSES[waiter.klass])
@@ -960,9 +1052,13 @@ class AdmissionCore:
         if flagged:  # they may use the ejected candidates now
             self._fill(decisions, group, [s for s in group.candidates.values() if s.ejected])
 
-    def _remove_node(self, node_id: str, generation: int) -> set[str]:
+    def _remove_node(
+        self, node_id: str, generation: int, left: list[_Health] | None = None
+    ) -> set[str]:
         """Drop the candidates of (node, generation) and void their slots; returns the names
-        of the groups that lost candidates."""
+        of the groups that lost candidates. The identities that have no joined candidate
+        now are forgotten or remembered as departed, or, if ``left`` is given, added to it
+        for the caller to do so."""
         states = self._by_node.pop((node_id, generation), [])
         groups: set[str] = set()
         for state in states:
@@ -978,11 +1074,45 @@ class AdmissionCore:
             state.slot_ids.clear()
             if health.live is state:
                 health.live = None
-                if health.pristine:
-                    del self._health[health.identity]
+                if left is None:
+                    self._left(health)
+                else:
+                    left.append(health)
         return groups
 
+    def _left(self, health: _Health) -> None:
+        """``health`` has no joined candidate any more."""
+        if health.pristine:
+            self._forget(health)
+        else:
+            self._depart_health(health)
+
     # ------------------------------------------------------------------ health
+
+    def _new_health(self, identity: CandidateIdentity) -> _Health:
+        health = self._health[identity] = _Health(identity)
+        self._health_peak = max(self._health_peak, len(self._health))
+        return health
+
+    def _depart_health(self, health: _Health) -> None:
+        """``health`` has no joined candidate now: remember it among the last HEALTH_MEMORY
+        departed identities."""
+        away = self._away
+        away[health.identity] = None
+        if len(away) > HEALTH_MEMORY:
+            oldest, _ = away.popitem(last=False)
+            self._forget(self._health[oldest])
+
+    def _forget(self, health: _Health) -> None:
+        """Drop the health of an identity that has no joined candidate."""
+        if health.state != "healthy":
+            self._reset_health(health)  # its cool-down entry goes stale
+        identity = health.identity
+        del self._health[identity]
+        self._away.pop(identity, None)
+        if self._health_peak > _SHRINK_MIN and len(self._health) * 4 < self._health_peak:
+            self._health = dict(self._health)
+            self._health_peak = len(self._health)
 
     def _flag(self, waiter: _Waiter, fallback: bool) -> None:
         """Set a queued waiter's fallback flag, keeping its deque's count."""
@@ -1036,6 +1166,7 @@ class AdmissionCore:
         health.heap_seq = next(self._cooldown_seq)
         heapq.heappush(self._cooldowns, (until, health.heap_seq, health))
         self._ejections += 1
+        health.ejections_total += 1
         state = health.live
         if state is not None:  # waiters it was the last candidate for may fall back now
             self._reresolve(decisions, state.group)
@@ -1133,5 +1264,6 @@ class AdmissionCore:
                     f"{group.policy.queue_timeout_s:g} s",
                     retry_after=group.policy.retry_after_s,
                 )
+                self._prune(group)
             else:
                 return decisions

@@ -219,6 +219,12 @@ class Admission:
     def statistics(self) -> AdmissionStatistics:
         return self._core.statistics()
 
+    def knows_model(self, model: str) -> bool:
+        """Whether a request for ``model`` (a group or an alias) would not be refused as
+        unknown: a node serves it, a request waits for it, or the policy names it. See
+        ``AdmissionCore.knows_model``."""
+        return self._core.knows_model(model)
+
     # ------------------------------------------------------------------ internals
 
     def _abandon(self, waiter_id: int, parked: _Parked) -> None:

@@ -63,12 +63,70 @@ def test_alias_target_is_a_known_group() -> None:
     assert core.submit(1, "m", Needs(), 0.0) == []
 
 
-def test_group_that_had_candidates_waits_after_they_left() -> None:
-    core = core_with(cand())
+def test_configured_group_that_had_candidates_waits_after_they_left() -> None:
+    core = AdmissionCore(PolicySnapshot(groups={"m": Policy()}))
+    core.node_joined([cand()], 0.0)
     core.node_left("node-a", 1, 1.0)
     assert core.submit(1, "m", Needs(), 2.0) == []
     assert core.is_queued(1)
     assert only_reject(core.tick(32.0)).cause == "timeout"
+    assert "m" in core.statistics().groups
+
+
+def test_unconfigured_group_is_dropped_with_its_last_candidate() -> None:
+    core = core_with(cand(), cand("node-b", model="other"))
+    assert core.knows_model("m")
+    assert core.node_left("node-a", 1, 1.0) == []
+    assert "m" not in core.statistics().groups
+    assert not core.knows_model("m")
+    assert only_reject(core.submit(1, "m", Needs(), 2.0)).cause == "unknown_model"
+    assert set(core.statistics().groups) == {"other"}
+
+
+@pytest.mark.parametrize("end", ["timeout", "cancel"])
+def test_unconfigured_group_without_candidates_lives_while_someone_waits(end: str) -> None:
+    core = core_with(cand())
+    only_admit(core.submit(1, "m", Needs(), 0.0))
+    assert core.submit(2, "m", Needs(), 0.0) == []
+    assert core.node_left("node-a", 1, 1.0) == []
+    assert core.submit(3, "m", Needs(), 2.0) == []  # still known: a node may join
+    assert depth(core) == 2
+    core.cancel(2, 3.0)
+    assert core.knows_model("m")
+    if end == "timeout":
+        assert only_reject(core.tick(32.0)).cause == "timeout"
+    else:
+        assert core.cancel(3, 4.0) == []
+    assert "m" not in core.statistics().groups
+    assert only_reject(core.submit(4, "m", Needs(), 40.0)).cause == "unknown_model"
+
+
+def test_a_superseding_session_that_drops_a_model_drops_its_group() -> None:
+    core = core_with(cand(), cand(model="other"))
+    core.node_joined([cand(generation=2)], 1.0)
+    assert set(core.statistics().groups) == {"m"}
+
+
+def test_a_group_the_policy_no_longer_names_is_dropped_when_empty() -> None:
+    core = AdmissionCore(PolicySnapshot(groups={"m": Policy(), "k": Policy()}))
+    assert core.submit(1, "m", Needs(), 0.0) == []
+    assert core.submit(2, "k", Needs(), 0.0) == []
+    core.cancel(2, 0.0)
+    assert set(core.statistics().groups) == {"m", "k"}  # named: kept while empty
+    core.set_policy(PolicySnapshot(), 1.0)
+    assert set(core.statistics().groups) == {"m"}  # kept by its waiter
+    assert core.knows_model("m")
+    assert not core.knows_model("k")
+    core.cancel(1, 2.0)
+    assert core.statistics().groups == {}
+
+
+def test_an_alias_keeps_its_target_known() -> None:
+    core = core_with(cand(), aliases={"fast": "m"})
+    core.node_left("node-a", 1, 1.0)
+    assert core.knows_model("fast")
+    assert core.knows_model("m")
+    assert core.submit(1, "fast", Needs(), 2.0) == []
 
 
 # --------------------------------------------------------------------------- capability

@@ -12,6 +12,7 @@ from dispatcher.admission import (
     Needs,
     Policy,
     PolicySnapshot,
+    _core,
 )
 
 from .helpers import cand, only_admit
@@ -390,3 +391,77 @@ def test_turning_ejection_off_restores_the_group_and_admits_waiters() -> None:
     assert only_admit(core.set_policy(off, 1.0)).candidate.node_id == "node-a"
     assert health(core).health == "healthy"
     assert core.next_deadline() is None
+
+
+# --------------------------------------------------------------------------- bounded memory
+
+
+def test_ejections_total_counts_every_ejection() -> None:
+    core = core_with(A)
+    eject(core, A.key, 0.0)
+    core.report_success(A.key, 1.0)
+    eject(core, A.key, 2.0)
+    stats = health(core)
+    assert (stats.ejections, stats.ejections_total) == (1, 2)
+    assert core.statistics().ejections == 2
+
+
+def test_a_reconnect_that_announces_it_again_keeps_its_record() -> None:
+    core = core_with(A)
+    eject(core, A.key, 0.0)
+    core.report_success(A.key, 1.0)  # healthy, nothing to remember but the total
+    a2 = cand("node-a", generation=2)
+    core.node_joined([a2], 2.0)  # supersedes generation 1
+    assert health(core, a2.key).ejections_total == 1
+
+
+def test_a_departed_identity_with_nothing_to_remember_starts_again() -> None:
+    core = core_with(A)
+    eject(core, A.key, 0.0)
+    core.report_success(A.key, 1.0)
+    core.node_left("node-a", 1, 2.0)
+    a2 = cand("node-a", generation=2)
+    core.node_joined([a2], 3.0)
+    assert health(core, a2.key).ejections_total == 0
+
+
+def test_a_first_failure_for_a_group_no_node_serves_is_ignored() -> None:
+    core = AdmissionCore(PolicySnapshot(groups={"m": Policy()}))
+    core.node_joined([A], 0.0)
+    core.node_left("node-a", 1, 1.0)
+    for _ in range(3):
+        assert core.report_failure(A.key, 1.0) == []
+    core.node_joined([cand("node-a", generation=2)], 2.0)
+    assert health(core, cand("node-a", generation=2).key).consecutive_failures == 0
+
+
+def test_departed_identities_are_remembered_up_to_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_core, "HEALTH_MEMORY", 2)
+    nodes = [cand(f"node-{n}") for n in "abc"]
+    core = core_with(*nodes)
+    eject(core, nodes[0].key, 0.0)  # ejected until 5: a cool-down the core waits for
+    for node in nodes[1:]:
+        core.report_failure(node.key, 0.0)
+    assert core.next_deadline() == 5.0
+    for node in nodes:  # a leaves first, so it is forgotten first
+        core.node_left(node.node_id, 1, 1.0)
+    assert core.next_deadline() is None  # forgotten: nothing to wait for
+    back = [cand(f"node-{n}", generation=2) for n in "abc"]
+    core.node_joined(back, 2.0)
+    assert [health(core, c.key).consecutive_failures for c in back] == [0, 1, 1]
+    assert health(core, back[0].key).health == "healthy"
+
+
+def test_departed_nodes_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_core, "NODE_MEMORY", 2)
+    core = core_with(*(cand(f"node-{n}", generation=5) for n in "abc"))
+    for n in "abc":
+        core.node_left(f"node-{n}", 5, 1.0)
+    # b and c are remembered: their departed session's announcement is stale
+    assert core.node_joined([cand("node-b", generation=5)], 2.0) == []
+    assert not core.knows_model("m")
+    # a, the first to leave, is forgotten: the core takes any generation of it as new
+    core.node_joined([cand("node-a", generation=4)], 3.0)
+    assert set(core.statistics().candidates) == {cand("node-a", generation=4).key}

@@ -20,6 +20,10 @@ every decision the core returns against the rules of ``docs/admission.md``:
   a probing candidate has at most one probe in flight, and that work-conserving and FIFO
   hold with health taken into account;
 * the core's statistics (health included) and next deadline agree with the model;
+* bounded memory: a group exists exactly while it has a candidate or a queued waiter, or
+  the policy names it (so one with none of them is gone after the input that emptied it),
+  and ``knows_model`` says so; an identity's health is forgotten when it has no joined
+  candidate and nothing to remember (its ``ejections_total`` starts again from 0);
 * teardown: after releasing everything and letting time pass, nothing is in use, draining
   or queued.
 """
@@ -160,6 +164,11 @@ class MHealth:
     until: float | None = None
     seq: int = -1
     probe: int | None = None
+    total: int = 0
+
+    @property
+    def pristine(self) -> bool:
+        return (self.state, self.failures, self.ejections) == ("healthy", 0, 0)
 
 
 class AdmissionMachine(RuleBasedStateMachine):
@@ -171,7 +180,6 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.expired_now = True
         self.candidates: dict[CandidateKey, Candidate] = {}
         self.nodes: dict[str, tuple[int, bool]] = {}
-        self.served: set[str] = set()
         self.queued: dict[WaiterId, MWaiter] = {}
         self.slots: dict[int, MSlot] = {}
         self.slot_ids_seen: set[int] = set()
@@ -193,6 +201,19 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     def group_candidates(self, group: str) -> list[Candidate]:
         return [c for c in self.candidates.values() if c.model == group]
+
+    def group_exists(self, group: str) -> bool:
+        """Whether the core must hold ``group``: a candidate or a queued waiter keeps it."""
+        return bool(self.group_candidates(group)) or any(
+            w.group == group for w in self.queued.values()
+        )
+
+    def forget_departed(self) -> None:
+        """The core keeps no health for an identity with no joined candidate and nothing to
+        remember."""
+        joined = {c.identity for c in self.candidates.values()}
+        for identity in [i for i, h in self.health.items() if h.pristine and i not in joined]:
+            del self.health[identity]
 
     def limits(self, key: CandidateKey) -> tuple[int, int, int]:
         candidate = self.candidates[key]
@@ -261,6 +282,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         cool_down = min(policy.eject_max_s, policy.eject_base_s * 2 ** (health.ejections - 1))
         health.until = self.now + cool_down
         health.seq = next(self.cool_seq)
+        health.total += 1
         self.ejections += 1
 
     def reset(self, health: MHealth) -> None:
@@ -376,12 +398,13 @@ class AdmissionMachine(RuleBasedStateMachine):
                 identity = cool_downs[ident]
                 health = self.health[identity]
                 health.state, health.until = "probing", None
-                if decisions:  # the probe, if a waiter can take it
-                    head = decisions[0]
+                if decisions:  # the probe, if a waiter can take it (now, not after a
+                    head = decisions[0]  # later drain expiry freed a slot for it)
                     if (
                         isinstance(head, Admit)
                         and head.candidate.identity == identity
                         and head.waiter_id in self.queued
+                        and self.usable(self.queued[head.waiter_id], head.candidate)
                     ):
                         self.check_queued_decision(decisions.popleft())
             elif kind == 0:
@@ -422,6 +445,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         for key in list(self.over):
             if key not in self.candidates or self.within(key):
                 self.over.discard(key)
+        self.forget_departed()
 
     # ------------------------------------------------------------------ rules
 
@@ -454,6 +478,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.submitted.add(waiter_id)
         pending = self.run(self.core.submit(waiter_id, model, needs, self.now, requeue=requeue))
         group = self.policy.resolve(model)
+        # after what the submit expired first (self.run), before the waiter itself
+        known_before = self.group_exists(group) or self.policy.knows(group)
         policy = self.group_policy(group)
         waiter = MWaiter(
             id=waiter_id,
@@ -467,7 +493,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         rest = [d for d in pending if d.waiter_id != waiter_id]
         candidates = self.group_candidates(group)
         klass = self.klass(waiter)
-        if group not in self.served and not self.policy.knows(group):
+        if not known_before:
             [reject] = own
             assert isinstance(reject, Reject), reject
             assert reject.cause == "unknown_model", reject
@@ -577,7 +603,6 @@ class AdmissionMachine(RuleBasedStateMachine):
         for candidate in candidates:
             self.nodes[candidate.node_id] = (candidate.generation, True)
             self.candidates[candidate.key] = candidate
-            self.served.add(candidate.model)
         self.note_limits_changed()
 
     @rule(node=st.sampled_from(NODES), data=st.data())
@@ -677,7 +702,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         pending = self.run(self.core.report_failure(key, self.now))
         policy = self.group_policy(key.model)
         identity = key.identity
-        known = identity in self.health or (key.node_id in self.nodes and key.model in self.served)
+        known = identity in self.health or (
+            key.node_id in self.nodes and bool(self.group_candidates(key.model))
+        )
         if policy.eject_after_failures and known:
             health = self.health.setdefault(identity, MHealth())
             health.failures += 1
@@ -712,6 +739,18 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.finish(pending)
         if failed and retry:
             self.do_submit(key.model, Needs(exclude=frozenset({key})), True)
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 11.0]), tick=st.booleans())
+    def advance(self, dt: float, tick: bool) -> None:
+        """Time passes, with a tick (what the Trio driver does at a deadline) or without one
+        (the next input expires what is due)."""
+        self.now += dt
+        if tick:
+            pending = self.run(self.core.tick(self.now))
+            assert not pending, pending
+            self.finish(pending)
+        else:
+            self.expired_now = dt == 0 and self.expired_now
 
     @precondition(lambda self: any(h.state == "ejected" for h in self.health.values()))
     @rule()
@@ -783,12 +822,14 @@ class AdmissionMachine(RuleBasedStateMachine):
                 candidate_stats.ejections,
                 candidate_stats.ejected_until,
                 candidate_stats.probe_in_flight,
+                candidate_stats.ejections_total,
             ) == (
                 health.state,
                 health.failures,
                 health.ejections,
                 health.until,
                 health.probe is not None,
+                health.total,
             ), (key, health)
         assert stats.ejections == self.ejections
         for waiter_id in self.queued:
@@ -797,6 +838,26 @@ class AdmissionMachine(RuleBasedStateMachine):
             slot = self.slots.get(slot_id)
             expected = None if slot is None else ("draining" if slot.draining else "in_use")
             assert self.core.slot_state(slot_id) == expected
+
+    @invariant()
+    def groups_are_bounded(self) -> None:
+        """A group with no candidate, no waiter and no policy naming it does not exist after
+        the input that emptied it; one with any of them does (or, named by the policy only,
+        may); ``knows_model`` agrees."""
+        if not self.expired_now:
+            return  # a timeout is due but no input has happened yet
+        groups = set(self.core.statistics().groups)
+        for group in groups:
+            assert self.group_exists(group) or self.policy.knows(group), (
+                f"group {group!r} has no candidate, no waiter and no policy, but exists"
+            )
+        for group in {*GROUPS, "g3"}:
+            if self.group_exists(group):
+                assert group in groups, f"group {group!r} is missing"
+        for model in MODELS:
+            group = self.policy.resolve(model)
+            known = self.group_exists(group) or self.policy.knows(group)
+            assert self.core.knows_model(model) == known, model
 
     @invariant()
     def next_deadline_agrees(self) -> None:

@@ -35,6 +35,40 @@ def test_empty_tools_need_nothing() -> None:
     assert not needs_from_body(body(tools=[])).tools
 
 
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": TOOLS, "tool_choice": "none"},
+        {"functions": [{"name": "f"}], "function_call": "none"},
+    ],
+)
+def test_tool_choice_none_does_not_need_tools(extra: dict[str, Any]) -> None:
+    needs = needs_from_body(body(**extra))
+    assert not needs.tools
+    assert needs.unfit(cand(caps=())) is None  # a candidate without tools can serve it
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": TOOLS, "tool_choice": "auto"},
+        {"tools": TOOLS, "tool_choice": "required"},
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"tools": TOOLS, "tool_choice": None},
+        {"tools": TOOLS, "function_call": "none"},  # the legacy switch is for functions
+        {"functions": [{"name": "f"}], "tool_choice": "none"},
+        {"tools": TOOLS, "tool_choice": "none", "functions": [{"name": "f"}]},
+    ],
+)
+def test_any_other_tool_choice_needs_tools(extra: dict[str, Any]) -> None:
+    needs = needs_from_body(body(**extra))
+    assert needs.tools
+    assert needs.unfit(cand(caps=())) == "node-a/ollama-1: lacks capability 'tools'"
+
+
 @pytest.mark.parametrize(
     ("kind", "json"), [("json_object", True), ("json_schema", True), ("text", False)]
 )
