@@ -40,11 +40,12 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import trio
 
+from . import gate_rules as rules
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
 from .errors import NodeUnavailable, RunError, UpstreamRejected
@@ -56,7 +57,7 @@ from .usage import UsageRow
 
 log = logging.getLogger("dispatcher.gate")
 
-Outcome = Literal["completed", "failed", "aborted", "cancelled"]
+Outcome = rules.Outcome
 UsageSink = Callable[[UsageRow], None]
 PrepareAttempt = Callable[[int, Candidate, RunSpec], Awaitable[RunSpec]]
 
@@ -363,10 +364,11 @@ class Gate:
                             ended_by = exc
                             raise
                         finally:
+                            timed_out = not attempt.committed and before_commit.cancel_called
                             if isinstance(attempt, TunnelAttempt):
-                                self._record_tunnel(request, attempt, ended_by, deadline)
+                                self._record_tunnel(request, attempt, ended_by, timed_out)
                             else:
-                                self._record(request, attempt, ended_by, deadline)
+                                self._record(request, attempt, ended_by, timed_out)
                 if before_commit.cancelled_caught:
                     raise _AttemptFailed(
                         "request_timeout",
@@ -381,21 +383,29 @@ class Gate:
                     excluded.add(attempt.result.candidate)
                 elif failure.candidate is not None:
                     excluded.add(failure.candidate)
+                step = rules.after_failure(
+                    rules.Failure(failure.code, failure.retryable),
+                    attempt=number,
+                    max_attempts=policy.max_attempts,
+                )
                 log.info(
                     "request %s attempt %d failed before commit: %s (%s)",
                     request.request_id,
                     number,
                     failure.message,
-                    "retrying" if failure.retryable else "not retryable",
+                    "retrying" if step == "retry" else "giving up",
                 )
-                if not failure.retryable:
+                if step == "give_up":
                     break
-            except NoCapableCandidate as exc:
-                if yielded or last_failure is None or not _only_exclusions(exc):
-                    raise
-                break  # every capable candidate already failed for this request
-            except AdmissionError:
-                if yielded or last_failure is None:
+            except AdmissionError as exc:
+                incapable = isinstance(exc, NoCapableCandidate)
+                decided = rules.after_admission_error(
+                    committed=yielded,
+                    failed_before=last_failure is not None,
+                    incapable=incapable,
+                    only_excluded=incapable and exc.only_excluded,
+                )
+                if decided == "raise":
                     raise
                 break  # a recovery could not be admitted: the last cause stands
             except RunError as exc:
@@ -404,7 +414,12 @@ class Gate:
                 # Admitted but never dispatched (stale generation, node gone at send).
                 last_failure = _AttemptFailed(exc.code, exc.message, retryable=exc.retryable)
                 self._count(f"attempt_failed:{exc.code}")
-                if not exc.retryable:
+                step = rules.after_failure(
+                    rules.Failure(exc.code, exc.retryable),
+                    attempt=number,
+                    max_attempts=policy.max_attempts,
+                )
+                if step == "give_up":
                     break
         assert last_failure is not None
         raise AllAttemptsFailed(
@@ -419,9 +434,15 @@ class Gate:
         request as the client's mistake), or it failed for a reason of its own. A client's
         error, a timeout of the whole request or a cancellation say nothing about it."""
         key = attempt.result.candidate
-        if failure is None or isinstance(failure, UpstreamRejected):
+        if isinstance(failure, UpstreamRejected):
+            verdict = rules.health(None, client_error=True)
+        else:
+            verdict = rules.health(
+                None if failure is None else rules.Failure(failure.code, failure.retryable)
+            )
+        if verdict == "success":
             self.pool.admission.report_success(key)
-        elif failure.retryable and failure.code not in _NOT_THE_CANDIDATES_FAULT:
+        elif verdict == "failure":
             self.pool.admission.report_failure(key)
 
     def _new_attempt(
@@ -504,7 +525,9 @@ class Gate:
                     retryable=True,
                 )
             attempt.observe(event)
-            if isinstance(event, wire.RunFailed) and _is_client_error(event):
+            if isinstance(event, wire.RunFailed) and rules.is_client_error(
+                event.status, event.retryable
+            ):
                 # The upstream refused the request itself: the client's answer, relayed as
                 # the upstream's status (committed: this attempt answered the client).
                 attempt.committed = True
@@ -557,36 +580,29 @@ class Gate:
         request: GateRequest,
         attempt: TunnelAttempt,
         ended_by: BaseException | None,
-        deadline: float,
+        timed_out: bool,
     ) -> None:
         """The tunnel attempt's usage row, exactly once, when its scope ends -- if its
-        request reached the node."""
+        request reached the node. ``timed_out``: the request deadline ended it before the
+        commit."""
         tunnel = attempt.tunnel
         if self.record_usage is None or not tunnel.sent:
             return
-        outcome: Outcome
-        status = tunnel.status
-        if attempt.delivered and not attempt.failed:
-            outcome = "completed"
-        elif attempt.client_gone or (
-            _is_cancellation(ended_by)
-            and not (not attempt.committed and trio.current_time() >= deadline)
-        ):
-            outcome = "cancelled"
-        elif not attempt.committed:
-            outcome = "aborted"
-        elif (
-            ended_by is None
-            and not attempt.failed
-            and tunnel.completed
-            and status is not None
-            and 200 <= status < 300
-        ):
-            outcome = "completed"
-        elif ended_by is None and not attempt.failed and not tunnel.finished:
-            outcome = "aborted"  # left unfinished by a consumer that stopped reading
-        else:
-            outcome = "failed"  # broke off, stalled, or the provider's error status relayed
+        cancelled = _is_cancellation(ended_by)
+        outcome = rules.tunnel_outcome(
+            rules.TunnelEnd(
+                committed=attempt.committed,
+                cancelled=cancelled,
+                timed_out=timed_out,
+                client_gone=attempt.client_gone,
+                errored=ended_by is not None and not cancelled,
+                relay_failed=attempt.failed,
+                delivered=attempt.delivered,
+                finished=tunnel.finished,
+                completed=tunnel.completed,
+                status=tunnel.status,
+            )
+        )
         request.result.outcome = outcome
         usage = tunnel.usage
         if usage is not None:
@@ -615,28 +631,24 @@ class Gate:
         request: GateRequest,
         attempt: Attempt,
         ended_by: BaseException | None,
-        deadline: float,
+        timed_out: bool,
     ) -> None:
-        """The attempt's usage row, exactly once, when its scope ends."""
+        """The attempt's usage row, exactly once, when its scope ends. ``timed_out``: the
+        request deadline ended it before the commit."""
         if self.record_usage is None:
             return
-        terminal = attempt.run.terminal
-        outcome: Outcome
-        if isinstance(terminal, wire.RunCompleted):
-            outcome = "completed"  # the run ended whole, whether or not the API relayed it all
-        elif attempt.client_gone or (
-            _is_cancellation(ended_by)
-            and not (not attempt.committed and trio.current_time() >= deadline)
-        ):
-            outcome = "cancelled"  # the client (or the edge's shutdown) ended the request
-        elif attempt.committed and (
-            terminal is not None or ended_by is not None or attempt.stalled
-        ):
-            outcome = "failed"  # failed (or stalled) after the client saw part of it
-        else:
-            # Failed before the commit (the client never saw it), or left unfinished by a
-            # consumer that stopped reading: the gate aborted it.
-            outcome = "aborted"
+        cancelled = _is_cancellation(ended_by)
+        outcome = rules.run_outcome(
+            rules.RunEnd(
+                terminal=_terminal_kind(attempt.run.terminal),
+                committed=attempt.committed,
+                cancelled=cancelled,
+                timed_out=timed_out,
+                client_gone=attempt.client_gone,
+                errored=ended_by is not None and not cancelled,
+                stalled=attempt.stalled,
+            )
+        )
         request.result.outcome = outcome
         if not attempt.run.finished and self.nursery is not None:
             # The run is about to be abandoned (cancel sent, slot draining): its row waits
@@ -727,27 +739,18 @@ class Gate:
         self.statistics[key] = self.statistics.get(key, 0) + 1
 
 
-_NOT_THE_CANDIDATES_FAULT = frozenset(
-    {"request_timeout", "tunnel_unsupported", "node_draining", "node_lost", "stale_generation"}
-)
-"""Retryable attempt failures that say nothing about the candidate's health. A lost node
-session ends every run on it at once and removes its candidates anyway: counting each of
-those runs as a failure would eject the node's next session for one event."""
-
-
-def _is_client_error(event: wire.RunFailed) -> bool:
-    """A failure that is the upstream's 4xx answer to the request itself: the client's."""
-    status = event.status
-    return status is not None and 400 <= status < 500 and status != 429 and not event.retryable
+def _terminal_kind(event: wire.RunEvent | None) -> rules.Terminal | None:
+    if isinstance(event, wire.RunCompleted):
+        return "completed"
+    if isinstance(event, wire.RunFailed):
+        return "failed"
+    if isinstance(event, wire.RunCancelled):
+        return "cancelled"
+    return None
 
 
 def _is_cancellation(exc: BaseException | None) -> bool:
     return holds(exc, trio.Cancelled)
-
-
-def _only_exclusions(exc: NoCapableCandidate) -> bool:
-    reasons = exc.reasons
-    return bool(reasons) and all("already failed for this request" in r for r in reasons)
 
 
 def _estimate_prompt(body: dict[str, Any]) -> int:

@@ -157,6 +157,10 @@ class Needs:
             return "long"
         return "short"
 
+    def excludes(self, candidate: Candidate) -> bool:
+        """The request excluded ``candidate`` (it already failed for this request)."""
+        return bool(self._excluded) and candidate.identity in self._excluded
+
     def unfit(self, candidate: Candidate, request_class: RequestClass = "short") -> str | None:
         """Why ``candidate`` cannot serve this request (``"node/provider: ..."``), or None."""
         if self._excluded and candidate.identity in self._excluded:

@@ -115,6 +115,9 @@ class Reject:
     message: str
     retry_after: float | None = None
     reasons: tuple[str, ...] = ()
+    only_excluded: bool = False
+    """``no_capable_candidate`` only: every candidate was refused because the request
+    excluded it (each already failed for this request), none for what the request needs."""
 
 
 Decision: TypeAlias = Admit | Reject
@@ -450,7 +453,7 @@ class AdmissionCore:
                 else:
                     reasons.append(reason)
             if not fit:
-                self._reject_incapable(decisions, waiter_id, name, reasons)
+                self._reject_incapable(decisions, waiter_id, name, reasons, waiter, group)
                 return decisions
             if not self._unhealthy:
                 chosen = self._pick(waiter, (s for s in fit if s.free(klass)))
@@ -855,6 +858,7 @@ class AdmissionCore:
         *,
         retry_after: float | None = None,
         reasons: tuple[str, ...] = (),
+        only_excluded: bool = False,
     ) -> None:
         self._rejections[cause] += 1
         decisions.append(
@@ -864,18 +868,27 @@ class AdmissionCore:
                 message=message,
                 retry_after=retry_after,
                 reasons=reasons,
+                only_excluded=only_excluded,
             )
         )
 
     def _reject_incapable(
-        self, decisions: list[Decision], waiter_id: WaiterId, group: str, reasons: list[str]
+        self,
+        decisions: list[Decision],
+        waiter_id: WaiterId,
+        name: str,
+        reasons: list[str],
+        waiter: _Waiter,
+        group: _Group,
     ) -> None:
+        needs = waiter.needs
         self._reject(
             decisions,
             waiter_id,
             "no_capable_candidate",
-            f"no candidate for model {group!r} can serve this request: " + "; ".join(reasons),
+            f"no candidate for model {name!r} can serve this request: " + "; ".join(reasons),
             reasons=tuple(reasons),
+            only_excluded=all(needs.excludes(s.candidate) for s in group.candidates.values()),
         )
 
     def _enqueue(self, waiter: _Waiter) -> None:
@@ -1043,7 +1056,7 @@ class AdmissionCore:
                     reasons.append(reason)
             if not fit:
                 self._end(waiter)
-                self._reject_incapable(decisions, waiter.id, group.name, reasons)
+                self._reject_incapable(decisions, waiter.id, group.name, reasons, waiter, group)
             elif not healthy and not waiter.fallback:
                 self._flag(waiter, True)
                 flagged = True

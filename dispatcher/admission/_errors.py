@@ -30,11 +30,15 @@ class AdmissionError(Exception):
         *,
         retry_after: float | None = None,
         reasons: tuple[str, ...] = (),
+        only_excluded: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
         self.reasons = reasons
+        self.only_excluded = only_excluded
+        """``NoCapableCandidate`` only: every candidate was excluded by the request itself
+        (each already failed for it), none refused for what the request needs."""
 
 
 class UnknownModel(AdmissionError):
@@ -71,5 +75,8 @@ _BY_CAUSE: dict[str, type[AdmissionError]] = {
 def error_for(reject: Reject) -> AdmissionError:
     """The exception a rejection means."""
     return _BY_CAUSE[reject.cause](
-        reject.message, retry_after=reject.retry_after, reasons=reject.reasons
+        reject.message,
+        retry_after=reject.retry_after,
+        reasons=reject.reasons,
+        only_excluded=reject.only_excluded,
     )

@@ -1,0 +1,157 @@
+"""The stream gate's decisions, as pure functions over typed inputs (no event loop, no clock).
+
+The gate (:mod:`dispatcher.gate`) carries out what these return: whether a failed attempt is
+retried, what an admission error means once an attempt has failed, what an attempt's usage row
+says, and what admission is told about the candidate. Hypothesis drives them directly
+(``tests/edge/test_gate_rules.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import attrs
+
+Outcome = Literal["completed", "failed", "aborted", "cancelled"]
+Step = Literal["retry", "give_up"]
+AdmissionStep = Literal["raise", "give_up"]
+Health = Literal["success", "failure", "none"]
+Terminal = Literal["completed", "failed", "cancelled"]
+"""The run's terminal event as the edge received it (consumed or not)."""
+
+NOT_THE_CANDIDATES_FAULT: Final = frozenset(
+    {"request_timeout", "tunnel_unsupported", "node_draining", "node_lost", "stale_generation"}
+)
+"""Retryable attempt failures that say nothing about the candidate's health. A lost node
+session ends every run on it at once and removes its candidates anyway: counting each of
+those runs as a failure would eject the node's next session for one event."""
+
+
+@attrs.frozen
+class Failure:
+    """An attempt that failed before its commit point."""
+
+    code: str
+    retryable: bool
+
+
+def after_failure(failure: Failure, *, attempt: int, max_attempts: int) -> Step:
+    """Try another candidate, or give up (the client gets a 502 naming this failure)."""
+    if failure.retryable and attempt < max_attempts:
+        return "retry"
+    return "give_up"
+
+
+def after_admission_error(
+    *, committed: bool, failed_before: bool, incapable: bool, only_excluded: bool
+) -> AdmissionStep:
+    """An admission refused the request. The first admission's refusal (or any refusal once
+    an answer was committed) is the client's answer; a recovery's refusal gives up with the
+    last failure -- except a "no capable candidate" for a reason other than exclusions (the
+    request itself cannot be served: the same 400 as a first admission)."""
+    if committed or not failed_before:
+        return "raise"
+    if incapable and not only_excluded:
+        return "raise"
+    return "give_up"
+
+
+def health(failure: Failure | None, *, client_error: bool = False) -> Health:
+    """What admission hears of the candidate: ``success`` when the attempt committed or the
+    upstream refused the request as the client's mistake (the candidate works), ``failure``
+    for a retryable failure of its own, nothing otherwise."""
+    if failure is None or client_error:
+        return "success"
+    if failure.retryable and failure.code not in NOT_THE_CANDIDATES_FAULT:
+        return "failure"
+    return "none"
+
+
+def is_client_error(status: int | None, retryable: bool) -> bool:
+    """An upstream's answer that is the client's mistake (a 4xx other than 429, final)."""
+    return status is not None and 400 <= status < 500 and status != 429 and not retryable
+
+
+@attrs.frozen(kw_only=True)
+class RunEnd:
+    """How a normalized attempt's scope ended, as its usage row sees it."""
+
+    terminal: Terminal | None
+    """The run's terminal event, if it arrived before the scope ended."""
+    committed: bool
+    cancelled: bool
+    """The scope ended by a cancellation (the client left, or the edge shut down)."""
+    timed_out: bool
+    """... and that cancellation was the request deadline before the commit."""
+    client_gone: bool
+    """The API found the client gone by a broken connection."""
+    errored: bool
+    """The scope ended by an exception other than a cancellation."""
+    stalled: bool
+
+
+def run_outcome(end: RunEnd) -> Outcome:
+    """The row outcome of a normalized attempt: what its client saw when the request ended."""
+    if end.terminal == "completed":
+        return "completed"  # the run ended whole, whether or not the API relayed it all
+    if end.client_gone or (end.cancelled and not end.timed_out):
+        return "cancelled"
+    if end.committed and (end.terminal is not None or end.errored or end.cancelled or end.stalled):
+        return "failed"  # failed (or stalled) after the client saw part of it
+    return "aborted"  # failed before the commit, or left unfinished by its consumer
+
+
+@attrs.frozen(kw_only=True)
+class TunnelEnd:
+    """How a tunnel attempt's scope ended, as its usage row sees it."""
+
+    committed: bool
+    cancelled: bool
+    timed_out: bool
+    client_gone: bool
+    errored: bool
+    relay_failed: bool
+    """The relay ended the answer with an error after the commit."""
+    delivered: bool
+    """The client was sent the stream's ``data: [DONE]``."""
+    finished: bool
+    """The tunnel's end arrived (from the node, or synthesized)."""
+    completed: bool
+    """... without an error."""
+    status: int | None
+
+
+def tunnel_outcome(end: TunnelEnd) -> Outcome:
+    """The row outcome of a tunnel attempt."""
+    if end.delivered and not end.relay_failed:
+        return "completed"
+    if end.client_gone or (end.cancelled and not end.timed_out):
+        return "cancelled"
+    if not end.committed:
+        return "aborted"
+    ok = end.status is not None and 200 <= end.status < 300
+    quiet = not end.errored and not end.cancelled and not end.relay_failed
+    if quiet and end.completed and ok:
+        return "completed"
+    if quiet and not end.finished:
+        return "aborted"  # left unfinished by a consumer that stopped reading
+    return "failed"  # broke off, stalled, or the provider's error status relayed
+
+
+__all__ = [
+    "NOT_THE_CANDIDATES_FAULT",
+    "AdmissionStep",
+    "Failure",
+    "Health",
+    "Outcome",
+    "RunEnd",
+    "Step",
+    "Terminal",
+    "TunnelEnd",
+    "after_admission_error",
+    "after_failure",
+    "health",
+    "is_client_error",
+    "run_outcome",
+    "tunnel_outcome",
+]

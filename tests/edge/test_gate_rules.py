@@ -1,0 +1,162 @@
+"""The gate's decisions as pure functions, driven by Hypothesis with no event loop:
+failure kind x committed x attempts x deadline -> retry / error / row outcome / health."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dispatcher import gate_rules as rules
+
+CODES = st.sampled_from(
+    [
+        "upstream_5xx",
+        "upstream_rate_limited",
+        "first_token_timeout",
+        "node_lost",
+        "stale_generation",
+        "node_draining",
+        "request_timeout",
+        "tunnel_unsupported",
+        "cancelled_by_node",
+        "internal",
+    ]
+)
+FAILURES = st.builds(rules.Failure, CODES, st.booleans())
+TERMINALS = st.sampled_from([None, "completed", "failed", "cancelled"])
+
+
+@given(
+    failures=st.lists(FAILURES, min_size=1, max_size=8),
+    max_attempts=st.integers(min_value=1, max_value=6),
+)
+def test_a_request_makes_at_most_max_attempts_and_stops_at_a_final_failure(
+    failures: list[rules.Failure], max_attempts: int
+) -> None:
+    """Replay the gate's loop over a run of failing attempts."""
+    made = 0
+    for number, failure in enumerate(failures, start=1):
+        made = number
+        if rules.after_failure(failure, attempt=number, max_attempts=max_attempts) == "give_up":
+            break
+    assert made <= max_attempts
+    stopped_at = failures[made - 1]
+    if made < len(failures) and made < max_attempts:
+        assert not stopped_at.retryable  # it stopped early only for a final failure
+    for earlier in failures[: made - 1]:
+        assert earlier.retryable  # every failure before the last was retried
+
+
+@given(failure=FAILURES, attempt=st.integers(1, 10), max_attempts=st.integers(1, 10))
+def test_after_failure(failure: rules.Failure, attempt: int, max_attempts: int) -> None:
+    step = rules.after_failure(failure, attempt=attempt, max_attempts=max_attempts)
+    assert (step == "retry") == (failure.retryable and attempt < max_attempts)
+
+
+@given(
+    committed=st.booleans(),
+    failed_before=st.booleans(),
+    incapable=st.booleans(),
+    only_excluded=st.booleans(),
+)
+def test_after_admission_error(
+    committed: bool, failed_before: bool, incapable: bool, only_excluded: bool
+) -> None:
+    step = rules.after_admission_error(
+        committed=committed,
+        failed_before=failed_before,
+        incapable=incapable,
+        only_excluded=only_excluded,
+    )
+    if committed or not failed_before:
+        assert step == "raise"  # the first admission's answer, or the caller's own
+    elif incapable and not only_excluded:
+        assert step == "raise"  # the request itself cannot be served: its 400
+    else:
+        assert step == "give_up"  # the last failure stands: a 502
+
+
+@given(failure=st.none() | FAILURES, client_error=st.booleans())
+def test_health_never_blames_a_candidate_for_the_client_or_the_request(
+    failure: rules.Failure | None, client_error: bool
+) -> None:
+    verdict = rules.health(failure, client_error=client_error)
+    if failure is None or client_error:
+        assert verdict == "success"
+    elif not failure.retryable or failure.code in rules.NOT_THE_CANDIDATES_FAULT:
+        assert verdict == "none"
+    else:
+        assert verdict == "failure"
+
+
+@given(status=st.none() | st.integers(100, 599), retryable=st.booleans())
+def test_is_client_error(status: int | None, retryable: bool) -> None:
+    expected = status is not None and 400 <= status < 500 and status != 429 and not retryable
+    assert rules.is_client_error(status, retryable) is expected
+
+
+RUN_ENDS = st.builds(
+    rules.RunEnd,
+    terminal=TERMINALS,
+    committed=st.booleans(),
+    cancelled=st.booleans(),
+    timed_out=st.booleans(),
+    client_gone=st.booleans(),
+    errored=st.booleans(),
+    stalled=st.booleans(),
+)
+
+
+@given(end=RUN_ENDS)
+def test_a_run_rows_outcome_is_what_its_client_saw(end: rules.RunEnd) -> None:
+    outcome = rules.run_outcome(end)
+    left = end.client_gone or (end.cancelled and not end.timed_out)
+    if end.terminal == "completed":
+        assert outcome == "completed"  # the node's whole answer arrived
+    elif left:
+        assert outcome == "cancelled"
+    else:
+        assert outcome in ("failed", "aborted")
+        # "failed" only for an answer the client saw part of; else the gate aborted it
+        assert (outcome == "failed") == (
+            end.committed
+            and (end.terminal is not None or end.errored or end.cancelled or end.stalled)
+        )
+    if outcome == "failed":
+        assert end.committed
+
+
+TUNNEL_ENDS = st.builds(
+    rules.TunnelEnd,
+    committed=st.booleans(),
+    cancelled=st.booleans(),
+    timed_out=st.booleans(),
+    client_gone=st.booleans(),
+    errored=st.booleans(),
+    relay_failed=st.booleans(),
+    delivered=st.booleans(),
+    finished=st.booleans(),
+    completed=st.booleans(),
+    status=st.none() | st.sampled_from([200, 204, 400, 404, 429, 500, 503]),
+)
+
+
+@given(end=TUNNEL_ENDS)
+def test_a_tunnel_rows_outcome_is_what_its_client_saw(end: rules.TunnelEnd) -> None:
+    outcome = rules.tunnel_outcome(end)
+    left = end.client_gone or (end.cancelled and not end.timed_out)
+    if end.delivered and not end.relay_failed:
+        assert outcome == "completed"  # the client has the whole answer, [DONE] included
+    elif left:
+        assert outcome == "cancelled"
+    elif not end.committed:
+        assert outcome == "aborted"
+    if outcome == "completed" and not end.delivered:
+        assert end.completed
+        assert end.status is not None
+        assert 200 <= end.status < 300
+        assert not end.errored
+        assert not end.cancelled
+        assert not end.relay_failed
+    if outcome == "failed":
+        assert end.committed
