@@ -158,6 +158,21 @@ def _transfer_coding_status(lines: list[bytes] | None) -> int:
     return 400
 
 
+def _origin_form(target: str) -> str:
+    """``target`` as a path and query: an absolute-form target (``http://host/p?q``, which a
+    server must accept, RFC 9112 section 3.2.2) loses its scheme and authority."""
+    if target.startswith("/"):
+        return target
+    scheme, sep, rest = target.partition("://")
+    if not sep or not scheme.isalpha():
+        return target  # "*" (asterisk-form), or something no route has
+    slash = rest.find("/")
+    query = rest.find("?")
+    if slash == -1 or (query != -1 and query < slash):
+        return "/" + rest[query:] if query != -1 else "/"
+    return rest[slash:]
+
+
 def _message(status: int, detail: str | None) -> str:
     phrase = _reason(status).decode("ascii")
     message = f"{phrase}: {detail}" if detail else phrase
@@ -756,11 +771,11 @@ class _Request:
 
     @property
     def path(self) -> str:
-        return self.target.partition("?")[0]
+        return _origin_form(self.target).partition("?")[0]
 
     @property
     def query(self) -> str:
-        return self.target.partition("?")[2]
+        return _origin_form(self.target).partition("?")[2]
 
     @property
     def is_websocket_upgrade(self) -> bool:
