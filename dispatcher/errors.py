@@ -1,23 +1,29 @@
-"""The edge's error tree. Each error carries the HTTP status and OpenAI error fields it maps to;
-:func:`openai_error_body` is the one place they become a response body.
+"""The edge's error tree: one root, each class carrying the HTTP status and OpenAI error fields
+it maps to; :func:`error_status_and_body` is the one place they become a response body (by
+``isinstance``, nothing duck-typed). Front ends render the same tree in their own shape.
 
 ::
 
-    DispatcherError
+    DispatcherError                    .status .error_type .code .param .retry_after
     ├── BadRequest            400 invalid_request_error
     ├── PayloadTooLarge       413 invalid_request_error
     ├── Unauthorized          401 authentication_error
-    ├── ModelNotFound         404 invalid_request_error / model_not_found
+    ├── NotFound              404 invalid_request_error
     ├── UpstreamRejected      4xx the upstream's own status: the client's mistake, not retried
     ├── ShuttingDown          503 the edge is draining: nothing new is admitted
-    └── RunError              a dispatched run could not produce an answer
+    ├── AdmissionError        the request got no slot (dispatcher.admission)
+    │   ├── UnknownModel          404 model_not_found
+    │   ├── NoCapableCandidate    400 no_capable_candidate (.reasons, .only_excluded)
+    │   ├── QueueFull             429 queue_full (.retry_after)
+    │   └── QueueTimeout          503 queue_timeout (.retry_after)
+    └── RunError              a dispatched attempt could not produce an answer (502)
         ├── StaleGeneration   503 the node reconnected between selection and send
-        ├── NodeUnavailable   502 the node connection broke before the run request went out
-        └── RunFailedError    502 the node reported run.failed before anything was streamed
+        ├── NodeUnavailable   502 the node connection broke before the request went out
+        ├── TunnelFailed      502 a tunnel ended with an error (.retryable)
+        └── AllAttemptsFailed 502 every attempt failed before anything was streamed
 
-``admission.AdmissionError`` (unknown model 404, no capable candidate 400, queue full 429,
-queue timeout 503) is the admission layer's own tree with the same ``status`` / ``code`` /
-``retry_after`` fields, mapped by the same function.
+``AdmissionError`` and its subclasses live in ``dispatcher.admission`` (beside the core that
+decides them); the rest here.
 """
 
 from __future__ import annotations
@@ -74,10 +80,6 @@ class NotFound(DispatcherError):
     default_code = "not_found"
 
 
-class ModelNotFound(NotFound):
-    default_code = "model_not_found"
-
-
 class UpstreamRejected(DispatcherError):
     """The upstream refused the request as the client's mistake (a 4xx such as a bad
     parameter or a context-length overflow): relayed with the upstream's status and its own
@@ -111,10 +113,20 @@ class NodeUnavailable(RunError):
     default_code = "node_unavailable"
 
 
-class RunFailedError(RunError):
-    def __init__(self, message: str, *, code: str, retryable: bool) -> None:
+class TunnelFailed(RunError):
+    """The tunnel ended with an error: the node's (unreachable provider, broken body, ...) or
+    a synthesized one (the node was lost). ``retryable`` says whether another candidate may
+    succeed."""
+
+    default_code = "tunnel_failed"
+
+    def __init__(self, message: str, *, code: str = "tunnel_failed", retryable: bool) -> None:
         super().__init__(message, code=code)
         self.retryable = retryable
+
+
+class AllAttemptsFailed(RunError):
+    """Every attempt failed before anything was streamed (502, with the last cause)."""
 
 
 def openai_error_object(
@@ -125,21 +137,17 @@ def openai_error_object(
 
 def error_status_and_body(exc: BaseException) -> tuple[int, bytes, float | None]:
     """Status, OpenAI error body and Retry-After for any error that reaches the API."""
-    status = getattr(exc, "status", None)
-    if isinstance(status, int) and 400 <= status <= 599:
-        message = getattr(exc, "message", None) or str(exc)
-        error_type = getattr(exc, "error_type", None) or (
-            "invalid_request_error" if status < 500 else "server_error"
-        )
-        code = getattr(exc, "code", None)
-        retry_after = getattr(exc, "retry_after", None)
+    if isinstance(exc, DispatcherError) and 400 <= exc.status <= 599:
+        error_type = exc.error_type
+        if exc.status < 500 and error_type == "server_error":
+            error_type = "invalid_request_error"  # a status given at the raise site
         body = openai_error_object(
-            message,
+            exc.message,
             error_type=error_type,
-            code=code if isinstance(code, str) else None,
-            param=getattr(exc, "param", None),
+            code=exc.code,
+            param=exc.param,
         )
-        return status, orjson.dumps(body), retry_after
+        return exc.status, orjson.dumps(body), exc.retry_after
     body = openai_error_object(
         "internal error in the dispatcher", error_type="server_error", code="internal_error"
     )

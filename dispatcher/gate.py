@@ -48,11 +48,11 @@ import trio
 from . import gate_rules as rules
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
-from .errors import NodeUnavailable, RunError, UpstreamRejected
+from .errors import AllAttemptsFailed, NodeUnavailable, RunError, TunnelFailed, UpstreamRejected
 from .excgroups import holds
 from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
 from .runs import Run, RunSpec
-from .tunnel import Tunnel, TunnelFailed
+from .tunnel import Tunnel
 from .usage import UsageRow
 
 log = logging.getLogger("dispatcher.gate")
@@ -136,10 +136,6 @@ class GateRequest:
     candidates fail (and are excluded) without a request sent."""
     result: RequestResult = attrs.field(factory=RequestResult, eq=False)
     """Filled in by the gate (see :class:`RequestResult`)."""
-
-
-class AllAttemptsFailed(RunError):
-    """Every attempt failed before anything was streamed (502, with the last cause)."""
 
 
 class AttemptFailed(Exception):

@@ -46,7 +46,7 @@ import trio
 
 from . import wire
 from .admission import Admission, Candidate, Slot
-from .errors import NodeUnavailable, RunError, StaleGeneration
+from .errors import NodeUnavailable, StaleGeneration, TunnelFailed
 from .registry import NodeGone, NodeSession, Registry, SessionProtocolError
 
 log = logging.getLogger("dispatcher.tunnel")
@@ -66,18 +66,6 @@ EndReason = Literal[
 UsageSink = Callable[["Tunnel", int, int, bool], None]
 """``(tunnel, prompt_tokens, completion_tokens, reported)``: where tunnel usage goes (the usage
 ledger); ``reported`` is False when the tokens are the edge's estimate."""
-
-
-class TunnelFailed(RunError):
-    """The tunnel ended with an error: the node's (unreachable provider, broken body, ...) or
-    a synthesized one (the node was lost). ``retryable`` says whether another candidate may
-    succeed."""
-
-    default_code = "tunnel_failed"
-
-    def __init__(self, message: str, *, code: str = "tunnel_failed", retryable: bool) -> None:
-        super().__init__(message, code=code)
-        self.retryable = retryable
 
 
 @attrs.define(eq=False)

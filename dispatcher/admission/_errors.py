@@ -2,6 +2,7 @@
 
 ::
 
+    DispatcherError (dispatcher.errors)
     AdmissionError          .status .code .retry_after
      +-- UnknownModel         404  model_not_found
      +-- NoCapableCandidate   400  no_capable_candidate   (.reasons: one per candidate)
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..errors import DispatcherError
 from ._core import Reject
 
 
-class AdmissionError(Exception):
+class AdmissionError(DispatcherError):
     """The request got no slot. ``str()`` is a message fit for the client."""
 
     status: ClassVar[int] = 503
-    code: ClassVar[str] = "admission_error"
+    error_type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str] = "admission_error"
 
     def __init__(
         self,
@@ -32,9 +35,7 @@ class AdmissionError(Exception):
         reasons: tuple[str, ...] = (),
         only_excluded: bool = False,
     ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retry_after = retry_after
+        super().__init__(message, retry_after=retry_after)
         self.reasons = reasons
         self.only_excluded = only_excluded
         """``NoCapableCandidate`` only: every candidate was excluded by the request itself
@@ -43,7 +44,8 @@ class AdmissionError(Exception):
 
 class UnknownModel(AdmissionError):
     status = 404
-    code = "model_not_found"
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
 
 
 class NoCapableCandidate(AdmissionError):
@@ -51,17 +53,20 @@ class NoCapableCandidate(AdmissionError):
     Raised before any slot or queue position was taken."""
 
     status = 400
-    code = "no_capable_candidate"
+    error_type = "invalid_request_error"
+    default_code = "no_capable_candidate"
 
 
 class QueueFull(AdmissionError):
     status = 429
-    code = "queue_full"
+    error_type = "invalid_request_error"
+    default_code = "queue_full"
 
 
 class QueueTimeout(AdmissionError):
     status = 503
-    code = "queue_timeout"
+    error_type = "server_error"
+    default_code = "queue_timeout"
 
 
 _BY_CAUSE: dict[str, type[AdmissionError]] = {

@@ -45,10 +45,11 @@ import trio
 
 from .. import wire
 from ..admission import Candidate
+from ..errors import TunnelFailed
 from ..gate import AttemptFailed, PreCommit, TunnelAnswer, TunnelCall
 from ..http import PeerGone, Request, Responder
 from ..pool import DispatchResult
-from ..tunnel import Tunnel, TunnelFailed
+from ..tunnel import Tunnel
 from . import schema
 from .common import CutResponse, counted_request, dispatch_headers, gate_request
 
