@@ -68,6 +68,8 @@ CLOSE_NORMAL: Final = 1000
 CLOSE_GOING_AWAY: Final = 1001
 CLOSE_PROTOCOL_ERROR: Final = 1002
 CLOSE_INTERNAL_ERROR: Final = 1011
+CLOSE_ID_IN_USE: Final = 4004
+"""Before welcome: a live session holds this node id under another credential (transient)."""
 
 PERMANENT_CLOSE_CODES: Final = frozenset({1002, 1003, 1007, 4001})
 """Close codes that, received *before* ``welcome``, mean the edge refuses this node for good:
@@ -235,6 +237,13 @@ async def _handshake(conn: Connection, sender: _Sender, config: NodeConfig) -> w
     except ConnectionClosed as exc:
         if exc.code in PERMANENT_CLOSE_CODES:
             raise NodeRejected(f"{exc.reason} (close code {exc.code})") from None
+        if exc.code == CLOSE_ID_IN_USE:
+            log.warning(
+                "the edge refused node id %s: %s; another node with another token holds it "
+                "(retrying with backoff)",
+                config.node_id,
+                exc.reason,
+            )
         raise
     if scope.cancelled_caught:
         raise _EndSession(
