@@ -9,7 +9,7 @@ import attrs
 
 from .admission import Candidate, Policy, PolicySnapshot
 from .config import EdgeConfig, QueuePolicySettings
-from .gate import GatePolicy
+from .gate_rules import GatePolicy
 from .registry import NodeSession
 
 

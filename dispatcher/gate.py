@@ -58,20 +58,13 @@ from .usage import UsageRow
 log = logging.getLogger("dispatcher.gate")
 
 Outcome = rules.Outcome
+GatePolicy = rules.GatePolicy
 UsageSink = Callable[[UsageRow], None]
 PrepareAttempt = Callable[[int, Candidate, RunSpec], Awaitable[RunSpec]]
 
 
 SETTLE_TIMEOUT = 10.0
 """How long an abandoned run's usage row waits for the node's cancel confirmation."""
-
-
-@attrs.frozen(kw_only=True)
-class GatePolicy:
-    max_attempts: int = 3
-    request_timeout_s: float = 120.0
-    first_token_timeout_s: float = 60.0
-    stall_timeout_s: float = 60.0
 
 
 @attrs.define(eq=False)

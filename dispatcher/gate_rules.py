@@ -27,6 +27,16 @@ session ends every run on it at once and removes its candidates anyway: counting
 those runs as a failure would eject the node's next session for one event."""
 
 
+@attrs.frozen(kw_only=True)
+class GatePolicy:
+    """A model group's gate settings (``[admission]`` / ``[models.NAME]`` in the config)."""
+
+    max_attempts: int = 3
+    request_timeout_s: float = 120.0
+    first_token_timeout_s: float = 60.0
+    stall_timeout_s: float = 60.0
+
+
 @attrs.frozen
 class Failure:
     """An attempt that failed before its commit point."""
@@ -142,6 +152,7 @@ __all__ = [
     "NOT_THE_CANDIDATES_FAULT",
     "AdmissionStep",
     "Failure",
+    "GatePolicy",
     "Health",
     "Outcome",
     "RunEnd",
