@@ -659,6 +659,16 @@ class Gate:
 
     def _write(self, request: GateRequest, attempt: Attempt, outcome: Outcome) -> None:
         usage = attempt.run.usage
+        if usage is not None and (usage.prompt_tokens < 0 or usage.completion_tokens < 0):
+            log.warning(
+                "request %s attempt %d: node %s reported negative usage (%d, %d); estimating",
+                request.request_id,
+                attempt.number,
+                attempt.result.node_id,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+            )
+            usage = None
         if usage is not None:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
             source = "estimated" if usage.estimated else "reported"
@@ -698,7 +708,38 @@ class Gate:
         started_at: float,
     ) -> None:
         assert self.record_usage is not None
-        row = UsageRow(
+        try:
+            row = self._row(
+                request,
+                number,
+                result,
+                prompt=prompt,
+                completion=completion,
+                source=source,
+                outcome=outcome,
+                committed=committed,
+                ttft=ttft,
+                started_at=started_at,
+            )
+            self.record_usage(row)
+        except Exception:  # the ledger must never break a request's exit path
+            log.exception("could not record usage for %s attempt %d", request.request_id, number)
+
+    def _row(
+        self,
+        request: GateRequest,
+        number: int,
+        result: DispatchResult,
+        *,
+        prompt: int,
+        completion: int,
+        source: str,
+        outcome: Outcome,
+        committed: bool,
+        ttft: float | None,
+        started_at: float,
+    ) -> UsageRow:
+        return UsageRow(
             request_id=request.request_id,
             attempt=number,
             model_group=result.model_group,
@@ -719,10 +760,6 @@ class Gate:
             client_request_id=request.client_request_id,
             route=request.dispatch.route,
         )
-        try:
-            self.record_usage(row)
-        except Exception:  # the ledger must never break a request's exit path
-            log.exception("could not record usage for %s attempt %d", row.request_id, row.attempt)
 
     def _count(self, key: str) -> None:
         self.statistics[key] = self.statistics.get(key, 0) + 1

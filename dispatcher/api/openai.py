@@ -59,8 +59,9 @@ def parse_chat_request(raw: bytes, *, max_size: int | None = None) -> ChatReques
 
 
 def _usage_object(usage: wire.Usage | None) -> dict[str, int]:
-    prompt = usage.prompt_tokens if usage else 0
-    completion = usage.completion_tokens if usage else 0
+    # A node's counts are not trusted to be sane: never relay a negative count.
+    prompt = max(0, usage.prompt_tokens) if usage else 0
+    completion = max(0, usage.completion_tokens) if usage else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

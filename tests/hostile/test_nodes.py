@@ -365,11 +365,6 @@ async def test_a_node_that_dies_mid_stream(edge: Edge) -> None:
         await edge.wait_until(lambda: "hostile" not in edge.dispatcher.registry.sessions)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a node's negative run.usage is relayed to the client, then UsageRow refuses it "
-    "inside the gate's exit (no ledger row, an ERROR log): wire.Usage / gate.py, not #10's files",
-)
 async def test_a_node_that_reports_negative_usage(edge: Edge) -> None:
     async def misbehave(ws: RawWebSocket, run: wire.RunRequest) -> None:
         rid = run.run_id
