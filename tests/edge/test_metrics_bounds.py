@@ -182,6 +182,8 @@ async def test_candidate_health_is_exported(autojump_clock: trio.testing.MockClo
         assert value(text, "dispatcher_ejections_total") == 1
 
         await trio.sleep(5)  # the first cool-down: probing
+        # The admission driver wakes at the same instant; let it carry out the cool-down's end.
+        await trio.testing.wait_all_tasks_blocked()
         text = render()
         assert value(text, "dispatcher_candidate_health", **labels, state="probing") == 1
         dispatcher.admission.report_success(key)
