@@ -7,7 +7,7 @@ See ``docs/node.md``. Public API::
 
 from __future__ import annotations
 
-from nodes.agent import NodeRejected, dial_edge, run_node, serve_node, serve_node_session
+from nodes.agent import run_node, serve_node, serve_node_session
 from nodes.config import (
     ModelConfig,
     NodeConfig,
@@ -17,6 +17,7 @@ from nodes.config import (
     hello_from_config,
     load_node_config,
 )
+from nodes.dial import NodeRejected, dial_edge
 from nodes.runner import Runner, RunnerStatistics, open_runner
 
 __all__ = [

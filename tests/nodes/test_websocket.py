@@ -15,8 +15,9 @@ import trio_websocket
 
 from dispatcher import wire
 from dispatcher.transport import ConnectionClosed
-from nodes.agent import NodeRejected, dial_edge, serve_node
+from nodes.agent import serve_node
 from nodes.config import NodeConfig, default_node_config
+from nodes.dial import NodeRejected, dial_edge
 
 Handler = Callable[[trio_websocket.WebSocketRequest], Awaitable[None]]
 

@@ -1,0 +1,250 @@
+"""Dialling the edge: the websocket a node's session runs over.
+
+:func:`dial_edge` is the default dial of :func:`nodes.agent.serve_node`: a TCP (or TLS) stream
+this module owns, trio-websocket over it, and a :class:`WebSocketClientConnection` that turns
+every websocket, stream and socket failure into ``transport.ConnectionClosed``. A refused
+upgrade is ``ConnectionClosed`` too, except 401 and 403, which are :class:`NodeRejected` (the
+edge does not let this node in; retrying cannot help).
+
+Every close here is bounded: :data:`CLOSE_TIMEOUT` for a closing handshake, and
+:func:`close_budget` when the closer is being cancelled.
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
+from typing import Final
+
+import attrs
+import trio
+import trio_websocket
+
+from dispatcher import wire
+from dispatcher.excgroups import first_leaf, leaves
+from dispatcher.transport import Connection, ConnectionClosed, Frame
+from nodes.config import NodeConfig, check_edge_url
+
+Dial = Callable[[], AbstractAsyncContextManager[Connection]]
+"""Opens one connection to the edge (an async context manager that closes it)."""
+
+REJECTED_HTTP_STATUSES: Final = frozenset({401, 403})
+"""HTTP statuses of a refused websocket upgrade that mean the node is not allowed in."""
+
+CLOSE_TIMEOUT: Final = 5.0
+"""Bound on closing a connection (our close frame, the peer's answer)."""
+CANCELLED_CLOSE_TIMEOUT: Final = 0.1
+"""Bound on closing when cancelled: enough to write our close frame, no wait for the answer."""
+CONNECT_TIMEOUT: Final = 10.0
+WEBSOCKET_QUEUE_SIZE: Final = 16
+"""Edge-to-node messages trio-websocket buffers before it stops reading the socket."""
+
+
+class NodeRejected(Exception):
+    """The edge refused this node for good (bad token, protocol version mismatch). Do not
+    retry: fix the configuration. ``str()`` is the edge's reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def close_budget() -> float:
+    """How long a close may wait for the peer's answer. When we are being cancelled (the node
+    is shutting down) the websocket's reader task is cancelled too, so the answer could never
+    be read: send the close frame, then drop the connection at once."""
+    if trio.current_effective_deadline() == -math.inf:
+        return CANCELLED_CLOSE_TIMEOUT
+    return CLOSE_TIMEOUT
+
+
+class WebSocketClientConnection:
+    """A :class:`~dispatcher.transport.Connection` over a trio-websocket client connection:
+    trio-websocket's ``ConnectionClosed``, ``HandshakeError`` and ``OSError`` become
+    ``transport.ConnectionClosed`` (with the close code and reason when there is one)."""
+
+    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
+        self._ws = ws
+
+    async def send(self, frame: Frame) -> None:
+        try:
+            await self._ws.send_message(frame)
+        except _WEBSOCKET_ERRORS as exc:
+            raise _closed(exc) from None
+
+    async def receive(self) -> Frame:
+        try:
+            message: Frame = await self._ws.get_message()
+            return message
+        except _WEBSOCKET_ERRORS as exc:
+            raise _closed(exc) from None
+
+    async def aclose(self, code: int = 1000, reason: str = "") -> None:
+        try:
+            with trio.move_on_after(CLOSE_TIMEOUT):
+                await self._ws.aclose(code, reason or None)
+        except _WEBSOCKET_ERRORS:
+            pass
+
+
+_WEBSOCKET_ERRORS: Final = (
+    trio_websocket.ConnectionClosed,
+    trio_websocket.HandshakeError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    OSError,
+)
+
+
+def _closed(exc: BaseException) -> ConnectionClosed:
+    close = getattr(exc, "reason", None)
+    if isinstance(exc, trio_websocket.ConnectionClosed) and close is not None:
+        return ConnectionClosed(close.reason or close.name, close.code)
+    return ConnectionClosed(str(exc) or type(exc).__name__)
+
+
+@attrs.frozen
+class _EdgeAddress:
+    host: str
+    port: int
+    resource: str
+    tls: bool
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.tls else 80
+        return self.host if self.port == default else f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, url: str) -> _EdgeAddress:
+        """Raises ``ValueError`` (the reason and the likely fix) for a URL that is not an
+        edge's node endpoint (:func:`nodes.config.check_edge_url`)."""
+        reason = check_edge_url(url)
+        if reason is not None:
+            raise ValueError(f"edge_url: {reason}")
+        parts = urllib.parse.urlsplit(url)
+        assert parts.hostname is not None  # checked by check_edge_url
+        tls = parts.scheme.lower() == "wss"
+        resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return cls(parts.hostname, parts.port or (443 if tls else 80), resource, tls)
+
+
+@asynccontextmanager
+async def dial_edge(config: NodeConfig) -> AsyncIterator[Connection]:
+    """The default dial: a websocket to ``config.edge_url`` (trio-websocket over a TCP or TLS
+    stream this function owns), with explicit limits: frames up to ``wire.MAX_FRAME_SIZE``,
+    :data:`WEBSOCKET_QUEUE_SIZE` queued messages, :data:`CONNECT_TIMEOUT` for TCP + upgrade,
+    :data:`CLOSE_TIMEOUT` for the closing handshake.
+
+    Why not ``trio_websocket.open_websocket_url``: in trio-websocket 0.12.2 it leaves the TCP
+    socket open (a ``ResourceWarning`` and a file descriptor held until garbage collection)
+    when the edge closes first or refuses the upgrade -- the two usual ways a node session
+    ends. Owning the stream, we always close it.
+
+    Dial failures raise ``transport.ConnectionClosed``, or :class:`NodeRejected` when the
+    upgrade is refused with 401 or 403.
+    """
+    url = config.edge_url
+    address = _EdgeAddress.parse(url)
+    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
+    try:
+        with trio.fail_after(CONNECT_TIMEOUT):
+            if address.tls:
+                stream = await trio.open_ssl_over_tcp_stream(
+                    address.host,
+                    address.port,
+                    ssl_context=ssl.create_default_context(),
+                    https_compatible=True,
+                )
+            else:
+                stream = await trio.open_tcp_stream(address.host, address.port)
+    except trio.TooSlowError:
+        raise ConnectionClosed(f"cannot connect to {url}: timed out") from None
+    except (OSError, trio.BrokenResourceError) as exc:
+        raise ConnectionClosed(f"cannot connect to {url}: {explain(exc)}") from None
+    try:
+        async with _open_websocket(stream, address, url) as ws:
+            yield WebSocketClientConnection(ws)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+@asynccontextmanager
+async def _open_websocket(
+    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+    address: _EdgeAddress,
+    url: str,
+) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """trio-websocket over ``stream``, its reader task in a nursery around the block.
+
+    An exception from the block comes out as itself, not wrapped in a group, so callers can
+    catch ``NodeRejected`` and friends; a failed upgrade comes out translated by
+    :func:`_upgrade_failure`."""
+    body_error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                ws = await trio_websocket.wrap_client_stream(
+                    nursery,
+                    stream,
+                    address.host_header,
+                    address.resource,
+                    max_message_size=wire.MAX_FRAME_SIZE,
+                    message_queue_size=WEBSOCKET_QUEUE_SIZE,
+                )
+            try:
+                yield ws
+            except BaseException as exc:
+                body_error = exc
+                raise
+            finally:
+                with trio.move_on_after(close_budget(), shield=True):
+                    await ws.aclose()
+                nursery.cancel_scope.cancel(reason="websocket closed")
+    except BaseExceptionGroup as group:
+        if body_error is not None:
+            # The reader task only ever fails with the connection; the block's own error
+            # is the one that matters.
+            raise body_error from None
+        failure = _upgrade_failure(group, url)
+        if failure is None:
+            raise  # cancellation, or a bug: as it is
+        raise failure from group
+
+
+def _upgrade_failure(group: BaseExceptionGroup[BaseException], url: str) -> Exception | None:
+    """What a failed websocket upgrade means for the reconnect loop."""
+    rejected, _ = group.split(trio_websocket.ConnectionRejected)
+    if rejected is not None:
+        refused = first_leaf(rejected, trio_websocket.ConnectionRejected)
+        assert refused is not None
+        status = refused.status_code
+        reason = f"the edge refused the websocket upgrade with HTTP {status}"
+        if status in REJECTED_HTTP_STATUSES:
+            return NodeRejected(reason)
+        return ConnectionClosed(reason)
+    if group.subgroup(trio.TooSlowError) is not None:
+        return ConnectionClosed(f"cannot connect to {url}: websocket upgrade timed out")
+    broken = group.subgroup(_WEBSOCKET_ERRORS)
+    if broken is not None:
+        first = leaves(broken)[0]
+        return ConnectionClosed(f"cannot connect to {url}: {explain(first)}")
+    return None
+
+
+def explain(exc: BaseException) -> str:
+    """An error for a log line or a close reason: its message, or its type's name."""
+    return str(exc) or type(exc).__name__
+
+
+def edge_dial(config: NodeConfig) -> Dial:
+    """The default :data:`Dial` for ``config``: :func:`dial_edge` each time it is called.
+
+    Raises ``ValueError`` at once when ``config.edge_url`` is not an edge's node endpoint (a
+    mistake no retry can fix)."""
+    _EdgeAddress.parse(config.edge_url)
+    return partial(dial_edge, config)
