@@ -537,7 +537,8 @@ async def _read_response(seen: Seen, response: httpx.Response) -> bool:
 JOINED = re.compile(r"node (\S+) \((.*)\) joined from (\S+), generation (\d+), models: (.*)$")
 LEFT = re.compile(r"node (\S+) generation (\d+) left: (.*)$")
 FAILED_BEFORE_COMMIT = re.compile(
-    r"request (\S+) attempt (\d+) failed before commit: (.*) \((retrying|giving up|not retryable)\)$"
+    r"request (\S+) attempt (\d+) failed before commit: (.*) "
+    r"\((retrying|giving up|not retryable)\)$"
 )
 
 
