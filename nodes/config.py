@@ -6,6 +6,16 @@ reports the first problem as a :class:`NodeConfigError` naming the file, the key
 reason, for example ``node.toml: providers[1].models[0].slots: expected a positive integer,
 got 'x'``. Unknown keys are errors too (a typo must not silently fall back to a default).
 
+Loading is attrs + cattrs, like the edge's (``dispatcher.config``): the file is structured into
+the frozen classes below, each field's annotation says what the loader accepts (a
+:class:`_Check` in ``Annotated``: ``slots: Annotated[int, _integer(minimum=1)]``), a
+structuring failure becomes ``file: key.path: reason``, and what spans fields (a token or its
+variable, backoff bounds, duplicate ids) is checked afterwards.
+
+Which adapter types exist is not this module's business: the loader asks the registry it is
+given (:class:`AdapterKind` per type; ``nodes.adapters.ADAPTERS`` by default) whether a type
+exists, whether it may be tunnelled, and whether its ``options`` table is valid.
+
 Secrets never live in a provider's configuration: ``api_key_env`` names an environment
 variable that the adapter reads when it runs. The node's own ``token`` (how the edge
 authenticates the node) may be given inline or, better, through ``token_env``.
@@ -20,17 +30,16 @@ import shlex
 import socket
 import tomllib
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final, Literal, NoReturn, TypeAlias, get_args
+from typing import Annotated, Any, Final, Literal, NoReturn, Protocol, get_args, get_origin
 
 import attrs
+import cattrs
+from cattrs.gen import make_dict_structure_fn
+from cattrs.preconf.tomllib import make_converter
 
 from dispatcher import wire
-
-AdapterType: TypeAlias = Literal["echo", "ollama", "openai", "cli"]
-ADAPTER_TYPES: Final[tuple[str, ...]] = get_args(AdapterType)
-EXECUTION_PATHS: Final[tuple[str, ...]] = get_args(wire.ExecutionPath)
 
 NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
 """The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
@@ -38,6 +47,7 @@ may put a prefix before it)."""
 DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + NODE_CONNECT_PATH
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
 class NodeConfigError(Exception):
@@ -59,6 +69,124 @@ class OptionsError(Exception):
         self.reason = reason
 
 
+class AdapterKind(Protocol):
+    """What loading a config needs to know of one adapter type (``nodes.adapters.AdapterSpec``
+    is one)."""
+
+    @property
+    def tunnel(self) -> bool:
+        """May a provider of this type be served with ``path = "tunnel"``?"""
+
+    def check_options(self, raw: Mapping[str, Any]) -> None:
+        """Check a provider's ``options`` table; raises :class:`OptionsError`."""
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+class _Invalid(Exception):
+    """A problem at ``at`` (a key path relative to where the hook was called: ``[2]``, or
+    empty), either a ``reason`` or a nested structuring error ``inner``."""
+
+    def __init__(self, reason: str = "", *, at: str = "", inner: BaseException | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.at = at
+        self.inner = inner
+
+
+@attrs.frozen
+class _Check:
+    """``Annotated`` metadata: how the loader checks (and converts) a field's TOML value;
+    ``structure`` raises :class:`_Invalid`."""
+
+    structure: Callable[[Any], Any]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return repr(value)
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Invalid(f"expected a non-empty string, got {_show(value)}")
+    return value
+
+
+def _integer(*, minimum: int) -> _Check:
+    def structure(value: Any) -> int:
+        if type(value) is not int or value < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise _Invalid(f"expected {kind}, got {_show(value)}")
+        return value
+
+    return _Check(structure)
+
+
+def _number(*, minimum: float, strict: bool = False) -> _Check:
+    """A finite number ``>= minimum`` (``> minimum`` when ``strict``), as a float."""
+
+    def structure(value: Any) -> float:
+        ok = type(value) in (int, float) and math.isfinite(value)
+        if not (ok and (value > minimum if strict else value >= minimum)):
+            bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+            raise _Invalid(f"expected a number {bound}, got {_show(value)}")
+        return float(value)
+
+    return _Check(structure)
+
+
+def _env_name(value: Any) -> str:
+    name = _string(value)
+    if not _ENV_NAME.match(name):
+        raise _Invalid(f"expected the name of an environment variable, got {name!r}")
+    return name
+
+
+def _http_url(value: Any) -> str:
+    url = _string(value)
+    if not url.startswith(("http://", "https://")):
+        raise _Invalid(f"expected an http:// or https:// URL, got {url!r}")
+    return url
+
+
+def _command(value: Any) -> tuple[str, ...]:
+    """A command line: one string (split like a shell) or an array of strings."""
+    if isinstance(value, str):
+        try:
+            argv = shlex.split(value)
+        except ValueError as exc:
+            raise _Invalid(f"cannot split the command line: {exc}") from None
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        argv = list(value)
+    else:
+        raise _Invalid(f"expected a string or an array of strings, got {_show(value)}")
+    if not argv:
+        raise _Invalid("expected a non-empty command")
+    return tuple(argv)
+
+
+def _distinct_names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise _Invalid(f"expected an array of non-empty strings, got {_show(value)}")
+    if len(set(value)) != len(value):
+        raise _Invalid("duplicate entries")
+    return tuple(value)
+
+
+_ENV_VAR: Final = _Check(_env_name)
+_HTTP_URL: Final = _Check(_http_url)
+_COMMAND: Final = _Check(_command)
+_NAMES: Final = _Check(_distinct_names)
+
+
+# --------------------------------------------------------------------------- the configuration
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """One model a provider serves. ``name`` is what clients ask for; ``served_name`` what the
@@ -66,15 +194,16 @@ class ModelConfig:
 
     name: str
     served_name: str = attrs.field(default=attrs.Factory(lambda self: self.name, takes_self=True))
-    slots: int = 1
-    long_context_slots: int = 0
-    context_window: int | None = None
-    capabilities: tuple[str, ...] = ()
+    slots: Annotated[int, _integer(minimum=1)] = 1
+    long_context_slots: Annotated[int, _integer(minimum=0)] = 0
+    context_window: Annotated[int, _integer(minimum=1)] | None = None
+    capabilities: Annotated[tuple[str, ...], _NAMES] = ()
 
 
 @attrs.frozen(kw_only=True)
 class ProviderConfig:
-    """One engine or upstream the node drives, through the adapter named by ``type``.
+    """One engine or upstream the node drives, through the adapter named by ``type`` (a key
+    of the adapter registry, ``nodes.adapters.ADAPTERS``).
 
     ``options`` holds adapter knobs (for ``echo`` see :class:`nodes.adapters.echo.EchoOptions`).
     ``api_key_env`` is the *name* of an environment variable holding the upstream's key,
@@ -82,13 +211,28 @@ class ProviderConfig:
     """
 
     id: str
-    type: AdapterType
+    type: str
     path: wire.ExecutionPath = "normalized"
-    base_url: str | None = None
-    command: tuple[str, ...] | None = None
-    api_key_env: str | None = None
+    base_url: Annotated[str, _HTTP_URL] | None = None
+    command: Annotated[tuple[str, ...], _COMMAND] | None = None
+    api_key_env: Annotated[str, _ENV_VAR] | None = None
     options: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     models: tuple[ModelConfig, ...] = ()
+
+    def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The upstream's key: the value of ``api_key_env`` in ``environ`` (default
+        ``os.environ``), None when no variable is named. Raises :class:`NodeConfigError`
+        (source ``provider '<id>'``, key ``api_key_env``) when it is not set or empty."""
+        if self.api_key_env is None:
+            return None
+        key = (os.environ if environ is None else environ).get(self.api_key_env)
+        if not key:
+            raise NodeConfigError(
+                f"provider {self.id!r}",
+                "api_key_env",
+                f"environment variable {self.api_key_env} is not set",
+            )
+        return key
 
 
 @attrs.frozen(kw_only=True)
@@ -183,15 +327,151 @@ def hello_from_config(config: NodeConfig) -> wire.Hello:
     )
 
 
+# --------------------------------------------------------------------------- the file
+
+
+@attrs.frozen(kw_only=True)
+class _NodeTable:
+    """The file's ``[node]`` table; a key left out takes :class:`NodeConfig`'s default."""
+
+    id: str | None = None
+    label: str | None = None
+    edge_url: str | None = None
+    token: str | None = attrs.field(default=None, repr=False)
+    token_env: Annotated[str, _ENV_VAR] | None = None
+    heartbeat_timeout_factor: Annotated[float, _number(minimum=1.0)] | None = None
+    handshake_timeout: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
+    reconnect_min_backoff: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
+    reconnect_max_backoff: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
+    reconnect_reset_after: Annotated[float, _number(minimum=0.0)] | None = None
+    drain_grace: Annotated[float, _number(minimum=0.0)] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _NodeFile:
+    node: _NodeTable = _NodeTable()
+    providers: tuple[ProviderConfig, ...] = ()
+
+
+_converter = make_converter(forbid_extra_keys=True)
+_converter.register_structure_hook(str, lambda value, _: _string(value))
+
+
+def _checked(value: Any, annotated: Any) -> Any:
+    base, *metadata = get_args(annotated)
+    for check in metadata:
+        if isinstance(check, _Check):
+            return check.structure(value)
+    return _converter.structure(value, base)
+
+
+def _choice(value: Any, literal: Any) -> Any:
+    choices: tuple[str, ...] = get_args(literal)
+    text = _string(value)
+    if text not in choices:
+        raise _Invalid(f"expected one of {', '.join(choices)}, got {text!r}")
+    return text
+
+
+def _table(value: Any, _: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _Invalid(f"expected a table, got {_show(value)}")
+    return dict(value)
+
+
+def _is_tables(kind: Any) -> bool:
+    args = get_args(kind)
+    return get_origin(kind) is tuple and len(args) == 2 and args[1] is ... and attrs.has(args[0])
+
+
+def _tables(value: Any, kind: Any) -> tuple[Any, ...]:
+    """An array of tables (``[[providers]]``), each structured as the tuple's item class."""
+    if not isinstance(value, list):
+        raise _Invalid(f"expected an array of tables, got {_show(value)}")
+    item_class = get_args(kind)[0]
+    items = []
+    for index, item in enumerate(value):
+        try:
+            items.append(_converter.structure(item, item_class))
+        except Exception as exc:
+            raise _Invalid(at=f"[{index}]", inner=exc) from None
+    return tuple(items)
+
+
+def _table_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:
+    inner = make_dict_structure_fn(cls, _converter)
+
+    def structure(value: Any, _: Any) -> Any:
+        return inner(_table(value, None), cls)
+
+    return structure
+
+
+def _is_annotated(kind: Any) -> bool:
+    return get_origin(kind) is Annotated
+
+
+def _is_literal(kind: Any) -> bool:
+    return get_origin(kind) is Literal
+
+
+def _is_options(kind: Any) -> bool:
+    return bool(kind == Mapping[str, Any])
+
+
+_converter.register_structure_hook_func(_is_annotated, _checked)
+_converter.register_structure_hook_func(_is_literal, _choice)
+_converter.register_structure_hook_func(_is_options, _table)
+_converter.register_structure_hook_func(_is_tables, _tables)
+_converter.register_structure_hook_factory(attrs.has, _table_hook)
+
+
+def _key(path: str, name: object) -> str:
+    if isinstance(name, int):
+        return f"{path}[{name}]"
+    text = str(name)
+    part = text if _BARE_KEY.match(text) else '"' + text.replace('"', '\\"') + '"'
+    return f"{path}.{part}" if path else part
+
+
+def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, str]]:
+    """(key path, reason) for every problem in a structuring error, unknown keys first."""
+    if isinstance(exc, _Invalid):
+        where = path + exc.at
+        if exc.inner is not None:
+            yield from _problems(exc.inner, where)
+        else:
+            yield where, exc.reason
+    elif isinstance(exc, cattrs.ClassValidationError | cattrs.IterableValidationError):
+        with_notes, without = exc.group_exceptions()
+        for inner in without:
+            yield from _problems(inner, path)
+        for inner, note in with_notes:
+            name = note.index if isinstance(note, cattrs.IterableValidationNote) else note.name
+            yield from _problems(inner, _key(path, name))
+    elif isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        for name in sorted(exc.extra_fields):
+            yield _key(path, name), "unknown key"
+    elif isinstance(exc, KeyError):
+        yield path, "missing"
+    else:
+        yield path, str(exc) or type(exc).__name__
+
+
 # --------------------------------------------------------------------------- loading TOML
 
 
 def load_node_config(
-    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    adapters: Mapping[str, AdapterKind] | None = None,
 ) -> NodeConfig:
     """Load and validate a node configuration file; see ``docs/node.md`` for the format.
 
-    ``environ`` (default ``os.environ``) resolves ``node.token_env``.
+    ``environ`` (default ``os.environ``) resolves ``node.token_env``. ``adapters`` is the
+    adapter registry that provider types are checked against (default
+    ``nodes.adapters.ADAPTERS``; a registry with more types makes them loadable).
     Raises :class:`NodeConfigError`.
     """
     source = str(path)
@@ -205,267 +485,125 @@ def load_node_config(
         raise NodeConfigError(source, "", "the file is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise NodeConfigError(source, "", f"invalid TOML: {exc}") from None
-    return _parse(source, data, os.environ if environ is None else environ)
+    if adapters is None:
+        # The built-in registry, looked up only for this default: the adapters import this
+        # module (for ProviderConfig), so it cannot import them at the top.
+        from nodes.adapters import ADAPTERS
+
+        adapters = ADAPTERS
+    return parse_node_config(
+        data,
+        source=source,
+        environ=os.environ if environ is None else environ,
+        adapters=adapters,
+    )
 
 
-def _parse(source: str, data: dict[str, Any], environ: Mapping[str, str]) -> NodeConfig:
-    # Imported here: the adapter registry imports this module for ProviderConfig.
-    from nodes.adapters import validate_options
+def parse_node_config(
+    data: Mapping[str, Any],
+    *,
+    source: str,
+    environ: Mapping[str, str],
+    adapters: Mapping[str, AdapterKind],
+) -> NodeConfig:
+    """Validate a parsed TOML document against ``adapters`` and resolve ``node.token_env``
+    in ``environ``. Raises :class:`NodeConfigError` naming ``source`` and the first
+    problem."""
+    try:
+        file = _converter.structure(dict(data), _NodeFile)
+    except Exception as exc:
+        key, reason = next(_problems(exc, ""), ("", str(exc)))
+        raise NodeConfigError(source, key, reason) from None
 
-    top = _Table(source, "", data)
-    node = top.table("node", required=False)
-    providers_raw = top.array_of_tables("providers")
-    top.finish()
+    def fail(key: str, reason: str) -> NoReturn:
+        raise NodeConfigError(source, key, reason)
 
-    node_id = node.optional_string("id") or socket.gethostname()
-    label = node.optional_string("label") or ""
-    edge_url = node.optional_string("edge_url") or DEFAULT_EDGE_URL
-    bad_url = check_edge_url(edge_url)
-    if bad_url is not None:
-        node.fail("edge_url", bad_url)
-    token = node.optional_string("token")
-    token_env = node.env_name("token_env")
-    if token is not None and token_env is not None:
-        node.fail("token_env", "give either token or token_env, not both")
-    if token_env is not None:
-        token = environ.get(token_env)
-        if not token:
-            node.fail("token_env", f"environment variable {token_env} is not set")
-    factor = node.number("heartbeat_timeout_factor", minimum=1.0, default=3.0)
-    handshake_timeout = node.number("handshake_timeout", minimum=0.0, default=10.0, strict=True)
-    min_backoff = node.number("reconnect_min_backoff", minimum=0.0, default=0.5, strict=True)
-    max_backoff = node.number("reconnect_max_backoff", minimum=0.0, default=30.0, strict=True)
+    node = file.node
+    if node.edge_url is not None:
+        bad_url = check_edge_url(node.edge_url)
+        if bad_url is not None:
+            fail("node.edge_url", bad_url)
+    token = _node_token(node, environ, fail)
+    defaults = NodeConfig(node_id="")
+    min_backoff = defaults.reconnect_min_backoff
+    if node.reconnect_min_backoff is not None:
+        min_backoff = node.reconnect_min_backoff
+    max_backoff = defaults.reconnect_max_backoff
+    if node.reconnect_max_backoff is not None:
+        max_backoff = node.reconnect_max_backoff
     if max_backoff < min_backoff:
-        node.fail(
-            "reconnect_max_backoff",
+        fail(
+            "node.reconnect_max_backoff",
             f"must be at least reconnect_min_backoff ({min_backoff}), got {max_backoff}",
         )
-    reset_after = node.number("reconnect_reset_after", minimum=0.0, default=30.0)
-    drain_grace = node.number("drain_grace", minimum=0.0, default=30.0)
-    node.finish()
+    if not file.providers:
+        fail("providers", "expected at least one [[providers]] table")
+    for index, provider in enumerate(file.providers):
+        _check_provider(provider, f"providers[{index}]", adapters, fail)
+        if any(other.id == provider.id for other in file.providers[:index]):
+            fail(f"providers[{index}].id", f"duplicate provider id {provider.id!r}")
 
-    if not providers_raw:
-        top.fail("providers", "expected at least one [[providers]] table")
-    providers: list[ProviderConfig] = []
-    for provider_table in providers_raw:
-        provider = _parse_provider(provider_table, validate_options)
-        if any(p.id == provider.id for p in providers):
-            provider_table.fail("id", f"duplicate provider id {provider.id!r}")
-        providers.append(provider)
-
-    return NodeConfig(
-        node_id=node_id,
-        label=label,
-        edge_url=edge_url,
+    settings: dict[str, Any] = {
+        name: getattr(node, name) for name in _NODE_SETTINGS if getattr(node, name) is not None
+    }
+    return attrs.evolve(
+        defaults,
+        node_id=node.id or socket.gethostname(),
         token=token,
-        providers=tuple(providers),
-        heartbeat_timeout_factor=factor,
-        handshake_timeout=handshake_timeout,
+        providers=file.providers,
         reconnect_min_backoff=min_backoff,
         reconnect_max_backoff=max_backoff,
-        reconnect_reset_after=reset_after,
-        drain_grace=drain_grace,
+        **settings,
     )
 
 
-def _parse_provider(
-    table: _Table, validate_options: Callable[[str, Mapping[str, Any]], None]
-) -> ProviderConfig:
-    provider_id = table.string("id")
-    kind = table.choice("type", ADAPTER_TYPES)
-    path = table.optional_choice("path", EXECUTION_PATHS) or "normalized"
-    if path == "tunnel" and kind in ("echo", "cli"):
-        table.fail("path", f"a {kind!r} provider can only run normalized, not tunnel")
-    base_url = table.optional_string("base_url")
-    if base_url is not None and not base_url.startswith(("http://", "https://")):
-        table.fail("base_url", f"expected an http:// or https:// URL, got {base_url!r}")
-    command = table.command("command")
-    api_key_env = table.env_name("api_key_env")
-    options = table.table("options", required=False)
+_NODE_SETTINGS: Final = (
+    "label",
+    "edge_url",
+    "heartbeat_timeout_factor",
+    "handshake_timeout",
+    "reconnect_reset_after",
+    "drain_grace",
+)
+"""The ``[node]`` keys that are :class:`NodeConfig` fields of the same name."""
+
+
+def _node_token(
+    node: _NodeTable, environ: Mapping[str, str], fail: Callable[[str, str], NoReturn]
+) -> str | None:
+    if node.token_env is None:
+        return node.token
+    if node.token is not None:
+        fail("node.token_env", "give either token or token_env, not both")
+    token = environ.get(node.token_env)
+    if not token:
+        fail("node.token_env", f"environment variable {node.token_env} is not set")
+    return token
+
+
+def _check_provider(
+    provider: ProviderConfig,
+    key: str,
+    adapters: Mapping[str, AdapterKind],
+    fail: Callable[[str, str], NoReturn],
+) -> None:
+    kind = adapters.get(provider.type)
+    if kind is None:
+        fail(f"{key}.type", f"expected one of {', '.join(adapters)}, got {provider.type!r}")
+    if provider.path == "tunnel" and not kind.tunnel:
+        fail(f"{key}.path", f"a {provider.type!r} provider can only run normalized, not tunnel")
     try:
-        validate_options(kind, options.data)
+        kind.check_options(provider.options)
     except OptionsError as exc:
-        options.fail(exc.key, exc.reason)
-    models_raw = table.array_of_tables("models")
-    table.finish()
-    if not models_raw:
-        table.fail("models", "expected at least one [[providers.models]] table")
-    models: list[ModelConfig] = []
-    for model_table in models_raw:
-        model = _parse_model(model_table)
-        if any(m.name == model.name for m in models):
-            model_table.fail("name", f"duplicate model name {model.name!r}")
-        models.append(model)
-    return ProviderConfig(
-        id=provider_id,
-        type=kind,  # type: ignore[arg-type]  # checked by choice() against ADAPTER_TYPES
-        path=path,  # type: ignore[arg-type]  # checked by choice() against EXECUTION_PATHS
-        base_url=base_url,
-        command=command,
-        api_key_env=api_key_env,
-        options=dict(options.data),
-        models=tuple(models),
-    )
-
-
-def _parse_model(table: _Table) -> ModelConfig:
-    name = table.string("name")
-    served_name = table.optional_string("served_name") or name
-    slots = table.integer("slots", minimum=1, default=1)
-    long_context_slots = table.integer("long_context_slots", minimum=0, default=0)
-    if long_context_slots > slots:
-        table.fail(
-            "long_context_slots", f"must not exceed slots ({slots}), got {long_context_slots}"
-        )
-    context_window = table.optional_integer("context_window", minimum=1)
-    capabilities = table.string_list("capabilities")
-    table.finish()
-    return ModelConfig(
-        name=name,
-        served_name=served_name,
-        slots=slots,
-        long_context_slots=long_context_slots,
-        context_window=context_window,
-        capabilities=capabilities,
-    )
-
-
-@attrs.define
-class _Table:
-    """A TOML table being validated: typed getters that remember which keys were read, and
-    errors that name the file and the full key path."""
-
-    source: str
-    prefix: str
-    data: Mapping[str, Any]
-    seen: set[str] = attrs.field(factory=set)
-
-    def key(self, name: str) -> str:
-        return f"{self.prefix}.{name}" if self.prefix else name
-
-    def fail(self, name: str, reason: str) -> NoReturn:
-        raise NodeConfigError(self.source, self.key(name), reason)
-
-    def _get(self, name: str) -> Any:
-        self.seen.add(name)
-        return self.data.get(name)
-
-    def finish(self) -> None:
-        for name in self.data:
-            if name not in self.seen:
-                self.fail(name, "unknown key")
-
-    def table(self, name: str, *, required: bool) -> _Table:
-        value = self._get(name)
-        if value is None:
-            if required:
-                self.fail(name, "missing")
-            value = {}
-        if not isinstance(value, dict):
-            self.fail(name, f"expected a table, got {_show(value)}")
-        return _Table(self.source, self.key(name), value)
-
-    def array_of_tables(self, name: str) -> list[_Table]:
-        value = self._get(name)
-        if value is None:
-            return []
-        if not isinstance(value, list):
-            self.fail(name, f"expected an array of tables, got {_show(value)}")
-        tables = []
-        for index, item in enumerate(value):
-            key = f"{self.key(name)}[{index}]"
-            if not isinstance(item, dict):
-                raise NodeConfigError(self.source, key, f"expected a table, got {_show(item)}")
-            tables.append(_Table(self.source, key, item))
-        return tables
-
-    def string(self, name: str) -> str:
-        value = self.optional_string(name)
-        if value is None:
-            self.fail(name, "missing")
-        return value
-
-    def optional_string(self, name: str) -> str | None:
-        value = self._get(name)
-        if value is None:
-            return None
-        if not isinstance(value, str) or not value.strip():
-            self.fail(name, f"expected a non-empty string, got {_show(value)}")
-        return value
-
-    def choice(self, name: str, choices: tuple[str, ...]) -> str:
-        value = self.optional_choice(name, choices)
-        if value is None:
-            self.fail(name, "missing")
-        return value
-
-    def optional_choice(self, name: str, choices: tuple[str, ...]) -> str | None:
-        value = self.optional_string(name)
-        if value is not None and value not in choices:
-            self.fail(name, f"expected one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def env_name(self, name: str) -> str | None:
-        value = self.optional_string(name)
-        if value is not None and not _ENV_NAME.match(value):
-            self.fail(name, f"expected the name of an environment variable, got {value!r}")
-        return value
-
-    def command(self, name: str) -> tuple[str, ...] | None:
-        value = self._get(name)
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                argv = shlex.split(value)
-            except ValueError as exc:
-                self.fail(name, f"cannot split the command line: {exc}")
-        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            argv = list(value)
-        else:
-            self.fail(name, f"expected a string or an array of strings, got {_show(value)}")
-        if not argv:
-            self.fail(name, "expected a non-empty command")
-        return tuple(argv)
-
-    def integer(self, name: str, *, minimum: int, default: int) -> int:
-        value = self.optional_integer(name, minimum=minimum)
-        return default if value is None else value
-
-    def optional_integer(self, name: str, *, minimum: int) -> int | None:
-        value = self._get(name)
-        if value is None:
-            return None
-        if type(value) is not int or value < minimum:
-            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            self.fail(name, f"expected {kind}, got {_show(value)}")
-        return int(value)
-
-    def number(self, name: str, *, minimum: float, default: float, strict: bool = False) -> float:
-        value = self._get(name)
-        if value is None:
-            return default
-        ok = type(value) in (int, float) and math.isfinite(value)
-        ok = ok and (value > minimum if strict else value >= minimum)
-        if not ok:
-            bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-            self.fail(name, f"expected a number {bound}, got {_show(value)}")
-        return float(value)
-
-    def string_list(self, name: str) -> tuple[str, ...]:
-        value = self._get(name)
-        if value is None:
-            return ()
-        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            self.fail(name, f"expected an array of non-empty strings, got {_show(value)}")
-        if len(set(value)) != len(value):
-            self.fail(name, "duplicate entries")
-        return tuple(value)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return repr(value)
+        fail(f"{key}.options.{exc.key}", exc.reason)
+    if not provider.models:
+        fail(f"{key}.models", "expected at least one [[providers.models]] table")
+    for index, model in enumerate(provider.models):
+        where = f"{key}.models[{index}]"
+        if model.long_context_slots > model.slots:
+            fail(
+                f"{where}.long_context_slots",
+                f"must not exceed slots ({model.slots}), got {model.long_context_slots}",
+            )
+        if any(other.name == model.name for other in provider.models[:index]):
+            fail(f"{where}.name", f"duplicate model name {model.name!r}")

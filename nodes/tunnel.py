@@ -32,7 +32,6 @@ body, which it could not do through a compressed one.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Final
@@ -108,15 +107,7 @@ class TunnelProvider:
     ) -> TunnelProvider:
         """Raises :class:`NodeConfigError` when ``api_key_env`` names a variable that is not
         set (or empty) in ``environ`` (default ``os.environ``)."""
-        api_key = None
-        if provider.api_key_env is not None:
-            api_key = (os.environ if environ is None else environ).get(provider.api_key_env)
-            if not api_key:
-                raise NodeConfigError(
-                    f"provider {provider.id!r}",
-                    "api_key_env",
-                    f"environment variable {provider.api_key_env} is not set",
-                )
+        api_key = provider.api_key(environ)
         timeouts: dict[str, Any] = {}
         for key, value in provider.options.items():
             parse_timeout_option(key, value, timeouts)

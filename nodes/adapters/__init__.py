@@ -1,15 +1,23 @@
-"""Engine adapters, and the registry that builds one per configured provider by its ``type``.
+"""Engine adapters, and the one registry of them: adapter type -> :class:`AdapterSpec`.
 
-``echo``, ``ollama``, ``openai`` (normalized path) and ``cli`` are implemented. A provider of
-a type without a factory gets an :class:`UnsupportedAdapter`, whose runs fail with code
-``unsupported_adapter``; adding a type means adding its factory (and, if it takes options, its
-validator) to :data:`ADAPTER_FACTORIES` / :data:`OPTION_VALIDATORS`.
+``echo``, ``ollama``, ``openai`` and ``cli`` are registered in :data:`ADAPTERS`. Adding a type
+is one module (the adapter, its options class) plus one line here::
+
+    "mine": AdapterSpec(MyAdapter.from_provider, MyOptions),
+
+The registry is what a config is checked against (``nodes.config.load_node_config(...,
+adapters=...)``: the type exists, may be tunnelled, its ``options`` parse) and what
+:func:`build_adapters` builds from. Both take another registry too, so a type can be added
+without touching this package: ``{**ADAPTERS, "mine": AdapterSpec(...)}``.
+
+A provider whose type is in no registry (one built in Python) gets an
+:class:`UnsupportedAdapter`, whose runs fail with code ``unsupported_adapter``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import attrs
 
@@ -19,25 +27,25 @@ from nodes.adapters.base import (
     AdapterError,
     AdapterFactory,
     DropConnection,
-    OptionsValidator,
     RunOutput,
     estimate_tokens,
 )
-from nodes.adapters.cli import CLIAdapter, validate_cli_options
-from nodes.adapters.echo import EchoAdapter, EchoOptions, validate_echo_options
-from nodes.adapters.ollama import OllamaAdapter, validate_ollama_options
-from nodes.adapters.openai import OpenAIAdapter, validate_openai_options
+from nodes.adapters.cli import CLIAdapter, CLIOptions
+from nodes.adapters.echo import EchoAdapter, EchoOptions
+from nodes.adapters.ollama import OllamaAdapter, OllamaOptions
+from nodes.adapters.openai import OpenAIAdapter, OpenAIOptions
 from nodes.config import ProviderConfig
 
 __all__ = [
-    "ADAPTER_FACTORIES",
-    "OPTION_VALIDATORS",
+    "ADAPTERS",
     "Adapter",
     "AdapterError",
     "AdapterFactory",
+    "AdapterSpec",
     "DropConnection",
     "EchoAdapter",
     "EchoOptions",
+    "OptionsClass",
     "RunOutput",
     "UnsupportedAdapter",
     "build_adapters",
@@ -46,17 +54,35 @@ __all__ = [
     "validate_options",
 ]
 
-ADAPTER_FACTORIES: Final[Mapping[str, AdapterFactory]] = {
-    "echo": EchoAdapter.from_provider,
-    "ollama": OllamaAdapter.from_provider,
-    "openai": OpenAIAdapter.from_provider,
-    "cli": CLIAdapter.from_provider,
-}
-OPTION_VALIDATORS: Final[Mapping[str, OptionsValidator]] = {
-    "echo": validate_echo_options,
-    "ollama": validate_ollama_options,
-    "openai": validate_openai_options,
-    "cli": validate_cli_options,
+
+class OptionsClass(Protocol):
+    """An adapter's options class: parses a provider's ``options`` table."""
+
+    def from_mapping(self, raw: Mapping[str, Any], /) -> object:
+        """Raises :class:`nodes.config.OptionsError` (its key relative to the table)."""
+
+
+@attrs.frozen
+class AdapterSpec:
+    """One adapter type: how to build it, and what its ``options`` table may hold."""
+
+    factory: AdapterFactory
+    """Builds the adapter for one configured provider (may raise ``NodeConfigError``)."""
+    options: OptionsClass
+    """The options class (``EchoOptions``...), which validates the ``options`` table."""
+    tunnel: bool = False
+    """May a provider of this type be served with ``path = "tunnel"`` (relayed raw to an
+    OpenAI-compatible HTTP API by ``nodes.tunnel``)?"""
+
+    def check_options(self, raw: Mapping[str, Any]) -> None:
+        self.options.from_mapping(raw)
+
+
+ADAPTERS: Final[Mapping[str, AdapterSpec]] = {
+    "echo": AdapterSpec(EchoAdapter.from_provider, EchoOptions),
+    "ollama": AdapterSpec(OllamaAdapter.from_provider, OllamaOptions, tunnel=True),
+    "openai": AdapterSpec(OpenAIAdapter.from_provider, OpenAIOptions, tunnel=True),
+    "cli": AdapterSpec(CLIAdapter.from_provider, CLIOptions),
 }
 
 
@@ -74,21 +100,27 @@ class UnsupportedAdapter:
         )
 
 
-def make_adapter(provider: ProviderConfig) -> Adapter:
-    factory = ADAPTER_FACTORIES.get(provider.type)
-    if factory is None:
+def make_adapter(
+    provider: ProviderConfig, adapters: Mapping[str, AdapterSpec] = ADAPTERS
+) -> Adapter:
+    spec = adapters.get(provider.type)
+    if spec is None:
         return UnsupportedAdapter(provider.type)
-    return factory(provider)
+    return spec.factory(provider)
 
 
-def build_adapters(providers: Iterable[ProviderConfig]) -> dict[str, Adapter]:
-    """One adapter per provider, keyed by provider id."""
-    return {provider.id: make_adapter(provider) for provider in providers}
+def build_adapters(
+    providers: Iterable[ProviderConfig], adapters: Mapping[str, AdapterSpec] = ADAPTERS
+) -> dict[str, Adapter]:
+    """One adapter per provider, keyed by provider id, built by the registry ``adapters``."""
+    return {provider.id: make_adapter(provider, adapters) for provider in providers}
 
 
-def validate_options(adapter_type: str, options: Mapping[str, Any]) -> None:
-    """Check a provider's ``options`` for its adapter type (types without a validator accept
-    anything for now). Raises :class:`nodes.config.OptionsError`."""
-    validator = OPTION_VALIDATORS.get(adapter_type)
-    if validator is not None:
-        validator(options)
+def validate_options(
+    adapter_type: str, options: Mapping[str, Any], adapters: Mapping[str, AdapterSpec] = ADAPTERS
+) -> None:
+    """Check a provider's ``options`` for its adapter type (a type in no registry accepts
+    anything). Raises :class:`nodes.config.OptionsError`."""
+    spec = adapters.get(adapter_type)
+    if spec is not None:
+        spec.check_options(options)

@@ -103,9 +103,6 @@ class Adapter(Protocol):
 AdapterFactory = Callable[["ProviderConfig"], Adapter]
 """Builds the adapter for one configured provider."""
 
-OptionsValidator = Callable[[Mapping[str, Any]], None]
-"""Checks a provider's ``options`` table; raises ``nodes.config.OptionsError``."""
-
 
 # --------------------------------------------------------------------------- estimates
 

@@ -85,10 +85,6 @@ class CLIOptions:
         return cls(**fields)
 
 
-def validate_cli_options(raw: Mapping[str, Any]) -> None:
-    CLIOptions.from_mapping(raw)
-
-
 def prompt_of(body: wire.JSONObject) -> str:
     """The text of the last user message; raises ``invalid_request`` when there is none."""
     messages = body.get("messages")

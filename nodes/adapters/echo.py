@@ -83,10 +83,6 @@ class EchoOptions:
         return attrs.evolve(self, **_parse_fields(raw))
 
 
-def validate_echo_options(raw: Mapping[str, Any]) -> None:
-    EchoOptions.from_mapping(raw)
-
-
 def _parse_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for key, value in raw.items():

@@ -113,10 +113,6 @@ class OllamaOptions:
         return cls(timeouts=HTTPTimeouts(**timeouts), **fields)
 
 
-def validate_ollama_options(raw: Mapping[str, Any]) -> None:
-    OllamaOptions.from_mapping(raw)
-
-
 @attrs.frozen(kw_only=True)
 class OllamaAdapter:
     url: str

@@ -27,7 +27,6 @@ NodeConfigError` then, not a failure of every later run. The key goes out as
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -45,7 +44,7 @@ from nodes.adapters._http import (
     response_lines,
 )
 from nodes.adapters.base import AdapterError, RunOutput
-from nodes.config import NodeConfigError, OptionsError, ProviderConfig
+from nodes.config import OptionsError, ProviderConfig
 
 DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
 
@@ -76,10 +75,6 @@ class OpenAIOptions:
         return cls(timeouts=HTTPTimeouts(**timeouts), **fields)
 
 
-def validate_openai_options(raw: Mapping[str, Any]) -> None:
-    OpenAIOptions.from_mapping(raw)
-
-
 def completions_url(base_url: str) -> str:
     """``{root}/v1/chat/completions`` for a ``base_url`` with or without the ``/v1``."""
     root = base_url.rstrip("/")
@@ -101,18 +96,9 @@ class OpenAIAdapter:
     ) -> OpenAIAdapter:
         """Build from config; raises :class:`NodeConfigError` when ``api_key_env`` names a
         variable that is not set (or empty) in ``environ`` (default ``os.environ``)."""
-        api_key = None
-        if provider.api_key_env is not None:
-            api_key = (os.environ if environ is None else environ).get(provider.api_key_env)
-            if not api_key:
-                raise NodeConfigError(
-                    f"provider {provider.id!r}",
-                    "api_key_env",
-                    f"environment variable {provider.api_key_env} is not set",
-                )
         return cls(
             url=completions_url(provider.base_url or DEFAULT_BASE_URL),
-            api_key=api_key,
+            api_key=provider.api_key(environ),
             options=OpenAIOptions.from_mapping(provider.options),
         )
 
