@@ -1,0 +1,330 @@
+"""The wire protocol's messages: frozen attrs classes, one per message type, and the unions
+that name who sends what. Sans-IO: no sockets, no Trio.
+
+Direction::
+
+    node -> edge   hello, capacity, pong, run.started, run.delta, run.usage,
+                   run.completed, run.failed, run.cancelled,
+                   tunnel.start, tunnel.end, (binary) tunnel data, node.draining
+    edge -> node   welcome, ping, run.request, run.cancel,
+                   tunnel.request, tunnel.credit, tunnel.cancel, (binary) tunnel data,
+                   edge.draining
+
+Every run event carries the ``run_id`` the edge chose and a per-run ``seq`` starting at 0.
+Exactly one terminal event (completed, failed, cancelled) ends a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Final, Literal, TypeAlias
+
+import attrs
+
+PROTOCOL_VERSION: Final = 1
+MAX_FRAME_SIZE: Final = 4 * 1024 * 1024
+"""Largest frame either side sends or accepts, text or binary, in bytes."""
+MAX_TUNNEL_CHUNK: Final = 64 * 1024
+"""Largest tunnel body piece in one binary frame."""
+DEFAULT_TUNNEL_WINDOW: Final = 256 * 1024
+"""Response body bytes a node may send on a tunnel before the edge grants more
+(``tunnel.request.window``, then ``tunnel.credit``)."""
+
+ExecutionPath: TypeAlias = Literal["normalized", "tunnel"]
+JSONObject: TypeAlias = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- node -> edge
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    """One model a provider serves. ``name`` is the public model group name clients use."""
+
+    name: str
+    served_name: str
+    slots: int
+    long_context_slots: int = 0
+    context_window: int | None = None
+    capabilities: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ProviderInfo:
+    id: str
+    type: str
+    adapter: str
+    path: ExecutionPath = "normalized"
+    models: tuple[ModelInfo, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Hello:
+    TYPE: ClassVar[str] = "hello"
+    protocol: int
+    node_id: str
+    label: str = ""
+    token: str | None = attrs.field(default=None, repr=False)
+    providers: tuple[ProviderInfo, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Capacity:
+    """A change of one model's slot counts on one provider, without reconnecting."""
+
+    TYPE: ClassVar[str] = "capacity"
+    provider_id: str
+    model: str
+    slots: int
+    long_context_slots: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Pong:
+    TYPE: ClassVar[str] = "pong"
+    nonce: int
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    estimated: bool = False
+    """The node estimated these counts (its adapter reported none); False when the engine or
+    provider measured them."""
+
+
+@attrs.frozen(kw_only=True)
+class RunStarted:
+    TYPE: ClassVar[str] = "run.started"
+    run_id: str
+    seq: int
+
+
+@attrs.frozen(kw_only=True)
+class RunDelta:
+    """Generated text (one or more tokens). ``tool_calls`` is room for tool-call deltas in
+    OpenAI's chunk shape."""
+
+    TYPE: ClassVar[str] = "run.delta"
+    run_id: str
+    seq: int
+    text: str = ""
+    tool_calls: tuple[JSONObject, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class RunUsage:
+    TYPE: ClassVar[str] = "run.usage"
+    run_id: str
+    seq: int
+    usage: Usage
+
+
+@attrs.frozen(kw_only=True)
+class RunCompleted:
+    TYPE: ClassVar[str] = "run.completed"
+    run_id: str
+    seq: int
+    finish_reason: str = "stop"
+
+
+@attrs.frozen(kw_only=True)
+class RunFailed:
+    TYPE: ClassVar[str] = "run.failed"
+    run_id: str
+    seq: int
+    code: str
+    message: str
+    retryable: bool = False
+    status: int | None = None
+    """The upstream's HTTP status when the failure is its answer to the request (an upstream
+    4xx is the client's error: the edge relays the status, does not retry, and does not count
+    it against the node)."""
+
+
+@attrs.frozen(kw_only=True)
+class RunCancelled:
+    """The node's confirmation of ``run.cancel``, with the partial usage it knows."""
+
+    TYPE: ClassVar[str] = "run.cancelled"
+    run_id: str
+    seq: int
+    usage: Usage | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TunnelStart:
+    TYPE: ClassVar[str] = "tunnel.start"
+    tunnel_id: str
+    status: int
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class TunnelEnd:
+    """End of a tunnel's response body; ``error`` set when it ended abnormally."""
+
+    TYPE: ClassVar[str] = "tunnel.end"
+    tunnel_id: str
+    error: str | None = None
+    retryable: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class NodeDraining:
+    """The node is draining (its operator stopped it): route no new runs or tunnels to it;
+    what it runs now it finishes, then it leaves."""
+
+    TYPE: ClassVar[str] = "node.draining"
+    grace: float = 0.0
+    """How long the node gives its in-flight work before it leaves, in seconds."""
+
+
+# --------------------------------------------------------------------------- edge -> node
+
+
+@attrs.frozen(kw_only=True)
+class EdgeDraining:
+    """The edge is draining (shutting down): it sends no new work, lets what runs finish
+    within ``grace`` seconds, then closes. The node should not treat the close as a fault."""
+
+    TYPE: ClassVar[str] = "edge.draining"
+    grace: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class Welcome:
+    TYPE: ClassVar[str] = "welcome"
+    protocol: int
+    generation: int
+    heartbeat_interval: float
+
+
+@attrs.frozen(kw_only=True)
+class Ping:
+    TYPE: ClassVar[str] = "ping"
+    nonce: int
+
+
+@attrs.frozen(kw_only=True)
+class RunRequest:
+    """Run ``body`` (an OpenAI chat-completions request body, ``model`` already replaced by
+    the served name) on provider ``provider_id``."""
+
+    TYPE: ClassVar[str] = "run.request"
+    run_id: str
+    provider_id: str
+    model: str
+    served_model: str
+    body: JSONObject
+
+
+@attrs.frozen(kw_only=True)
+class RunCancel:
+    TYPE: ClassVar[str] = "run.cancel"
+    run_id: str
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class TunnelRequest:
+    TYPE: ClassVar[str] = "tunnel.request"
+    tunnel_id: str
+    provider_id: str
+    method: str
+    path: str
+    query: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    body: str = ""
+    """The request body as text (the OpenAI routes we tunnel all take JSON)."""
+    window: int = DEFAULT_TUNNEL_WINDOW
+    """Response body bytes the node may send before it is granted more by ``tunnel.credit``;
+    more than granted is a protocol error."""
+
+
+@attrs.frozen(kw_only=True)
+class TunnelCredit:
+    """The edge consumed ``bytes`` more of the tunnel's response body: the node may send that
+    many more."""
+
+    TYPE: ClassVar[str] = "tunnel.credit"
+    tunnel_id: str
+    bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class TunnelCancel:
+    TYPE: ClassVar[str] = "tunnel.cancel"
+    tunnel_id: str
+
+
+RunEvent: TypeAlias = RunStarted | RunDelta | RunUsage | RunCompleted | RunFailed | RunCancelled
+TerminalEvent: TypeAlias = RunCompleted | RunFailed | RunCancelled
+TERMINAL_EVENTS: Final = (RunCompleted, RunFailed, RunCancelled)
+
+NodeMessage: TypeAlias = (
+    Hello
+    | Capacity
+    | Pong
+    | RunStarted
+    | RunDelta
+    | RunUsage
+    | RunCompleted
+    | RunFailed
+    | RunCancelled
+    | TunnelStart
+    | TunnelEnd
+    | NodeDraining
+)
+EdgeMessage: TypeAlias = (
+    Welcome
+    | Ping
+    | RunRequest
+    | RunCancel
+    | TunnelRequest
+    | TunnelCredit
+    | TunnelCancel
+    | EdgeDraining
+)
+Message: TypeAlias = NodeMessage | EdgeMessage
+
+MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
+    Hello,
+    Capacity,
+    Pong,
+    RunStarted,
+    RunDelta,
+    RunUsage,
+    RunCompleted,
+    RunFailed,
+    RunCancelled,
+    TunnelStart,
+    TunnelEnd,
+    NodeDraining,
+    Welcome,
+    Ping,
+    RunRequest,
+    RunCancel,
+    TunnelRequest,
+    TunnelCredit,
+    TunnelCancel,
+    EdgeDraining,
+)
+
+
+@attrs.frozen
+class TunnelData:
+    """A piece of a tunnel body (a binary frame)."""
+
+    tunnel_id: str
+    data: bytes
+
+
+def is_terminal(event: RunEvent) -> bool:
+    return isinstance(event, TERMINAL_EVENTS)
+
+
+RUN_EVENT_TYPES: Final = frozenset((RunStarted, RunDelta, RunUsage, *TERMINAL_EVENTS))
+"""The run event classes, for a lookup by ``type(message)`` (exact classes: messages are
+frozen and never subclassed)."""
+TERMINAL_EVENT_TYPES: Final = frozenset(TERMINAL_EVENTS)

@@ -1,0 +1,473 @@
+"""The session state machine: what each side may send, and when. Sans-IO (no Trio, no I/O),
+in the shape of h11's ``Connection``: the driver feeds every message it decodes to
+``receive()`` and every message it is about to send to ``send()``, and carries out what the
+machine decides.
+
+Two halves, one per side, each tracking both directions:
+
+* :class:`EdgeProtocol` -- the edge's side of one node connection (``dispatcher.nodelink``
+  and ``dispatcher.registry`` drive it);
+* :class:`NodeProtocol` -- the node's side (for ``nodes.agent``).
+
+Session states (:class:`State`), the same on both sides::
+
+    AWAITING_HELLO --hello--> AWAITING_WELCOME --welcome--> OPEN --close()--> CLOSED
+          \\                        \\                        \\
+           +------ a peer's violation (the first ProtocolError) ---> FAILED
+
+Draining is a flag in ``OPEN`` (``node_draining``, ``edge_draining``), not a state: work
+already given finishes under the same rules.
+
+Per run (``run.request`` registers the run; the edge chose its id):
+
+* a run event is for a run given to *this* session;
+* ``seq`` is 0 for the run's first event and grows by exactly 1 (no gap, no repeat);
+* exactly one terminal event (``run.completed`` / ``run.failed`` / ``run.cancelled``), last;
+  an event after it is a violation;
+* once the edge ended a run before its terminal (``close_run``: the client left and
+  ``run.cancel`` was sent), the node's late events for it are *expected*:
+  :class:`Tolerated`, for the last ``recent_runs`` such runs (bounded memory). A run that
+  was closed after its terminal stays remembered too, so an event after its end is still a
+  violation until it is forgotten.
+
+Per tunnel (``tunnel.request`` registers it): ``tunnel.start`` at most once and before any
+body frame, exactly one ``tunnel.end``, nothing after it; late frames for a tunnel the edge
+ended early are tolerated, as for runs. Flow control (``window`` and ``tunnel.credit``)
+is *not* here: the edge's tunnel route owns the buffer the credit protects
+(``dispatcher.tunnel._Route``).
+
+``receive()`` returns :data:`ACCEPTED`, a :class:`Tolerated`, or a :class:`ProtocolError`
+(returned, not raised) whose text is the reason to close the session with; it never raises.
+After the first ``ProtocolError`` the machine is ``FAILED`` and returns that same error for
+anything more. ``send()`` raises :class:`LocalProtocolError` for what *this* side may not
+send (a bug here); after ``close()`` or a failure it accepts anything (the driver is
+tearing down and drops it).
+
+The per-event path of the edge is one ``isinstance``, one dict lookup and two int compares.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Final, TypeAlias
+
+import attrs
+
+from ._errors import LocalProtocolError, ProtocolError
+from ._messages import (
+    PROTOCOL_VERSION,
+    TERMINAL_EVENT_TYPES,
+    Capacity,
+    EdgeDraining,
+    Hello,
+    Message,
+    NodeDraining,
+    Ping,
+    Pong,
+    RunCancel,
+    RunCancelled,
+    RunCompleted,
+    RunDelta,
+    RunEvent,
+    RunFailed,
+    RunRequest,
+    RunStarted,
+    RunUsage,
+    TunnelCancel,
+    TunnelCredit,
+    TunnelData,
+    TunnelEnd,
+    TunnelRequest,
+    TunnelStart,
+    Welcome,
+)
+
+RECENT_RUNS: Final = 4096
+"""How many ended run ids a session remembers, to judge their late events."""
+RECENT_TUNNELS: Final = 4096
+"""How many ended tunnel ids a session remembers, to judge their late frames."""
+
+_RUN_EVENTS: Final = (RunDelta, RunStarted, RunUsage, RunCompleted, RunFailed, RunCancelled)
+"""For ``isinstance``, the commonest first."""
+_TUNNEL_FRAMES: Final = (TunnelData, TunnelStart, TunnelEnd)
+_EDGE_MESSAGES: Final = (
+    Welcome,
+    Ping,
+    RunRequest,
+    RunCancel,
+    TunnelRequest,
+    TunnelCredit,
+    TunnelCancel,
+    EdgeDraining,
+)
+
+_TERMINATED: Final = -1
+"""A run's "next seq" once its terminal event arrived (never matches: seq must be >= 0)."""
+
+# A tunnel's phase.
+_AWAITING_START: Final = 0
+_STARTED: Final = 1
+_ENDED: Final = 2
+
+
+class State(enum.Enum):
+    AWAITING_HELLO = "awaiting hello"
+    AWAITING_WELCOME = "awaiting welcome"
+    OPEN = "open"
+    CLOSED = "closed"
+    """This side ended the session (:meth:`EdgeProtocol.close`); frames still in flight are
+    tolerated."""
+    FAILED = "failed"
+    """The peer broke the protocol; see ``error``."""
+
+
+@attrs.frozen
+class Accepted:
+    """The message is legal here; the machine's state has advanced."""
+
+
+@attrs.frozen
+class Tolerated:
+    """The message is not the peer's fault but there is nothing to route it to: a late event
+    for a run or tunnel this side ended early (the node's cancel confirmation), or a frame in
+    flight after this side closed the session. Drop it (a late ``run.usage`` / terminal or
+    ``tunnel.end`` may settle what the ended run left behind)."""
+
+    reason: str
+
+
+ACCEPTED: Final = Accepted()
+Verdict: TypeAlias = Accepted | Tolerated | ProtocolError
+Frame: TypeAlias = Message | TunnelData
+"""What a decoder yields: a text frame's message, or a binary tunnel body frame."""
+
+
+def _describe(message: Frame) -> str:
+    return "a binary frame" if isinstance(message, TunnelData) else repr(message.TYPE)
+
+
+@attrs.define(eq=False)
+class _Half:
+    state: State = State.AWAITING_HELLO
+    error: ProtocolError | None = None
+    """The first violation of the peer, once ``state`` is ``FAILED``."""
+    node_draining: bool = False
+    edge_draining: bool = False
+
+    def _fail(self, reason: str) -> ProtocolError:
+        self.state = State.FAILED
+        self.error = ProtocolError(reason)
+        return self.error
+
+    def _over(self) -> Verdict | None:
+        """The verdict for anything received once the session is over, else None."""
+        if self.state is State.FAILED:
+            assert self.error is not None
+            return self.error
+        if self.state is State.CLOSED:
+            return Tolerated("the session is over")
+        return None
+
+
+@attrs.define(eq=False)
+class EdgeProtocol(_Half):
+    """The edge's half of one node session."""
+
+    recent_runs: int = RECENT_RUNS
+    recent_tunnels: int = RECENT_TUNNELS
+    hello: Hello | None = None
+    """The node's ``hello``, once received."""
+    _runs: dict[str, int] = attrs.field(factory=dict)
+    """Open runs: the next ``seq`` expected, or ``_TERMINATED``."""
+    _ended_runs: collections.OrderedDict[str, bool] = attrs.field(factory=collections.OrderedDict)
+    """Recently closed runs: True when closed before their terminal (late events tolerated),
+    False after it (any event is a violation)."""
+    _tunnels: dict[str, int] = attrs.field(factory=dict)
+    _ended_tunnels: collections.OrderedDict[str, bool] = attrs.field(
+        factory=collections.OrderedDict
+    )
+
+    # ------------------------------------------------------------------ what the node sends
+
+    def receive(self, message: Frame) -> Verdict:
+        """Judge one message (or binary frame) the node sent. Never raises."""
+        if isinstance(message, _RUN_EVENTS) and self.state is State.OPEN:
+            run_id = message.run_id
+            seq = message.seq
+            expected = self._runs.get(run_id)
+            if expected == seq and seq >= 0:
+                self._runs[run_id] = (
+                    _TERMINATED if type(message) in TERMINAL_EVENT_TYPES else seq + 1
+                )
+                return ACCEPTED
+            return self._unexpected_run_event(message, expected)
+        return self._receive_other(message)
+
+    def _unexpected_run_event(self, event: RunEvent, expected: int | None) -> Verdict:
+        what = f"event {event.TYPE!r} for run {event.run_id!r}"
+        if expected is None:
+            tolerated = self._ended_runs.get(event.run_id)
+            if tolerated is None:
+                return self._fail(f"{what}, which this session was not given")
+            if tolerated:
+                return Tolerated(f"run {event.run_id!r} was ended here")
+            expected = _TERMINATED
+        if expected == _TERMINATED:
+            return self._fail(f"{what} after its terminal event")
+        return self._fail(f"{what} has seq {event.seq}, expected {expected}")
+
+    def _receive_other(self, message: Frame) -> Verdict:
+        state = self.state
+        if state is State.OPEN:
+            if isinstance(message, _TUNNEL_FRAMES):
+                return self._tunnel_frame(message)
+            if isinstance(message, Pong | Capacity):
+                return ACCEPTED
+            if isinstance(message, NodeDraining):
+                self.node_draining = True
+                return ACCEPTED
+            return self._fail(f"unexpected {_describe(message)} message from a node")
+        over = self._over()
+        if over is not None:
+            return over
+        if state is State.AWAITING_HELLO:
+            if not isinstance(message, Hello):
+                return self._fail(f"expected hello, got {_describe(message)}")
+            if message.protocol != PROTOCOL_VERSION:
+                return self._fail(
+                    f"protocol version {message.protocol} is not supported "
+                    f"(this edge speaks {PROTOCOL_VERSION})"
+                )
+            self.hello = message
+            self.state = State.AWAITING_WELCOME
+            return ACCEPTED
+        return self._fail(f"{_describe(message)} before the edge's welcome")
+
+    def _tunnel_frame(self, message: TunnelData | TunnelStart | TunnelEnd) -> Verdict:
+        tunnel_id = message.tunnel_id
+        phase = self._tunnels.get(tunnel_id)
+        if phase is None:
+            tolerated = self._ended_tunnels.get(tunnel_id)
+            if tolerated is None:
+                what = "binary frame" if isinstance(message, TunnelData) else repr(message.TYPE)
+                return self._fail(
+                    f"{what} for no open tunnel: {tunnel_id!r} was not given to this session"
+                )
+            if tolerated:
+                return Tolerated(f"tunnel {tunnel_id!r} was ended here")
+            phase = _ENDED
+        where = f"tunnel {tunnel_id!r}"
+        if isinstance(message, TunnelData):
+            if phase == _AWAITING_START:
+                return self._fail(f"{where}: body frame before tunnel.start")
+            if phase == _ENDED:
+                return self._fail(f"{where}: body frame after tunnel.end")
+            return ACCEPTED
+        if isinstance(message, TunnelStart):
+            if phase != _AWAITING_START:
+                return self._fail(f"{where}: tunnel.start after the response started or ended")
+            self._tunnels[tunnel_id] = _STARTED
+            return ACCEPTED
+        if phase == _ENDED:
+            return self._fail(f"{where}: a second tunnel.end")
+        self._tunnels[tunnel_id] = _ENDED
+        return ACCEPTED
+
+    # ------------------------------------------------------------------ what the edge sends
+
+    def send(self, message: Message) -> None:
+        """Record a message the edge is sending (call before it is written: the node may
+        answer a ``run.request`` at once). Raises :class:`LocalProtocolError` if the edge may
+        not send it now."""
+        state = self.state
+        if state is State.CLOSED or state is State.FAILED:
+            return
+        if not isinstance(message, _EDGE_MESSAGES):
+            raise LocalProtocolError(f"{message.TYPE!r} is not the edge's to send")
+        if state is State.AWAITING_WELCOME and isinstance(message, Welcome):
+            self.state = State.OPEN
+            return
+        if state is not State.OPEN or isinstance(message, Welcome):
+            raise LocalProtocolError(f"cannot send {message.TYPE!r} while {state.value}")
+        if isinstance(message, RunRequest):
+            run_id = message.run_id
+            if run_id in self._runs or run_id in self._ended_runs:
+                raise LocalProtocolError(f"run id {run_id!r} was already used on this session")
+            self._runs[run_id] = 0
+        elif isinstance(message, TunnelRequest):
+            tunnel_id = message.tunnel_id
+            if tunnel_id in self._tunnels or tunnel_id in self._ended_tunnels:
+                raise LocalProtocolError(
+                    f"tunnel id {tunnel_id!r} was already used on this session"
+                )
+            self._tunnels[tunnel_id] = _AWAITING_START
+        elif isinstance(message, EdgeDraining):
+            self.edge_draining = True
+
+    def close_run(self, run_id: str) -> str | None:
+        """The edge stopped routing this run (its subscription closed). Before its terminal
+        event, the node's late events for it become tolerated. Returns the id of a run
+        forgotten to keep the memory bounded (its late events are now violations), if any."""
+        expected = self._runs.pop(run_id, None)
+        if expected is None:
+            return None
+        self._ended_runs[run_id] = expected != _TERMINATED
+        if len(self._ended_runs) > self.recent_runs:
+            return self._ended_runs.popitem(last=False)[0]
+        return None
+
+    def close_tunnel(self, tunnel_id: str) -> str | None:
+        """As :meth:`close_run`, for a tunnel (tolerated when closed before its end)."""
+        phase = self._tunnels.pop(tunnel_id, None)
+        if phase is None:
+            return None
+        self._ended_tunnels[tunnel_id] = phase != _ENDED
+        if len(self._ended_tunnels) > self.recent_tunnels:
+            return self._ended_tunnels.popitem(last=False)[0]
+        return None
+
+    def close(self) -> None:
+        """The edge ended the session: what still arrives is tolerated, what is still sent
+        is dropped by the driver."""
+        if self.state is not State.FAILED:
+            self.state = State.CLOSED
+        self._ended_runs.clear()
+        self._ended_tunnels.clear()
+
+    # ------------------------------------------------------------------ introspection
+
+    def next_seq(self, run_id: str) -> int | None:
+        """The ``seq`` the next event of an open run must carry; None for a run that is not
+        open or whose terminal arrived."""
+        expected = self._runs.get(run_id)
+        return None if expected is None or expected == _TERMINATED else expected
+
+    def known_runs(self) -> set[str]:
+        """Every run id the machine holds state for (open or recently ended)."""
+        return {*self._runs, *self._ended_runs}
+
+    def known_tunnels(self) -> set[str]:
+        return {*self._tunnels, *self._ended_tunnels}
+
+
+@attrs.define(eq=False)
+class NodeProtocol(_Half):
+    """The node's half of its session with the edge."""
+
+    generation: int | None = None
+    """The session's generation, from the edge's ``welcome``."""
+    _runs: dict[str, int] = attrs.field(factory=dict)
+    """Runs the edge gave and whose terminal was not sent yet: the next ``seq`` to send."""
+    _tunnels: dict[str, int] = attrs.field(factory=dict)
+
+    # ------------------------------------------------------------------ what the edge sends
+
+    def receive(self, message: Frame) -> Verdict:
+        """Judge one message (or binary frame) the edge sent. Never raises."""
+        state = self.state
+        if state is State.OPEN:
+            return self._receive_open(message)
+        over = self._over()
+        if over is not None:
+            return over
+        if state is State.AWAITING_HELLO:
+            return self._fail(f"{_describe(message)} before this node's hello")
+        if not isinstance(message, Welcome):
+            return self._fail(f"expected welcome, got {_describe(message)}")
+        if message.protocol != PROTOCOL_VERSION:
+            return self._fail(
+                f"protocol version {message.protocol} is not supported "
+                f"(this node speaks {PROTOCOL_VERSION})"
+            )
+        self.generation = message.generation
+        self.state = State.OPEN
+        return ACCEPTED
+
+    def _receive_open(self, message: Frame) -> Verdict:
+        if isinstance(message, RunRequest):
+            if message.run_id in self._runs:
+                return self._fail(f"run.request for run {message.run_id!r}, which is running")
+            self._runs[message.run_id] = 0
+            return ACCEPTED
+        if isinstance(message, TunnelRequest):
+            if message.tunnel_id in self._tunnels:
+                return self._fail(f"tunnel.request for tunnel {message.tunnel_id!r}, which is open")
+            self._tunnels[message.tunnel_id] = _AWAITING_START
+            return ACCEPTED
+        if isinstance(message, RunCancel | TunnelCancel | TunnelCredit | TunnelData):
+            # For a run or tunnel that just ended here they are late, not wrong.
+            known = self._runs if isinstance(message, RunCancel) else self._tunnels
+            key = message.run_id if isinstance(message, RunCancel) else message.tunnel_id
+            if key in known:
+                return ACCEPTED
+            return Tolerated(f"{_describe(message)} for {key!r}, which is not running here")
+        if isinstance(message, Ping):
+            return ACCEPTED
+        if isinstance(message, EdgeDraining):
+            self.edge_draining = True
+            return ACCEPTED
+        return self._fail(f"unexpected {_describe(message)} message from the edge")
+
+    # ------------------------------------------------------------------ what the node sends
+
+    def send(self, message: Frame) -> None:
+        """Record a message (or binary frame) the node is sending. Raises
+        :class:`LocalProtocolError` if the node may not send it now."""
+        state = self.state
+        if state is State.CLOSED or state is State.FAILED:
+            return
+        if state is State.AWAITING_HELLO:
+            if not isinstance(message, Hello):
+                raise LocalProtocolError(f"cannot send {_describe(message)} before hello")
+            self.state = State.AWAITING_WELCOME
+            return
+        if state is State.AWAITING_WELCOME:
+            raise LocalProtocolError(f"cannot send {_describe(message)} before the welcome")
+        if isinstance(message, _RUN_EVENTS):
+            expected = self._runs.get(message.run_id)
+            if expected is None:
+                raise LocalProtocolError(
+                    f"{message.TYPE!r} for run {message.run_id!r}, which is not running here"
+                )
+            if message.seq != expected:
+                raise LocalProtocolError(
+                    f"{message.TYPE!r} for run {message.run_id!r} with seq {message.seq}, "
+                    f"expected {expected}"
+                )
+            if type(message) in TERMINAL_EVENT_TYPES:
+                del self._runs[message.run_id]
+            else:
+                self._runs[message.run_id] = expected + 1
+        elif isinstance(message, _TUNNEL_FRAMES):
+            self._send_tunnel_frame(message)
+        elif isinstance(message, NodeDraining):
+            self.node_draining = True
+        elif not isinstance(message, Pong | Capacity):
+            raise LocalProtocolError(f"{message.TYPE!r} is not the node's to send")
+
+    def _send_tunnel_frame(self, message: TunnelData | TunnelStart | TunnelEnd) -> None:
+        phase = self._tunnels.get(message.tunnel_id)
+        where = f"tunnel {message.tunnel_id!r}"
+        if phase is None:
+            raise LocalProtocolError(f"{_describe(message)} for {where}, which is not open")
+        if isinstance(message, TunnelStart):
+            if phase != _AWAITING_START:
+                raise LocalProtocolError(f"{where}: a second tunnel.start")
+            self._tunnels[message.tunnel_id] = _STARTED
+        elif isinstance(message, TunnelData):
+            if phase != _STARTED:
+                raise LocalProtocolError(f"{where}: body frame before tunnel.start")
+        else:
+            del self._tunnels[message.tunnel_id]
+
+    def close(self) -> None:
+        if self.state is not State.FAILED:
+            self.state = State.CLOSED
+
+    def next_seq(self, run_id: str) -> int | None:
+        """The ``seq`` this node's next event for ``run_id`` must carry (None: not running)."""
+        return self._runs.get(run_id)
+
+    def running(self) -> set[str]:
+        return set(self._runs)
