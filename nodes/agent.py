@@ -383,17 +383,10 @@ async def _receive_loop(
             return _protocol_error(str(exc))
         if isinstance(message, wire.Ping):
             await sender.send(wire.Pong(nonce=message.nonce))
-        elif isinstance(message, wire.RunRequest) and state.draining:
-            log.info("run %s: refused, this node is draining", message.run_id)
-            await sender.send(
-                wire.RunFailed(
-                    run_id=message.run_id,
-                    seq=0,
-                    code=NODE_DRAINING,
-                    message="this node is draining: it takes no new runs",
-                    retryable=True,
-                )
-            )
+        elif isinstance(message, wire.RunRequest | wire.TunnelRequest) and state.draining:
+            refusal = _draining_refusal(message)
+            log.info("%s: refused, this node is draining", _describe_work(message))
+            await sender.send(refusal)
         elif isinstance(message, wire.RunRequest):
             log.debug(
                 "run %s: request for %s on provider %s",
@@ -407,15 +400,6 @@ async def _receive_loop(
             runner.cancel(message.run_id, message.reason)
         elif isinstance(message, wire.TunnelCredit):
             tunnels.credit(message.tunnel_id, message.bytes)
-        elif isinstance(message, wire.TunnelRequest) and state.draining:
-            log.info("tunnel %s: refused, this node is draining", message.tunnel_id)
-            await sender.send(
-                wire.TunnelEnd(
-                    tunnel_id=message.tunnel_id,
-                    error=f"{NODE_DRAINING}: this node is draining: it takes no new tunnels",
-                    retryable=True,
-                )
-            )
         elif isinstance(message, wire.TunnelRequest):
             log.debug(
                 "tunnel %s: %s %s on provider %s",
@@ -438,6 +422,30 @@ async def _receive_loop(
                 )
         else:
             return _protocol_error(f"unexpected {_describe(message)} from the edge")
+
+
+def _draining_refusal(message: wire.RunRequest | wire.TunnelRequest) -> wire.NodeMessage:
+    """The answer to work the edge sent after this node said it is draining: a retryable
+    failure with code :data:`NODE_DRAINING`."""
+    if isinstance(message, wire.RunRequest):
+        return wire.RunFailed(
+            run_id=message.run_id,
+            seq=0,
+            code=NODE_DRAINING,
+            message="this node is draining: it takes no new runs",
+            retryable=True,
+        )
+    return wire.TunnelEnd(
+        tunnel_id=message.tunnel_id,
+        error=f"{NODE_DRAINING}: this node is draining: it takes no new tunnels",
+        retryable=True,
+    )
+
+
+def _describe_work(message: wire.RunRequest | wire.TunnelRequest) -> str:
+    if isinstance(message, wire.RunRequest):
+        return f"run {message.run_id}"
+    return f"tunnel {message.tunnel_id}"
 
 
 def _protocol_error(reason: str) -> tuple[int, str]:

@@ -49,7 +49,7 @@ from nodes.adapters.base import (
     Adapter,
     AdapterError,
     DropConnection,
-    RunOutput,
+    RefusingAdapter,
     TokenEstimator,
     estimate_prompt_tokens,
 )
@@ -169,18 +169,6 @@ class _Output:
         self._run.ignoring_cancel = True
 
 
-@attrs.frozen
-class _UnknownProvider:
-    provider_id: str
-
-    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
-        raise AdapterError(
-            "unknown_provider",
-            f"this node has no provider {self.provider_id!r}",
-            retryable=True,
-        )
-
-
 class Runner:
     """Runs requests on adapters. Create with :func:`open_runner`."""
 
@@ -212,7 +200,9 @@ class Runner:
                 ),
             )
             return
-        adapter = self._adapters.get(request.provider_id) or _UnknownProvider(request.provider_id)
+        adapter = self._adapters.get(request.provider_id) or RefusingAdapter(
+            "unknown_provider", f"this node has no provider {request.provider_id!r}"
+        )
         run = self._runs[run_id] = _Run(run_id)
         self._nursery.start_soon(self._run, run, adapter, request, name=f"run {run_id}")
 

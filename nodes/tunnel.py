@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Final
+from typing import Final
 
 import attrs
 import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
@@ -43,7 +43,13 @@ import trio
 from dispatcher import wire
 from dispatcher.excgroups import first_leaf
 from dispatcher.transport import ConnectionClosed
-from nodes.adapters._http import HTTPTimeouts, Redactor, display_url, parse_timeout_option
+from nodes.adapters._http import (
+    HTTPTimeouts,
+    Redactor,
+    display_url,
+    finished,
+    split_timeouts,
+)
 from nodes.config import NodeConfigError, ProviderConfig
 
 log = logging.getLogger("nodes.tunnel")
@@ -54,8 +60,6 @@ SendData = Callable[[str, bytes], Awaitable[None]]
 
 MAX_PENDING: Final = 64 * 1024
 """Upstream body bytes a tunnel buffers before it stops reading the upstream."""
-DRAIN_TIMEOUT: Final = 1.0
-"""Bound on unwinding httpx's iterators after the response was closed (normally instant)."""
 MAX_CONNECTIONS: Final = 256
 """Concurrent upstream connections per provider."""
 
@@ -108,9 +112,7 @@ class TunnelProvider:
         """Raises :class:`NodeConfigError` when ``api_key_env`` names a variable that is not
         set (or empty) in ``environ`` (default ``os.environ``)."""
         api_key = provider.api_key(environ)
-        timeouts: dict[str, Any] = {}
-        for key, value in provider.options.items():
-            parse_timeout_option(key, value, timeouts)
+        timeouts, _ = split_timeouts(provider.options)  # the rest is the adapter's
         base_url = provider.base_url or DEFAULT_BASE_URLS.get(provider.type, "")
         if not base_url:
             raise NodeConfigError(f"provider {provider.id!r}", "base_url", "missing")
@@ -118,7 +120,7 @@ class TunnelProvider:
             id=provider.id,
             base_url=base_url,
             api_key=api_key,
-            timeouts=HTTPTimeouts(**timeouts),
+            timeouts=timeouts,
         )
 
     def url(self, path: str, query: str = "") -> str:
@@ -356,31 +358,23 @@ class TunnelRunner:
     async def _read(self, tunnel: _Tunnel, response: httpx.Response, where: str) -> None:
         """Read the upstream body into ``pending`` while it has room. A failure of the
         upstream is recorded, not raised: what was read before it is still sent."""
-        iterator = response.aiter_raw()
-        try:
-            async for piece in iterator:
-                while len(tunnel.pending) >= MAX_PENDING:
-                    await tunnel.changed.park()
-                tunnel.pending += piece
-                self._peak_pending = max(self._peak_pending, len(tunnel.pending))
+        # finished(): however this is left (cancelled too), the response is closed and
+        # httpx's chain of generators unwound, shielded and bounded.
+        async with finished(response, response.aiter_raw()) as iterator:
+            try:
+                async for piece in iterator:
+                    while len(tunnel.pending) >= MAX_PENDING:
+                        await tunnel.changed.park()
+                    tunnel.pending += piece
+                    self._peak_pending = max(self._peak_pending, len(tunnel.pending))
+                    tunnel.changed.unpark_all()
+            except httpx.HTTPError as exc:
+                tunnel.upstream_error = (
+                    f"upstream_disconnected: {where}: the body broke off: {_name(exc)}"
+                )
+            finally:
+                tunnel.eof = True
                 tunnel.changed.unpark_all()
-        except httpx.HTTPError as exc:
-            tunnel.upstream_error = (
-                f"upstream_disconnected: {where}: the body broke off: {_name(exc)}"
-            )
-        finally:
-            tunnel.eof = True
-            tunnel.changed.unpark_all()
-            # httpx's iterators are a chain of async generators; when left early (cancelled)
-            # close the response, then resume the chain so every generator unwinds (else
-            # Trio warns about unclosed generators). Shielded and bounded.
-            with trio.move_on_after(DRAIN_TIMEOUT, shield=True):
-                await response.aclose()
-                try:
-                    async for _ in iterator:
-                        pass
-                except Exception:  # the read on the closed response fails: expected
-                    pass
 
     async def _write(self, tunnel: _Tunnel) -> None:
         """Send ``pending`` as credit allows, until the reader is done and all is sent."""

@@ -10,8 +10,8 @@ adapters=...)``: the type exists, may be tunnelled, its ``options`` parse) and w
 :func:`build_adapters` builds from. Both take another registry too, so a type can be added
 without touching this package: ``{**ADAPTERS, "mine": AdapterSpec(...)}``.
 
-A provider whose type is in no registry (one built in Python) gets an
-:class:`UnsupportedAdapter`, whose runs fail with code ``unsupported_adapter``.
+A provider whose type is in no registry (one built in Python) gets a :class:`RefusingAdapter`
+whose runs fail with code ``unsupported_adapter`` (retryable).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import Any, Final, Protocol
 
 import attrs
 
-from dispatcher import wire
 from nodes.adapters.base import (
     Adapter,
     AdapterError,
     AdapterFactory,
     DropConnection,
+    RefusingAdapter,
     RunOutput,
     estimate_tokens,
 )
@@ -46,8 +46,8 @@ __all__ = [
     "EchoAdapter",
     "EchoOptions",
     "OptionsClass",
+    "RefusingAdapter",
     "RunOutput",
-    "UnsupportedAdapter",
     "build_adapters",
     "estimate_tokens",
     "make_adapter",
@@ -86,26 +86,14 @@ ADAPTERS: Final[Mapping[str, AdapterSpec]] = {
 }
 
 
-@attrs.frozen
-class UnsupportedAdapter:
-    """Stands in for a declared provider type this node cannot run yet."""
-
-    type: str
-
-    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
-        raise AdapterError(
-            "unsupported_adapter",
-            f"this node cannot run {self.type!r} providers yet",
-            retryable=True,
-        )
-
-
 def make_adapter(
     provider: ProviderConfig, adapters: Mapping[str, AdapterSpec] = ADAPTERS
 ) -> Adapter:
     spec = adapters.get(provider.type)
     if spec is None:
-        return UnsupportedAdapter(provider.type)
+        return RefusingAdapter(
+            "unsupported_adapter", f"this node cannot run {provider.type!r} providers yet"
+        )
     return spec.factory(provider)
 
 

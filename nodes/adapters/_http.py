@@ -115,6 +115,16 @@ def parse_timeout_option(key: str, value: Any, fields: dict[str, Any]) -> bool:
     return True
 
 
+def split_timeouts(raw: Mapping[str, Any]) -> tuple[HTTPTimeouts, dict[str, Any]]:
+    """An HTTP provider's ``options``: its ``connect_timeout`` / ``read_timeout`` parsed (see
+    :func:`parse_timeout_option`), and the other keys as they are."""
+    timeouts: dict[str, Any] = {}
+    rest = {
+        key: value for key, value in raw.items() if not parse_timeout_option(key, value, timeouts)
+    }
+    return HTTPTimeouts(**timeouts), rest
+
+
 def chat_url(base_url: str, path: str) -> str:
     """``base_url`` (trailing slashes dropped) joined with ``path``."""
     return base_url.rstrip("/") + path
@@ -416,12 +426,12 @@ def _transport_failure(code: str, message: str, where: str, exc: Exception) -> A
 @asynccontextmanager
 async def response_lines(response: httpx.Response) -> AsyncIterator[AsyncIterator[str]]:
     """``response.aiter_lines()``, finished properly however the block is left."""
-    async with _finished(response, response.aiter_lines()) as lines:
+    async with finished(response, response.aiter_lines()) as lines:
         yield lines
 
 
 @asynccontextmanager
-async def _finished(
+async def finished(
     response: httpx.Response, iterator: AsyncIterator[_T]
 ) -> AsyncIterator[AsyncIterator[_T]]:
     """``iterator`` (one of httpx's response iterators), finished when the block is left.
@@ -448,7 +458,7 @@ async def _finished(
 async def _status_error(response: httpx.Response, where: str, redact: Redactor) -> AdapterError:
     status = response.status_code
     raw = bytearray()
-    async with _finished(response, response.aiter_bytes()) as chunks:
+    async with finished(response, response.aiter_bytes()) as chunks:
         async for chunk in chunks:
             raw += chunk
             if len(raw) >= MAX_ERROR_BODY:

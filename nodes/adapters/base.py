@@ -28,6 +28,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
+
 from dispatcher import wire
 
 if TYPE_CHECKING:
@@ -98,6 +100,18 @@ class RunOutput(Protocol):
 
 class Adapter(Protocol):
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None: ...
+
+
+@attrs.frozen
+class RefusingAdapter:
+    """An adapter whose every run fails, retryably (another candidate may serve it), with
+    ``code`` and ``message``: it stands in for what this node cannot run."""
+
+    code: str
+    message: str
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        raise AdapterError(self.code, self.message, retryable=True)
 
 
 AdapterFactory = Callable[["ProviderConfig"], Adapter]

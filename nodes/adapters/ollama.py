@@ -50,9 +50,9 @@ from nodes.adapters._http import (
     chat_url,
     error_event_failure,
     loads_object,
-    parse_timeout_option,
     post_stream,
     response_lines,
+    split_timeouts,
 )
 from nodes.adapters.base import (
     AdapterError,
@@ -95,11 +95,9 @@ class OllamaOptions:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OllamaOptions:
-        timeouts: dict[str, Any] = {}
+        timeouts, rest = split_timeouts(raw)
         fields: dict[str, Any] = {}
-        for key, value in raw.items():
-            if parse_timeout_option(key, value, timeouts):
-                continue
+        for key, value in rest.items():
             if key == "keep_alive":
                 if type(value) not in (str, int, float):
                     raise OptionsError(key, f"expected a duration string or seconds, got {value!r}")
@@ -110,7 +108,7 @@ class OllamaOptions:
                 fields[key] = dict(value)
             else:
                 raise OptionsError(key, "unknown ollama option")
-        return cls(timeouts=HTTPTimeouts(**timeouts), **fields)
+        return cls(timeouts=timeouts, **fields)
 
 
 @attrs.frozen(kw_only=True)

@@ -39,9 +39,9 @@ from nodes.adapters._http import (
     chat_url,
     error_event_failure,
     loads_object,
-    parse_timeout_option,
     post_stream,
     response_lines,
+    split_timeouts,
 )
 from nodes.adapters.base import AdapterError, RunOutput
 from nodes.config import OptionsError, ProviderConfig
@@ -61,18 +61,16 @@ class OpenAIOptions:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OpenAIOptions:
-        timeouts: dict[str, Any] = {}
+        timeouts, rest = split_timeouts(raw)
         fields: dict[str, Any] = {}
-        for key, value in raw.items():
-            if parse_timeout_option(key, value, timeouts):
-                continue
+        for key, value in rest.items():
             if key == "include_usage":
                 if type(value) is not bool:
                     raise OptionsError(key, f"expected true or false, got {value!r}")
                 fields[key] = value
             else:
                 raise OptionsError(key, "unknown openai option")
-        return cls(timeouts=HTTPTimeouts(**timeouts), **fields)
+        return cls(timeouts=timeouts, **fields)
 
 
 def completions_url(base_url: str) -> str:
