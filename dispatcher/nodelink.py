@@ -4,7 +4,10 @@
 agnostic: the HTTP endpoint runs it over our server's websocket, and embedded apps and tests
 run it over an in-memory connection. Whatever the node sends that breaks the protocol closes
 *that* session (code 1002, with the reason) and is logged; nothing it sends can hurt the edge
-or other nodes.
+or other nodes. What the node may send when is not decided here: every message is judged by
+the session's protocol state machine (:class:`dispatcher.protocol.EdgeProtocol`, via
+:meth:`NodeSession.receive`); this module owns the policy on top (tokens, identities, the
+limits of a ``hello`` or ``capacity``, heartbeats).
 
 **Who may be which node.** With node tokens configured, ``hello.token`` must be one of them,
 and the token must be allowed the node id it claims (:class:`NodeCredential`: a plain token
@@ -31,7 +34,7 @@ import attrs
 import trio
 
 from . import wire
-from .registry import NodeGone, NodeIdInUse, NodeSession, Registry, SessionProtocolError
+from .registry import NodeGone, NodeIdInUse, NodeSession, Registry
 from .transport import Connection, ConnectionClosed
 
 log = logging.getLogger("dispatcher.nodes")
@@ -233,9 +236,10 @@ async def serve_node_connection(
     session: NodeSession | None = None
     close_code, close_reason = CLOSE_GOING_AWAY, "session ended"
     try:
-        hello, credential = await _receive_hello(conn, settings, authenticated_as)
+        protocol = wire.EdgeProtocol()
+        hello, credential = await _receive_hello(conn, settings, authenticated_as, protocol)
         try:
-            session = registry.register(hello, conn, credential=credential)
+            session = registry.register(hello, conn, credential=credential, protocol=protocol)
         except NodeIdInUse as exc:
             raise _Closing(CLOSE_NODE_ID_IN_USE, str(exc)) from None
         log.info(
@@ -282,9 +286,13 @@ async def serve_node_connection(
 
 
 async def _receive_hello(
-    conn: Connection, settings: NodeLinkSettings, authenticated_as: str | None
+    conn: Connection,
+    settings: NodeLinkSettings,
+    authenticated_as: str | None,
+    protocol: wire.EdgeProtocol,
 ) -> tuple[wire.Hello, str | None]:
-    """The node's hello and the credential it authenticated with."""
+    """The node's hello (judged by ``protocol``) and the credential it authenticated
+    with."""
     with trio.move_on_after(settings.hello_timeout) as scope:
         frame = await conn.receive()
     if scope.cancelled_caught:
@@ -295,14 +303,10 @@ async def _receive_hello(
         message = wire.decode(frame)
     except wire.ProtocolError as exc:
         raise _Closing(CLOSE_PROTOCOL_ERROR, f"bad hello: {exc}") from None
-    if not isinstance(message, wire.Hello):
-        raise _Closing(CLOSE_PROTOCOL_ERROR, f"expected hello, got {message.TYPE!r}")
-    if message.protocol != wire.PROTOCOL_VERSION:
-        raise _Closing(
-            CLOSE_PROTOCOL_ERROR,
-            f"protocol version {message.protocol} is not supported "
-            f"(this edge speaks {wire.PROTOCOL_VERSION})",
-        )
+    verdict = protocol.receive(message)
+    if isinstance(verdict, wire.ProtocolError):
+        raise _Closing(CLOSE_PROTOCOL_ERROR, str(verdict))
+    assert isinstance(message, wire.Hello)  # the machine accepts nothing else first
     credential = authenticated_as
     if authenticated_as is None:
         auth = authenticate(message.token, message.node_id, settings.node_tokens)
@@ -369,40 +373,31 @@ async def _serve_session(
             frame = await conn.receive()
             last_seen = trio.current_time()
             try:
-                if isinstance(frame, bytes):
-                    session.route_tunnel(wire.decode_binary(frame))
-                    continue
-                message = wire.decode(frame)
-                if isinstance(message, wire.Pong):
-                    continue
-                if isinstance(message, _RUN_EVENTS):
-                    session.route(message)
-                    continue
-                if isinstance(message, wire.TunnelStart | wire.TunnelEnd):
-                    session.route_tunnel(message)
-                    continue
-            except (wire.ProtocolError, SessionProtocolError) as exc:
+                message = (
+                    wire.decode_binary(frame) if isinstance(frame, bytes) else wire.decode(frame)
+                )
+            except wire.ProtocolError as exc:
                 raise _Closing(CLOSE_PROTOCOL_ERROR, str(exc)) from None
+            # The protocol machine judges it (and the session routes it): everything but the
+            # two control messages whose policy is ours ends here.
+            violation = session.receive(message)
+            if violation is not None:
+                raise _Closing(CLOSE_PROTOCOL_ERROR, str(violation))
             if isinstance(message, wire.Capacity):
                 refused = check_slots(message.slots, message.long_context_slots, settings.limits)
                 if refused is not None:
                     raise _Closing(CLOSE_PROTOCOL_ERROR, f"bad capacity: {refused}")
                 if on_capacity is not None:
                     on_capacity(session, message)
-            elif isinstance(message, wire.NodeDraining):
-                if not session.draining:
-                    session.draining = True
-                    log.info(
-                        "node %s is draining (grace %.1f s): routing nothing new to it",
-                        session.node_id,
-                        message.grace,
-                    )
-                    if on_draining is not None:
-                        on_draining(session)
-            else:
-                raise _Closing(
-                    CLOSE_PROTOCOL_ERROR, f"unexpected {message.TYPE!r} message from a node"
+            elif isinstance(message, wire.NodeDraining) and not session.draining:
+                session.draining = True
+                log.info(
+                    "node %s is draining (grace %.1f s): routing nothing new to it",
+                    session.node_id,
+                    message.grace,
                 )
+                if on_draining is not None:
+                    on_draining(session)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer, nursery.cancel_scope, name=f"node {session.node_id} writer")
@@ -416,13 +411,3 @@ async def _serve_session(
             end(_Closing(CLOSE_GOING_AWAY, f"connection lost: {exc.reason}"))
         nursery.cancel_scope.cancel()
     return closing or _Closing(CLOSE_GOING_AWAY, "session ended")
-
-
-_RUN_EVENTS = (
-    wire.RunStarted,
-    wire.RunDelta,
-    wire.RunUsage,
-    wire.RunCompleted,
-    wire.RunFailed,
-    wire.RunCancelled,
-)

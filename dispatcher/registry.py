@@ -7,11 +7,13 @@ sent on it. A connection claiming a live session's node id with another credenti
 (:class:`NodeIdInUse`) and the live session is untouched: holding some node token does not
 make you every node.
 
-A session routes the run events its node sends to the subscription of that run (opened by
-:mod:`dispatcher.runs` before the run request is sent, so no event can be missed). Events for
-a run the edge never gave this session are a protocol error; late events for a run that
-recently ended here (a cancel confirmation after the client left) are kept for the run's
-usage row, then dropped.
+A session routes what its node sends (:meth:`NodeSession.receive`) to the subscription of that
+run (opened by :mod:`dispatcher.runs` before the run request is sent, so no event can be
+missed) or the route of that tunnel. Whether the node may send it is the session's protocol
+state machine's call (:class:`dispatcher.protocol.EdgeProtocol`, fed every message both ways):
+an event for a run the edge never gave this session, a ``seq`` out of order, an event after the
+run's terminal are protocol errors; late events for a run that recently ended here (a cancel
+confirmation after the client left) are kept for the run's usage row, then dropped.
 
 **One owner of the writes.** Nothing a request does runs a write on the node's connection:
 a cancelled ``send_all`` half-way through a frame aborts the whole websocket, and with it every
@@ -46,9 +48,9 @@ log = logging.getLogger("dispatcher.registry")
 SUBSCRIPTION_BUFFER = 4096
 """Events buffered per run before the run is failed as too slow to consume. Bounded so a
 stuck consumer can neither grow memory nor stall the node's whole connection."""
-RECENT_RUNS = 4096
+RECENT_RUNS = wire.RECENT_RUNS
 """How many ended run ids a session remembers, to tolerate their late events."""
-RECENT_TUNNELS = 4096
+RECENT_TUNNELS = wire.RECENT_TUNNELS
 """How many ended tunnel ids a session remembers, to tolerate their late frames."""
 MAX_OUTBOX = 65536
 """Frames a session's outbox may hold before the node is deemed not to be reading: its
@@ -60,7 +62,8 @@ class NodeGone(Exception):
 
 
 class SessionProtocolError(Exception):
-    """The node broke the protocol; its session must be closed."""
+    """The node broke the protocol (raised by a tunnel route: more body bytes than granted);
+    its session must be closed."""
 
 
 class NodeIdInUse(Exception):
@@ -200,8 +203,9 @@ class Subscription:
 
 class TunnelRoute(Protocol):
     """Where a session delivers one tunnel's messages (implemented by ``dispatcher.tunnel``).
-    Called from the session's receive loop: never blocks; raises
-    :class:`SessionProtocolError` for a message that breaks the protocol."""
+    Called from the session's receive loop, for messages the protocol machine accepted:
+    never blocks; raises :class:`SessionProtocolError` for a message that breaks the
+    protocol (flow control is the route's)."""
 
     def deliver_start(self, message: wire.TunnelStart) -> None: ...
     def deliver_data(self, data: bytes) -> None: ...
@@ -224,19 +228,18 @@ class NodeSession:
     _conn: Connection
     _outbox: collections.deque[Outgoing] = attrs.field(factory=collections.deque)
     _outbox_lot: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
+    protocol: wire.EdgeProtocol = attrs.field(factory=wire.EdgeProtocol)
+    """The session's protocol state: what the node may send now (see :meth:`receive`)."""
     runs: dict[str, Subscription] = attrs.field(factory=dict)
     """Open subscriptions, by run id."""
-    _ended_runs: collections.OrderedDict[str, LateEvents | None] = attrs.field(
-        factory=collections.OrderedDict
-    )
-    """The last RECENT_RUNS runs whose subscription closed, with what to do with their late
-    events (a cancel confirmation, the last usage), if anything."""
+    _late_runs: dict[str, LateEvents] = attrs.field(factory=dict)
+    """Runs whose subscription closed before their terminal event, with what to do with their
+    late events (a cancel confirmation, the last usage); as many as ``protocol`` remembers."""
     tunnels: dict[str, TunnelRoute] = attrs.field(factory=dict)
     """Open tunnel routes, by tunnel id."""
-    _ended_tunnels: collections.OrderedDict[str, TunnelRoute | None] = attrs.field(
-        factory=collections.OrderedDict
-    )
-    """The last RECENT_TUNNELS tunnels whose route closed (None once their end arrived)."""
+    _late_tunnels: dict[str, TunnelRoute] = attrs.field(factory=dict)
+    """Tunnels whose route closed, until their late end arrives or ``protocol`` forgets
+    them."""
     closed_reason: str | None = None
     credential: str | None = attrs.field(default=None, repr=False)
     """Who the node authenticated as (see ``nodelink.authenticate``); only a connection
@@ -269,6 +272,7 @@ class NodeSession:
         :class:`NodeGone` if the session is over."""
         if self.closed_reason is not None:
             raise self._gone()
+        self.protocol.send(message)
         outgoing = Outgoing(wire.encode(message))
         self._push(outgoing)
         return outgoing
@@ -279,7 +283,11 @@ class NodeSession:
         are failed by the registry; there is nobody left to tell)."""
         if self.closed_reason is not None:
             return
-        frame = message if isinstance(message, bytes) else wire.encode(message)
+        if isinstance(message, bytes):
+            frame: str | bytes = message
+        else:
+            self.protocol.send(message)
+            frame = wire.encode(message)
         self._push(Outgoing(frame))
 
     async def send(self, message: wire.EdgeMessage) -> None:
@@ -342,28 +350,13 @@ class NodeSession:
             yield subscription
         finally:
             del self.runs[run_id]
-            self._ended_runs[run_id] = None if subscription.finished else subscription.on_late_event
-            if len(self._ended_runs) > RECENT_RUNS:
-                self._ended_runs.popitem(last=False)
+            late = subscription.on_late_event
+            if late is not None and not subscription.finished:
+                self._late_runs[run_id] = late
+            forgotten = self.protocol.close_run(run_id)
+            if forgotten is not None:
+                self._late_runs.pop(forgotten, None)
             subscription.close()
-
-    def route(self, event: wire.RunEvent) -> None:
-        """Deliver a node's run event. Raises :class:`SessionProtocolError` for a run this
-        session was never given."""
-        subscription = self.runs.get(event.run_id)
-        if subscription is not None:
-            subscription.deliver(event)
-            return
-        if event.run_id in self._ended_runs:
-            callback = self._ended_runs[event.run_id]
-            if wire.is_terminal(event):
-                self._ended_runs[event.run_id] = None  # nothing more is expected of it
-            if callback is not None and isinstance(event, (wire.RunUsage, *wire.TERMINAL_EVENTS)):
-                callback(event)
-            return
-        raise SessionProtocolError(
-            f"event {event.TYPE!r} for run {event.run_id!r}, which this session was not given"
-        )
 
     @contextmanager
     def route_tunnel_to(self, tunnel_id: str, route: TunnelRoute) -> Iterator[None]:
@@ -377,55 +370,66 @@ class NodeSession:
             yield
         finally:
             del self.tunnels[tunnel_id]
-            self._ended_tunnels[tunnel_id] = route
-            if len(self._ended_tunnels) > RECENT_TUNNELS:
-                self._ended_tunnels.popitem(last=False)
+            self._late_tunnels[tunnel_id] = route
+            forgotten = self.protocol.close_tunnel(tunnel_id)
+            if forgotten is not None:
+                self._late_tunnels.pop(forgotten, None)
 
-    def route_tunnel(self, message: wire.TunnelStart | wire.TunnelEnd | wire.TunnelData) -> None:
-        """Deliver a node's tunnel message or body frame. Raises
-        :class:`SessionProtocolError` for a tunnel this session was never given."""
-        tunnel_id = message.tunnel_id
-        route = self.tunnels.get(tunnel_id)
-        if route is not None:
-            if isinstance(message, wire.TunnelData):
-                route.deliver_data(message.data)
-            elif isinstance(message, wire.TunnelStart):
-                route.deliver_start(message)
-            else:
-                route.deliver_end(message)
-            return
-        if tunnel_id in self._ended_tunnels:
-            if isinstance(message, wire.TunnelEnd):
-                late = self._ended_tunnels[tunnel_id]
-                self._ended_tunnels[tunnel_id] = None
-                if late is not None:
-                    late.late_end(message)
-            return
-        what = "binary frame" if isinstance(message, wire.TunnelData) else repr(message.TYPE)
-        raise SessionProtocolError(
-            f"{what} for no open tunnel: {tunnel_id!r} was not given to this session"
-        )
+    def receive(self, message: wire.Frame) -> wire.ProtocolError | None:
+        """Judge one message (or binary frame) from the node with the session's protocol
+        machine and deliver it: a run event to its subscription, a tunnel message to its
+        route, a late one to what its run or tunnel left behind. Returns the violation that
+        must close the session, if any; capacity and draining are the caller's."""
+        verdict = self.protocol.receive(message)
+        if isinstance(verdict, wire.Accepted):
+            if isinstance(message, _RUN_EVENTS):
+                subscription = self.runs.get(message.run_id)
+                if subscription is not None:
+                    subscription.deliver(message)
+            elif isinstance(message, _TUNNEL_FRAMES):
+                route = self.tunnels.get(message.tunnel_id)
+                if route is not None:
+                    try:
+                        if isinstance(message, wire.TunnelData):
+                            route.deliver_data(message.data)
+                        elif isinstance(message, wire.TunnelStart):
+                            route.deliver_start(message)
+                        else:
+                            route.deliver_end(message)
+                    except SessionProtocolError as exc:
+                        return wire.ProtocolError(str(exc))
+            return None
+        if isinstance(verdict, wire.Tolerated):
+            if isinstance(message, _LATE_RUN_EVENTS):
+                if wire.is_terminal(message):
+                    callback = self._late_runs.pop(message.run_id, None)
+                else:
+                    callback = self._late_runs.get(message.run_id)
+                if callback is not None:
+                    callback(message)
+            elif isinstance(message, wire.TunnelEnd):
+                route = self._late_tunnels.pop(message.tunnel_id, None)
+                if route is not None:
+                    route.late_end(message)
+            return None
+        return verdict
 
     def fail_all(self, code: str, message: str) -> None:
         """End every open run and tunnel with a synthesized retryable failure (the node is
         gone), and settle the runs that ended here unconfirmed: their confirmation will
         never come, so their usage rows need not wait for it."""
         self._drop_outbox(message)
+        self.protocol.close()
         for run_id, subscription in list(self.runs.items()):
             subscription.deliver(
                 wire.RunFailed(run_id=run_id, seq=-1, code=code, message=message, retryable=True)
             )
-        ended, self._ended_runs = self._ended_runs, collections.OrderedDict()
+        ended, self._late_runs = self._late_runs, {}
         for run_id, late in ended.items():
-            if late is not None:
-                late(
-                    wire.RunFailed(
-                        run_id=run_id, seq=-1, code=code, message=message, retryable=True
-                    )
-                )
+            late(wire.RunFailed(run_id=run_id, seq=-1, code=code, message=message, retryable=True))
         for route in list(self.tunnels.values()):
             route.lost(code, message)
-        self._ended_tunnels.clear()
+        self._late_tunnels.clear()
 
 
 @attrs.define(eq=False)
@@ -445,18 +449,34 @@ class Registry:
         self._left.append(callback)
 
     def register(
-        self, hello: wire.Hello, conn: Connection, *, credential: str | None = None
+        self,
+        hello: wire.Hello,
+        conn: Connection,
+        *,
+        credential: str | None = None,
+        protocol: wire.EdgeProtocol | None = None,
     ) -> NodeSession:
         """A new session for ``hello.node_id``, superseding the current one if it has the
         same ``credential``. Raises :class:`NodeIdInUse` (and changes nothing) if the current
-        one has another."""
+        one has another. ``protocol``: the machine that received ``hello`` (a new one that
+        is given ``hello`` if None); the session is open once the welcome is sent."""
         old = self.sessions.get(hello.node_id)
         if old is not None:
             if old.credential != credential:
                 raise NodeIdInUse(f"node id {hello.node_id!r} is in use by another credential")
             self._end(old, "stale_generation", "superseded by a reconnect of the same node")
+        if protocol is None:
+            protocol = wire.EdgeProtocol()
+            verdict = protocol.receive(hello)
+            if isinstance(verdict, wire.ProtocolError):
+                raise ValueError(f"not a hello this edge accepts: {verdict}")
         session = NodeSession(
-            hello.node_id, next(self._generations), hello, conn, credential=credential
+            hello.node_id,
+            next(self._generations),
+            hello,
+            conn,
+            protocol=protocol,
+            credential=credential,
         )
         self.sessions[hello.node_id] = session
         for callback in self._joined:
@@ -514,3 +534,16 @@ class Registry:
                 for model in provider.models:
                     served.setdefault(model.name, []).append((session, provider, model))
         return served
+
+
+_RUN_EVENTS = (
+    wire.RunDelta,
+    wire.RunStarted,
+    wire.RunUsage,
+    wire.RunCompleted,
+    wire.RunFailed,
+    wire.RunCancelled,
+)
+_TUNNEL_FRAMES = (wire.TunnelData, wire.TunnelStart, wire.TunnelEnd)
+_LATE_RUN_EVENTS = (wire.RunUsage, *wire.TERMINAL_EVENTS)
+"""A run's late events that settle what it left behind (its usage row)."""
