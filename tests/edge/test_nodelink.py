@@ -297,3 +297,59 @@ async def test_capacity_out_of_range_closes_the_session(
     closed = await closed_with(bad)
     assert (closed.code, closed.reason) == (1002, "bad capacity: slots -5 is outside 0..4096")
     await assert_other_node_serves(dispatcher, good)
+
+
+@pytest.mark.parametrize(
+    ("events", "reason"),
+    [
+        (
+            [wire.RunStarted(run_id="{r}", seq=0), wire.RunDelta(run_id="{r}", seq=2, text="x")],
+            "event 'run.delta' for run '{r}' has seq 2, expected 1",
+        ),
+        (
+            [wire.RunStarted(run_id="{r}", seq=0), wire.RunDelta(run_id="{r}", seq=0, text="x")],
+            "event 'run.delta' for run '{r}' has seq 0, expected 1",
+        ),
+        (
+            [wire.RunDelta(run_id="{r}", seq=1, text="x")],
+            "event 'run.delta' for run '{r}' has seq 1, expected 0",
+        ),
+        (
+            [wire.RunCompleted(run_id="{r}", seq=0), wire.RunDelta(run_id="{r}", seq=1, text="x")],
+            "event 'run.delta' for run '{r}' after its terminal event",
+        ),
+        (
+            [wire.RunCompleted(run_id="{r}", seq=0), wire.RunCompleted(run_id="{r}", seq=1)],
+            "event 'run.completed' for run '{r}' after its terminal event",
+        ),
+    ],
+    ids=["seq-gap", "seq-repeat", "seq-not-from-0", "event-after-terminal", "second-terminal"],
+)
+async def test_run_event_out_of_order_closes_the_session(
+    dispatcher: Dispatcher,
+    autojump_clock: trio.testing.MockClock,
+    events: list[wire.RunEvent],
+    reason: str,
+) -> None:
+    good = await connect(dispatcher, hello("good", model="good", token=TOKEN))
+    bad = await connect(dispatcher, hello("bad", model="bad", token=TOKEN))
+    seen: list[wire.RunEvent] = []
+    async with trio.open_nursery() as nursery:
+
+        async def client() -> None:
+            async with dispatcher.open_run(RunSpec(model="bad", body=BODY)) as run:
+                seen.extend([event async for event in run])
+
+        nursery.start_soon(client)
+        request = await bad.receive_run()
+        for event in events:
+            await bad.send(attrs.evolve(event, run_id=request.run_id))
+        closed = await closed_with(bad)
+    assert closed.code == 1002
+    assert closed.reason == reason.format(r=request.run_id)
+    assert "bad" not in dispatcher.registry.sessions
+    if not isinstance(events[0], wire.RunCompleted):
+        # The run did not end before the violation: it fails as the node's session ends.
+        assert isinstance(seen[-1], wire.RunFailed)
+        assert seen[-1].code == "node_lost"
+    await assert_other_node_serves(dispatcher, good)

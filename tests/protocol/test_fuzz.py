@@ -1,0 +1,423 @@
+"""The session state machine under Hypothesis (issue #11, acceptance 4).
+
+* :class:`HostileNode`: a ``RuleBasedStateMachine`` drives the edge's half with whatever a
+  hostile node may send -- run events for any run with any seq, tunnel frames in any order,
+  any message of the protocol, arbitrary bytes through the codec -- while the edge gives and
+  ends runs and tunnels. Every verdict is checked against a small reference model; the
+  machine never raises, never holds state for a run or tunnel it was not given, and its first
+  ``ProtocolError`` is final.
+* :func:`test_two_halves_accept_legal_traffic`: the edge's and the node's halves talk to each
+  other (through the codec, in both directions, interleaved as Hypothesis likes): everything
+  legal is accepted, and only what is late (an event for a run the edge ended, a cancel for
+  a run the node finished) is tolerated.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any
+
+import attrs
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from dispatcher import protocol as p
+from tests.test_wire import message_strategy
+
+RECENT = 3
+"""A small memory, so that forgetting ended runs and tunnels is exercised."""
+HELLO = p.Hello(protocol=p.PROTOCOL_VERSION, node_id="n")
+WELCOME = p.Welcome(protocol=p.PROTOCOL_VERSION, generation=1, heartbeat_interval=5.0)
+RUN_KINDS = (p.RunStarted, p.RunDelta, p.RunUsage, p.RunCompleted, p.RunFailed, p.RunCancelled)
+USAGE = p.Usage(prompt_tokens=1, completion_tokens=1)
+
+
+def run_event(kind: type[Any], run_id: str, seq: int) -> p.RunEvent:
+    if kind is p.RunUsage:
+        return p.RunUsage(run_id=run_id, seq=seq, usage=USAGE)
+    if kind is p.RunFailed:
+        return p.RunFailed(run_id=run_id, seq=seq, code="x", message="y")
+    event: p.RunEvent = kind(run_id=run_id, seq=seq)
+    return event
+
+
+def mostly(usual: st.SearchStrategy[Any], rare: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """``usual`` four times in five, else ``rare`` (so sessions live long enough to matter)."""
+    return st.integers(0, 4).flatmap(lambda n: rare if n == 0 else usual)
+
+
+@attrs.define
+class ModelRun:
+    next_seq: int = 0
+    terminal: bool = False
+
+
+@attrs.define
+class ModelTunnel:
+    started: bool = False
+    ended: bool = False
+
+
+class HostileNode(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sessions = 0
+        self.fresh()
+
+    def fresh(self) -> None:
+        """A new session: a new machine, an empty model."""
+        self.sessions += 1
+        self.edge = p.EdgeProtocol(recent_runs=RECENT, recent_tunnels=RECENT)
+        self.ids = itertools.count()
+        self.given_runs: set[str] = set()
+        self.given_tunnels: set[str] = set()
+        self.runs: dict[str, ModelRun] = {}
+        self.ended_runs: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self.tunnels: dict[str, ModelTunnel] = {}
+        self.ended_tunnels: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self.failure: p.ProtocolError | None = None
+
+    @initialize(handshake=mostly(st.just(True), st.just(False)))
+    def start(self, handshake: bool) -> None:
+        self.handshake(handshake)
+
+    def handshake(self, handshake: bool) -> None:
+        self.open = handshake
+        if handshake:
+            assert self.edge.receive(HELLO) is p.ACCEPTED
+            self.edge.send(WELCOME)
+
+    @rule(handshake=mostly(st.just(True), st.just(False)))
+    def node_reconnects_after_its_violation(self, handshake: bool) -> None:
+        """The violation closed the session; the node dials again (a new machine)."""
+        if self.failure is None:
+            return
+        self.fresh()
+        self.handshake(handshake)
+
+    # ------------------------------------------------------------------ the edge's moves
+
+    @rule()
+    def edge_gives_a_run(self) -> None:
+        if not self.open or self.failure is not None:
+            return
+        run_id = f"run-{next(self.ids)}"
+        self.edge.send(
+            p.RunRequest(run_id=run_id, provider_id="p", model="m", served_model="m", body={})
+        )
+        self.given_runs.add(run_id)
+        self.runs[run_id] = ModelRun()
+
+    @rule(data=st.data())
+    def edge_ends_a_run(self, data: st.DataObject) -> None:
+        if not self.runs:
+            return
+        run_id = data.draw(st.sampled_from(sorted(self.runs)))
+        run = self.runs.pop(run_id)
+        forgotten = self.edge.close_run(run_id)
+        self.ended_runs[run_id] = not run.terminal
+        expected = None
+        if len(self.ended_runs) > RECENT:
+            expected = self.ended_runs.popitem(last=False)[0]
+        assert forgotten == expected
+
+    @rule()
+    def edge_gives_a_tunnel(self) -> None:
+        if not self.open or self.failure is not None:
+            return
+        tunnel_id = f"tun-{next(self.ids)}"
+        self.edge.send(
+            p.TunnelRequest(tunnel_id=tunnel_id, provider_id="p", method="POST", path="/")
+        )
+        self.given_tunnels.add(tunnel_id)
+        self.tunnels[tunnel_id] = ModelTunnel()
+
+    @rule(data=st.data())
+    def edge_ends_a_tunnel(self, data: st.DataObject) -> None:
+        if not self.tunnels:
+            return
+        tunnel_id = data.draw(st.sampled_from(sorted(self.tunnels)))
+        tunnel = self.tunnels.pop(tunnel_id)
+        forgotten = self.edge.close_tunnel(tunnel_id)
+        self.ended_tunnels[tunnel_id] = not tunnel.ended
+        expected = None
+        if len(self.ended_tunnels) > RECENT:
+            expected = self.ended_tunnels.popitem(last=False)[0]
+        assert forgotten == expected
+
+    # ------------------------------------------------------------------ the node's frames
+
+    def ids_of(self, given: set[str]) -> st.SearchStrategy[str]:
+        """Mostly an id the edge gave (open or ended), sometimes any other."""
+        others = st.just("stranger") | st.text(max_size=4)
+        if not given:
+            return others
+        return mostly(st.sampled_from(sorted(given)), others)
+
+    @precondition(lambda self: self.given_runs)
+    @rule(data=st.data(), kind=st.sampled_from(RUN_KINDS))
+    def node_sends_a_run_event(self, data: st.DataObject, kind: type[Any]) -> None:
+        run_id = data.draw(self.ids_of(self.given_runs))
+        run = self.runs.get(run_id)
+        near = run.next_seq if run is not None else 0
+        seq = data.draw(mostly(st.just(near), st.sampled_from([near - 1, near + 1, -1, 0])))
+        self.feed(run_event(kind, run_id, seq))
+
+    @precondition(lambda self: self.given_tunnels)
+    @rule(data=st.data(), kind=st.sampled_from(["start", "data", "end"]))
+    def node_sends_a_tunnel_frame(self, data: st.DataObject, kind: str) -> None:
+        tunnel_id = data.draw(self.ids_of(self.given_tunnels))
+        frame: p.Frame
+        if kind == "start":
+            frame = p.TunnelStart(tunnel_id=tunnel_id, status=200)
+        elif kind == "data":
+            frame = p.TunnelData(tunnel_id, data.draw(st.binary(max_size=8)))
+        else:
+            frame = p.TunnelEnd(tunnel_id=tunnel_id)
+        self.feed(frame)
+
+    @rule(message=st.sampled_from(p.MESSAGE_TYPES).flatmap(message_strategy))
+    def node_sends_any_message(self, message: p.Message) -> None:
+        self.feed(message)
+
+    @rule(frame=st.binary(max_size=64) | st.text(max_size=64))
+    def node_sends_any_frame(self, frame: bytes | str) -> None:
+        try:
+            message = p.decode_binary(frame) if isinstance(frame, bytes) else p.decode(frame)
+        except p.ProtocolError:
+            return  # the codec's refusal is the session's one error; nothing reaches the machine
+        self.feed(message)
+
+    # ------------------------------------------------------------------ judging
+
+    def feed(self, message: p.Frame) -> None:
+        verdict = self.edge.receive(message)  # must not raise
+        assert isinstance(verdict, p.Accepted | p.Tolerated | p.ProtocolError)
+        event(f"{type(message).__name__}: {type(verdict).__name__}")
+        if self.failure is not None:
+            assert verdict is self.failure, "the first violation is final"
+            self.fresh()  # the session was closed for it; the node dials again
+            self.handshake(True)
+            return
+        expected = self.predict(message)
+        if expected is p.ProtocolError:
+            assert isinstance(verdict, p.ProtocolError), (message, verdict)
+            assert str(verdict)
+            self.failure = verdict
+        else:
+            assert isinstance(verdict, expected), (message, verdict)
+
+    def predict(self, message: p.Frame) -> type[Any]:
+        """The reference model: which verdict ``message`` deserves now (and its effect)."""
+        if not self.open:
+            if isinstance(message, p.Hello) and message.protocol == p.PROTOCOL_VERSION:
+                self.edge.send(WELCOME)  # the driver answers; the model follows
+                self.open = True
+                return p.Accepted
+            return p.ProtocolError
+        if isinstance(message, RUN_KINDS):
+            run = self.runs.get(message.run_id)
+            if run is None:
+                late = self.ended_runs.get(message.run_id)
+                return p.Tolerated if late else p.ProtocolError
+            if run.terminal or message.seq != run.next_seq:
+                return p.ProtocolError
+            run.next_seq += 1
+            run.terminal = isinstance(message, p.TERMINAL_EVENTS)
+            return p.Accepted
+        if isinstance(message, p.TunnelData | p.TunnelStart | p.TunnelEnd):
+            tunnel = self.tunnels.get(message.tunnel_id)
+            if tunnel is None:
+                late = self.ended_tunnels.get(message.tunnel_id)
+                if late is None:
+                    return p.ProtocolError
+                if late:
+                    return p.Tolerated
+                tunnel = ModelTunnel(started=True, ended=True)
+            if tunnel.ended:
+                return p.ProtocolError
+            if isinstance(message, p.TunnelStart):
+                if tunnel.started:
+                    return p.ProtocolError
+                tunnel.started = True
+            elif isinstance(message, p.TunnelEnd):
+                tunnel.ended = True
+            elif not tunnel.started:
+                return p.ProtocolError
+            return p.Accepted
+        if isinstance(message, p.Pong | p.Capacity | p.NodeDraining):
+            return p.Accepted
+        return p.ProtocolError
+
+    @invariant()
+    def no_state_for_what_was_not_given(self) -> None:
+        assert self.edge.known_runs() <= self.given_runs
+        assert self.edge.known_tunnels() <= self.given_tunnels
+        assert len(self.edge.known_runs()) <= len(self.runs) + RECENT
+
+    @invariant()
+    def failed_means_failed(self) -> None:
+        assert (self.edge.state is p.State.FAILED) == (self.failure is not None)
+        assert self.edge.error is self.failure
+
+
+TestHostileNode = HostileNode.TestCase
+TestHostileNode.settings = settings(settings(), stateful_step_count=60)
+
+
+# --------------------------------------------------------------------------- two halves
+
+
+@attrs.define
+class Pair:
+    """An edge half and a node half joined by two in-order queues of encoded frames."""
+
+    edge: p.EdgeProtocol = attrs.Factory(p.EdgeProtocol)
+    node: p.NodeProtocol = attrs.Factory(p.NodeProtocol)
+    to_node: collections.deque[str | bytes] = attrs.Factory(collections.deque)
+    to_edge: collections.deque[str | bytes] = attrs.Factory(collections.deque)
+    ids: itertools.count[int] = attrs.Factory(itertools.count)
+    edge_runs: set[str] = attrs.Factory(set)
+    """Runs the edge routes (not ended on its side)."""
+    edge_ended: set[str] = attrs.Factory(set)
+    """Runs the edge ended before their terminal: the node's events for them are late."""
+    node_runs: dict[str, bool] = attrs.Factory(dict)
+    """Runs running on the node: whether the edge asked to cancel."""
+    node_tunnels: dict[str, bool] = attrs.Factory(dict)
+    """Tunnels open on the node: whether they started."""
+    edge_tunnels: set[str] = attrs.Factory(set)
+    tolerated: int = 0
+
+    def edge_sends(self, message: p.EdgeMessage) -> None:
+        self.edge.send(message)
+        self.to_node.append(p.encode(message))
+
+    def node_sends(self, message: p.Frame) -> None:
+        self.node.send(message)
+        if isinstance(message, p.TunnelData):
+            self.to_edge.append(p.encode_tunnel_data(message.tunnel_id, message.data))
+        else:
+            self.to_edge.append(p.encode(message))
+
+    def deliver_to_node(self) -> None:
+        frame = self.to_node.popleft()
+        assert isinstance(frame, str)
+        message = p.decode(frame)
+        verdict = self.node.receive(message)
+        if isinstance(message, p.RunCancel | p.TunnelCancel | p.TunnelCredit) and isinstance(
+            verdict, p.Tolerated
+        ):
+            self.tolerated += 1  # it crossed the run's (or tunnel's) end
+            return
+        assert verdict is p.ACCEPTED, (message, verdict)
+        if isinstance(message, p.RunRequest):
+            self.node_runs[message.run_id] = False
+        elif isinstance(message, p.RunCancel):
+            self.node_runs[message.run_id] = True
+        elif isinstance(message, p.TunnelRequest):
+            self.node_tunnels[message.tunnel_id] = False
+
+    def deliver_to_edge(self) -> None:
+        frame = self.to_edge.popleft()
+        message = p.decode_binary(frame) if isinstance(frame, bytes) else p.decode(frame)
+        verdict = self.edge.receive(message)
+        if isinstance(message, RUN_KINDS) and message.run_id in self.edge_ended:
+            assert isinstance(verdict, p.Tolerated), (message, verdict)
+            self.tolerated += 1
+            return
+        assert verdict is p.ACCEPTED, (message, verdict)
+        if isinstance(message, p.TERMINAL_EVENTS):
+            # The run's consumer sees its end and closes its subscription.
+            self.edge_runs.discard(message.run_id)
+            self.edge.close_run(message.run_id)
+        elif isinstance(message, p.TunnelEnd):
+            self.edge_tunnels.discard(message.tunnel_id)
+            self.edge.close_tunnel(message.tunnel_id)
+
+
+@given(data=st.data())
+def test_two_halves_accept_legal_traffic(data: st.DataObject) -> None:
+    pair = Pair()
+    pair.node_sends(HELLO)
+    pair.deliver_to_edge()
+    pair.edge_sends(WELCOME)
+    pair.deliver_to_node()
+    assert pair.edge.state is pair.node.state is p.State.OPEN
+    moves = [
+        "edge-run",
+        "edge-cancel",
+        "edge-tunnel",
+        "edge-credit",
+        "edge-ping",
+        "node-event",
+        "node-tunnel",
+        "node-capacity",
+        "to-node",
+        "to-edge",
+    ]
+    for _ in range(data.draw(st.integers(0, 80), label="steps")):
+        move = data.draw(st.sampled_from(moves))
+        if move == "edge-run":
+            run_id = f"run-{next(pair.ids)}"
+            pair.edge_sends(
+                p.RunRequest(run_id=run_id, provider_id="p", model="m", served_model="m", body={})
+            )
+            pair.edge_runs.add(run_id)
+        elif move == "edge-cancel" and pair.edge_runs:
+            run_id = data.draw(st.sampled_from(sorted(pair.edge_runs)))
+            pair.edge_sends(p.RunCancel(run_id=run_id, reason="client left"))
+            pair.edge_runs.discard(run_id)
+            pair.edge.close_run(run_id)
+            pair.edge_ended.add(run_id)
+        elif move == "edge-tunnel":
+            tunnel_id = f"tun-{next(pair.ids)}"
+            pair.edge_sends(
+                p.TunnelRequest(tunnel_id=tunnel_id, provider_id="p", method="POST", path="/")
+            )
+            pair.edge_tunnels.add(tunnel_id)
+        elif move == "edge-credit" and pair.edge_tunnels:
+            tunnel_id = data.draw(st.sampled_from(sorted(pair.edge_tunnels)))
+            pair.edge_sends(p.TunnelCredit(tunnel_id=tunnel_id, bytes=8))
+        elif move == "edge-ping":
+            pair.edge_sends(p.Ping(nonce=next(pair.ids)))
+        elif move == "node-event" and pair.node_runs:
+            run_id = data.draw(st.sampled_from(sorted(pair.node_runs)))
+            seq = pair.node.next_seq(run_id)
+            assert seq is not None
+            if pair.node_runs[run_id]:
+                kind: type[Any] = p.RunCancelled  # it was asked to cancel: it confirms
+            else:
+                kind = data.draw(st.sampled_from(RUN_KINDS))
+            pair.node_sends(run_event(kind, run_id, seq))
+            if kind in (p.RunCompleted, p.RunFailed, p.RunCancelled):
+                del pair.node_runs[run_id]
+        elif move == "node-tunnel" and pair.node_tunnels:
+            tunnel_id = data.draw(st.sampled_from(sorted(pair.node_tunnels)))
+            if not pair.node_tunnels[tunnel_id] and data.draw(st.booleans()):
+                pair.node_sends(p.TunnelStart(tunnel_id=tunnel_id, status=200))
+                pair.node_tunnels[tunnel_id] = True
+            elif pair.node_tunnels[tunnel_id] and data.draw(st.booleans()):
+                pair.node_sends(p.TunnelData(tunnel_id, b"body"))
+            else:
+                pair.node_sends(p.TunnelEnd(tunnel_id=tunnel_id))
+                del pair.node_tunnels[tunnel_id]
+        elif move == "node-capacity":
+            pair.node_sends(p.Capacity(provider_id="p", model="m", slots=1))
+        elif move == "to-node" and pair.to_node:
+            pair.deliver_to_node()
+        elif move == "to-edge" and pair.to_edge:
+            pair.deliver_to_edge()
+    while pair.to_node or pair.to_edge:
+        if pair.to_node:
+            pair.deliver_to_node()
+        if pair.to_edge:
+            pair.deliver_to_edge()
+    assert pair.edge.state is pair.node.state is p.State.OPEN
