@@ -381,7 +381,7 @@ class NodeSession:
         route, a late one to what its run or tunnel left behind. Returns the violation that
         must close the session, if any; capacity and draining are the caller's."""
         verdict = self.protocol.receive(message)
-        if isinstance(verdict, wire.Accepted):
+        if verdict is wire.ACCEPTED:
             if isinstance(message, _RUN_EVENTS):
                 subscription = self.runs.get(message.run_id)
                 if subscription is not None:
@@ -412,7 +412,7 @@ class NodeSession:
                 if route is not None:
                     route.late_end(message)
             return None
-        return verdict
+        return verdict if isinstance(verdict, wire.ProtocolError) else None
 
     def fail_all(self, code: str, message: str) -> None:
         """End every open run and tunnel with a synthesized retryable failure (the node is

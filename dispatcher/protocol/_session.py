@@ -122,6 +122,10 @@ class State(enum.Enum):
     """The peer broke the protocol; see ``error``."""
 
 
+_OPEN: Final = State.OPEN
+"""``State.OPEN`` as a module global: an enum member lookup costs more than the check."""
+
+
 @attrs.frozen
 class Accepted:
     """The message is legal here; the machine's state has advanced."""
@@ -192,7 +196,7 @@ class EdgeProtocol(_Half):
 
     def receive(self, message: Frame) -> Verdict:
         """Judge one message (or binary frame) the node sent. Never raises."""
-        if isinstance(message, _RUN_EVENTS) and self.state is State.OPEN:
+        if isinstance(message, _RUN_EVENTS) and self.state is _OPEN:
             run_id = message.run_id
             seq = message.seq
             expected = self._runs.get(run_id)
