@@ -384,7 +384,9 @@ async def test_a_node_that_reports_negative_usage(edge: Edge) -> None:
             assert_error(response, 502)
 
 
-async def test_events_after_the_end_are_dropped(edge: Edge) -> None:
+async def test_events_after_the_end_close_the_session(edge: Edge) -> None:
+    """A run ends with exactly one terminal event: anything after it breaks the protocol
+    (the session state machine says so); the client keeps the answer it already had."""
     async def misbehave(ws: RawWebSocket, run: wire.RunRequest) -> None:
         rid = run.run_id
         await ws.send_message(wire.RunDelta(run_id=rid, seq=0, text="the end"))
@@ -393,9 +395,13 @@ async def test_events_after_the_end_are_dropped(edge: Edge) -> None:
         await ws.send_message(wire.RunCompleted(run_id=rid, seq=3))
 
     async with edge.case():
-        response, _ = await serve_one_run(edge, misbehave, closed=False)
+        response, close = await serve_one_run(edge, misbehave, closed=True)
         assert response.status == 200
         assert response.json()["choices"][0]["message"]["content"] == "the end"
+        assert close is not None
+        code, reason = close
+        assert code == 1002
+        assert "after its terminal event" in reason
 
 
 # --------------------------------------------------------------------------- identity
