@@ -387,6 +387,7 @@ async def test_a_node_that_reports_negative_usage(edge: Edge) -> None:
 async def test_events_after_the_end_close_the_session(edge: Edge) -> None:
     """A run ends with exactly one terminal event: anything after it breaks the protocol
     (the session state machine says so); the client keeps the answer it already had."""
+
     async def misbehave(ws: RawWebSocket, run: wire.RunRequest) -> None:
         rid = run.run_id
         await ws.send_message(wire.RunDelta(run_id=rid, seq=0, text="the end"))
