@@ -63,8 +63,10 @@ def chaos(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (with the ASYNC rules) and flake8-async, which adds ASYNC102 and friends."""
-    session.install("ruff>=0.8", "flake8-async>=24.9")
+    """ruff (with the ASYNC rules), flake8-async (ASYNC102 and friends) and the import
+    contracts (import-linter)."""
+    # import-linter: the import contracts in pyproject.toml ([tool.importlinter]).
+    session.install("ruff>=0.8", "flake8-async>=24.9", "import-linter>=2.1")
     session.run("ruff", "check", *SOURCES)
     session.run("ruff", "format", "--check", *SOURCES)
     # flake8-async wants files, not directories; the startable list lets ASYNC113 check
@@ -72,6 +74,7 @@ def lint(session: nox.Session) -> None:
     files = sorted(str(p) for d in ("dispatcher", "nodes") for p in Path(d).rglob("*.py"))
     startable = "run,serve,serve_http,serve_node,serve_node_session"
     session.run("flake8-async", f"--startable-in-context-manager={startable}", *files)
+    session.run("lint-imports")
 
 
 @nox.session

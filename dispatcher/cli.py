@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from .config import ConfigError, EdgeConfig, NodeToken, load_edge_config
-from .excgroups import first_leaf
+from .protocol.excgroups import first_leaf
 
 log = logging.getLogger("dispatcher.cli")
 

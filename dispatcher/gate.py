@@ -49,8 +49,8 @@ from . import gate_rules as rules
 from . import wire
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
 from .errors import AllAttemptsFailed, NodeUnavailable, RunError, TunnelFailed, UpstreamRejected
-from .excgroups import holds
 from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
+from .protocol.excgroups import holds
 from .runs import Run, RunSpec
 from .tunnel import Tunnel
 from .usage import UsageRow

@@ -50,8 +50,8 @@ from typing import Any, Final
 import attrs
 import trio
 
-from dispatcher import wire
-from dispatcher.excgroups import first_leaf
+from dispatcher import protocol as wire
+from dispatcher.protocol.excgroups import first_leaf
 from dispatcher.transport import Connection, ConnectionClosed, Frame
 from nodes.adapters import Adapter, DropConnection, build_adapters
 from nodes.config import NodeConfig, hello_from_config

@@ -24,8 +24,8 @@ import attrs
 import trio
 import trio_websocket
 
-from dispatcher import wire
-from dispatcher.excgroups import first_leaf, leaves
+from dispatcher import protocol as wire
+from dispatcher.protocol.excgroups import first_leaf, leaves
 from dispatcher.transport import Connection, ConnectionClosed, Frame
 from nodes.config import NodeConfig, check_edge_url
 

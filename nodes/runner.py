@@ -44,7 +44,7 @@ import attrs
 import orjson
 import trio
 
-from dispatcher import wire
+from dispatcher import protocol as wire
 from nodes.adapters.base import (
     Adapter,
     AdapterError,

@@ -40,8 +40,8 @@ import attrs
 import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 import trio
 
-from dispatcher import wire
-from dispatcher.excgroups import first_leaf
+from dispatcher import protocol as wire
+from dispatcher.protocol.excgroups import first_leaf
 from dispatcher.transport import ConnectionClosed
 from nodes.adapters._http import (
     HTTPTimeouts,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher.excgroups import first_leaf, holds, leaves
+from dispatcher.protocol.excgroups import first_leaf, holds, leaves
 
 
 class Closed(Exception):

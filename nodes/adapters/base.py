@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from dispatcher import wire
+from dispatcher import protocol as wire
 
 if TYPE_CHECKING:
     from nodes.config import ProviderConfig

@@ -30,7 +30,7 @@ import attrs
 import orjson
 import trio
 
-from dispatcher import wire
+from dispatcher import protocol as wire
 from nodes.adapters.base import (
     AdapterError,
     DropConnection,

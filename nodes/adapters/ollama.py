@@ -44,7 +44,7 @@ from typing import Any, Final
 import attrs
 import orjson
 
-from dispatcher import wire
+from dispatcher import protocol as wire
 from nodes.adapters._http import (
     HTTPTimeouts,
     chat_url,

@@ -32,7 +32,7 @@ from typing import Any, Final
 
 import attrs
 
-from dispatcher import wire
+from dispatcher import protocol as wire
 from nodes.adapters._http import (
     HTTPTimeouts,
     SSEDecoder,
