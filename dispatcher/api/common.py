@@ -41,6 +41,11 @@ class RequestOutcome:
         row = self.gate.outcome if self.gate is not None else None
         if row is None:
             return self.outcome
+        if row == "aborted" and self.outcome in ("client_gone", "shutting_down"):
+            # The last dispatched attempt failed before the client saw anything, and the
+            # request then ended by the client leaving (while a recovery waited): that is how
+            # the client's request ended.
+            return self.outcome
         return _METRIC_OUTCOME[row]
 
 
