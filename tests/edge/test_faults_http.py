@@ -19,6 +19,7 @@ import trio
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, HTTPSettings, QueuePolicySettings
 from dispatcher.http import Server
+from dispatcher.runs import RunSpec
 from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.usage import UsageRow
 
@@ -165,3 +166,40 @@ async def test_a_client_cut_off_by_the_write_timeout_is_a_client_that_left() -> 
         assert edge.rows[0].outcome == "cancelled"
         text = edge.dispatcher.metrics.render().decode()
         assert metric(text, "dispatcher_requests_total", model="m", outcome="client_gone") == 1
+
+
+async def test_a_client_leaving_while_its_recovery_waits_is_client_gone() -> None:
+    """Attempt 1 fails before the commit (its row: aborted); the recovery waits for the only
+    other node, which is busy; the client leaves. The request ended by the client leaving:
+    the metric says client_gone (the aborted row is the attempt's, not the request's end)."""
+    async with open_edge() as edge:
+        busy = await connect(edge.dispatcher, hello("node-b", slots=1))
+        async with trio.open_nursery() as nursery:
+
+            async def hold_b() -> None:
+                async with edge.dispatcher.open_run(RunSpec(model="m", body=body())):
+                    await trio.sleep_forever()
+
+            nursery.start_soon(hold_b)
+            await busy.receive_run()  # node-b's only slot is taken from now on
+            failing = await connect(edge.dispatcher, hello("node-a", slots=1))
+
+            async def fail_a() -> None:
+                request = await failing.receive_run()
+                await failing.emit(
+                    request.run_id,
+                    ("run.started", {}),
+                    ("run.failed", {"code": "upstream_5xx", "message": "boom", "retryable": True}),
+                )
+
+            nursery.start_soon(fail_a)
+            async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+                with trio.move_on_after(1.0):
+                    await client.post("/v1/chat/completions", json=body())
+                    pytest.fail("answered while the only other node was busy")
+            await wait_until(lambda: len(edge.rows) == 1)
+            assert edge.rows[0].outcome == "aborted"
+            await wait_until(lambda: "client_gone" in edge.dispatcher.metrics.render().decode())
+            text = edge.dispatcher.metrics.render().decode()
+            assert metric(text, "dispatcher_requests_total", model="m", outcome="client_gone") == 1
+            nursery.cancel_scope.cancel()
