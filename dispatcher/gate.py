@@ -709,57 +709,30 @@ class Gate:
     ) -> None:
         assert self.record_usage is not None
         try:
-            row = self._row(
-                request,
-                number,
-                result,
-                prompt=prompt,
-                completion=completion,
-                source=source,
+            row = UsageRow(
+                request_id=request.request_id,
+                attempt=number,
+                model_group=result.model_group,
+                served_model=result.served_model,
+                provider_id=result.provider_id,
+                node_id=result.node_id,
+                path=result.path,  # type: ignore[arg-type]
+                attribution=request.attribution,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                usage_source=source,  # type: ignore[arg-type]
                 outcome=outcome,
-                committed=committed,
-                ttft=ttft,
-                started_at=started_at,
+                billable_to="client" if committed else "operator",
+                queue_wait_s=result.queue_wait,
+                ttft_s=ttft,
+                duration_s=trio.current_time() - started_at,
+                ended_at=time.time(),
+                client_request_id=request.client_request_id,
+                route=request.dispatch.route,
             )
             self.record_usage(row)
         except Exception:  # the ledger must never break a request's exit path
             log.exception("could not record usage for %s attempt %d", request.request_id, number)
-
-    def _row(
-        self,
-        request: GateRequest,
-        number: int,
-        result: DispatchResult,
-        *,
-        prompt: int,
-        completion: int,
-        source: str,
-        outcome: Outcome,
-        committed: bool,
-        ttft: float | None,
-        started_at: float,
-    ) -> UsageRow:
-        return UsageRow(
-            request_id=request.request_id,
-            attempt=number,
-            model_group=result.model_group,
-            served_model=result.served_model,
-            provider_id=result.provider_id,
-            node_id=result.node_id,
-            path=result.path,  # type: ignore[arg-type]
-            attribution=request.attribution,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            usage_source=source,  # type: ignore[arg-type]
-            outcome=outcome,
-            billable_to="client" if committed else "operator",
-            queue_wait_s=result.queue_wait,
-            ttft_s=ttft,
-            duration_s=trio.current_time() - started_at,
-            ended_at=time.time(),
-            client_request_id=request.client_request_id,
-            route=request.dispatch.route,
-        )
 
     def _count(self, key: str) -> None:
         self.statistics[key] = self.statistics.get(key, 0) + 1
