@@ -23,14 +23,20 @@ exactly one terminal event). Errors:
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from dispatcher import protocol as wire
+from dispatcher.protocol.tokens import (
+    TokenEstimator as TokenEstimator,
+)
+from dispatcher.protocol.tokens import (
+    estimate_prompt_tokens as estimate_prompt_tokens,
+)
+from dispatcher.protocol.tokens import estimate_tokens as estimate_tokens
+from dispatcher.protocol.tokens import message_text as message_text
 
 if TYPE_CHECKING:
     from nodes.config import ProviderConfig
@@ -116,64 +122,3 @@ class RefusingAdapter:
 
 AdapterFactory = Callable[["ProviderConfig"], Adapter]
 """Builds the adapter for one configured provider."""
-
-
-# --------------------------------------------------------------------------- estimates
-
-_WORD_START = re.compile(r"\s\S")
-
-
-def estimate_tokens(text: str) -> int:
-    """A rough token count for text whose real count is unknown: the larger of its word count
-    and a quarter of its length in characters, rounded up (English averages ~4 characters
-    and ~0.75 words per token)."""
-    return max(len(text.split()), math.ceil(len(text) / 4))
-
-
-class TokenEstimator:
-    """:func:`estimate_tokens` computed incrementally over a stream of pieces, without keeping
-    the text (a word split across two pieces counts once)."""
-
-    def __init__(self) -> None:
-        self.chars = 0
-        self.words = 0
-        self._after_space = True
-
-    def add(self, text: str) -> None:
-        if not text:
-            return
-        self.chars += len(text)
-        self.words += len(_WORD_START.findall((" " if self._after_space else "x") + text))
-        self._after_space = text[-1].isspace()
-
-    @property
-    def tokens(self) -> int:
-        return max(self.words, math.ceil(self.chars / 4))
-
-
-def message_text(message: Any) -> str:
-    """The text of one chat message: its string ``content``, or the ``text`` parts of a list
-    ``content`` joined by newlines. Anything else (images, tool calls, junk) counts as no
-    text."""
-    if not isinstance(message, dict):
-        return ""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
-            part["text"]
-            for part in content
-            if isinstance(part, dict)
-            and part.get("type") == "text"
-            and isinstance(part.get("text"), str)
-        )
-    return ""
-
-
-def estimate_prompt_tokens(body: wire.JSONObject) -> int:
-    """:func:`estimate_tokens` over the text of every message of a chat request body."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return 0
-    return sum(estimate_tokens(message_text(m)) for m in messages)
