@@ -7,6 +7,7 @@ import signal
 import ssl
 from collections.abc import AsyncIterator, Iterable
 from functools import partial
+from typing import TypedDict, Unpack
 
 import trio
 
@@ -257,36 +258,31 @@ async def serve_http(  # noqa: ASYNC114
                 await trio.aclose_forcefully(listener)
 
 
+class ServeOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`serve_http` that :func:`serve_http_until_signal`
+    passes on (besides the handler and ``task_status``)."""
+
+    host: str
+    port: int
+    limits: Limits
+    ssl_context: ssl.SSLContext | None
+    on_shutdown: ShutdownHook | None
+    on_drain: ShutdownHook | None
+    error_page: ErrorPage | None
+
+
 async def serve_http_until_signal(  # noqa: ASYNC114
     handler: Handler,
     *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    limits: Limits = _DEFAULT_LIMITS,
-    ssl_context: ssl.SSLContext | None = None,
-    on_shutdown: ShutdownHook | None = None,
-    on_drain: ShutdownHook | None = None,
-    error_page: ErrorPage | None = None,
     signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM),
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+    **options: Unpack[ServeOptions],
 ) -> None:
-    """:func:`serve_http`, shut down gracefully on the first SIGINT or SIGTERM; a second
-    signal cancels everything at once. Must run in the main thread."""
+    """:func:`serve_http` (with ``options``), shut down gracefully on the first SIGINT or
+    SIGTERM; a second signal cancels everything at once. Must run in the main thread."""
     with trio.open_signal_receiver(*signals) as received:
         async with trio.open_nursery() as nursery:
-            server: Server = await nursery.start(
-                partial(
-                    serve_http,
-                    handler,
-                    host=host,
-                    port=port,
-                    limits=limits,
-                    ssl_context=ssl_context,
-                    on_shutdown=on_shutdown,
-                    on_drain=on_drain,
-                    error_page=error_page,
-                )
-            )
+            server: Server = await nursery.start(partial(serve_http, handler, **options))
             task_status.started(server)
             nursery.start_soon(_watch_signals, received, server, nursery.cancel_scope)
             await server._stopped.wait()
