@@ -90,11 +90,21 @@ class UpstreamRejected(DispatcherError):
     default_code = "invalid_request"
 
 
+DRAIN_RETRY_AFTER = 1.0
+"""``Retry-After`` (seconds) of the 503 a draining edge answers: soon, and elsewhere."""
+
+
 class ShuttingDown(DispatcherError):
-    """The dispatcher is draining or shut down: it admits nothing new (503, retry)."""
+    """The dispatcher is draining or shut down: it admits nothing new (503, retry after
+    :data:`DRAIN_RETRY_AFTER` unless the raise site says otherwise)."""
 
     status = 503
     default_code = "shutting_down"
+
+    def __init__(
+        self, message: str, *, code: str | None = None, retry_after: float = DRAIN_RETRY_AFTER
+    ) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
 
 
 class RunError(DispatcherError):

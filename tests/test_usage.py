@@ -17,6 +17,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dispatcher.api.usage_report import parse_usage_query, usage_report_json
 from dispatcher.usage import (
     MAX_QUERY_LIMIT,
     RECENT_KEYS,
@@ -26,8 +27,6 @@ from dispatcher.usage import (
     UsageLedger,
     UsageRow,
     open_usage_ledger,
-    parse_usage_query,
-    usage_report_json,
 )
 
 T0 = 1_700_000_000.0

@@ -44,8 +44,8 @@ from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..nodelink import serve_node_connection
 from ..service import DRAIN_RETRY_AFTER, ShuttingDown, Work
 from ..transport import ConnectionClosed
-from ..usage import parse_usage_query, usage_report_json
 from . import openai, tunnel_relay
+from .usage_report import parse_usage_query, usage_report_json
 
 if TYPE_CHECKING:
     from ..service import Dispatcher
