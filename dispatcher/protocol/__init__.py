@@ -6,9 +6,11 @@
   :func:`decode` raises :class:`ProtocolError`, and nothing else, for a bad frame;
 * the session state machine (:mod:`._session`): :class:`EdgeProtocol` and
   :class:`NodeProtocol`, one per side, judge what each side may send in which state, per run
-  (``seq`` 0, 1, 2..., one terminal last) and per tunnel (start, body, one end).
+  (``seq`` 0, 1, 2..., one terminal last) and per tunnel (start, body, one end);
+* what both sides share beyond the wire: :mod:`.tokens` (the token estimator) and
+  :mod:`.excgroups` (exception-group walkers).
 
-``dispatcher.wire`` re-exports all of this (the name the code base and ``nodes/`` import).
+``dispatcher.wire`` re-exports this module's names (the name the edge's code imports).
 Nothing here imports anything else of ours.
 """
 
@@ -24,12 +26,15 @@ from ._codec import (
 from ._errors import (
     LocalProtocolError,
     ProtocolError,
+    UnsupportedVersion,
 )
 from ._messages import (
     DEFAULT_TUNNEL_WINDOW,
+    EDGE_MESSAGE_TYPES,
     MAX_FRAME_SIZE,
     MAX_TUNNEL_CHUNK,
     MESSAGE_TYPES,
+    NODE_MESSAGE_TYPES,
     PROTOCOL_VERSION,
     RUN_EVENT_TYPES,
     TERMINAL_EVENT_TYPES,
@@ -83,9 +88,11 @@ from ._session import (
 __all__ = [
     "ACCEPTED",
     "DEFAULT_TUNNEL_WINDOW",
+    "EDGE_MESSAGE_TYPES",
     "MAX_FRAME_SIZE",
     "MAX_TUNNEL_CHUNK",
     "MESSAGE_TYPES",
+    "NODE_MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "RECENT_RUNS",
     "RECENT_TUNNELS",
@@ -129,6 +136,7 @@ __all__ = [
     "TunnelEnd",
     "TunnelRequest",
     "TunnelStart",
+    "UnsupportedVersion",
     "Usage",
     "Verdict",
     "Welcome",

@@ -16,7 +16,7 @@ Exactly one terminal event (completed, failed, cancelled) ends a run.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Final, Literal, TypeAlias
+from typing import Any, ClassVar, Final, Literal, TypeAlias, get_args
 
 import attrs
 
@@ -94,45 +94,59 @@ class Usage:
 
 
 @attrs.frozen(kw_only=True)
-class RunStarted:
-    TYPE: ClassVar[str] = "run.started"
+class _RunFields:
+    """What every message about one run carries first: the ``run_id`` the edge chose. Not a
+    message itself (nor are the other ``_...Fields`` bases)."""
+
+    TYPE: ClassVar[str]
     run_id: str
+
+
+@attrs.frozen(kw_only=True)
+class _RunEventFields(_RunFields):
+    """A run event: the run, then the event's ``seq`` in it (0, 1, 2...)."""
+
     seq: int
 
 
 @attrs.frozen(kw_only=True)
-class RunDelta:
+class _TunnelFields:
+    """What every message about one tunnel carries first: the ``tunnel_id`` the edge chose."""
+
+    TYPE: ClassVar[str]
+    tunnel_id: str
+
+
+@attrs.frozen(kw_only=True)
+class RunStarted(_RunEventFields):
+    TYPE: ClassVar[str] = "run.started"
+
+
+@attrs.frozen(kw_only=True)
+class RunDelta(_RunEventFields):
     """Generated text (one or more tokens). ``tool_calls`` is room for tool-call deltas in
     OpenAI's chunk shape."""
 
     TYPE: ClassVar[str] = "run.delta"
-    run_id: str
-    seq: int
     text: str = ""
     tool_calls: tuple[JSONObject, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
-class RunUsage:
+class RunUsage(_RunEventFields):
     TYPE: ClassVar[str] = "run.usage"
-    run_id: str
-    seq: int
     usage: Usage
 
 
 @attrs.frozen(kw_only=True)
-class RunCompleted:
+class RunCompleted(_RunEventFields):
     TYPE: ClassVar[str] = "run.completed"
-    run_id: str
-    seq: int
     finish_reason: str = "stop"
 
 
 @attrs.frozen(kw_only=True)
-class RunFailed:
+class RunFailed(_RunEventFields):
     TYPE: ClassVar[str] = "run.failed"
-    run_id: str
-    seq: int
     code: str
     message: str
     retryable: bool = False
@@ -143,29 +157,25 @@ class RunFailed:
 
 
 @attrs.frozen(kw_only=True)
-class RunCancelled:
+class RunCancelled(_RunEventFields):
     """The node's confirmation of ``run.cancel``, with the partial usage it knows."""
 
     TYPE: ClassVar[str] = "run.cancelled"
-    run_id: str
-    seq: int
     usage: Usage | None = None
 
 
 @attrs.frozen(kw_only=True)
-class TunnelStart:
+class TunnelStart(_TunnelFields):
     TYPE: ClassVar[str] = "tunnel.start"
-    tunnel_id: str
     status: int
     headers: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen(kw_only=True)
-class TunnelEnd:
+class TunnelEnd(_TunnelFields):
     """End of a tunnel's response body; ``error`` set when it ended abnormally."""
 
     TYPE: ClassVar[str] = "tunnel.end"
-    tunnel_id: str
     error: str | None = None
     retryable: bool = False
 
@@ -207,12 +217,11 @@ class Ping:
 
 
 @attrs.frozen(kw_only=True)
-class RunRequest:
+class RunRequest(_RunFields):
     """Run ``body`` (an OpenAI chat-completions request body, ``model`` already replaced by
     the served name) on provider ``provider_id``."""
 
     TYPE: ClassVar[str] = "run.request"
-    run_id: str
     provider_id: str
     model: str
     served_model: str
@@ -220,16 +229,14 @@ class RunRequest:
 
 
 @attrs.frozen(kw_only=True)
-class RunCancel:
+class RunCancel(_RunFields):
     TYPE: ClassVar[str] = "run.cancel"
-    run_id: str
     reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
-class TunnelRequest:
+class TunnelRequest(_TunnelFields):
     TYPE: ClassVar[str] = "tunnel.request"
-    tunnel_id: str
     provider_id: str
     method: str
     path: str
@@ -243,19 +250,17 @@ class TunnelRequest:
 
 
 @attrs.frozen(kw_only=True)
-class TunnelCredit:
+class TunnelCredit(_TunnelFields):
     """The edge consumed ``bytes`` more of the tunnel's response body: the node may send that
     many more."""
 
     TYPE: ClassVar[str] = "tunnel.credit"
-    tunnel_id: str
     bytes: int
 
 
 @attrs.frozen(kw_only=True)
-class TunnelCancel:
+class TunnelCancel(_TunnelFields):
     TYPE: ClassVar[str] = "tunnel.cancel"
-    tunnel_id: str
 
 
 RunEvent: TypeAlias = RunStarted | RunDelta | RunUsage | RunCompleted | RunFailed | RunCancelled
@@ -288,28 +293,10 @@ EdgeMessage: TypeAlias = (
 )
 Message: TypeAlias = NodeMessage | EdgeMessage
 
-MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (
-    Hello,
-    Capacity,
-    Pong,
-    RunStarted,
-    RunDelta,
-    RunUsage,
-    RunCompleted,
-    RunFailed,
-    RunCancelled,
-    TunnelStart,
-    TunnelEnd,
-    NodeDraining,
-    Welcome,
-    Ping,
-    RunRequest,
-    RunCancel,
-    TunnelRequest,
-    TunnelCredit,
-    TunnelCancel,
-    EdgeDraining,
-)
+NODE_MESSAGE_TYPES: Final[tuple[type[NodeMessage], ...]] = get_args(NodeMessage)
+"""The classes of :data:`NodeMessage`, for ``isinstance`` and lookups."""
+EDGE_MESSAGE_TYPES: Final[tuple[type[EdgeMessage], ...]] = get_args(EdgeMessage)
+MESSAGE_TYPES: Final[tuple[type[Any], ...]] = (*NODE_MESSAGE_TYPES, *EDGE_MESSAGE_TYPES)
 
 
 @attrs.frozen

@@ -50,57 +50,32 @@ from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Mapping
 from typing import Final, TypeAlias
 
 import attrs
 
-from ._errors import LocalProtocolError, ProtocolError
-from ._messages import (
-    PROTOCOL_VERSION,
-    TERMINAL_EVENT_TYPES,
-    Capacity,
-    EdgeDraining,
-    Hello,
-    Message,
-    NodeDraining,
-    Ping,
-    Pong,
-    RunCancel,
-    RunCancelled,
-    RunCompleted,
-    RunDelta,
-    RunEvent,
-    RunFailed,
-    RunRequest,
-    RunStarted,
-    RunUsage,
-    TunnelCancel,
-    TunnelCredit,
-    TunnelData,
-    TunnelEnd,
-    TunnelRequest,
-    TunnelStart,
-    Welcome,
-)
+from . import _messages as m
+from ._errors import LocalProtocolError, ProtocolError, UnsupportedVersion
+from ._messages import PROTOCOL_VERSION, Message, RunEvent, TunnelData
 
 RECENT_RUNS: Final = 4096
 """How many ended run ids a session remembers, to judge their late events."""
 RECENT_TUNNELS: Final = 4096
 """How many ended tunnel ids a session remembers, to judge their late frames."""
 
-_RUN_EVENTS: Final = (RunDelta, RunStarted, RunUsage, RunCompleted, RunFailed, RunCancelled)
-"""For ``isinstance``, the commonest first."""
-_TUNNEL_FRAMES: Final = (TunnelData, TunnelStart, TunnelEnd)
-_EDGE_MESSAGES: Final = (
-    Welcome,
-    Ping,
-    RunRequest,
-    RunCancel,
-    TunnelRequest,
-    TunnelCredit,
-    TunnelCancel,
-    EdgeDraining,
+_RUN_EVENTS: Final = (
+    m.RunDelta,
+    m.RunStarted,
+    m.RunUsage,
+    m.RunCompleted,
+    m.RunFailed,
+    m.RunCancelled,
 )
+"""For ``isinstance``, the commonest first."""
+_TERMINAL: Final = m.TERMINAL_EVENT_TYPES
+_TUNNEL_FRAMES: Final = (TunnelData, m.TunnelStart, m.TunnelEnd)
+_EDGE_MESSAGES: Final = m.EDGE_MESSAGE_TYPES
 
 _TERMINATED: Final = -1
 """A run's "next seq" once its terminal event arrived (never matches: seq must be >= 0)."""
@@ -151,6 +126,35 @@ def _describe(message: Frame) -> str:
     return "a binary frame" if isinstance(message, TunnelData) else repr(message.TYPE)
 
 
+def _claim(
+    table: dict[str, int], ended: Mapping[str, bool], kind: str, key: str, first: int
+) -> None:
+    """The edge gives ``key`` (a ``kind`` id: run or tunnel) to this session: its state
+    begins at ``first``. An id may be given once per session."""
+    if key in table or key in ended:
+        raise LocalProtocolError(f"{kind} id {key!r} was already used on this session")
+    table[key] = first
+
+
+def _retire(
+    table: dict[str, int],
+    ended: collections.OrderedDict[str, bool],
+    key: str,
+    finished: int,
+    limit: int,
+) -> str | None:
+    """Move ``key`` from the open ``table`` to the ``limit`` most recently ``ended`` ones:
+    tolerated (True) unless its state was ``finished``. Returns the id forgotten to keep the
+    memory bounded, if any."""
+    state = table.pop(key, None)
+    if state is None:
+        return None
+    ended[key] = state != finished
+    if len(ended) > limit:
+        return ended.popitem(last=False)[0]
+    return None
+
+
 @attrs.define(eq=False)
 class _Half:
     state: State = State.AWAITING_HELLO
@@ -159,9 +163,9 @@ class _Half:
     node_draining: bool = False
     edge_draining: bool = False
 
-    def _fail(self, reason: str) -> ProtocolError:
+    def _fail(self, reason: str, kind: type[ProtocolError] = ProtocolError) -> ProtocolError:
         self.state = State.FAILED
-        self.error = ProtocolError(reason)
+        self.error = kind(reason)
         return self.error
 
     def _over(self) -> Verdict | None:
@@ -173,6 +177,16 @@ class _Half:
             return Tolerated("the session is over")
         return None
 
+    def _version(self, protocol: int, this_side: str) -> Verdict:
+        """The verdict on the peer's protocol version (in its hello or welcome)."""
+        if protocol == PROTOCOL_VERSION:
+            return ACCEPTED
+        return self._fail(
+            f"protocol version {protocol} is not supported "
+            f"(this {this_side} speaks {PROTOCOL_VERSION})",
+            UnsupportedVersion,
+        )
+
 
 @attrs.define(eq=False)
 class EdgeProtocol(_Half):
@@ -180,7 +194,7 @@ class EdgeProtocol(_Half):
 
     recent_runs: int = RECENT_RUNS
     recent_tunnels: int = RECENT_TUNNELS
-    hello: Hello | None = None
+    hello: m.Hello | None = None
     """The node's ``hello``, once received."""
     _runs: dict[str, int] = attrs.field(factory=dict)
     """Open runs: the next ``seq`` expected, or ``_TERMINATED``."""
@@ -201,9 +215,7 @@ class EdgeProtocol(_Half):
             seq = message.seq
             expected = self._runs.get(run_id)
             if expected == seq and seq >= 0:
-                self._runs[run_id] = (
-                    _TERMINATED if type(message) in TERMINAL_EVENT_TYPES else seq + 1
-                )
+                self._runs[run_id] = _TERMINATED if type(message) in _TERMINAL else seq + 1
                 return ACCEPTED
             return self._unexpected_run_event(message, expected)
         return self._receive_other(message)
@@ -226,9 +238,9 @@ class EdgeProtocol(_Half):
         if state is State.OPEN:
             if isinstance(message, _TUNNEL_FRAMES):
                 return self._tunnel_frame(message)
-            if isinstance(message, Pong | Capacity):
+            if isinstance(message, m.Pong | m.Capacity):
                 return ACCEPTED
-            if isinstance(message, NodeDraining):
+            if isinstance(message, m.NodeDraining):
                 self.node_draining = True
                 return ACCEPTED
             return self._fail(f"unexpected {_describe(message)} message from a node")
@@ -236,19 +248,16 @@ class EdgeProtocol(_Half):
         if over is not None:
             return over
         if state is State.AWAITING_HELLO:
-            if not isinstance(message, Hello):
+            if not isinstance(message, m.Hello):
                 return self._fail(f"expected hello, got {_describe(message)}")
-            if message.protocol != PROTOCOL_VERSION:
-                return self._fail(
-                    f"protocol version {message.protocol} is not supported "
-                    f"(this edge speaks {PROTOCOL_VERSION})"
-                )
-            self.hello = message
-            self.state = State.AWAITING_WELCOME
-            return ACCEPTED
+            verdict = self._version(message.protocol, "edge")
+            if verdict is ACCEPTED:
+                self.hello = message
+                self.state = State.AWAITING_WELCOME
+            return verdict
         return self._fail(f"{_describe(message)} before the edge's welcome")
 
-    def _tunnel_frame(self, message: TunnelData | TunnelStart | TunnelEnd) -> Verdict:
+    def _tunnel_frame(self, message: TunnelData | m.TunnelStart | m.TunnelEnd) -> Verdict:
         tunnel_id = message.tunnel_id
         phase = self._tunnels.get(tunnel_id)
         if phase is None:
@@ -268,7 +277,7 @@ class EdgeProtocol(_Half):
             if phase == _ENDED:
                 return self._fail(f"{where}: body frame after tunnel.end")
             return ACCEPTED
-        if isinstance(message, TunnelStart):
+        if isinstance(message, m.TunnelStart):
             if phase != _AWAITING_START:
                 return self._fail(f"{where}: tunnel.start after the response started or ended")
             self._tunnels[tunnel_id] = _STARTED
@@ -289,47 +298,27 @@ class EdgeProtocol(_Half):
             return
         if not isinstance(message, _EDGE_MESSAGES):
             raise LocalProtocolError(f"{message.TYPE!r} is not the edge's to send")
-        if state is State.AWAITING_WELCOME and isinstance(message, Welcome):
+        if state is State.AWAITING_WELCOME and isinstance(message, m.Welcome):
             self.state = State.OPEN
             return
-        if state is not State.OPEN or isinstance(message, Welcome):
+        if state is not State.OPEN or isinstance(message, m.Welcome):
             raise LocalProtocolError(f"cannot send {message.TYPE!r} while {state.value}")
-        if isinstance(message, RunRequest):
-            run_id = message.run_id
-            if run_id in self._runs or run_id in self._ended_runs:
-                raise LocalProtocolError(f"run id {run_id!r} was already used on this session")
-            self._runs[run_id] = 0
-        elif isinstance(message, TunnelRequest):
-            tunnel_id = message.tunnel_id
-            if tunnel_id in self._tunnels or tunnel_id in self._ended_tunnels:
-                raise LocalProtocolError(
-                    f"tunnel id {tunnel_id!r} was already used on this session"
-                )
-            self._tunnels[tunnel_id] = _AWAITING_START
-        elif isinstance(message, EdgeDraining):
+        if isinstance(message, m.RunRequest):
+            _claim(self._runs, self._ended_runs, "run", message.run_id, 0)
+        elif isinstance(message, m.TunnelRequest):
+            _claim(self._tunnels, self._ended_tunnels, "tunnel", message.tunnel_id, _AWAITING_START)
+        elif isinstance(message, m.EdgeDraining):
             self.edge_draining = True
 
     def close_run(self, run_id: str) -> str | None:
         """The edge stopped routing this run (its subscription closed). Before its terminal
         event, the node's late events for it become tolerated. Returns the id of a run
         forgotten to keep the memory bounded (its late events are now violations), if any."""
-        expected = self._runs.pop(run_id, None)
-        if expected is None:
-            return None
-        self._ended_runs[run_id] = expected != _TERMINATED
-        if len(self._ended_runs) > self.recent_runs:
-            return self._ended_runs.popitem(last=False)[0]
-        return None
+        return _retire(self._runs, self._ended_runs, run_id, _TERMINATED, self.recent_runs)
 
     def close_tunnel(self, tunnel_id: str) -> str | None:
         """As :meth:`close_run`, for a tunnel (tolerated when closed before its end)."""
-        phase = self._tunnels.pop(tunnel_id, None)
-        if phase is None:
-            return None
-        self._ended_tunnels[tunnel_id] = phase != _ENDED
-        if len(self._ended_tunnels) > self.recent_tunnels:
-            return self._ended_tunnels.popitem(last=False)[0]
-        return None
+        return _retire(self._tunnels, self._ended_tunnels, tunnel_id, _ENDED, self.recent_tunnels)
 
     def close(self) -> None:
         """The edge ended the session: what still arrives is tolerated, what is still sent
@@ -364,6 +353,7 @@ class NodeProtocol(_Half):
     _runs: dict[str, int] = attrs.field(factory=dict)
     """Runs the edge gave and whose terminal was not sent yet: the next ``seq`` to send."""
     _tunnels: dict[str, int] = attrs.field(factory=dict)
+    """Tunnels the edge gave and whose ``tunnel.end`` was not sent yet: their phase."""
 
     # ------------------------------------------------------------------ what the edge sends
 
@@ -377,41 +367,40 @@ class NodeProtocol(_Half):
             return over
         if state is State.AWAITING_HELLO:
             return self._fail(f"{_describe(message)} before this node's hello")
-        if not isinstance(message, Welcome):
+        if not isinstance(message, m.Welcome):
             return self._fail(f"expected welcome, got {_describe(message)}")
-        if message.protocol != PROTOCOL_VERSION:
-            return self._fail(
-                f"protocol version {message.protocol} is not supported "
-                f"(this node speaks {PROTOCOL_VERSION})"
-            )
-        self.generation = message.generation
-        self.state = State.OPEN
-        return ACCEPTED
+        verdict = self._version(message.protocol, "node")
+        if verdict is ACCEPTED:
+            self.generation = message.generation
+            self.state = State.OPEN
+        return verdict
 
     def _receive_open(self, message: Frame) -> Verdict:
-        if isinstance(message, RunRequest):
-            if message.run_id in self._runs:
-                return self._fail(f"run.request for run {message.run_id!r}, which is running")
-            self._runs[message.run_id] = 0
-            return ACCEPTED
-        if isinstance(message, TunnelRequest):
-            if message.tunnel_id in self._tunnels:
-                return self._fail(f"tunnel.request for tunnel {message.tunnel_id!r}, which is open")
-            self._tunnels[message.tunnel_id] = _AWAITING_START
-            return ACCEPTED
-        if isinstance(message, RunCancel | TunnelCancel | TunnelCredit | TunnelData):
+        if isinstance(message, m.RunRequest):
+            return self._given(self._runs, message.run_id, 0, "run", "running")
+        if isinstance(message, m.TunnelRequest):
+            return self._given(self._tunnels, message.tunnel_id, _AWAITING_START, "tunnel", "open")
+        if isinstance(message, m.RunCancel | m.TunnelCancel | m.TunnelCredit | TunnelData):
             # For a run or tunnel that just ended here they are late, not wrong.
-            known = self._runs if isinstance(message, RunCancel) else self._tunnels
-            key = message.run_id if isinstance(message, RunCancel) else message.tunnel_id
+            known = self._runs if isinstance(message, m.RunCancel) else self._tunnels
+            key = message.run_id if isinstance(message, m.RunCancel) else message.tunnel_id
             if key in known:
                 return ACCEPTED
             return Tolerated(f"{_describe(message)} for {key!r}, which is not running here")
-        if isinstance(message, Ping):
+        if isinstance(message, m.Ping):
             return ACCEPTED
-        if isinstance(message, EdgeDraining):
+        if isinstance(message, m.EdgeDraining):
             self.edge_draining = True
             return ACCEPTED
         return self._fail(f"unexpected {_describe(message)} message from the edge")
+
+    def _given(self, table: dict[str, int], key: str, first: int, kind: str, busy: str) -> Verdict:
+        """The edge gives a run or tunnel: legal unless one with that id is still ``busy``
+        here (a finished id may come again: the edge chose it for a new session's work)."""
+        if key in table:
+            return self._fail(f"{kind}.request for {kind} {key!r}, which is {busy}")
+        table[key] = first
+        return ACCEPTED
 
     # ------------------------------------------------------------------ what the node sends
 
@@ -422,40 +411,39 @@ class NodeProtocol(_Half):
         if state is State.CLOSED or state is State.FAILED:
             return
         if state is State.AWAITING_HELLO:
-            if not isinstance(message, Hello):
+            if not isinstance(message, m.Hello):
                 raise LocalProtocolError(f"cannot send {_describe(message)} before hello")
             self.state = State.AWAITING_WELCOME
             return
         if state is State.AWAITING_WELCOME:
             raise LocalProtocolError(f"cannot send {_describe(message)} before the welcome")
         if isinstance(message, _RUN_EVENTS):
-            expected = self._runs.get(message.run_id)
-            if expected is None:
-                raise LocalProtocolError(
-                    f"{message.TYPE!r} for run {message.run_id!r}, which is not running here"
-                )
-            if message.seq != expected:
-                raise LocalProtocolError(
-                    f"{message.TYPE!r} for run {message.run_id!r} with seq {message.seq}, "
-                    f"expected {expected}"
-                )
-            if type(message) in TERMINAL_EVENT_TYPES:
-                del self._runs[message.run_id]
-            else:
-                self._runs[message.run_id] = expected + 1
+            self._send_run_event(message)
         elif isinstance(message, _TUNNEL_FRAMES):
             self._send_tunnel_frame(message)
-        elif isinstance(message, NodeDraining):
+        elif isinstance(message, m.NodeDraining):
             self.node_draining = True
-        elif not isinstance(message, Pong | Capacity):
+        elif not isinstance(message, m.Pong | m.Capacity):
             raise LocalProtocolError(f"{message.TYPE!r} is not the node's to send")
 
-    def _send_tunnel_frame(self, message: TunnelData | TunnelStart | TunnelEnd) -> None:
+    def _send_run_event(self, message: RunEvent) -> None:
+        where = f"{message.TYPE!r} for run {message.run_id!r}"
+        expected = self._runs.get(message.run_id)
+        if expected is None:
+            raise LocalProtocolError(f"{where}, which is not running here")
+        if message.seq != expected:
+            raise LocalProtocolError(f"{where} with seq {message.seq}, expected {expected}")
+        if type(message) in _TERMINAL:
+            del self._runs[message.run_id]
+        else:
+            self._runs[message.run_id] = expected + 1
+
+    def _send_tunnel_frame(self, message: TunnelData | m.TunnelStart | m.TunnelEnd) -> None:
         phase = self._tunnels.get(message.tunnel_id)
         where = f"tunnel {message.tunnel_id!r}"
         if phase is None:
             raise LocalProtocolError(f"{_describe(message)} for {where}, which is not open")
-        if isinstance(message, TunnelStart):
+        if isinstance(message, m.TunnelStart):
             if phase != _AWAITING_START:
                 raise LocalProtocolError(f"{where}: a second tunnel.start")
             self._tunnels[message.tunnel_id] = _STARTED
@@ -469,9 +457,20 @@ class NodeProtocol(_Half):
         if self.state is not State.FAILED:
             self.state = State.CLOSED
 
+    # ------------------------------------------------------------------ introspection
+
     def next_seq(self, run_id: str) -> int | None:
         """The ``seq`` this node's next event for ``run_id`` must carry (None: not running)."""
         return self._runs.get(run_id)
 
     def running(self) -> set[str]:
+        """The runs the edge gave whose terminal event this node has not sent."""
         return set(self._runs)
+
+    def open_tunnels(self) -> set[str]:
+        """The tunnels the edge gave whose ``tunnel.end`` this node has not sent."""
+        return set(self._tunnels)
+
+    def is_idle(self) -> bool:
+        """No run and no tunnel is waiting for this node's answer."""
+        return not self._runs and not self._tunnels
