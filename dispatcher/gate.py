@@ -24,10 +24,12 @@ silent clean end.
             ...
 
 A tunnel attempt runs its pre-commit phase inside the attempt loop: the API puts a
-:class:`TunnelCall` on the request, whose ``commit`` sends the tunnel request and reads the
-response up to its commit point (raising :class:`AttemptFailed` for a 5xx / 429); the gate
-runs it under the request deadline and the first-token timeout and yields a
-:class:`TunnelAnswer` with what it buffered (``head``) for the relay to send, then the rest.
+:class:`TunnelCall` (what to relay of the client's HTTP request) on the request; the gate
+sends it and reads the response up to its commit point
+(:func:`dispatcher.tunnel_http.commit_tunnel`) under the request deadline and the first-token
+timeout, fails the attempt on a 5xx / 429 (:func:`dispatcher.gate_rules.tunnel_status_failure`)
+and yields a :class:`TunnelAnswer` with what it buffered (``head``) for the relay to send,
+then the rest.
 
 Every dispatched attempt (its run or tunnel request was sent) gets exactly one usage row when
 it ends.
@@ -53,6 +55,7 @@ from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
 from .protocol.excgroups import holds
 from .runs import Run, RunSpec
 from .tunnel import Tunnel
+from .tunnel_http import PreCommit, TunnelCall, TunnelHead, commit_tunnel
 from .usage import UsageRow
 
 log = logging.getLogger("dispatcher.gate")
@@ -65,42 +68,6 @@ PrepareAttempt = Callable[[int, Candidate, RunSpec], Awaitable[RunSpec]]
 
 SETTLE_TIMEOUT = 10.0
 """How long an abandoned run's usage row waits for the node's cancel confirmation."""
-
-
-@attrs.define(eq=False)
-class PreCommit:
-    """The clock of a tunnel attempt's pre-commit phase, as the gate runs it: until the first
-    output the first-token timeout applies; :meth:`output` (some of the answer arrived, e.g.
-    a piece of a non-streamed body) switches to the stall timeout from now."""
-
-    _scope: trio.CancelScope
-    stall_timeout_s: float
-    output_at: float | None = None
-
-    def output(self) -> None:
-        now = trio.current_time()
-        self.output_at = now
-        self._scope.deadline = now + self.stall_timeout_s
-
-
-CommitTunnel = Callable[[Tunnel, "TunnelCall", DispatchResult, PreCommit], Awaitable[Any]]
-"""``commit(tunnel, call, result, pre_commit)``: send the tunnel request and read its answer
-up to the commit point; return what the relay needs to go on (the *head*). Raises
-:class:`AttemptFailed` (or ``TunnelFailed``) when the attempt failed before its commit."""
-
-
-@attrs.frozen(kw_only=True)
-class TunnelCall:
-    """What a tunnel attempt relays of the client's HTTP request, and its pre-commit phase."""
-
-    method: str
-    path: str
-    query: str = ""
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-    """The client's headers, as received (the commit function filters them)."""
-    body: dict[str, Any] = attrs.field(factory=dict)
-    """The client's parsed JSON body."""
-    commit: CommitTunnel = attrs.field(eq=False)
 
 
 @attrs.define
@@ -279,8 +246,8 @@ class TunnelAnswer:
     attempt: TunnelAttempt
     attempts: int
     """How many attempts the request took (the committed one included)."""
-    head: Any
-    """What :attr:`TunnelCall.commit` returned."""
+    head: TunnelHead
+    """What the pre-commit phase read (:func:`~dispatcher.tunnel_http.commit_tunnel`)."""
     stall_timeout: float
     """The longest silence of the tunnel between two pieces after the commit."""
 
@@ -539,9 +506,10 @@ class Gate:
 
     async def _until_tunnel_commit(
         self, attempt: TunnelAttempt, call: TunnelCall, policy: GatePolicy
-    ) -> Any:
-        """Run the tunnel's pre-commit phase (``call.commit``) under the first-token timeout
-        (the stall timeout once it reported output). Raises :class:`_AttemptFailed` when the
+    ) -> TunnelHead:
+        """Run the tunnel's pre-commit phase (:func:`commit_tunnel`) under the first-token
+        timeout (the stall timeout once it reported output), and judge the response's status
+        (:func:`rules.tunnel_status_failure`). Raises :class:`_AttemptFailed` when the
         attempt failed before its commit point."""
         result = attempt.result
         where = f"{result.node_id}/{result.provider_id}"
@@ -549,11 +517,20 @@ class Gate:
         with trio.CancelScope(deadline=first_token_deadline) as waited:
             pre_commit = PreCommit(waited, policy.stall_timeout_s)
             try:
-                return await call.commit(attempt.tunnel, call, result, pre_commit)
+                head = await commit_tunnel(attempt.tunnel, call, result.served_model, pre_commit)
             except TunnelFailed as exc:
                 raise _AttemptFailed(exc.code, exc.message, retryable=exc.retryable) from exc
             except NodeUnavailable as exc:
                 raise _AttemptFailed(exc.code, f"{where}: {exc.message}", retryable=True) from exc
+            status = head.start.status
+            failure = rules.tunnel_status_failure(status)
+            if failure is not None:
+                raise _AttemptFailed(
+                    failure.code,
+                    f"{where}: the provider answered status {status}",
+                    retryable=failure.retryable,
+                )
+            return head
         if pre_commit.output_at is None:
             raise _AttemptFailed(
                 "first_token_timeout",
@@ -780,7 +757,6 @@ __all__: Sequence[str] = (
     "Answer",
     "Attempt",
     "AttemptFailed",
-    "CommitTunnel",
     "Gate",
     "GatePolicy",
     "GateRequest",
@@ -789,4 +765,5 @@ __all__: Sequence[str] = (
     "TunnelAnswer",
     "TunnelAttempt",
     "TunnelCall",
+    "TunnelHead",
 )

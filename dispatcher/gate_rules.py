@@ -82,6 +82,20 @@ def is_client_error(status: int | None, retryable: bool) -> bool:
     return status is not None and 400 <= status < 500 and status != 429 and not retryable
 
 
+def tunnel_status_failure(status: int) -> Failure | None:
+    """A tunnel's response status, before anything of it is relayed: a 5xx or a 429 (or no
+    HTTP status at all) fails the attempt, retryably -- another candidate may answer; any
+    other status is the client's answer (a 2xx read to its commit point, others relayed as
+    they are)."""
+    if not 200 <= status <= 599:
+        return Failure("tunnel_failed", retryable=True)
+    if status == 429:
+        return Failure("upstream_rate_limited", retryable=True)
+    if status >= 500:
+        return Failure("upstream_5xx", retryable=True)
+    return None
+
+
 @attrs.frozen(kw_only=True)
 class RunEnd:
     """How a normalized attempt's scope ended, as its usage row sees it."""
@@ -165,4 +179,5 @@ __all__ = [
     "is_client_error",
     "run_outcome",
     "tunnel_outcome",
+    "tunnel_status_failure",
 ]

@@ -1,0 +1,452 @@
+"""A tunnel attempt's HTTP rules and its pre-commit phase, below the gate.
+
+The gate runs :func:`commit_tunnel` inside a tunnel attempt; the API's relay
+(:mod:`dispatcher.api.tunnel_relay`) sends the committed answer's :class:`TunnelHead`, then the
+rest, with the header rules, SSE filter and usage sniffing defined here.
+
+What the provider receives (:func:`upstream_headers`, :func:`upstream_body`): the client's
+method, path, query and body with ``model`` replaced by the served name; the client's headers
+minus hop-by-hop ones, ``Host``, ``Content-Length``, ``Accept-Encoding`` and the client's own
+``Authorization`` (the node adds the provider's key). For ``"stream": true`` without
+``stream_options.include_usage`` the edge adds that option so that the stream reports usage,
+and strips the extra usage chunk it causes (the SSE event whose JSON has ``"choices": []`` and
+a ``usage`` object) from what the client receives (:class:`SSEFilter`).
+
+What the client receives (:func:`client_headers`): the provider's status, its headers minus
+hop-by-hop ones, ``Content-Length``, ``Date`` and any the edge sets itself, and the body byte
+for byte (apart from that stripped chunk).
+
+The pre-commit phase (:func:`commit_tunnel`): send the request, await the start, and read up
+to the commit point -- the first SSE event that carries content, or a whole body (up to
+:data:`BUFFER_LIMIT` bytes). Whether the status itself fails the attempt (5xx / 429) is the
+gate's decision (:func:`dispatcher.gate_rules.tunnel_status_failure`); the body of such a
+status is not read.
+
+Usage: read from the JSON body or the stream's usage chunk without altering the bytes
+(:func:`usage_of`, :func:`body_usage`, :func:`tail_usage`, :attr:`SSEFilter.usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import attrs
+import orjson
+import trio
+
+from . import wire
+from .errors import TunnelFailed
+from .tunnel import Tunnel
+
+BUFFER_LIMIT: Final = 256 * 1024
+"""A non-streamed body up to this size is answered whole, with ``Content-Length``."""
+USAGE_TAIL: Final = 16 * 1024
+"""Of a larger non-streamed body, how much of the end is kept to find ``usage`` in."""
+MAX_SSE_EVENT: Final = 64 * 1024
+"""An unfinished SSE event longer than this is passed on without waiting for its end (it
+cannot be the usage chunk)."""
+
+HOP_BY_HOP: Final = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_REQUEST_DROP: Final = HOP_BY_HOP | {
+    b"host",
+    b"content-length",
+    b"authorization",
+    b"accept-encoding",
+    b"expect",
+}
+_RESPONSE_DROP: Final = HOP_BY_HOP | {b"content-length", b"date"}
+_TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_FIELD_VALUE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")
+_SSE_BOUNDARY: Final = re.compile(rb"(?>\r\n|\n|\r)(?>\r\n|\n|\r)")
+_SSE_LINE: Final = re.compile(rb"\r\n|\n|\r")
+_USAGE_KEY: Final = b'"usage"'
+
+_STREAM_USAGE_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def _connection_listed(headers: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
+    return {
+        name.strip().lower()
+        for key, value in headers
+        if key.lower() == b"connection"
+        for name in value.split(b",")
+    }
+
+
+def upstream_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """The client's headers for the provider: minus hop-by-hop ones (and those the
+    ``Connection`` header names), ``Host``, ``Content-Length``, ``Accept-Encoding``,
+    ``Expect`` and ``Authorization``; ``Content-Type: application/json`` when the client
+    sent none."""
+    listed = _connection_listed(headers)
+    out = [
+        (key.decode("latin-1"), value.decode("latin-1"))
+        for key, value in headers
+        if key.lower() not in _REQUEST_DROP and key.lower() not in listed
+    ]
+    if not any(key.lower() == "content-type" for key, _ in out):
+        out.append(("content-type", "application/json"))
+    return out
+
+
+def client_headers(
+    start_headers: Sequence[tuple[str, str]], own: Sequence[tuple[bytes, bytes]]
+) -> list[tuple[bytes, bytes]]:
+    """The provider's response headers for the client, then ``own``: minus hop-by-hop ones,
+    ``Content-Length`` and ``Date`` (our server frames the body and dates the response), the
+    names in ``own``, and anything that is not a valid header."""
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in start_headers]
+    drop = _RESPONSE_DROP | _connection_listed(raw) | {name.lower() for name, _ in own}
+    out: list[tuple[bytes, bytes]] = []
+    for key, value in raw:
+        key = key.lower()
+        value = value.strip()
+        if key in drop or not _TOKEN.match(key) or not _FIELD_VALUE.match(value):
+            continue
+        out.append((key, value))
+    out.extend(own)
+    return out
+
+
+def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    for key, value in headers:
+        if key == b"content-type":
+            return value.split(b";")[0].strip().lower() == b"text/event-stream"
+    return False
+
+
+# --------------------------------------------------------------------------- usage
+
+
+Usage = tuple[int, int]
+"""``(prompt_tokens, completion_tokens)``."""
+
+
+def usage_of(value: object) -> Usage | None:
+    """The ``usage`` of an OpenAI response object, if it has a well-formed one
+    (``completion_tokens`` may be absent, as in embeddings)."""
+    if not isinstance(value, dict):
+        return None
+    usage = value.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0)
+    if completion is None:
+        completion = 0
+    if type(prompt) is not int or type(completion) is not int or prompt < 0 or completion < 0:
+        return None
+    return prompt, completion
+
+
+def body_usage(body: bytes) -> Usage | None:
+    try:
+        return usage_of(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def tail_usage(tail: bytes) -> Usage | None:
+    """``usage`` from the end of a JSON body too large to keep whole (OpenAI puts it last)."""
+    at = tail.rfind(_USAGE_KEY)
+    if at < 0:
+        return None
+    brace = tail.find(b"{", at)
+    if brace < 0:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(tail[brace:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return usage_of({"usage": value})
+
+
+class SSEFilter:
+    """Passes an SSE byte stream through unchanged, event by event, except the one usage
+    chunk the edge asked for (``strip_usage_chunk``); notes the stream's ``usage``.
+
+    Complete events are passed on as soon as they are complete; an unfinished one waits for
+    its end (or :meth:`finish`). Only events that mention ``"usage"`` are parsed."""
+
+    def __init__(self, *, strip_usage_chunk: bool, find_content: bool = False) -> None:
+        self._strip = strip_usage_chunk
+        self._pending = b""
+        self._skip_next = False
+        self.usage: Usage | None = None
+        self.stripped = False
+        self.done = False
+        """``data: [DONE]`` went through: the client has the whole answer once it is sent."""
+        self.events = 0
+        self.content_seen = not find_content
+        """An event that carries content went through (with ``find_content``, every event
+        is parsed until then)."""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._pending + data if self._pending else data
+        out: list[bytes] = []
+        sent = 0  # buf[:sent] is decided (passed on or stripped)
+        event_start = 0
+        probe = buf.find(_USAGE_KEY)
+        for match in _SSE_BOUNDARY.finditer(buf):
+            end = match.end()
+            if end == len(buf) and buf[-1] == 0x0D:
+                break  # a CR at the very end may be the first half of a CRLF
+            self.events += 1
+            if buf.startswith(_DONE_EVENT, event_start) or buf.startswith(
+                _DONE_EVENT_NO_SPACE, event_start
+            ):
+                self.done = True
+            if self._skip_next:
+                self._skip_next = False
+            elif 0 <= probe < end:
+                if self._inspect(buf[event_start:end]):
+                    out.append(buf[sent:event_start])
+                    sent = end
+            elif not self.content_seen and _carries_content(buf[event_start:end]):
+                self.content_seen = True
+            if 0 <= probe < end:
+                probe = buf.find(_USAGE_KEY, end)
+            event_start = end
+        out.append(buf[sent:event_start])
+        self._pending = buf[event_start:]
+        if len(self._pending) > MAX_SSE_EVENT:
+            out.append(self._pending)
+            self._pending = b""
+            self._skip_next = True
+            self.content_seen = True  # an event this large is output, whatever it holds
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """What is left: an unfinished last event, passed on as it is."""
+        rest, self._pending = self._pending, b""
+        if rest and not self._skip_next and _USAGE_KEY in rest:
+            self.events += 1
+            if self._inspect(rest):
+                return b""
+        return rest
+
+    def _inspect(self, event: bytes) -> bool:
+        """Note the event's usage; True if it is the usage chunk to strip."""
+        value = _event_json(event)
+        if value is None:
+            return False
+        if not self.content_seen and _has_content(value):
+            self.content_seen = True
+        usage = usage_of(value)
+        if usage is None:
+            return False
+        self.usage = usage
+        if (
+            self._strip
+            and not self.stripped
+            and isinstance(value, dict)
+            and value.get("choices") == []
+        ):
+            self.stripped = True
+            return True
+        return False
+
+
+_DONE_EVENT: Final = b"data: [DONE]"
+_DONE_EVENT_NO_SPACE: Final = b"data:[DONE]"
+_CONTENT_KEYS: Final = ("content", "text", "tool_calls", "function_call", "refusal")
+_REASONING_KEYS: Final = ("reasoning_content", "reasoning")
+
+
+def _event_json(event: bytes) -> object:
+    """The JSON of an SSE event's ``data`` lines, or None."""
+    lines = [
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in _SSE_LINE.split(event)
+        if line.startswith(b"data:")
+    ]
+    if not lines:
+        return None
+    try:
+        return orjson.loads(b"\n".join(lines))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _has_content(value: object) -> bool:
+    """A chunk (chat or text completion) with a choice whose delta carries content, text,
+    tool calls or reasoning; role-only preambles, finish chunks and usage chunks do not."""
+    if not isinstance(value, dict):
+        return False
+    choices = value.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):  # /v1/completions
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            delta.get(key) for key in (*_CONTENT_KEYS, *_REASONING_KEYS)
+        ):
+            return True
+    return False
+
+
+def _carries_content(event: bytes) -> bool:
+    return _has_content(_event_json(event))
+
+
+# --------------------------------------------------------------------------- the pre-commit
+
+
+@attrs.frozen(kw_only=True)
+class TunnelCall:
+    """What a tunnel attempt relays of the client's HTTP request."""
+
+    method: str
+    path: str
+    query: str = ""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """The client's headers, as received (:func:`upstream_headers` filters them)."""
+    body: Mapping[str, object] = attrs.field(factory=dict)
+    """The client's parsed JSON body."""
+
+
+@attrs.define(eq=False)
+class PreCommit:
+    """The clock of a tunnel attempt's pre-commit phase, as the gate runs it: until the first
+    output the first-token timeout applies; :meth:`output` (some of the answer arrived, e.g.
+    a piece of a non-streamed body) switches to the stall timeout from now."""
+
+    _scope: trio.CancelScope
+    stall_timeout_s: float
+    output_at: float | None = None
+
+    def output(self) -> None:
+        now = trio.current_time()
+        self.output_at = now
+        self._scope.deadline = now + self.stall_timeout_s
+
+
+def upstream_body(body: Mapping[str, object], served_model: str, route: str) -> tuple[bytes, bool]:
+    """The body for the provider and whether the edge added ``include_usage`` to it."""
+    out: dict[str, object] = {**body, "model": served_model}
+    if route in _STREAM_USAGE_ROUTES and out.get("stream") is True:
+        options = out.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage") is True):
+            out["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
+            return orjson.dumps(out), True
+    return orjson.dumps(out), False
+
+
+@attrs.frozen(kw_only=True)
+class TunnelHead:
+    """What a tunnel attempt's pre-commit phase read (:func:`commit_tunnel`): the relay sends
+    it first, then the rest of the response."""
+
+    start: wire.TunnelStart
+    data: bytes = b""
+    """The body bytes read before the commit, as the client gets them (filtered, for SSE)."""
+    sse: SSEFilter | None = None
+    """For a 2xx event stream: the filter the rest goes through."""
+    complete: bool = False
+    """The body ended within ``data``."""
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.start.status < 300
+
+
+async def commit_tunnel(
+    tunnel: Tunnel, call: TunnelCall, served_model: str, pre_commit: PreCommit
+) -> TunnelHead:
+    """The pre-commit phase of a tunnel attempt, which the gate runs: send the request, await
+    the response's start, and for a 2xx read up to the commit point -- the first SSE event
+    that carries content (or the end of the stream), or a whole non-streamed body (or its
+    first :data:`BUFFER_LIMIT` bytes). Any other status returns at once, its body unread: the
+    gate decides whether it fails the attempt (5xx / 429: leaving the tunnel aborts it) or is
+    the answer, relayed as it is. Raises :class:`TunnelFailed` when the tunnel fails; the body
+    breaking off before the commit is retryable: the client has seen nothing of it."""
+    body, injected = upstream_body(call.body, served_model, call.path)
+    await tunnel.send_request(
+        method=call.method,
+        path=call.path,
+        query=call.query,
+        headers=upstream_headers(call.headers),
+        body=body.decode("utf-8"),
+    )
+    start = await tunnel.start()
+    if not 200 <= start.status < 300:
+        return TunnelHead(start=start)
+    try:
+        if _is_sse(client_headers(start.headers, ())):
+            return await _sse_head(tunnel, start, injected)
+        return await _body_head(tunnel, start, pre_commit)
+    except TunnelFailed as exc:
+        raise TunnelFailed(exc.message, code=exc.code, retryable=True) from exc
+
+
+async def _sse_head(tunnel: Tunnel, start: wire.TunnelStart, injected: bool) -> TunnelHead:
+    sse = SSEFilter(strip_usage_chunk=injected, find_content=True)
+    parts: list[bytes] = []
+    size = 0
+    while not sse.content_seen and size <= BUFFER_LIMIT:
+        data = await tunnel.receive_some()
+        if not data:
+            parts.append(sse.finish())
+            return TunnelHead(start=start, data=b"".join(parts), sse=sse, complete=True)
+        out = sse.feed(data)
+        parts.append(out)
+        size += len(out)
+    return TunnelHead(start=start, data=b"".join(parts), sse=sse)
+
+
+async def _body_head(tunnel: Tunnel, start: wire.TunnelStart, pre_commit: PreCommit) -> TunnelHead:
+    parts: list[bytes] = []
+    size = 0
+    while data := await tunnel.receive_some():
+        pre_commit.output()
+        parts.append(data)
+        size += len(data)
+        if size > BUFFER_LIMIT:
+            return TunnelHead(start=start, data=b"".join(parts))
+    return TunnelHead(start=start, data=b"".join(parts), complete=True)
+
+
+__all__ = [
+    "BUFFER_LIMIT",
+    "HOP_BY_HOP",
+    "MAX_SSE_EVENT",
+    "USAGE_TAIL",
+    "PreCommit",
+    "SSEFilter",
+    "TunnelCall",
+    "TunnelHead",
+    "Usage",
+    "body_usage",
+    "client_headers",
+    "commit_tunnel",
+    "tail_usage",
+    "upstream_body",
+    "upstream_headers",
+    "usage_of",
+]
