@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import math
 import os
 import platform
@@ -19,6 +20,7 @@ from types import ModuleType
 import trio
 
 from bench import Table, render
+from bench._options import RunOptions
 
 SECTIONS: dict[str, str] = {
     "http": "bench.http_bench",
@@ -28,9 +30,13 @@ SECTIONS: dict[str, str] = {
     "gate": "bench.gate_bench",
     "usage": "bench.usage_bench",
     "tunnel": "bench.tunnel_bench",
+    "peer": "bench.peer",
+    "streams": "bench.streams",
 }
-"""Section name -> module. A module defines ``async def run() -> Sequence[Table]`` and may
-define ``TIME_LIMIT`` (seconds, default :data:`DEFAULT_TIME_LIMIT`). Imported only when run."""
+"""Section name -> module. A module defines ``async def run() -> Sequence[Table]`` (or
+``run(options)``, to be given the :class:`~bench._options.RunOptions` of the command line) and
+may define ``TIME_LIMIT`` (seconds, default :data:`DEFAULT_TIME_LIMIT`). Imported only when
+run."""
 
 DEFAULT_TIME_LIMIT = 120.0
 
@@ -46,7 +52,7 @@ def _import_section(module_name: str) -> ModuleType | None:
         raise
 
 
-async def _run_section(name: str, module_name: str) -> bool:
+async def _run_section(name: str, module_name: str, options: RunOptions) -> bool:
     """Run one section and print its tables; False if it failed."""
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT
@@ -57,7 +63,10 @@ async def _run_section(name: str, module_name: str) -> bool:
             return True
         limit = float(getattr(module, "TIME_LIMIT", DEFAULT_TIME_LIMIT))
         with trio.fail_after(limit):
-            tables: Sequence[Table] = await module.run()
+            if "options" in inspect.signature(module.run).parameters:
+                tables: Sequence[Table] = await module.run(options=options)
+            else:
+                tables = await module.run()
     except trio.TooSlowError:
         print(f"== {name}: FAILED: did not finish in {limit:g} s ==\n", flush=True)
         return False
@@ -71,10 +80,10 @@ async def _run_section(name: str, module_name: str) -> bool:
     return True
 
 
-async def _main(names: Sequence[str]) -> bool:
+async def _main(names: Sequence[str], options: RunOptions) -> bool:
     ok = True
     for name in names:
-        ok = await _run_section(name, SECTIONS[name]) and ok
+        ok = await _run_section(name, SECTIONS[name], options) and ok
     return ok
 
 
@@ -86,6 +95,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sections", nargs="*", metavar="SECTION", help=f"any of: {', '.join(SECTIONS)}"
     )
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke runs, for the sections that have one (peer)"
+    )
+    parser.add_argument(
+        "--n",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="streams: hold N streams (repeatable; default 1,000, 5,000 and 10,000)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, module_name in SECTIONS.items():
@@ -101,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cpus} CPUs, {platform.machine()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n",
         flush=True,
     )
-    return 0 if trio.run(_main, names) else 1
+    options = RunOptions(quick=args.quick, n=tuple(args.n))
+    return 0 if trio.run(_main, names, options) else 1
 
 
 if __name__ == "__main__":
