@@ -6,7 +6,7 @@ the winning candidate needs -- a normalized run, or a tunnel.
     async with pool.open(DispatchRequest(model="llama", body=body)) as dispatch:
         dispatch.result      # what was chosen: node, provider, served model, path, queue wait
         dispatch.run         # a Run (normalized path), or
-        dispatch.tunnel      # whatever the tunnel hook opened (tunnel path)
+        dispatch.tunnel      # a Tunnel (tunnel path), opened by the ``open_tunnel`` hook
 
 Optional hooks run after selection and before anything is sent: ``prepare_run`` may rewrite
 the run's spec for the chosen candidate (credentials, headers, model-specific options),
@@ -26,6 +26,7 @@ from .admission import Admission, Candidate, CandidateKey, Predicate, Slot, need
 from .admission._candidates import RequestClass
 from .errors import DispatcherError
 from .runs import Run, Runs, RunSpec
+from .tunnel import Tunnel
 
 
 @attrs.frozen(kw_only=True)
@@ -70,14 +71,21 @@ class DispatchResult:
 
 @attrs.frozen
 class Dispatch:
+    """What :meth:`Pool.open` yields: the choice, and the handle of exactly one path."""
+
     result: DispatchResult
     run: Run | None = None
-    tunnel: Any = None
+    tunnel: Tunnel | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.run is None) == (self.tunnel is None):
+            raise ValueError("a dispatch holds exactly one of a run and a tunnel")
 
 
 PrepareRun = Callable[[Candidate, RunSpec], Awaitable[RunSpec]]
 PrepareTunnel = Callable[[Candidate, DispatchRequest], Awaitable[DispatchRequest]]
-OpenTunnel = Callable[[Slot, DispatchRequest], AbstractAsyncContextManager[Any]]
+OpenTunnel = Callable[[Slot], AbstractAsyncContextManager[Tunnel]]
+"""Opens a tunnel on the slot's candidate (``dispatcher.tunnel.Tunnels.open_tunnel``)."""
 
 
 class TunnelUnavailable(DispatcherError):
@@ -132,7 +140,7 @@ class Pool:
             )
         if self.prepare_tunnel is not None:
             request = await self.prepare_tunnel(slot.candidate, request)
-        async with self.open_tunnel(slot, request) as tunnel:
+        async with self.open_tunnel(slot) as tunnel:
             yield Dispatch(self._result(request, slot, None), tunnel=tunnel)
 
     @staticmethod

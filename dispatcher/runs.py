@@ -1,4 +1,6 @@
-"""Normalized runs: ``open_run`` is the ownership rule of the design, in one ``async with``.
+"""Normalized runs: the run path's handle on the ownership rule of :mod:`dispatcher.lease`
+(the rule itself is written there, once, for runs and tunnels; :mod:`dispatcher.tunnel` is
+the other path).
 
 ::
 
@@ -6,42 +8,30 @@
         async for event in run:                 # normalized events, in order, up to the
             ...                                 # terminal one
     # however the block is left, the node is told to cancel if the run is not finished
-    # (shielded, bounded), the subscription is closed, and the slot is released -- once.
+    # (posted, never waits), the subscription is closed, and the slot is released -- once.
 
-The slot is freed at the first of: the terminal event arriving (the node is done), or the
-block exiting. A run left unfinished hands its slot to admission as *draining* until the
-node confirms the cancel (``run.cancelled``) or the drain deadline passes, so the queue never
-over-admits onto a node that is still generating for a client that left.
+What is the run path's: the route is the run's :class:`~dispatcher.registry.Subscription`,
+the request (``run.request``) is sent on entry, the node's end is its terminal event, the
+cancel is ``run.cancel``. A run left unfinished hands its slot to admission as *draining*
+until the node confirms the cancel (``run.cancelled``) or the drain deadline passes, so the
+queue never over-admits onto a node that is still generating for a client that left; the
+node's late events (its last usage, its confirmation) are kept on the :class:`Run`.
 """
 
 from __future__ import annotations
 
-import itertools
-import secrets
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import attrs
-import trio
 
 from . import wire
-from .admission import Admission, Candidate, Needs, Slot, needs_from_body
-from .errors import NodeUnavailable, StaleGeneration
-from .registry import NodeGone, NodeSession, Registry, Subscription
+from .admission import Needs, Slot, needs_from_body
+from .lease import LOST_CODES, EndReason, Lease, Leases, LeaseStatistics, NodeEnd
+from .registry import NodeSession, Subscription
 
-EndReason = Literal[
-    "completed",  # the node sent run.completed
-    "failed",  # the node sent run.failed
-    "node_lost",  # the node's connection ended mid-run
-    "stale_generation",  # the node reconnected mid-run (or before the send)
-    "cancelled",  # the block was left before the end by a cancellation (client gone, ...)
-    "abandoned",  # the block was left early without an error
-    "error",  # the block was left early by an exception
-    "send_error",  # the run request could not be sent
-    "withdrawn",  # the block was cancelled before the session's writer took the request
-]
+__all__ = ["EndReason", "Run", "RunSpec", "RunStatistics", "Runs"]
 
 
 @attrs.frozen(kw_only=True)
@@ -54,39 +44,31 @@ class RunSpec:
     """Derived from ``body`` when not given."""
 
 
-@attrs.define(eq=False)
-class Run:
+@attrs.define(eq=False, kw_only=True)
+class Run(Lease):
     """The handle ``open_run`` yields. Iterate it for the run's events, terminal included."""
 
-    run_id: str
-    candidate: Candidate
-    session: NodeSession
-    slot: Slot
     _subscription: Subscription
-    started_at: float
     _done: bool = False
-    end_reason: EndReason | None = None
-    """How the run ended, set once when its block is left."""
     late_terminal: wire.RunEvent | None = None
     """For a run abandoned before its end: the node's terminal event that arrived after the
     block was left (its cancel confirmation, or its own end if it ignored the cancel; a
     synthesized ``node_lost`` failure if the node went away first)."""
     late_usage: wire.Usage | None = None
     """The usage the node reported after the block was left."""
-    settled: trio.Event = attrs.field(factory=trio.Event)
-    """Set when an abandoned run's late terminal event arrived (or can never arrive)."""
+
+    @property
+    def run_id(self) -> str:
+        return self.lease_id
 
     @property
     def node_id(self) -> str:
         return self.candidate.node_id
 
     @property
-    def finished(self) -> bool:
-        """A terminal event arrived (from the node, or synthesized when it was lost)."""
-        return self._subscription.finished
-
-    @property
     def terminal(self) -> wire.RunEvent | None:
+        """The terminal event, once delivered (by the node, or synthesized when it was
+        lost)."""
         return self._subscription.terminal
 
     @property
@@ -125,28 +107,54 @@ class Run:
             self._done = True
         return event
 
+    def _node_end(self) -> NodeEnd | None:
+        terminal = self._subscription.terminal
+        if isinstance(terminal, wire.RunCompleted):
+            return "completed"
+        if isinstance(terminal, wire.RunFailed):
+            return LOST_CODES.get(terminal.code, "failed")
+        if isinstance(terminal, wire.RunCancelled):
+            return "cancelled"
+        return None
+
+    def _cancel_message(self) -> wire.RunCancel:
+        reason = "client went away" if self.end_reason == "cancelled" else "run abandoned"
+        return wire.RunCancel(run_id=self.run_id, reason=reason)
+
+    def _on_late_end(self, settle: Callable[[], None]) -> None:
+        def late_event(event: wire.RunEvent) -> None:
+            if isinstance(event, wire.RunUsage):
+                self.late_usage = event.usage
+                return
+            self.late_terminal = event
+            if isinstance(event, wire.RunCancelled) and event.usage is not None:
+                self.late_usage = event.usage
+            settle()
+
+        self._subscription.on_late_event = late_event
+
+
+@attrs.frozen
+class RunStatistics(LeaseStatistics):
+    @property
+    def open_runs(self) -> int:
+        """Runs whose block is open now (subscribed, not yet left): :attr:`open`."""
+        return self.open
+
 
 @attrs.define(eq=False)
-class RunStatistics:
-    opened: int = 0
-    open_runs: int = 0
-    """Runs whose block is open now (subscribed, not yet left)."""
-    ended: dict[str, int] = attrs.field(factory=dict)
-    cancels_sent: int = 0
-
-
-@attrs.define(eq=False)
-class Runs:
+class Runs(Leases[Run]):
     """Opens normalized runs on the node that admission selects."""
 
-    registry: Registry
-    admission: Admission
-    _prefix: str = attrs.field(factory=lambda: secrets.token_hex(4))
-    _counter: Iterator[int] = attrs.field(factory=itertools.count)
-    stats: RunStatistics = attrs.field(factory=RunStatistics)
+    kind = "run"
 
-    def new_run_id(self) -> str:
-        return f"run-{self._prefix}-{next(self._counter)}"
+    @property
+    def stats(self) -> RunStatistics:
+        """:meth:`statistics`, as an attribute (its older name)."""
+        return self.statistics()
+
+    def statistics(self) -> RunStatistics:
+        return RunStatistics(*self._counts())
 
     @asynccontextmanager
     async def open_run(self, spec: RunSpec) -> AsyncIterator[Run]:
@@ -161,99 +169,23 @@ class Runs:
     async def open_on_slot(self, spec: RunSpec, slot: Slot) -> AsyncIterator[Run]:
         """Subscribe and send the run on the candidate ``slot`` holds (the rest of
         ``open_run`` after admission; ``dispatcher.pool`` uses it after its hooks)."""
-        candidate = slot.candidate
-        try:
-            session = self.registry.require_current(candidate.node_id, candidate.generation)
-        except StaleGeneration:
-            self._count("stale_generation")
-            raise
-        run_id = self.new_run_id()
-        with session.subscribe(run_id) as subscription, self._counted_open():
-            subscription.on_terminal = lambda _event: slot.release()
-            run = Run(run_id, candidate, session, slot, subscription, time.monotonic())
-            body = {**spec.body, "model": candidate.served_model}
-            request = wire.RunRequest(
-                run_id=run_id,
-                provider_id=candidate.provider_id,
-                model=spec.model,
-                served_model=candidate.served_model,
-                body=body,
-            )
+        async with self.open_lease(slot) as run:
+            candidate = slot.candidate
             # The session's writer sends it; this block only waits until it is taken, so a
             # client leaving now withdraws the request instead of interrupting a write.
-            try:
-                outgoing = session.enqueue(request)
-            except NodeGone as exc:
-                self._count("send_error")
-                raise NodeUnavailable(str(exc)) from exc
-            try:
-                await outgoing.wait_taken()
-            except NodeGone as exc:
-                self._count("send_error")
-                raise NodeUnavailable(str(exc)) from exc
-            except trio.Cancelled:
-                self._count("withdrawn")  # the node never heard of it: nothing to cancel
-                raise
-            self.stats.opened += 1
-            try:
-                yield run
-            except BaseException as exc:
-                run.end_reason = self._reason(run, exc)
-                raise
-            else:
-                run.end_reason = self._reason(run, None)
-            finally:
-                self._count(run.end_reason or "error")
-                if not run.finished:
-                    self._abandon(run)
-
-    def _abandon(self, run: Run) -> None:
-        """The block was left before the terminal event: drain the slot and tell the node
-        (posted to the session's writer: never waits, so no deadline can lose it). The
-        node's late events (its last usage, its cancel confirmation) are kept on ``run``."""
-        run.slot.drain()
-        slot_id = run.slot.slot_id
-
-        def late_event(event: wire.RunEvent) -> None:
-            if isinstance(event, wire.RunUsage):
-                run.late_usage = event.usage
-                return
-            run.late_terminal = event
-            if isinstance(event, wire.RunCancelled) and event.usage is not None:
-                run.late_usage = event.usage
-            self.admission.confirm_drain(slot_id)
-            run.settled.set()
-
-        run._subscription.on_late_event = late_event
-        reason = "client went away" if run.end_reason == "cancelled" else "run abandoned"
-        if run.session.is_open:
-            run.session.post(wire.RunCancel(run_id=run.run_id, reason=reason))
-            self.stats.cancels_sent += 1
-        else:
-            run.settled.set()  # the session is over: leaving the registry voided its slots
-
-    @staticmethod
-    def _reason(run: Run, exc: BaseException | None) -> EndReason:
-        terminal = run.terminal
-        if isinstance(terminal, wire.RunCompleted):
-            return "completed"
-        if isinstance(terminal, wire.RunFailed):
-            if terminal.code in ("node_lost", "stale_generation"):
-                return terminal.code  # type: ignore[return-value]
-            return "failed"
-        if isinstance(terminal, wire.RunCancelled):
-            return "cancelled"
-        if isinstance(exc, trio.Cancelled):
-            return "cancelled"
-        return "abandoned" if exc is None else "error"
+            await run.send(
+                wire.RunRequest(
+                    run_id=run.run_id,
+                    provider_id=candidate.provider_id,
+                    model=spec.model,
+                    served_model=candidate.served_model,
+                    body={**spec.body, "model": candidate.served_model},
+                )
+            )
+            yield run
 
     @contextmanager
-    def _counted_open(self) -> Iterator[None]:
-        self.stats.open_runs += 1
-        try:
-            yield
-        finally:
-            self.stats.open_runs -= 1
-
-    def _count(self, reason: str) -> None:
-        self.stats.ended[reason] = self.stats.ended.get(reason, 0) + 1
+    def _route(self, session: NodeSession, lease_id: str, slot: Slot) -> Iterator[Run]:
+        with session.subscribe(lease_id) as subscription:
+            subscription.on_terminal = lambda _event: slot.release()
+            yield Run(lease_id=lease_id, slot=slot, session=session, subscription=subscription)

@@ -1,67 +1,57 @@
-"""Tunnels: the edge's end of one raw HTTP request relayed by a node to its provider.
+"""Tunnels: the edge's end of one raw HTTP request relayed by a node to its provider -- the
+tunnel path's handle on the ownership rule of :mod:`dispatcher.lease` (the rule itself is
+written there, once, for runs and tunnels; :mod:`dispatcher.runs` is the other path)::
 
-``open_tunnel`` is the ownership rule of the design (as :func:`dispatcher.runs.Runs.open_on_slot`
-is for runs), in one ``async with``::
-
-    async with tunnels.open_tunnel(slot, dispatch_request) as tunnel:   # route registered
+    async with tunnels.open_tunnel(slot) as tunnel:   # route registered
         await tunnel.send_request(method="POST", path="/v1/embeddings", headers=..., body=...)
         start = await tunnel.start()             # status and headers, or TunnelFailed
         while data := await tunnel.receive_some():
             ...                                  # the body, as the provider sent it
     # however the block is left: if the tunnel was sent and is unfinished, the node is told
-    # tunnel.cancel (shielded, bounded) and the slot drains until the node confirms with a
+    # tunnel.cancel (posted, never waits) and the slot drains until the node confirms with a
     # late tunnel.end; the route is closed; the slot is released -- once.
 
-The route is registered on the node's session before anything is sent, so no answer can be
-missed. The request itself is sent by :meth:`Tunnel.send_request` rather than on entry: the
-pool opens the tunnel right after admission, before the API layer has turned the client's
-HTTP request (headers, query, the body rewritten for the chosen candidate) into what the node
-must send. A tunnel left before its request was sent just gives its slot back.
+What is the tunnel path's: the route is a :class:`_Route` (the response's start, its body
+bytes, its end), the node's end is ``tunnel.end``, the cancel is ``tunnel.cancel``. The
+request is sent by :meth:`Tunnel.send_request` rather than on entry: the pool opens the
+tunnel right after admission, before the API layer has turned the client's HTTP request
+(headers, query, the body rewritten for the chosen candidate) into what the node must send.
+A tunnel left before its request was sent just gives its slot back (``unsent``).
 
-Flow control: the node may send at most ``window`` body bytes (:attr:`Tunnels.window`, sent
-in ``tunnel.request``) beyond what the edge has consumed; the edge grants more with
-``tunnel.credit`` as its consumer (the client) takes bytes, in steps of a quarter window.
-A node that sends more than granted breaks the protocol and its session is closed. The node's
-receive loop therefore never waits on a slow client, and one tunnel never holds more than a
-window of body bytes on the edge.
+Which frames the node may send in which order (``tunnel.start`` once and before any body
+frame, one ``tunnel.end``, nothing after it) is the session's protocol machine's call
+(:class:`dispatcher.protocol.EdgeProtocol`); the route only sees what it accepted.
 
-The slot is freed at the first of: ``tunnel.end`` arriving, or the block exiting (draining
-instead when a cancel had to be sent). A session lost mid-tunnel ends it with a synthesized,
-retryable error (``node_lost`` / ``stale_generation``), like runs.
+Flow control is the route's: the node may send at most ``window`` body bytes
+(:attr:`Tunnels.window`, sent in ``tunnel.request``) beyond what the edge has consumed; the
+edge grants more with ``tunnel.credit`` as its consumer (the client) takes bytes, in steps of
+a quarter window. A node that sends more than granted breaks the protocol and its session is
+closed. The node's receive loop therefore never waits on a slow client, and one tunnel never
+holds more than a window of body bytes on the edge.
+
+A session lost mid-tunnel ends it with a synthesized, retryable error (``node_lost`` /
+``stale_generation``), like runs.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import secrets
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 
 import attrs
 import trio
 
 from . import wire
-from .admission import Admission, Candidate, Slot
-from .errors import NodeUnavailable, StaleGeneration, TunnelFailed
-from .registry import NodeGone, NodeSession, Registry, SessionProtocolError
+from .admission import Slot
+from .errors import TunnelFailed
+from .lease import LOST_CODES, EndReason, Lease, Leases, LeaseStatistics, NodeEnd
+from .registry import NodeSession, SessionProtocolError
+
+__all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels", "UsageSink"]
 
 log = logging.getLogger("dispatcher.tunnel")
-
-EndReason = Literal[
-    "completed",  # tunnel.end without an error
-    "failed",  # tunnel.end with an error
-    "node_lost",  # the node's connection ended mid-tunnel
-    "stale_generation",  # the node reconnected mid-tunnel (or before the open)
-    "cancelled",  # the block was left before the end by a cancellation (client gone, ...)
-    "abandoned",  # the block was left early without an error
-    "error",  # the block was left early by an exception
-    "send_error",  # the tunnel request could not be sent
-    "unsent",  # the block was left before the request was sent
-]
 
 UsageSink = Callable[["Tunnel", int, int, bool], None]
 """``(tunnel, prompt_tokens, completion_tokens, reported)``: where tunnel usage goes (the usage
@@ -96,24 +86,15 @@ class _Route:
     async def wait(self) -> None:
         await self._lot.park()
 
-    def _violation(self, what: str) -> SessionProtocolError:
-        return SessionProtocolError(f"tunnel {self.tunnel_id!r}: {what}")
-
     def deliver_start(self, message: wire.TunnelStart) -> None:
-        if self.end is not None or self.start is not None:
-            raise self._violation("tunnel.start after the response started or ended")
         self.start = message
         self._lot.unpark_all()
 
     def deliver_data(self, data: bytes) -> None:
-        if self.start is None:
-            raise self._violation("body frame before tunnel.start")
-        if self.end is not None:
-            raise self._violation("body frame after tunnel.end")
         if len(data) > self.outstanding:
-            raise self._violation(
-                f"{len(data)} body bytes with only {self.outstanding} granted "
-                f"(window {self.window})"
+            raise SessionProtocolError(
+                f"tunnel {self.tunnel_id!r}: {len(data)} body bytes with only "
+                f"{self.outstanding} granted (window {self.window})"
             )
         if not data:
             return
@@ -125,8 +106,6 @@ class _Route:
         self._lot.unpark_all()
 
     def deliver_end(self, message: wire.TunnelEnd) -> None:
-        if self.end is not None:
-            raise self._violation("a second tunnel.end")
         self._finish(message)
 
     def lost(self, code: str, message: str) -> None:
@@ -153,22 +132,12 @@ class _Route:
         return data
 
 
-@attrs.define(eq=False)
-class Tunnel:
+@attrs.define(eq=False, kw_only=True)
+class Tunnel(Lease):
     """The handle ``open_tunnel`` yields: send the request once, then read the response."""
 
-    tunnel_id: str
-    candidate: Candidate
-    session: NodeSession
-    slot: Slot
     _route: _Route
     _owner: Tunnels
-    started_at: float
-    requested: bool = False
-    sent: bool = False
-    """The request reached the node's connection (:meth:`send_request` returned)."""
-    end_reason: EndReason | None = None
-    """How the tunnel ended, set once when its block is left."""
     _unreported: int = 0
     """Body bytes consumed and not yet granted back to the node."""
     usage_recorded: bool = False
@@ -176,9 +145,8 @@ class Tunnel:
     """The last usage reported with :meth:`on_usage`: ``(prompt, completion, reported)``."""
 
     @property
-    def finished(self) -> bool:
-        """The end arrived (from the node, or synthesized when the node was lost)."""
-        return self._route.end is not None
+    def tunnel_id(self) -> str:
+        return self.lease_id
 
     @property
     def completed(self) -> bool:
@@ -211,35 +179,21 @@ class Tunnel:
         body: str = "",
     ) -> None:
         """Send ``tunnel.request`` (once). ``headers`` go to the provider as given: leave out
-        hop-by-hop headers and the client's ``Authorization`` (the node adds its own)."""
-        if self.requested:
-            raise RuntimeError(f"tunnel {self.tunnel_id}: the request was already sent")
-        request = wire.TunnelRequest(
-            tunnel_id=self.tunnel_id,
-            provider_id=self.candidate.provider_id,
-            method=method,
-            path=path,
-            query=query,
-            headers=tuple(headers),
-            body=body,
-            window=self._route.window,
+        hop-by-hop headers and the client's ``Authorization`` (the node adds its own).
+        Cancelled before the session's writer took it, the request is withdrawn and the
+        node never hears of this tunnel."""
+        await self.send(
+            wire.TunnelRequest(
+                tunnel_id=self.tunnel_id,
+                provider_id=self.candidate.provider_id,
+                method=method,
+                path=path,
+                query=query,
+                headers=tuple(headers),
+                body=body,
+                window=self._route.window,
+            )
         )
-        # The session's writer sends it; this only waits until it is taken. Cancelled before
-        # that, the request is withdrawn and the node never hears of this tunnel.
-        try:
-            outgoing = self.session.enqueue(request)
-        except NodeGone as exc:
-            raise NodeUnavailable(str(exc)) from exc
-        self.requested = True
-        try:
-            await outgoing.wait_taken()
-        except NodeGone as exc:
-            self.requested = False
-            raise NodeUnavailable(str(exc)) from exc
-        except trio.Cancelled:
-            self.requested = False  # withdrawn: nothing to cancel at the node
-            raise
-        self.sent = True
 
     async def start(self) -> wire.TunnelStart:
         """The response's status and headers. Raises :class:`TunnelFailed` if the tunnel
@@ -301,13 +255,23 @@ class Tunnel:
             retryable=end.retryable,
         )
 
+    def _node_end(self) -> NodeEnd | None:
+        route = self._route
+        if route.end is None:
+            return None
+        if route.lost_code is not None:
+            return LOST_CODES.get(route.lost_code, "failed")
+        return "failed" if route.end.error is not None else "completed"
+
+    def _cancel_message(self) -> wire.TunnelCancel:
+        return wire.TunnelCancel(tunnel_id=self.tunnel_id)
+
+    def _on_late_end(self, settle: Callable[[], None]) -> None:
+        self._route.on_late_end = settle
+
 
 @attrs.frozen
-class TunnelStatistics:
-    opened: int
-    ended: dict[str, int]
-    cancels_sent: int
-    open_tunnels: int
+class TunnelStatistics(LeaseStatistics):
     buffered_bytes: int
     """Body bytes buffered on the edge now, over every open tunnel."""
     peak_buffered_bytes: int
@@ -317,23 +281,23 @@ class TunnelStatistics:
     prompt_tokens: int
     completion_tokens: int
 
+    @property
+    def open_tunnels(self) -> int:
+        """Tunnels whose block is open now: :attr:`open`."""
+        return self.open
+
 
 @attrs.define(eq=False)
-class Tunnels:
+class Tunnels(Leases[Tunnel]):
     """Opens tunnels on the node that admission selected (``pool.open_tunnel``)."""
 
-    registry: Registry
-    admission: Admission
+    kind = "tun"
+
     window: int = wire.DEFAULT_TUNNEL_WINDOW
     usage_sink: UsageSink | None = None
     """Where each tunnel's usage goes besides the counters (the usage ledger)."""
-    _prefix: str = attrs.field(factory=lambda: secrets.token_hex(4))
-    _counter: Iterator[int] = attrs.field(factory=itertools.count)
-    _open: dict[str, Tunnel] = attrs.field(factory=dict)
-    _opened: int = 0
-    _ended: dict[str, int] = attrs.field(factory=dict)
-    _cancels_sent: int = 0
     _peak_buffered: int = 0
+    """The most body bytes a tunnel that ended held at once."""
     _usage_reported: int = 0
     _usage_estimated: int = 0
     _prompt_tokens: int = 0
@@ -344,80 +308,31 @@ class Tunnels:
         """Consumed bytes granted back to the node at once (a quarter window)."""
         return max(1, self.window // 4)
 
-    def new_tunnel_id(self) -> str:
-        return f"tun-{self._prefix}-{next(self._counter)}"
-
     def statistics(self) -> TunnelStatistics:
-        buffered = [t.buffered for t in self._open.values()]
-        peaks = [t.peak_buffered for t in self._open.values()]
+        tunnels = self._open.values()
         return TunnelStatistics(
-            opened=self._opened,
-            ended=dict(self._ended),
-            cancels_sent=self._cancels_sent,
-            open_tunnels=len(self._open),
-            buffered_bytes=sum(buffered),
-            peak_buffered_bytes=max([self._peak_buffered, *peaks]),
+            *self._counts(),
+            buffered_bytes=sum(tunnel.buffered for tunnel in tunnels),
+            peak_buffered_bytes=max([self._peak_buffered, *(t.peak_buffered for t in tunnels)]),
             usage_reported=self._usage_reported,
             usage_estimated=self._usage_estimated,
             prompt_tokens=self._prompt_tokens,
             completion_tokens=self._completion_tokens,
         )
 
-    @asynccontextmanager
-    async def open_tunnel(self, slot: Slot, request: Any = None) -> AsyncIterator[Tunnel]:
+    def open_tunnel(self, slot: Slot) -> AbstractAsyncContextManager[Tunnel]:
         """Route a new tunnel on the candidate ``slot`` holds and yield its handle (the
-        ``pool.open_tunnel`` hook; ``request``, the pool's ``DispatchRequest``, is not
-        needed: :meth:`Tunnel.send_request` carries what goes to the node)."""
-        candidate = slot.candidate
-        try:
-            session = self.registry.require_current(candidate.node_id, candidate.generation)
-        except StaleGeneration:
-            self._count("stale_generation")
-            raise
-        tunnel_id = self.new_tunnel_id()
-        route = _Route(tunnel_id, self.window, on_end=slot.release)
-        with session.route_tunnel_to(tunnel_id, route):
-            tunnel = Tunnel(tunnel_id, candidate, session, slot, route, self, time.monotonic())
-            self._open[tunnel_id] = tunnel
-            self._opened += 1
+        ``pool.open_tunnel`` hook); :meth:`Tunnel.send_request` sends it."""
+        return self.open_lease(slot)
+
+    @contextmanager
+    def _route(self, session: NodeSession, lease_id: str, slot: Slot) -> Iterator[Tunnel]:
+        route = _Route(lease_id, self.window, on_end=slot.release)
+        with session.route_tunnel_to(lease_id, route):
             try:
-                yield tunnel
-            except BaseException as exc:
-                tunnel.end_reason = self._reason(tunnel, exc)
-                raise
-            else:
-                tunnel.end_reason = self._reason(tunnel, None)
+                yield Tunnel(lease_id=lease_id, slot=slot, session=session, route=route, owner=self)
             finally:
-                del self._open[tunnel_id]
                 self._peak_buffered = max(self._peak_buffered, route.peak_buffered)
-                self._count(tunnel.end_reason or "error")
-                if tunnel.requested and not tunnel.finished:
-                    self._abandon(tunnel, route)
-
-    def _abandon(self, tunnel: Tunnel, route: _Route) -> None:
-        """The block was left before the end: drain the slot and tell the node (posted to
-        the session's writer: never waits, so no deadline can lose it)."""
-        tunnel.slot.drain()
-        slot_id = tunnel.slot.slot_id
-        route.on_late_end = lambda: self.admission.confirm_drain(slot_id)
-        if tunnel.session.is_open:
-            tunnel.session.post(wire.TunnelCancel(tunnel_id=tunnel.tunnel_id))
-            self._cancels_sent += 1
-
-    @staticmethod
-    def _reason(tunnel: Tunnel, exc: BaseException | None) -> EndReason:
-        route = tunnel._route
-        if route.end is not None:
-            if route.lost_code in ("node_lost", "stale_generation"):
-                return route.lost_code  # type: ignore[return-value]
-            return "failed" if route.end.error is not None else "completed"
-        if not tunnel.requested:
-            return "unsent"
-        if isinstance(exc, NodeUnavailable):
-            return "send_error"
-        if isinstance(exc, trio.Cancelled):
-            return "cancelled"
-        return "abandoned" if exc is None else "error"
 
     def _record_usage(
         self, tunnel: Tunnel, prompt_tokens: int, completion_tokens: int, reported: bool
@@ -433,6 +348,3 @@ class Tunnels:
                 self.usage_sink(tunnel, prompt_tokens, completion_tokens, reported)
             except Exception:  # the ledger must never break a request's exit path
                 log.exception("could not record usage of tunnel %s", tunnel.tunnel_id)
-
-    def _count(self, reason: str) -> None:
-        self._ended[reason] = self._ended.get(reason, 0) + 1
