@@ -86,8 +86,12 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Print the performance numbers (see bench/README.md)."""
+    """Print the performance numbers (see bench/README.md). With BENCH_LITELLM=1 the LiteLLM
+    proxy is installed too, for the peer section's LiteLLM column (a large install, so only
+    when asked)."""
     session.install(".[test]", "psutil")
+    if os.environ.get("BENCH_LITELLM") == "1":
+        session.install("litellm[proxy]")
     session.run("python", "-m", "bench", *session.posargs)
 
 
