@@ -17,7 +17,8 @@ Guarantees:
   it ``estimated``; reported usage is sent as reported (``estimated`` only when the adapter
   said so);
 * leaving the ``async with`` block (the connection is gone) cancels every run and sends
-  nothing more;
+  nothing more; the adapters' lifetimes (one pooled HTTP client per provider, its
+  connections reused by run after run) last as long as the block, around every run;
 * one writer task sends all runs' events, so sends never interleave; it serves runs in turn
   and coalesces a run's consecutive unsent text into one ``run.delta`` frame when the
   connection is slower than the adapter. Unsent text is bounded per run
@@ -52,6 +53,7 @@ from nodes.adapters.base import (
     RefusingAdapter,
     TokenEstimator,
     estimate_prompt_tokens,
+    open_adapters,
 )
 
 log = logging.getLogger("nodes.runner")
@@ -379,10 +381,12 @@ def _split_call(call: Mapping[str, Any]) -> list[wire.JSONObject]:
 async def open_runner(send: Send, *, adapters: Mapping[str, Adapter]) -> AsyncIterator[Runner]:
     """A :class:`Runner` whose runs live inside this block. ``adapters`` maps provider ids
     to adapters (see :func:`nodes.adapters.build_adapters`); a request for another provider
-    fails with code ``unknown_provider``. Leaving the block cancels every run; nothing more
-    is sent."""
-    async with trio.open_nursery() as nursery:
-        runner = Runner(nursery, send, adapters)
+    fails with code ``unknown_provider``. The adapters that have a lifetime (the HTTP
+    adapters' pooled clients) are opened for the block (:func:`~nodes.adapters.base.
+    open_adapters`; adapters already opened by the caller stay as they are) and closed after
+    the last run ended. Leaving the block cancels every run; nothing more is sent."""
+    async with open_adapters(adapters) as opened, trio.open_nursery() as nursery:
+        runner = Runner(nursery, send, opened)
         nursery.start_soon(runner._write_loop, name="runner writer")
         try:
             yield runner

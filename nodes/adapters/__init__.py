@@ -26,9 +26,11 @@ from nodes.adapters.base import (
     AdapterError,
     AdapterFactory,
     DropConnection,
+    HasLifetime,
     RefusingAdapter,
     RunOutput,
     estimate_tokens,
+    open_adapters,
 )
 from nodes.adapters.cli import CLIAdapter, CLIOptions
 from nodes.adapters.echo import EchoAdapter, EchoOptions
@@ -45,12 +47,14 @@ __all__ = [
     "DropConnection",
     "EchoAdapter",
     "EchoOptions",
+    "HasLifetime",
     "OptionsClass",
     "RefusingAdapter",
     "RunOutput",
     "build_adapters",
     "estimate_tokens",
     "make_adapter",
+    "open_adapters",
     "validate_options",
 ]
 

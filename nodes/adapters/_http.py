@@ -1,6 +1,6 @@
-"""What the HTTP adapters (``ollama``, ``openai``) share: timeouts, one streamed POST with
-upstream errors mapped to :class:`~nodes.adapters.base.AdapterError`, an SSE decoder, and
-option parsing.
+"""What the HTTP adapters (``ollama``, ``openai``) share: one pooled client per provider and
+its lifetime, timeouts, one streamed POST with upstream errors mapped to
+:class:`~nodes.adapters.base.AdapterError`, an SSE decoder, and option parsing.
 
 Error mapping (see ``docs/node.md``). An upstream's answer that says the *request* is wrong is
 the client's error: it carries the upstream's ``status``, is not retryable, and its message is
@@ -35,29 +35,47 @@ origin, ``host:port``, host and base path and the node's credentials removed
 (:class:`Redactor`); the upstream's text may quote any of them. The node's own log keeps the
 URL (INFO, logger ``nodes.adapters.http``).
 
-Each run opens its own ``httpx.AsyncClient`` inside ``async with`` (see :func:`post_stream`):
-the simplest lifetime that is always correct under cancellation. The price is no connection
-reuse across runs: a new TCP connection (and TLS handshake for ``https``) per run, which is
-noise for a local engine and tens of milliseconds for a remote one.
+Connections are reused. Each provider gets one pooled ``httpx.AsyncClient``
+(:func:`open_client`): at most as many connections as the provider has slots (the sum of its
+models' ``slots``, :func:`pool_size`), all of them kept alive, and every client of the
+process shares one TLS context per distinct TLS setting (:func:`tls_context`: building one
+loads the CA bundle, ~50 ms of CPU). Its lifetime is lexical: an adapter is an
+:class:`HTTPAdapter`, whose :meth:`~HTTPAdapter.open` block holds the client and gives the
+adapter bound to it; ``nodes.adapters.open_adapters`` (entered by ``nodes.runner.open_runner``)
+opens every adapter that has such a block for as long as the runs live. A run used without
+it (``adapter.run()`` called directly) opens a client of its own, closed with the run.
+
+A run still owns *its* request: the response stream lives inside :func:`post_stream`'s block,
+in the run's cancel scope. Leaving the block early -- cancelled, or an error -- closes the
+response before the body's end, and httpcore closes such a connection instead of returning it
+to the pool, so no later run can read what was left of another's answer. Leaving it normally
+(the adapter saw its last event) first reads the rest of the body, briefly and bounded
+(:data:`REUSE_WAIT`, :data:`REUSE_MAX_BYTES`: normally only the end of the chunked body, already
+on the way), so that the connection goes back to the pool.
 """
 
 from __future__ import annotations
 
+import abc
+import functools
 import logging
 import math
+import os
 import re
+import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import attrs
 import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 import orjson
 import trio
 
-from nodes.adapters.base import AdapterError
-from nodes.config import OptionsError
+from dispatcher import protocol as wire
+from nodes.adapters.base import Adapter, AdapterError, RunOutput
+from nodes.config import OptionsError, ProviderConfig
 
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
 DEFAULT_READ_TIMEOUT: Final = 600.0
@@ -73,6 +91,12 @@ MAX_MESSAGE: Final = MAX_ERROR_MESSAGE + 200
 it was redacted: a cut through an address would leave a part no redaction recognises."""
 DRAIN_TIMEOUT: Final = 1.0
 """Bound on finishing httpx's iterators after the response was closed (normally instant)."""
+REUSE_WAIT: Final = 0.05
+"""How long a response left normally (its last event seen) may take to end its body before
+its connection is closed instead of reused (a provider lingering after its last event)."""
+REUSE_MAX_BYTES: Final = 64 * 1024
+"""How much of a body left normally is read, at most, to reach its end and reuse the
+connection."""
 
 CLIENT_ERROR_STATUSES: Final = frozenset({400, 413, 415, 422})
 """Upstream statuses that say the request itself is wrong: the client's error."""
@@ -123,6 +147,124 @@ def split_timeouts(raw: Mapping[str, Any]) -> tuple[HTTPTimeouts, dict[str, Any]
         key: value for key, value in raw.items() if not parse_timeout_option(key, value, timeouts)
     }
     return HTTPTimeouts(**timeouts), rest
+
+
+def parse_options(
+    raw: Mapping[str, Any], parsers: Mapping[str, Callable[[str, Any], Any]], *, kind: str
+) -> dict[str, Any]:
+    """An HTTP adapter's ``options`` table as its options class's fields: ``timeouts``
+    (:func:`split_timeouts`), and each other key parsed by its entry in ``parsers``, which
+    takes the key and the value and raises :class:`OptionsError`; a key with no entry is an
+    ``unknown <kind> option``."""
+    timeouts, rest = split_timeouts(raw)
+    fields: dict[str, Any] = {"timeouts": timeouts}
+    for key, value in rest.items():
+        parse = parsers.get(key)
+        if parse is None:
+            raise OptionsError(key, f"unknown {kind} option")
+        fields[key] = parse(key, value)
+    return fields
+
+
+# --------------------------------------------------------------------------- pooled clients
+
+
+def tls_context() -> ssl.SSLContext:
+    """The TLS context for the node's HTTP clients under today's setting: httpx's default
+    (``verify=True``, trusting the environment): the CA file ``SSL_CERT_FILE`` names, else
+    the directory ``SSL_CERT_DIR`` names, else certifi's bundle. Built once per distinct
+    setting and shared (clients never change it: httpcore sets the same ALPN, HTTP/1.1, on
+    every connection, since no client enables HTTP/2)."""
+    return _tls_context(
+        os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None
+    )
+
+
+@functools.cache
+def _tls_context(cafile: str | None, capath: str | None) -> ssl.SSLContext:
+    if cafile is not None:
+        return ssl.create_default_context(cafile=cafile)
+    if capath is not None:
+        return ssl.create_default_context(capath=capath)
+    return httpx.create_ssl_context(verify=True, trust_env=False)  # certifi's bundle
+
+
+def pool_size(provider: ProviderConfig) -> int:
+    """How many upstream connections a provider needs at most: its slots, the sum of its
+    models' ``slots`` (long-context slots are among them); 1 for a provider with no model."""
+    return max(1, sum(model.slots for model in provider.models))
+
+
+@asynccontextmanager
+async def open_client(
+    timeouts: HTTPTimeouts, *, max_connections: int, max_keepalive: int | None = None
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A pooled client, closed (every connection with it) when the block is left: at most
+    ``max_connections`` connections, ``max_keepalive`` of them (default: all) kept alive
+    between requests, the shared :func:`tls_context`, no redirects followed. A request that
+    finds every connection busy waits for one, up to the connect timeout."""
+    limits = httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections if max_keepalive is None else max_keepalive,
+    )
+    async with httpx.AsyncClient(
+        timeout=timeouts.as_httpx(), limits=limits, verify=tls_context(), follow_redirects=False
+    ) as client:
+        yield client
+
+
+RunOn = Callable[[httpx.AsyncClient, wire.RunRequest, RunOutput], Awaitable[None]]
+"""An HTTP adapter's run, on the client it is given."""
+
+
+@attrs.frozen
+class PooledAdapter:
+    """An HTTP adapter bound to its provider's open client (what :meth:`HTTPAdapter.open`
+    gives). It has no lifetime of its own: opening the adapters again leaves it as it is."""
+
+    _run_on: RunOn
+    _client: httpx.AsyncClient = attrs.field(repr=False)
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        await self._run_on(self._client, request, out)
+
+
+class HasTimeouts(Protocol):
+    """An HTTP adapter's options: they carry its timeouts."""
+
+    @property
+    def timeouts(self) -> HTTPTimeouts: ...
+
+
+@attrs.frozen(kw_only=True)
+class HTTPAdapter(abc.ABC):
+    """What the HTTP adapters share: where they post, and a lifetime holding the provider's
+    pooled client (:meth:`open`). A subclass gives its own ``options`` (with a default) and
+    :meth:`run_on`."""
+
+    url: str
+    """The full URL the adapter posts to."""
+    options: HasTimeouts
+    connections: int = 1
+    """The size of the provider's connection pool: its slots (:func:`pool_size`)."""
+
+    @abc.abstractmethod
+    async def run_on(
+        self, client: httpx.AsyncClient, request: wire.RunRequest, out: RunOutput
+    ) -> None:
+        """Run ``request`` with requests on ``client``."""
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator[Adapter]:
+        """The provider's pooled client for this block, and this adapter bound to it."""
+        async with open_client(self.options.timeouts, max_connections=self.connections) as client:
+            yield PooledAdapter(self.run_on, client)
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        """One run outside :meth:`open` (the runner always opens its adapters): on a client
+        of its own, closed with the run -- correct, but nothing is reused."""
+        async with self.open() as adapter:
+            await adapter.run(request, out)
 
 
 def chat_url(base_url: str, path: str) -> str:
@@ -350,34 +492,34 @@ def _alternation(literals: set[str], *, names: bool) -> re.Pattern[str] | None:
 
 @asynccontextmanager
 async def post_stream(
+    client: httpx.AsyncClient,
     url: str,
     body: Mapping[str, Any],
     *,
     headers: Mapping[str, str],
-    timeouts: HTTPTimeouts,
 ) -> AsyncIterator[httpx.Response]:
-    """POST ``body`` as JSON to ``url`` and give the streamed 2xx response.
+    """POST ``body`` as JSON to ``url`` on ``client`` and give the streamed 2xx response.
 
-    The client and the response live inside this block: leaving it -- normally, by an error,
-    or cancelled -- closes the upstream connection. A non-2xx status and every transport
-    error (also those raised while the caller reads the body inside the block) come out as
+    The response lives inside this block: leaving it early -- by an error, or cancelled --
+    closes the response and its connection (httpcore does not pool a connection whose answer
+    was not read to its end); leaving it after :func:`finished` read the body to its end
+    returns the connection to the client's pool. A non-2xx status and every transport error
+    (also those raised while the caller reads the body inside the block) come out as
     :class:`AdapterError`; every AdapterError leaving the block (the caller's too) has its
     message passed through a :class:`Redactor` for this request. Read lines with
-    :func:`response_lines`, which closes the iterator when left early.
+    :func:`response_lines` (or use :func:`post_lines`), which finishes the iterator however
+    it is left.
     """
     where = display_url(url)
     redact = Redactor.for_request(url, headers)
     started = False
     try:
-        async with (
-            httpx.AsyncClient(timeout=timeouts.as_httpx(), follow_redirects=False) as client,
-            client.stream(
-                "POST",
-                url,
-                content=dumps(body),
-                headers={"content-type": "application/json", **headers},
-            ) as response,
-        ):
+        async with client.stream(
+            "POST",
+            url,
+            content=dumps(body),
+            headers={"content-type": "application/json", **headers},
+        ) as response:
             started = True
             if not 200 <= response.status_code < 300:
                 raise await _status_error(response, where, redact)
@@ -424,6 +566,18 @@ def _transport_failure(code: str, message: str, where: str, exc: Exception) -> A
 
 
 @asynccontextmanager
+async def post_lines(
+    client: httpx.AsyncClient, url: str, body: Mapping[str, Any], *, headers: Mapping[str, str]
+) -> AsyncIterator[AsyncIterator[str]]:
+    """:func:`post_stream`, its response read as lines (:func:`response_lines`)."""
+    async with (
+        post_stream(client, url, body, headers=headers) as response,
+        response_lines(response) as lines,
+    ):
+        yield lines
+
+
+@asynccontextmanager
 async def response_lines(response: httpx.Response) -> AsyncIterator[AsyncIterator[str]]:
     """``response.aiter_lines()``, finished properly however the block is left."""
     async with finished(response, response.aiter_lines()) as lines:
@@ -436,15 +590,22 @@ async def finished(
 ) -> AsyncIterator[AsyncIterator[_T]]:
     """``iterator`` (one of httpx's response iterators), finished when the block is left.
 
-    httpx's iterators are a chain of async generators (lines over text over bytes over raw
-    over httpcore's...). ``contextlib.aclosing`` closes only the outermost one when the
-    caller stops early; the others are left suspended and Trio warns (ResourceWarning) when
-    they are garbage collected. So: close the response (and its connection), then resume the
-    chain until it ends -- the read at its bottom fails at once on the closed connection and
-    that error unwinds every generator. Shielded and bounded, so it runs when cancelled too.
+    Left normally (the caller has what it wanted), the rest of the body is read first, for
+    at most :data:`REUSE_WAIT` and :data:`REUSE_MAX_BYTES`: a response read to its end gives
+    its connection back to the pool. Left by an error or cancelled, nothing more is read.
+
+    Then, however the block is left: httpx's iterators are a chain of async generators (lines
+    over text over bytes over raw over httpcore's...). ``contextlib.aclosing`` closes only
+    the outermost one when the caller stops early; the others are left suspended and Trio
+    warns (ResourceWarning) when they are garbage collected. So: close the response (and,
+    unless its body was read to the end, its connection), then resume the chain until it ends
+    -- the read at its bottom fails at once on the closed connection and that error unwinds
+    every generator. Shielded and bounded, so it runs when cancelled too.
     """
     try:
         yield iterator
+        with trio.move_on_after(REUSE_WAIT):
+            await _read_to_end(iterator)
     finally:
         with trio.move_on_after(DRAIN_TIMEOUT, shield=True):
             await response.aclose()
@@ -453,6 +614,20 @@ async def finished(
                     pass
             except Exception:  # the read on the closed connection fails: expected
                 pass
+
+
+async def _read_to_end(iterator: AsyncIterator[Any]) -> None:
+    """Read what is left, up to :data:`REUSE_MAX_BYTES` (characters for text iterators). A
+    failure is no failure of the request, whose answer is complete: the connection is just
+    not reused."""
+    size = 0
+    try:
+        async for piece in iterator:
+            size += len(piece)
+            if size > REUSE_MAX_BYTES:
+                return
+    except Exception as exc:  # the body's end broke: closing the response drops the connection
+        log.debug("reading the rest of a finished response failed: %s", _describe(exc))
 
 
 async def _status_error(response: httpx.Response, where: str, redact: Redactor) -> AdapterError:

@@ -19,12 +19,19 @@ exactly one terminal event). Errors:
 * :class:`DropConnection` -- fault injection only: the node's whole connection is dropped;
 * cancellation (``run.cancel``) arrives as ``trio.Cancelled`` at the adapter's next
   checkpoint; the adapter's HTTP request or child process dies with its cancel scope.
+
+An adapter that holds something across runs (the HTTP adapters: a pooled client per
+provider) has a lifetime, :class:`HasLifetime`: ``async with adapter.open() as live`` holds it
+and gives the adapter to run with inside the block. :func:`open_adapters` opens every adapter
+of a node that has one, for as long as its block lasts (``nodes.runner.open_runner`` enters
+it around its runs); adapters without one (``echo``, ``cli``) are used as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -106,6 +113,30 @@ class RunOutput(Protocol):
 
 class Adapter(Protocol):
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None: ...
+
+
+@runtime_checkable
+class HasLifetime(Protocol):
+    """An adapter that holds something across runs (a pooled HTTP client): ``open()``'s
+    block holds it and gives the adapter to run with while it lasts. The adapter itself
+    still runs outside that block, each run holding what it needs for itself."""
+
+    def open(self) -> AbstractAsyncContextManager[Adapter]: ...
+
+
+@asynccontextmanager
+async def open_adapters(adapters: Mapping[str, Adapter]) -> AsyncIterator[dict[str, Adapter]]:
+    """``adapters`` (provider id -> adapter) with every one that has a lifetime
+    (:class:`HasLifetime`) opened for this block, in order, and closed in reverse order when
+    it is left; the others as they are. The opened ones have no lifetime of their own, so
+    opening the result again changes nothing."""
+    async with AsyncExitStack() as stack:
+        opened: dict[str, Adapter] = {}
+        for provider_id, adapter in adapters.items():
+            if isinstance(adapter, HasLifetime):
+                adapter = await stack.enter_async_context(adapter.open())
+            opened[provider_id] = adapter
+        yield opened
 
 
 @attrs.frozen

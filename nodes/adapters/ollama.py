@@ -42,18 +42,11 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
+import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 import orjson
 
 from dispatcher import protocol as wire
-from nodes.adapters._http import (
-    HTTPTimeouts,
-    chat_url,
-    error_event_failure,
-    loads_object,
-    post_stream,
-    response_lines,
-    split_timeouts,
-)
+from nodes.adapters import _http
 from nodes.adapters.base import (
     AdapterError,
     RunOutput,
@@ -86,7 +79,7 @@ _SAME_NAME_OPTIONS: Final = (
 class OllamaOptions:
     """The ``options`` table of an ``ollama`` provider."""
 
-    timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
+    timeouts: _http.HTTPTimeouts = attrs.field(factory=_http.HTTPTimeouts)
     """``connect_timeout`` (default 10 s) and ``read_timeout`` (default 600 s; 0: none)."""
     keep_alive: str | int | float | None = None
     """Sent as Ollama's ``keep_alive`` (how long the model stays loaded, e.g. ``"10m"``)."""
@@ -95,33 +88,34 @@ class OllamaOptions:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OllamaOptions:
-        timeouts, rest = split_timeouts(raw)
-        fields: dict[str, Any] = {}
-        for key, value in rest.items():
-            if key == "keep_alive":
-                if type(value) not in (str, int, float):
-                    raise OptionsError(key, f"expected a duration string or seconds, got {value!r}")
-                fields[key] = value
-            elif key == "model_options":
-                if not isinstance(value, dict):
-                    raise OptionsError(key, f"expected a table, got {value!r}")
-                fields[key] = dict(value)
-            else:
-                raise OptionsError(key, "unknown ollama option")
-        return cls(timeouts=timeouts, **fields)
+        parsers = {"keep_alive": _keep_alive, "model_options": _table}
+        return cls(**_http.parse_options(raw, parsers, kind="ollama"))
+
+
+def _keep_alive(key: str, value: Any) -> str | int | float:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise OptionsError(key, f"expected a duration string or seconds, got {value!r}")
+    return value
+
+
+def _table(key: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise OptionsError(key, f"expected a table, got {value!r}")
+    return dict(value)
 
 
 @attrs.frozen(kw_only=True)
-class OllamaAdapter:
-    url: str
-    """The full ``/api/chat`` URL."""
+class OllamaAdapter(_http.HTTPAdapter):
+    """Posts to ``url``: the full ``/api/chat`` URL."""
+
     options: OllamaOptions = OllamaOptions()
 
     @classmethod
     def from_provider(cls, provider: ProviderConfig) -> OllamaAdapter:
         return cls(
-            url=chat_url(provider.base_url or DEFAULT_BASE_URL, "/api/chat"),
+            url=_http.chat_url(provider.base_url or DEFAULT_BASE_URL, "/api/chat"),
             options=OllamaOptions.from_mapping(provider.options),
+            connections=_http.pool_size(provider),
         )
 
     def payload(self, request: wire.RunRequest) -> dict[str, Any]:
@@ -154,26 +148,22 @@ class OllamaAdapter:
             payload["keep_alive"] = self.options.keep_alive
         return payload
 
-    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+    async def run_on(
+        self, client: httpx.AsyncClient, request: wire.RunRequest, out: RunOutput
+    ) -> None:
         payload = self.payload(request)
         generated = TokenEstimator()
         final: dict[str, Any] | None = None
         calls_made = 0
-        async with (
-            post_stream(
-                self.url,
-                payload,
-                headers={"accept": "application/x-ndjson"},
-                timeouts=self.options.timeouts,
-            ) as resp,
-            response_lines(resp) as lines,
-        ):
+        async with _http.post_lines(
+            client, self.url, payload, headers={"accept": "application/x-ndjson"}
+        ) as lines:
             async for line in lines:
                 if not line.strip():
                     continue
-                chunk = loads_object(line, "a line")
+                chunk = _http.loads_object(line, "a line")
                 if "error" in chunk:
-                    raise error_event_failure(chunk, "line")
+                    raise _http.error_event_failure(chunk, "line")
                 answer = chunk.get("message")
                 if isinstance(answer, dict):
                     content = answer.get("content")

@@ -31,18 +31,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
+import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 
 from dispatcher import protocol as wire
-from nodes.adapters._http import (
-    HTTPTimeouts,
-    SSEDecoder,
-    chat_url,
-    error_event_failure,
-    loads_object,
-    post_stream,
-    response_lines,
-    split_timeouts,
-)
+from nodes.adapters import _http
 from nodes.adapters.base import AdapterError, RunOutput
 from nodes.config import OptionsError, ProviderConfig
 
@@ -53,7 +45,7 @@ DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
 class OpenAIOptions:
     """The ``options`` table of an ``openai`` provider."""
 
-    timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
+    timeouts: _http.HTTPTimeouts = attrs.field(factory=_http.HTTPTimeouts)
     """``connect_timeout`` (default 10 s) and ``read_timeout`` (default 600 s; 0: none)."""
     include_usage: bool = True
     """Ask for the usage chunk (``stream_options.include_usage``); turn off for servers that
@@ -61,32 +53,29 @@ class OpenAIOptions:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OpenAIOptions:
-        timeouts, rest = split_timeouts(raw)
-        fields: dict[str, Any] = {}
-        for key, value in rest.items():
-            if key == "include_usage":
-                if type(value) is not bool:
-                    raise OptionsError(key, f"expected true or false, got {value!r}")
-                fields[key] = value
-            else:
-                raise OptionsError(key, "unknown openai option")
-        return cls(timeouts=timeouts, **fields)
+        return cls(**_http.parse_options(raw, {"include_usage": _flag}, kind="openai"))
+
+
+def _flag(key: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise OptionsError(key, f"expected true or false, got {value!r}")
+    return value
 
 
 def completions_url(base_url: str) -> str:
     """``{root}/v1/chat/completions`` for a ``base_url`` with or without the ``/v1``."""
     root = base_url.rstrip("/")
     if root.endswith("/v1"):
-        return chat_url(root, "/chat/completions")
-    return chat_url(root, "/v1/chat/completions")
+        return _http.chat_url(root, "/chat/completions")
+    return _http.chat_url(root, "/v1/chat/completions")
 
 
 @attrs.frozen(kw_only=True)
-class OpenAIAdapter:
-    url: str
-    """The full chat completions URL."""
-    api_key: str | None = attrs.field(default=None, repr=False)
+class OpenAIAdapter(_http.HTTPAdapter):
+    """Posts to ``url``: the full chat completions URL."""
+
     options: OpenAIOptions = OpenAIOptions()
+    api_key: str | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def from_provider(
@@ -98,9 +87,12 @@ class OpenAIAdapter:
             url=completions_url(provider.base_url or DEFAULT_BASE_URL),
             api_key=provider.api_key(environ),
             options=OpenAIOptions.from_mapping(provider.options),
+            connections=_http.pool_size(provider),
         )
 
-    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+    async def run_on(
+        self, client: httpx.AsyncClient, request: wire.RunRequest, out: RunOutput
+    ) -> None:
         body = dict(request.body)
         body["model"] = request.served_model
         body["stream"] = True
@@ -116,11 +108,8 @@ class OpenAIAdapter:
 
         finish: str | None = None
         done = False
-        decoder = SSEDecoder()
-        async with (
-            post_stream(self.url, body, headers=headers, timeouts=self.options.timeouts) as resp,
-            response_lines(resp) as lines,
-        ):
+        decoder = _http.SSEDecoder()
+        async with _http.post_lines(client, self.url, body, headers=headers) as lines:
             async for line in lines:
                 data = decoder.feed(line)
                 if data is None:
@@ -146,9 +135,9 @@ class OpenAIAdapter:
 
 async def _take_chunk(data: str, out: RunOutput) -> str | None:
     """Report one chunk; its finish reason, if it has one."""
-    chunk = loads_object(data, "an SSE event")
+    chunk = _http.loads_object(data, "an SSE event")
     if "error" in chunk:
-        raise error_event_failure(chunk, "event")
+        raise _http.error_event_failure(chunk, "event")
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
