@@ -9,12 +9,18 @@ version), which it raises so the process can exit non-zero instead of retrying f
 One session::
 
     hello ->            (all providers and models; the token, never logged)
-          <- welcome    (bounded by config.handshake_timeout)
+          <- welcome    (bounded by config.handshake_timeout; anything else: close 1002,
+                         another protocol version: NodeRejected)
     then, concurrently until the connection ends:
-      receive loop:  ping -> pong, run.request -> runner.start, run.cancel -> runner.cancel,
+      receive loop:  every frame is judged by the session's NodeProtocol machine
+                     (dispatcher.protocol); what it accepts is carried out: ping -> pong,
+                     run.request -> runner.start, run.cancel -> runner.cancel,
                      tunnel.request / tunnel.credit / tunnel.cancel -> the tunnel runner
                      (nodes.tunnel), edge.draining -> noted (the edge's close that follows
-                     is a normal end), a malformed frame -> close 1002;
+                     is a normal end); what it tolerates (a cancel or credit crossing its
+                     run's or tunnel's end) is dropped; a malformed frame or a message the
+                     edge may not send now (a second run.request for a running run, a
+                     node's message) -> close 1002;
                      watchdog: each receive has a deadline; nothing from the edge for
                      heartbeat_timeout_factor x heartbeat_interval -> the edge is gone,
                      close 1001;
@@ -32,6 +38,10 @@ stops at once on the second.
 The websocket itself -- :func:`dial_edge`, :class:`NodeRejected` for a refused upgrade -- is
 :mod:`nodes.dial`; both names are re-exported here.
 
+What this node sends is recorded in the same machine, in wire order: a run event out of its
+run's ``seq`` order or a tunnel frame out of turn is ``LocalProtocolError``, a bug here
+(close 1011), never sent.
+
 Errors are split in two: :class:`NodeRejected` is permanent; everything else that ends a
 session (``transport.ConnectionClosed``, ``OSError``, a timeout, a protocol error, even an
 unexpected exception, which is logged with its traceback) is transient.
@@ -39,7 +49,6 @@ unexpected exception, which is logged with its traceback) is transient.
 
 from __future__ import annotations
 
-import collections
 import logging
 import random
 import signal
@@ -52,7 +61,7 @@ import trio
 
 from dispatcher import protocol as wire
 from dispatcher.protocol.excgroups import first_leaf
-from dispatcher.transport import Connection, ConnectionClosed, Frame
+from dispatcher.transport import Connection, ConnectionClosed
 from nodes.adapters import Adapter, DropConnection, build_adapters
 from nodes.config import NodeConfig, hello_from_config
 from nodes.dial import CLOSE_TIMEOUT, close_budget, edge_dial, explain
@@ -123,26 +132,61 @@ class _EndSession(Exception):
 # --------------------------------------------------------------------------- one session
 
 
-class _Sender:
-    """Serializes every send on the connection (the runner's writer, pongs, tunnels)."""
+_ANSWERS: Final = (*wire.TERMINAL_EVENTS, wire.TunnelEnd)
+"""What this node sends to finish a run or a tunnel the edge gave it."""
+
+
+class _Link:
+    """The connection to the edge, seen through this node's half of the protocol state machine
+    (:class:`~dispatcher.protocol.NodeProtocol`): every frame the edge sends is judged by it,
+    every frame this node sends is recorded in it, in wire order (under the one send lock
+    that serializes the runner's writer, pongs and tunnels)."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = trio.Lock()
-        self.on_sent: Callable[[wire.NodeMessage], None] | None = None
-        """Told of every message once it is on the wire."""
+        self._idle = trio.lowlevel.ParkingLot()
+        self.protocol = wire.NodeProtocol()
+        self.draining = False
+        """This node decided to drain: it refuses new runs and tunnels (set before
+        ``node.draining`` is on the wire)."""
 
     async def send(self, message: wire.NodeMessage) -> None:
         frame = wire.encode(message)
         async with self._lock:
+            self.protocol.send(message)
             await self._conn.send(frame)
-        if self.on_sent is not None:
-            self.on_sent(message)
+        if isinstance(message, _ANSWERS) and self.protocol.is_idle():
+            self._idle.unpark_all()
 
     async def send_data(self, tunnel_id: str, data: bytes) -> None:
         frame = wire.encode_tunnel_data(tunnel_id, data)
         async with self._lock:
+            self.protocol.send(wire.TunnelData(tunnel_id, data))
             await self._conn.send(frame)
+
+    async def receive(self) -> wire.Frame | None:
+        """The next frame from the edge, once the machine accepted it; None when it tolerated
+        it (a cancel or credit that crossed its run's or tunnel's end: nothing to do). Raises
+        ``wire.ProtocolError`` for a frame that is not the protocol's or a message the edge
+        may not send now (``wire.UnsupportedVersion`` for a welcome in another version)."""
+        frame = await self._conn.receive()
+        message = wire.decode_binary(frame) if isinstance(frame, bytes) else wire.decode(frame)
+        verdict = self.protocol.receive(message)
+        if isinstance(verdict, wire.ProtocolError):
+            raise verdict
+        return message if verdict is wire.ACCEPTED else None
+
+    async def wait_idle(self) -> None:
+        """Until every run and tunnel the edge gave has been answered."""
+        while not self.protocol.is_idle():
+            await self._idle.park()
+
+    def in_flight(self) -> str:
+        return (
+            f"{len(self.protocol.running())} run(s) and "
+            f"{len(self.protocol.open_tunnels())} tunnel(s)"
+        )
 
 
 async def serve_node_session(
@@ -167,10 +211,10 @@ async def serve_node_session(
         adapters = build_adapters(config.providers)
     if tunnels is None:
         tunnels = tunnel_providers(config.providers)
-    sender = _Sender(conn)
+    link = _Link(conn)
     code, reason = CLOSE_GOING_AWAY, "node shutting down"  # unless the session ends otherwise
     try:
-        welcome = await _handshake(conn, sender, config)
+        welcome = await _handshake(conn, link, config)
         log.info(
             "node %s registered with the edge: generation %d, heartbeat every %.1f s",
             config.node_id,
@@ -184,7 +228,7 @@ async def serve_node_session(
             else float("inf")
         )
         code, reason = await _serve_welcomed(
-            conn, sender, adapters, tunnels, silence_limit, drain, config.drain_grace
+            link, adapters, tunnels, silence_limit, drain, config.drain_grace
         )
     except _EndSession as exc:
         code, reason = exc.code, exc.reason
@@ -199,11 +243,12 @@ async def serve_node_session(
         code, reason = CLOSE_INTERNAL_ERROR, "internal error"
         log.exception("node session failed")
     finally:
+        link.protocol.close()
         with trio.move_on_after(close_budget(), shield=True):
             await conn.aclose(code, reason)
 
 
-async def _handshake(conn: Connection, sender: _Sender, config: NodeConfig) -> wire.Welcome:
+async def _handshake(conn: Connection, link: _Link, config: NodeConfig) -> wire.Welcome:
     hello = hello_from_config(config)
     log.info(
         "connected; announcing node %s with %d provider(s), %d model(s)",
@@ -213,8 +258,8 @@ async def _handshake(conn: Connection, sender: _Sender, config: NodeConfig) -> w
     )
     try:
         with trio.move_on_after(config.handshake_timeout) as scope:
-            await sender.send(hello)
-            frame = await conn.receive()
+            await link.send(hello)
+            await link.receive()
     except ConnectionClosed as exc:
         if exc.code in PERMANENT_CLOSE_CODES:
             raise NodeRejected(f"{exc.reason} (close code {exc.code})") from None
@@ -226,61 +271,23 @@ async def _handshake(conn: Connection, sender: _Sender, config: NodeConfig) -> w
                 exc.reason,
             )
         raise
+    except wire.UnsupportedVersion as exc:
+        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+            await conn.aclose(CLOSE_PROTOCOL_ERROR, "protocol version mismatch")
+        raise NodeRejected(str(exc)) from None
+    except wire.ProtocolError as exc:
+        raise _EndSession(CLOSE_PROTOCOL_ERROR, str(exc)) from None
     if scope.cancelled_caught:
         raise _EndSession(
             CLOSE_GOING_AWAY, f"no welcome from the edge within {config.handshake_timeout} s"
         )
-    message = _decode(frame)
-    if not isinstance(message, wire.Welcome):
-        raise _EndSession(
-            CLOSE_PROTOCOL_ERROR, f"expected welcome, got {_describe(message)} from the edge"
-        )
-    if message.protocol != wire.PROTOCOL_VERSION:
-        reason = (
-            f"the edge speaks protocol version {message.protocol}, "
-            f"this node {wire.PROTOCOL_VERSION}"
-        )
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
-            await conn.aclose(CLOSE_PROTOCOL_ERROR, "protocol version mismatch")
-        raise NodeRejected(reason)
-    return message
-
-
-@attrs.define(eq=False)
-class _SessionState:
-    draining: bool = False
-    """We told the edge ``node.draining``: new runs and tunnels are refused."""
-    edge_draining: bool = False
-    """The edge told us ``edge.draining``: its close is a normal end."""
-    runs: collections.Counter[str] = attrs.Factory(collections.Counter)
-    """Runs handed to the runner whose terminal event is not yet sent (by id; a duplicate
-    id counts twice: the runner answers it with its own terminal event)."""
-    tunnels: set[str] = attrs.Factory(set)
-    """Tunnels handed to the tunnel runner whose ``tunnel.end`` is not yet sent."""
-    _idle: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
-
-    def sent(self, message: wire.NodeMessage) -> None:
-        if isinstance(message, wire.TERMINAL_EVENTS):
-            left = self.runs.get(message.run_id, 0)
-            if left > 1:
-                self.runs[message.run_id] = left - 1
-            elif left == 1:
-                del self.runs[message.run_id]
-        elif isinstance(message, wire.TunnelEnd):
-            self.tunnels.discard(message.tunnel_id)
-        else:
-            return
-        if not self.runs and not self.tunnels:
-            self._idle.unpark_all()
-
-    async def wait_idle(self) -> None:
-        while self.runs or self.tunnels:
-            await self._idle.park()
+    welcome = link.protocol.welcome
+    assert welcome is not None  # the machine accepted the edge's first frame: its welcome
+    return welcome
 
 
 async def _serve_welcomed(
-    conn: Connection,
-    sender: _Sender,
+    link: _Link,
     adapters: Mapping[str, Adapter],
     tunnel_providers: Mapping[str, TunnelProvider],
     silence_limit: float,
@@ -289,24 +296,22 @@ async def _serve_welcomed(
 ) -> tuple[int, str]:
     """Run the welcomed session; return the close code and reason when it must end."""
     end: tuple[int, str] = (CLOSE_NORMAL, "session ended")
-    state = _SessionState()
-    sender.on_sent = state.sent
     try:
         async with (
-            open_runner(sender.send, adapters=adapters) as runner,
-            open_tunnels(sender.send, sender.send_data, tunnel_providers) as tunnels,
+            open_runner(link.send, adapters=adapters) as runner,
+            open_tunnels(link.send, link.send_data, tunnel_providers) as tunnels,
             trio.open_nursery() as nursery,
         ):
 
             async def receive() -> None:
                 nonlocal end
-                end = await _receive_loop(conn, sender, runner, tunnels, silence_limit, state)
+                end = await _receive_loop(link, runner, tunnels, silence_limit)
                 nursery.cancel_scope.cancel(reason="session over")
 
             async def drain_when_asked(drain: Drain) -> None:
                 nonlocal end
                 await drain.wait()
-                end = await _drain(sender, drain_grace, state)
+                end = await _drain(link, drain_grace)
                 nursery.cancel_scope.cancel(reason="node drained")
 
             nursery.start_soon(receive)
@@ -320,7 +325,7 @@ async def _serve_welcomed(
         # The runner's nursery wraps the tunnels' nursery: the group may be nested.
         closed = first_leaf(group, ConnectionClosed)
         assert closed is not None  # except* matched, so there is one at some depth
-        if state.edge_draining:
+        if link.protocol.edge_draining:
             log.info("the edge closed the session after draining (code %s)", closed.code)
         else:
             log.info("connection to the edge lost: %s (code %s)", closed.reason, closed.code)
@@ -328,100 +333,83 @@ async def _serve_welcomed(
     return end
 
 
-async def _drain(sender: _Sender, grace: float, state: _SessionState) -> tuple[int, str]:
+async def _drain(link: _Link, grace: float) -> tuple[int, str]:
     """Tell the edge, refuse new work, give what runs ``grace`` seconds; the close to send."""
-    state.draining = True
+    link.draining = True
     with trio.move_on_after(grace):
-        log.info(
-            "draining: taking no new work; %d run(s) and %d tunnel(s) in flight get %.1f s",
-            sum(state.runs.values()),
-            len(state.tunnels),
-            grace,
-        )
-        await sender.send(wire.NodeDraining(grace=grace))
-        await state.wait_idle()
+        log.info("draining: taking no new work; %s in flight get %.1f s", link.in_flight(), grace)
+        await link.send(wire.NodeDraining(grace=grace))
+        await link.wait_idle()
         log.info("drained: leaving the edge")
         return CLOSE_GOING_AWAY, "node drained"
     log.warning(
-        "drain grace of %.1f s is over: leaving with %d run(s) and %d tunnel(s) unfinished",
-        grace,
-        sum(state.runs.values()),
-        len(state.tunnels),
+        "drain grace of %.1f s is over: leaving with %s unfinished", grace, link.in_flight()
     )
     return CLOSE_GOING_AWAY, "node drain grace over"
 
 
 async def _receive_loop(
-    conn: Connection,
-    sender: _Sender,
-    runner: Runner,
-    tunnels: TunnelRunner,
-    silence_limit: float,
-    state: _SessionState,
+    link: _Link, runner: Runner, tunnels: TunnelRunner, silence_limit: float
 ) -> tuple[int, str]:
     while True:
-        with trio.move_on_after(silence_limit) as watchdog:
-            frame = await conn.receive()
+        try:
+            with trio.move_on_after(silence_limit) as watchdog:
+                message = await link.receive()
+        except wire.ProtocolError as exc:
+            log.warning("protocol error from the edge: %s; closing the session", exc)
+            return CLOSE_PROTOCOL_ERROR, str(exc)
         if watchdog.cancelled_caught:
             reason = f"edge silent for {silence_limit:.1f} s"
             log.warning("ending session: %s", reason)
             return CLOSE_GOING_AWAY, reason
-        if isinstance(frame, bytes):
-            try:
-                data = wire.decode_binary(frame)
-            except wire.ProtocolError as exc:
-                return _protocol_error(str(exc))
-            log.debug(
-                "ignoring %d tunnel bytes for %s (request bodies travel in tunnel.request)",
-                len(data.data),
-                data.tunnel_id,
-            )
-            continue
-        try:
-            message = wire.decode(frame)
-        except wire.ProtocolError as exc:
-            return _protocol_error(str(exc))
-        if isinstance(message, wire.Ping):
-            await sender.send(wire.Pong(nonce=message.nonce))
-        elif isinstance(message, wire.RunRequest | wire.TunnelRequest) and state.draining:
-            refusal = _draining_refusal(message)
-            log.info("%s: refused, this node is draining", _describe_work(message))
-            await sender.send(refusal)
-        elif isinstance(message, wire.RunRequest):
-            log.debug(
-                "run %s: request for %s on provider %s",
-                message.run_id,
-                message.served_model,
-                message.provider_id,
-            )
-            state.runs[message.run_id] += 1
-            runner.start(message)
-        elif isinstance(message, wire.RunCancel):
-            runner.cancel(message.run_id, message.reason)
-        elif isinstance(message, wire.TunnelCredit):
-            tunnels.credit(message.tunnel_id, message.bytes)
-        elif isinstance(message, wire.TunnelRequest):
-            log.debug(
-                "tunnel %s: %s %s on provider %s",
-                message.tunnel_id,
-                message.method,
-                message.path,
-                message.provider_id,
-            )
-            state.tunnels.add(message.tunnel_id)
-            tunnels.start(message)
-        elif isinstance(message, wire.TunnelCancel):
-            tunnels.cancel(message.tunnel_id)
-        elif isinstance(message, wire.EdgeDraining):
-            if not state.edge_draining:
-                state.edge_draining = True
-                log.info(
-                    "the edge is draining (grace %.1f s): finishing what runs here, then "
-                    "reconnecting",
-                    message.grace,
-                )
-        else:
-            return _protocol_error(f"unexpected {_describe(message)} from the edge")
+        if message is not None:
+            await _carry_out(message, link, runner, tunnels)
+
+
+async def _carry_out(
+    message: wire.Frame, link: _Link, runner: Runner, tunnels: TunnelRunner
+) -> None:
+    """Do what a message the machine accepted from the edge asks."""
+    if isinstance(message, wire.Ping):
+        await link.send(wire.Pong(nonce=message.nonce))
+    elif isinstance(message, wire.RunRequest | wire.TunnelRequest) and link.draining:
+        log.info("%s: refused, this node is draining", _describe_work(message))
+        await link.send(_draining_refusal(message))
+    elif isinstance(message, wire.RunRequest):
+        log.debug(
+            "run %s: request for %s on provider %s",
+            message.run_id,
+            message.served_model,
+            message.provider_id,
+        )
+        runner.start(message)
+    elif isinstance(message, wire.RunCancel):
+        runner.cancel(message.run_id, message.reason)
+    elif isinstance(message, wire.TunnelCredit):
+        tunnels.credit(message.tunnel_id, message.bytes)
+    elif isinstance(message, wire.TunnelRequest):
+        log.debug(
+            "tunnel %s: %s %s on provider %s",
+            message.tunnel_id,
+            message.method,
+            message.path,
+            message.provider_id,
+        )
+        tunnels.start(message)
+    elif isinstance(message, wire.TunnelCancel):
+        tunnels.cancel(message.tunnel_id)
+    elif isinstance(message, wire.EdgeDraining):
+        log.info(
+            "the edge is draining (grace %.1f s): finishing what runs here, then reconnecting",
+            message.grace,
+        )
+    elif isinstance(message, wire.TunnelData):
+        log.debug(
+            "ignoring %d tunnel bytes for %s (request bodies travel in tunnel.request)",
+            len(message.data),
+            message.tunnel_id,
+        )
+    # Nothing else gets here: the machine refuses what is not the edge's to send.
 
 
 def _draining_refusal(message: wire.RunRequest | wire.TunnelRequest) -> wire.NodeMessage:
@@ -446,24 +434,6 @@ def _describe_work(message: wire.RunRequest | wire.TunnelRequest) -> str:
     if isinstance(message, wire.RunRequest):
         return f"run {message.run_id}"
     return f"tunnel {message.tunnel_id}"
-
-
-def _protocol_error(reason: str) -> tuple[int, str]:
-    log.warning("malformed frame from the edge: %s; closing the session", reason)
-    return CLOSE_PROTOCOL_ERROR, reason
-
-
-def _decode(frame: Frame) -> wire.Message:
-    if isinstance(frame, bytes):
-        raise _EndSession(CLOSE_PROTOCOL_ERROR, "binary frame during the handshake")
-    try:
-        return wire.decode(frame)
-    except wire.ProtocolError as exc:
-        raise _EndSession(CLOSE_PROTOCOL_ERROR, str(exc)) from None
-
-
-def _describe(message: wire.Message) -> str:
-    return repr(type(message).TYPE)
 
 
 # --------------------------------------------------------------------------- reconnecting

@@ -348,8 +348,8 @@ class EdgeProtocol(_Half):
 class NodeProtocol(_Half):
     """The node's half of its session with the edge."""
 
-    generation: int | None = None
-    """The session's generation, from the edge's ``welcome``."""
+    welcome: m.Welcome | None = None
+    """The edge's ``welcome``, once received."""
     _runs: dict[str, int] = attrs.field(factory=dict)
     """Runs the edge gave and whose terminal was not sent yet: the next ``seq`` to send."""
     _tunnels: dict[str, int] = attrs.field(factory=dict)
@@ -371,7 +371,7 @@ class NodeProtocol(_Half):
             return self._fail(f"expected welcome, got {_describe(message)}")
         verdict = self._version(message.protocol, "node")
         if verdict is ACCEPTED:
-            self.generation = message.generation
+            self.welcome = message
             self.state = State.OPEN
         return verdict
 
@@ -458,6 +458,11 @@ class NodeProtocol(_Half):
             self.state = State.CLOSED
 
     # ------------------------------------------------------------------ introspection
+
+    @property
+    def generation(self) -> int | None:
+        """The session's generation, from the edge's ``welcome``."""
+        return None if self.welcome is None else self.welcome.generation
 
     def next_seq(self, run_id: str) -> int | None:
         """The ``seq`` this node's next event for ``run_id`` must carry (None: not running)."""

@@ -222,6 +222,7 @@ async def test_tunnel_request_for_a_normalized_provider_is_refused(nursery: trio
         '{"type": "run.request", "run_id": 3}',
         '{"type": "party"}',
         wire.encode(wire.Pong(nonce=1)),  # a node -> edge message
+        wire.encode(wire.Welcome(protocol=1, generation=8, heartbeat_interval=5)),  # again
         b"",  # an empty binary frame
     ],
 )
@@ -232,6 +233,33 @@ async def test_malformed_frame_closes_with_1002(nursery: trio.Nursery, frame: st
     closed = await edge.wait_closed()
     assert closed.code == 1002
     await done.wait()
+
+
+async def test_a_second_request_for_a_running_run_closes_with_1002(
+    nursery: trio.Nursery,
+) -> None:
+    """The session's protocol machine judges it: the edge gives a run id once."""
+    edge, done = await start_session(nursery)
+    await edge.handshake()
+    await edge.send(run_request("r1", "x y z", echo={"stall_after_tokens": 1}))
+    assert isinstance(await edge.receive(), wire.RunStarted)
+    await edge.send(run_request("r1", "again"))
+    with trio.fail_after(5):  # before the machine judged it, the runner answered and went on
+        closed = await edge.wait_closed()
+    assert (closed.code, closed.reason) == (1002, "run.request for run 'r1', which is running")
+    await done.wait()
+
+
+async def test_a_late_cancel_is_dropped_and_the_session_goes_on(nursery: trio.Nursery) -> None:
+    edge, done = await start_session(nursery)
+    await edge.handshake()
+    await edge.send(run_request("r1", "x y"))
+    events = await edge.run_events("r1")
+    assert isinstance(events[-1], wire.RunCompleted)
+    await edge.send(wire.RunCancel(run_id="r1", reason="crossed its end"))
+    await edge.send(run_request("r1", "a new run may reuse the id"))
+    assert isinstance((await edge.run_events("r1"))[-1], wire.RunCompleted)
+    assert not done.is_set()
 
 
 async def test_heartbeat_watchdog_ends_a_silent_session(

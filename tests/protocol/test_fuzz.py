@@ -6,6 +6,12 @@
   ends runs and tunnels. Every verdict is checked against a small reference model; the
   machine never raises, never holds state for a run or tunnel it was not given, and its first
   ``ProtocolError`` is final.
+* :class:`HostileEdge`: the same for the node's half: whatever a hostile edge may send -- a
+  welcome in any version, run and tunnel requests with fresh or reused ids, cancels and
+  credits for anything, node-only messages, arbitrary bytes through the codec -- while the
+  node answers what it was given in order. Every verdict is checked against a reference
+  model; a version mismatch is an ``UnsupportedVersion``; the node never holds state for a
+  run or tunnel whose request it did not accept, and its first ``ProtocolError`` is final.
 * :func:`test_two_halves_accept_legal_traffic`: the edge's and the node's halves talk to each
   other (through the codec, in both directions, interleaved as Hypothesis likes): everything
   legal is accepted, and only what is late (an event for a run the edge ended, a cancel for
@@ -271,6 +277,204 @@ class HostileNode(RuleBasedStateMachine):
 
 TestHostileNode = HostileNode.TestCase
 TestHostileNode.settings = settings(settings(), stateful_step_count=60)
+
+
+# --------------------------------------------------------------------------- hostile edge
+
+
+class HostileEdge(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh()
+
+    def fresh(self) -> None:
+        """A new session: a new machine, an empty model."""
+        self.node = p.NodeProtocol()
+        self.hello_sent = False
+        self.open = False
+        self.requested_runs: set[str] = set()
+        """Every run id a ``run.request`` fed to the machine named (accepted or not)."""
+        self.requested_tunnels: set[str] = set()
+        self.runs: dict[str, int] = {}
+        """The model: runs running on the node, and the seq of their next event."""
+        self.tunnels: dict[str, bool] = {}
+        """The model: tunnels open on the node, and whether they started."""
+        self.failure: p.ProtocolError | None = None
+
+    @initialize(steps=mostly(st.just(2), st.sampled_from([0, 1])))
+    def start(self, steps: int) -> None:
+        self.handshake(steps)
+
+    def handshake(self, steps: int) -> None:
+        """The node's hello (``steps`` >= 1) and the edge's welcome (2)."""
+        if steps >= 1:
+            self.node.send(HELLO)
+            self.hello_sent = True
+        if steps >= 2:
+            assert self.node.receive(WELCOME) is p.ACCEPTED
+            self.open = True
+
+    @rule(steps=mostly(st.just(2), st.sampled_from([0, 1])))
+    def node_reconnects_after_the_violation(self, steps: int) -> None:
+        """The node closed the session for the violation and dials again (a new machine)."""
+        if self.failure is None:
+            return
+        self.fresh()
+        self.handshake(steps)
+
+    # ------------------------------------------------------------------ the edge's frames
+
+    def ids_of(self, known: set[str]) -> st.SearchStrategy[str]:
+        """Mostly an id the edge used before (running or ended), sometimes a new one."""
+        fresh = st.text(max_size=4) | st.sampled_from(["r", "t", "stranger"])
+        if not known:
+            return fresh
+        return mostly(st.sampled_from(sorted(known)), fresh)
+
+    @rule(version=mostly(st.just(p.PROTOCOL_VERSION), st.integers(-1, 3)))
+    def edge_welcomes(self, version: int) -> None:
+        """Legal once, after the hello; a violation before it, or again."""
+        self.feed(p.Welcome(protocol=version, generation=3, heartbeat_interval=5.0))
+
+    @rule(data=st.data())
+    def edge_gives_a_run(self, data: st.DataObject) -> None:
+        run_id = data.draw(self.ids_of(self.requested_runs))
+        self.feed(
+            p.RunRequest(run_id=run_id, provider_id="p", model="m", served_model="m", body={})
+        )
+
+    @rule(data=st.data())
+    def edge_gives_a_tunnel(self, data: st.DataObject) -> None:
+        tunnel_id = data.draw(self.ids_of(self.requested_tunnels))
+        self.feed(p.TunnelRequest(tunnel_id=tunnel_id, provider_id="p", method="GET", path="/"))
+
+    @rule(data=st.data())
+    def edge_cancels_a_run(self, data: st.DataObject) -> None:
+        self.feed(p.RunCancel(run_id=data.draw(self.ids_of(self.requested_runs))))
+
+    @rule(data=st.data(), kind=st.sampled_from(["credit", "cancel", "data"]))
+    def edge_sends_a_tunnel_frame(self, data: st.DataObject, kind: str) -> None:
+        tunnel_id = data.draw(self.ids_of(self.requested_tunnels))
+        frame: p.Frame
+        if kind == "credit":
+            frame = p.TunnelCredit(tunnel_id=tunnel_id, bytes=data.draw(st.integers(-2, 9)))
+        elif kind == "cancel":
+            frame = p.TunnelCancel(tunnel_id=tunnel_id)
+        else:
+            frame = p.TunnelData(tunnel_id, data.draw(st.binary(max_size=8)))
+        self.feed(frame)
+
+    @rule(
+        message=mostly(
+            st.sampled_from(p.EDGE_MESSAGE_TYPES), st.sampled_from(p.NODE_MESSAGE_TYPES)
+        ).flatmap(message_strategy)
+    )
+    def edge_sends_any_message(self, message: p.Message) -> None:
+        self.feed(message)
+
+    @rule(frame=st.binary(max_size=64) | st.text(max_size=64))
+    def edge_sends_any_frame(self, frame: bytes | str) -> None:
+        try:
+            message = p.decode_binary(frame) if isinstance(frame, bytes) else p.decode(frame)
+        except p.ProtocolError:
+            return  # the codec's refusal is the session's one error; nothing reaches the machine
+        self.feed(message)
+
+    # ------------------------------------------------------------------ the node's answers
+
+    @precondition(lambda self: self.runs and self.failure is None)
+    @rule(data=st.data(), kind=st.sampled_from(RUN_KINDS))
+    def node_answers_a_run(self, data: st.DataObject, kind: type[Any]) -> None:
+        run_id = data.draw(st.sampled_from(sorted(self.runs)))
+        seq = self.runs[run_id]
+        assert self.node.next_seq(run_id) == seq
+        self.node.send(run_event(kind, run_id, seq))  # legal: must not raise
+        if kind in p.TERMINAL_EVENTS:
+            del self.runs[run_id]
+        else:
+            self.runs[run_id] = seq + 1
+
+    @precondition(lambda self: self.tunnels and self.failure is None)
+    @rule(data=st.data(), end=st.booleans())
+    def node_answers_a_tunnel(self, data: st.DataObject, end: bool) -> None:
+        tunnel_id = data.draw(st.sampled_from(sorted(self.tunnels)))
+        if end:
+            self.node.send(p.TunnelEnd(tunnel_id=tunnel_id))
+            del self.tunnels[tunnel_id]
+        elif self.tunnels[tunnel_id]:
+            self.node.send(p.TunnelData(tunnel_id, b"body"))
+        else:
+            self.node.send(p.TunnelStart(tunnel_id=tunnel_id, status=200))
+            self.tunnels[tunnel_id] = True
+
+    # ------------------------------------------------------------------ judging
+
+    def feed(self, message: p.Frame) -> None:
+        if isinstance(message, p.RunRequest):
+            self.requested_runs.add(message.run_id)
+        elif isinstance(message, p.TunnelRequest):
+            self.requested_tunnels.add(message.tunnel_id)
+        verdict = self.node.receive(message)  # must not raise
+        assert isinstance(verdict, p.Accepted | p.Tolerated | p.ProtocolError)
+        event(f"{type(message).__name__}: {type(verdict).__name__}")
+        if self.failure is not None:
+            assert verdict is self.failure, "the first violation is final"
+            return
+        expected = self.predict(message)
+        if issubclass(expected, p.ProtocolError):
+            assert type(verdict) is expected, (message, verdict)
+            assert str(verdict)
+            self.failure = verdict
+        else:
+            assert isinstance(verdict, expected), (message, verdict)
+
+    def predict(self, message: p.Frame) -> type[Any]:
+        """The reference model: which verdict ``message`` deserves now (and its effect)."""
+        if not self.open:
+            if not self.hello_sent or not isinstance(message, p.Welcome):
+                return p.ProtocolError
+            if message.protocol != p.PROTOCOL_VERSION:
+                return p.UnsupportedVersion
+            self.open = True
+            return p.Accepted
+        if isinstance(message, p.RunRequest):
+            if message.run_id in self.runs:
+                return p.ProtocolError
+            self.runs[message.run_id] = 0
+            return p.Accepted
+        if isinstance(message, p.TunnelRequest):
+            if message.tunnel_id in self.tunnels:
+                return p.ProtocolError
+            self.tunnels[message.tunnel_id] = False
+            return p.Accepted
+        if isinstance(message, p.RunCancel):
+            return p.Accepted if message.run_id in self.runs else p.Tolerated
+        if isinstance(message, p.TunnelCancel | p.TunnelCredit | p.TunnelData):
+            return p.Accepted if message.tunnel_id in self.tunnels else p.Tolerated
+        if isinstance(message, p.Ping | p.EdgeDraining):
+            return p.Accepted
+        return p.ProtocolError  # a second welcome, or any node -> edge message
+
+    @invariant()
+    def no_state_for_what_was_not_given(self) -> None:
+        assert self.node.running() <= self.requested_runs
+        assert self.node.open_tunnels() <= self.requested_tunnels
+        if self.failure is None:
+            assert self.node.running() == set(self.runs)
+            assert self.node.open_tunnels() == set(self.tunnels)
+            assert self.node.is_idle() == (not self.runs and not self.tunnels)
+
+    @invariant()
+    def failed_means_failed(self) -> None:
+        assert (self.node.state is p.State.FAILED) == (self.failure is not None)
+        assert self.node.error is self.failure
+        if self.open and self.failure is None:
+            assert self.node.state is p.State.OPEN
+            assert self.node.generation in (1, 3)
+
+
+TestHostileEdge = HostileEdge.TestCase
+TestHostileEdge.settings = settings(settings(), stateful_step_count=60)
 
 
 # --------------------------------------------------------------------------- two halves

@@ -310,9 +310,31 @@ def test_node_refuses_another_protocol_version() -> None:
     node = p.NodeProtocol()
     node.send(HELLO)
     welcome = p.Welcome(protocol=2, generation=1, heartbeat_interval=1.0)
-    assert error(node.receive(welcome)) == (
-        "protocol version 2 is not supported (this node speaks 1)"
-    )
+    verdict = node.receive(welcome)
+    assert isinstance(verdict, p.UnsupportedVersion)  # reconnecting cannot help
+    assert error(verdict) == "protocol version 2 is not supported (this node speaks 1)"
+    assert node.welcome is None
+    assert node.generation is None
+
+
+def test_edge_refuses_another_protocol_version_as_unsupported() -> None:
+    edge = p.EdgeProtocol()
+    verdict = edge.receive(p.Hello(protocol=99, node_id="n"))
+    assert isinstance(verdict, p.UnsupportedVersion)
+    assert edge.hello is None
+    assert edge.receive(HELLO) is verdict  # final
+
+
+def test_node_keeps_the_welcome() -> None:
+    node = open_node()
+    assert node.welcome == WELCOME
+    assert node.is_idle()
+    assert node.receive(tunnel()) is p.ACCEPTED
+    assert node.receive(request("r")) is p.ACCEPTED
+    assert (node.running(), node.open_tunnels(), node.is_idle()) == ({"r"}, {"t"}, False)
+    node.send(p.RunFailed(run_id="r", seq=0, code="x", message="y"))
+    node.send(p.TunnelEnd(tunnel_id="t"))
+    assert (node.running(), node.open_tunnels(), node.is_idle()) == (set(), set(), True)
 
 
 def test_node_sends_seq_in_order_and_one_terminal() -> None:
