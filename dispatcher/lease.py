@@ -44,7 +44,7 @@ import trio
 from . import wire
 from .admission import Admission, Candidate, Slot
 from .errors import NodeUnavailable, StaleGeneration
-from .registry import NodeGone, NodeSession, Registry
+from .registry import LostCode, NodeGone, NodeSession, Registry
 
 SendFailure = Literal[
     "send_error",  # the request could not be sent (the node's session ended first)
@@ -53,8 +53,7 @@ SendFailure = Literal[
 NodeEnd = Literal[
     "completed",  # the node ended it successfully
     "failed",  # the node ended it with an error
-    "node_lost",  # the node's connection ended before the end (a synthesized end)
-    "stale_generation",  # the node reconnected before the end (a synthesized end)
+    LostCode,  # the node's connection ended, or it reconnected, first (a synthesized end)
     "cancelled",  # the node confirmed a cancel (run.cancelled)
 ]
 """How the node ended a lease (or its session's loss did)."""
@@ -68,11 +67,11 @@ EndReason = Literal[
 ]
 """How a lease ended, as counted in :attr:`LeaseStatistics.ended`."""
 
-LOST_CODES: Final[dict[str, NodeEnd]] = {
+LOST_CODES: Final[dict[str, LostCode]] = {
     "node_lost": "node_lost",
     "stale_generation": "stale_generation",
 }
-"""The codes of an end the registry synthesizes for a lost session, as end reasons."""
+"""A ``run.failed`` code that tells a lost session's synthesized end, as its end reason."""
 
 
 def end_reason(

@@ -8,12 +8,13 @@ sent on it. A connection claiming a live session's node id with another credenti
 make you every node.
 
 A session routes what its node sends (:meth:`NodeSession.receive`) to the subscription of that
-run (opened by :mod:`dispatcher.runs` before the run request is sent, so no event can be
-missed) or the route of that tunnel. Whether the node may send it is the session's protocol
-state machine's call (:class:`dispatcher.protocol.EdgeProtocol`, fed every message both ways):
-an event for a run the edge never gave this session, a ``seq`` out of order, an event after the
-run's terminal are protocol errors; late events for a run that recently ended here (a cancel
-confirmation after the client left) are kept for the run's usage row, then dropped.
+run or the route of that tunnel (each registered by its lease, :mod:`dispatcher.lease`, before
+the request is sent, so no event can be missed). Whether the node may send it is the
+session's protocol state machine's call (:class:`dispatcher.protocol.EdgeProtocol`, fed every
+message both ways): an event for a run the edge never gave this session, a ``seq`` out of
+order, an event after the run's terminal, a tunnel's frames out of order are protocol errors;
+late events for a run that recently ended here (a cancel confirmation after the client left)
+are kept for the run's usage row, then dropped.
 
 **One owner of the writes.** Nothing a request does runs a write on the node's connection:
 a cancelled ``send_all`` half-way through a frame aborts the whole websocket, and with it every
@@ -34,7 +35,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import trio
@@ -55,6 +56,10 @@ RECENT_TUNNELS = wire.RECENT_TUNNELS
 MAX_OUTBOX = 65536
 """Frames a session's outbox may hold before the node is deemed not to be reading: its
 session then ends (the node is dropped) rather than the edge buffering without bound."""
+
+
+LostCode = Literal["node_lost", "stale_generation"]
+"""Why a session's runs and tunnels were ended for it: the node left, or it reconnected."""
 
 
 class NodeGone(Exception):
@@ -210,7 +215,7 @@ class TunnelRoute(Protocol):
     def deliver_start(self, message: wire.TunnelStart) -> None: ...
     def deliver_data(self, data: bytes) -> None: ...
     def deliver_end(self, message: wire.TunnelEnd) -> None: ...
-    def lost(self, code: str, message: str) -> None:
+    def lost(self, code: LostCode, message: str) -> None:
         """The session is over: end the tunnel with a synthesized, retryable error."""
 
     def late_end(self, message: wire.TunnelEnd) -> None:
@@ -414,7 +419,7 @@ class NodeSession:
             return None
         return verdict if isinstance(verdict, wire.ProtocolError) else None
 
-    def fail_all(self, code: str, message: str) -> None:
+    def fail_all(self, code: LostCode, message: str) -> None:
         """End every open run and tunnel with a synthesized retryable failure (the node is
         gone), and settle the runs that ended here unconfirmed: their confirmation will
         never come, so their usage rows need not wait for it."""
@@ -489,7 +494,7 @@ class Registry:
         if session.closed_reason is None:
             self._end(session, "node_lost", reason)
 
-    def _end(self, session: NodeSession, code: str, reason: str) -> None:
+    def _end(self, session: NodeSession, code: LostCode, reason: str) -> None:
         session.closed_reason = reason
         session.ended.set()
         if self.sessions.get(session.node_id) is session:

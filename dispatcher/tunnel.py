@@ -46,8 +46,8 @@ import trio
 from . import wire
 from .admission import Slot
 from .errors import TunnelFailed
-from .lease import LOST_CODES, EndReason, Lease, Leases, LeaseStatistics, NodeEnd
-from .registry import NodeSession, SessionProtocolError
+from .lease import EndReason, Lease, Leases, LeaseStatistics, NodeEnd
+from .registry import LostCode, NodeSession, SessionProtocolError
 
 __all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels", "UsageSink"]
 
@@ -75,7 +75,7 @@ class _Route:
     peak_buffered: int = 0
     start: wire.TunnelStart | None = None
     end: wire.TunnelEnd | None = None
-    lost_code: str | None = None
+    lost_code: LostCode | None = None
     """``node_lost`` / ``stale_generation`` when the end was synthesized."""
     on_late_end: Callable[[], None] | None = None
     _lot: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
@@ -108,7 +108,7 @@ class _Route:
     def deliver_end(self, message: wire.TunnelEnd) -> None:
         self._finish(message)
 
-    def lost(self, code: str, message: str) -> None:
+    def lost(self, code: LostCode, message: str) -> None:
         if self.end is None:
             self.lost_code = code
             self._finish(wire.TunnelEnd(tunnel_id=self.tunnel_id, error=message, retryable=True))
@@ -260,7 +260,7 @@ class Tunnel(Lease):
         if route.end is None:
             return None
         if route.lost_code is not None:
-            return LOST_CODES.get(route.lost_code, "failed")
+            return route.lost_code
         return "failed" if route.end.error is not None else "completed"
 
     def _cancel_message(self) -> wire.TunnelCancel:
