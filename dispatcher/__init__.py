@@ -22,8 +22,8 @@ __version__ = "0.1.0.dev0"
 
 _EXPORTS: dict[str, str] = {
     # the edge
-    "open_dispatcher": "dispatcher.service",
-    "Dispatcher": "dispatcher.service",
+    "open_dispatcher": "dispatcher.edge",
+    "Dispatcher": "dispatcher.edge",
     "EdgeConfig": "dispatcher.config",
     "ConfigError": "dispatcher.config",
     "load_edge_config": "dispatcher.config",
@@ -91,6 +91,8 @@ if TYPE_CHECKING:
     from .config import ConfigError as ConfigError
     from .config import EdgeConfig as EdgeConfig
     from .config import load_edge_config as load_edge_config
+    from .edge import Dispatcher as Dispatcher
+    from .edge import open_dispatcher as open_dispatcher
     from .errors import AllAttemptsFailed as AllAttemptsFailed
     from .errors import BadRequest as BadRequest
     from .errors import DispatcherError as DispatcherError
@@ -107,8 +109,6 @@ if TYPE_CHECKING:
     from .pool import DispatchRequest as DispatchRequest
     from .runs import Run as Run
     from .runs import RunSpec as RunSpec
-    from .service import Dispatcher as Dispatcher
-    from .service import open_dispatcher as open_dispatcher
     from .transport import Connection as Connection
     from .transport import ConnectionClosed as ConnectionClosed
     from .transport import memory_connection_pair as memory_connection_pair

@@ -1,8 +1,7 @@
 """The :class:`Dispatcher` and ``open_dispatcher``: the embedding entry point.
 
-``open_dispatcher`` owns the root nursery: the admission driver, node sessions attached in
-memory, and (when asked) the HTTP server all live in it, so leaving the ``async with`` stops
-everything::
+``open_dispatcher`` owns the root nursery: the admission driver and the node sessions attached
+in memory live in it, so leaving the ``async with`` stops everything::
 
     async with open_dispatcher(EdgeConfig()) as dispatcher:
         await dispatcher.attach_local_node()          # the built-in echo model, no sockets
@@ -14,6 +13,12 @@ Draining (:meth:`Dispatcher.drain`, what ``dispatcher serve`` does on SIGTERM): 
 new (new requests get 503 ``shutting_down``, ``/readyz`` answers 503), tell every node session
 ``edge.draining``, let in-flight requests, runs and tunnels finish within the grace, then end
 what is left: a stream with a final ``shutting_down`` event, an unanswered request with 503.
+
+This module knows nothing of HTTP: it imports neither ``dispatcher.api`` nor
+``dispatcher.http``. Serving the HTTP front ends is :mod:`dispatcher.edge`, whose
+``open_dispatcher`` (the one ``dispatcher.open_dispatcher`` names) yields this class with a
+``serve`` method (built here by :func:`open_dispatcher_of`); this module's ``open_dispatcher``
+yields a dispatcher without one, for embedders that bring their own front end.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import attrs
 import trio
+
+from nodes.agent import serve_node_session
+from nodes.config import NodeConfig, default_node_config
 
 from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
@@ -43,15 +51,7 @@ from .transport import Connection, memory_connection_pair
 from .tunnel import Tunnels
 from .usage import UsageLedger, open_usage_ledger
 
-if TYPE_CHECKING:
-    from nodes.config import NodeConfig
-
-    from .http import Limits, Server
-
 log = logging.getLogger("dispatcher")
-
-DRAIN_RETRY_AFTER = 1.0
-"""``Retry-After`` (seconds) of the 503 a draining edge answers: soon, and elsewhere."""
 
 
 @attrs.define(eq=False)
@@ -140,9 +140,6 @@ class Dispatcher:
         says), and its session has its own credential (``nodelink.LOCAL_CREDENTIAL``), so no
         connection can take over its id while it runs. Raises ``RuntimeError`` if it ended
         without registering (its id is held by another node's live session, say)."""
-        from nodes.agent import serve_node_session
-        from nodes.config import default_node_config
-
         config = node_config or default_node_config(node_id="local")
         edge_end, node_end = memory_connection_pair()
         node_ended = trio.Event()
@@ -238,10 +235,7 @@ class Dispatcher:
         :class:`ShuttingDown` when draining. When the grace is over, a request that has not
         started its answer (``work.answered`` still False) has ``work.scope`` cancelled."""
         if self.draining:
-            raise ShuttingDown(
-                "the dispatcher is shutting down; retry the request",
-                retry_after=DRAIN_RETRY_AFTER,
-            )
+            raise ShuttingDown("the dispatcher is shutting down; retry the request")
         work = Work()
         self._work.add(work)
         if self._idle.is_set():
@@ -325,68 +319,13 @@ class Dispatcher:
             if not work.answered:
                 work.scope.cancel(reason="dispatcher shutting down")
 
-    # -- HTTP -------------------------------------------------------------------------
-
-    async def _drain_for_server(self) -> None:
-        await self.drain(self.config.http.shutdown_grace)
-
-    async def serve(  # noqa: ASYNC128 (task_status is passed on to serve_http)
-        self,
-        *,
-        host: str | None = None,
-        port: int | None = None,
-        limits: Limits | None = None,
-        task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Serve the HTTP API (OpenAI routes and the node websocket) until cancelled or
-        shut down through the server handle passed to ``task_status``: ``server.shutdown()``
-        drains (:meth:`drain`, ``http.shutdown_grace``) while the server still answers, then
-        closes the node websockets with 1001 and stops.
-
-        ``limits`` replaces the server limits built from ``config.http`` (an embedder's own
-        timeouts, e.g. ``body_timeout``, which the config does not set). Errors the HTTP
-        layer answers itself get the OpenAI error body (``api.app.error_page``)."""
-        from .api.app import error_page, make_handler
-        from .http import Limits, serve_http
-
-        http = self.config.http
-        if limits is None:
-            limits = Limits(
-                max_header_size=http.max_header_size,
-                max_body_size=http.max_body_size,
-                header_timeout=http.header_timeout,
-                keepalive_timeout=http.keepalive_timeout,
-                write_timeout=http.write_timeout,
-                max_connections=http.max_connections,
-                shutdown_grace=http.shutdown_grace,
-            )
-        ssl_context = None
-        if http.tls_certificate and http.tls_private_key:
-            import ssl
-
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(http.tls_certificate, http.tls_private_key)
-        await serve_http(
-            make_handler(self),
-            host=host if host is not None else self.config.host,
-            port=port if port is not None else self.config.port,
-            limits=limits,
-            ssl_context=ssl_context,
-            on_drain=self._drain_for_server,
-            on_shutdown=self.begin_shutdown,
-            error_page=error_page,
-            task_status=task_status,
-        )
-
     def set_policy(self, snapshot: PolicySnapshot) -> None:
         self.admission.set_policy(snapshot)
 
 
 def _raise_if_cut_off(work: Work) -> None:
     if work.scope.cancelled_caught:
-        raise ShuttingDown(
-            "the dispatcher shut down before this finished", retry_after=DRAIN_RETRY_AFTER
-        )
+        raise ShuttingDown("the dispatcher shut down before this finished")
 
 
 def _credential(token: str | NodeToken) -> str | NodeCredential:
@@ -397,9 +336,23 @@ def _credential(token: str | NodeToken) -> str | NodeCredential:
     return NodeCredential(token.value, token.ids)
 
 
+DispatcherT = TypeVar("DispatcherT", bound=Dispatcher)
+
+
 @asynccontextmanager
 async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dispatcher]:
-    """The embedding entry point: a running dispatcher, stopped when the block exits."""
+    """A running dispatcher without a front end, stopped when the block exits (with the
+    HTTP front ends: ``dispatcher.open_dispatcher``, from :mod:`dispatcher.edge`)."""
+    async with open_dispatcher_of(Dispatcher, config) as dispatcher:
+        yield dispatcher
+
+
+@asynccontextmanager
+async def open_dispatcher_of(
+    kind: type[DispatcherT], config: EdgeConfig | None = None
+) -> AsyncIterator[DispatcherT]:
+    """:func:`open_dispatcher`, yielding a ``kind`` (a subclass that adds a front end, such as
+    ``dispatcher.edge.Dispatcher``)."""
     config = config or EdgeConfig()
     registry = Registry()
     admission = Admission(policy_snapshot_from_config(config))
@@ -419,7 +372,7 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
         open_usage_ledger(config.usage_db or ":memory:") as ledger,
         trio.open_nursery() as nursery,
     ):
-        dispatcher = Dispatcher(
+        dispatcher = kind(
             config=config,
             registry=registry,
             admission=admission,
@@ -442,4 +395,4 @@ async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dis
             nursery.cancel_scope.cancel(reason="dispatcher closed")
 
 
-__all__ = ["Dispatcher", "ShuttingDown", "Work", "open_dispatcher"]
+__all__ = ["Dispatcher", "ShuttingDown", "Work", "open_dispatcher", "open_dispatcher_of"]

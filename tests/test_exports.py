@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import dispatcher
+import dispatcher.edge
 import dispatcher.errors
+import dispatcher.service
 from dispatcher.errors import DispatcherError
 
 PUBLIC = {
@@ -84,3 +86,25 @@ def test_a_node_importing_the_wire_does_not_load_the_edge() -> None:
     ).stdout
     assert "dispatcher.service" not in out
     assert "dispatcher.gate" not in out
+
+
+def test_the_dispatcher_core_loads_no_http() -> None:
+    code = (
+        "import sys, dispatcher.service; "
+        "print(sorted(m for m in sys.modules if m.startswith('dispatcher')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert "dispatcher.service" in out
+    assert "dispatcher.api" not in out
+    assert "dispatcher.http" not in out
+    assert "dispatcher.edge" not in out
+
+
+def test_the_storefront_dispatcher_serves() -> None:
+    assert dispatcher.Dispatcher is dispatcher.edge.Dispatcher
+    assert issubclass(dispatcher.Dispatcher, dispatcher.service.Dispatcher)
+    assert dispatcher.open_dispatcher is dispatcher.edge.open_dispatcher
+    assert callable(dispatcher.Dispatcher.serve)
+    assert not hasattr(dispatcher.service.Dispatcher, "serve")

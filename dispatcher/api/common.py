@@ -1,24 +1,32 @@
-"""What the API routes that run requests share: the gate request built from the HTTP request,
-the request-outcome metric, and the headers that describe the attempt which answered."""
+"""What the API's front ends share: the gate request built from the HTTP request, the
+request-outcome metric, the headers that describe the attempt which answered, and the OpenAI
+error shape (:func:`openai_error`), which the OpenAI routes and the edge's own routes answer in."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
 from ..admission import AdmissionError, Predicate
-from ..errors import RunError, ShuttingDown
+from ..errors import RunError, ShuttingDown, error_status_and_body
 from ..gate import GateRequest, RequestResult, TunnelCall
 from ..http import PeerGone, Request
 from ..pool import DispatchRequest, DispatchResult
+from .front import RenderedError, RouteContext
+from .seam import EdgeServices
 
-if TYPE_CHECKING:
-    from ..service import Dispatcher
-    from .app import RouteContext
+JSON_HEADERS = ((b"content-type", b"application/json"),)
+
+
+def openai_error(exc: BaseException) -> RenderedError:
+    """Any error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``
+    (see :func:`dispatcher.errors.error_status_and_body`)."""
+    status, body, retry_after = error_status_and_body(exc)
+    return RenderedError(status, body, retry_after=retry_after)
 
 
 class CutResponse(PeerGone):
@@ -58,11 +66,11 @@ _METRIC_OUTCOME: dict[str, str] = {
 
 
 @contextmanager
-def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
+def counted_request(edge: EdgeServices) -> Iterator[RequestOutcome]:
     """Count the request under ``dispatcher_requests_total`` once, however it ends: what the
     route set, or what the exception leaving it says."""
     result = RequestOutcome()
-    dispatcher.metrics.inflight_requests += 1
+    edge.metrics.inflight_requests += 1
     try:
         yield result
     except ShuttingDown:
@@ -84,8 +92,8 @@ def counted_request(dispatcher: Dispatcher) -> Iterator[RequestOutcome]:
         result.outcome = "failed"
         raise
     finally:
-        dispatcher.metrics.inflight_requests -= 1
-        dispatcher.metrics.count_request(result.model, result.final())
+        edge.metrics.inflight_requests -= 1
+        edge.metrics.count_request(result.model, result.final())
 
 
 def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes, bytes], ...]:

@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+"""The OpenAI front end: ``POST /v1/chat/completions``, ``GET /v1/models``, and the
+tunnel-only ``POST /v1/completions`` and ``POST /v1/embeddings`` (``api.tunnel_relay``);
+errors in OpenAI's shape (:func:`~dispatcher.api.common.openai_error`).
 
 Streaming follows OpenAI's ``chat.completion.chunk`` SSE shape. Nothing is sent to the client
 until the run's first content (or its end): until then a failure is still an HTTP status. After
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import orjson
@@ -22,14 +24,11 @@ from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..runs import Run
 from . import schema
-from .common import counted_request, dispatch_headers, gate_request
-from .tunnel_relay import relay, tunnel_call
+from .common import JSON_HEADERS, counted_request, dispatch_headers, gate_request, openai_error
+from .front import FrontEnd, RouteContext, RouteSpec
+from .seam import EdgeServices
+from .tunnel_relay import relay, tunnel_call, tunnel_route
 
-if TYPE_CHECKING:
-    from ..service import Dispatcher
-    from .app import RouteContext
-
-JSON_HEADERS = ((b"content-type", b"application/json"),)
 SSE_HEADERS = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -70,23 +69,23 @@ def _usage_object(usage: wire.Usage | None) -> dict[str, int]:
 
 
 async def chat_completions(
-    dispatcher: Dispatcher,
+    edge: EdgeServices,
     request: Request,
     responder: Responder,
     ctx: RouteContext,
 ) -> None:
-    with counted_request(dispatcher) as counted:
+    with counted_request(edge) as counted:
         chat = parse_chat_request(await request.body())
-        counted.model = dispatcher.metric_model_label(chat.model)
+        counted.model = edge.metric_model_label(chat.model)
         gated = gate_request(
             request, ctx, chat.body, stream=chat.stream, tunnel_call=tunnel_call(request, chat.body)
         )
         counted.gate = gated.result
-        counted.outcome = await _chat(dispatcher, chat, gated, responder, ctx)
+        counted.outcome = await _chat(edge, chat, gated, responder, ctx)
 
 
 async def _chat(
-    dispatcher: Dispatcher,
+    edge: EdgeServices,
     chat: ChatRequest,
     gated: GateRequest,
     responder: Responder,
@@ -94,13 +93,13 @@ async def _chat(
 ) -> str:
     """Serve one parsed chat request through the gate; return its outcome for the metrics
     (when no attempt was dispatched; otherwise the gate's row outcome counts)."""
-    async with dispatcher.gate.open(gated) as answer:
+    async with edge.gate.open(gated) as answer:
         answer_headers = (*ctx.headers, *dispatch_headers(answer.result, answer.attempts))
         if isinstance(answer, TunnelAnswer):
-            return await relay(dispatcher, answer, chat.body, responder, answer_headers)
+            return await relay(edge, answer, chat.body, responder, answer_headers)
         try:
             if chat.stream:
-                await _stream(dispatcher, chat, answer, responder, answer_headers)
+                await _stream(edge, chat, answer, responder, answer_headers)
             else:
                 await _complete(chat, answer, responder, answer_headers)
         except PeerGone:
@@ -218,7 +217,7 @@ def sse_error(message: str, code: str) -> bytes:
 
 
 async def _stream(
-    dispatcher: Dispatcher,
+    edge: EdgeServices,
     chat: ChatRequest,
     answer: Answer,
     responder: Responder,
@@ -229,7 +228,7 @@ async def _stream(
     writer = _ChunkWriter(chat, answer.run)
     usage: wire.Usage | None = None
     stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
-    with dispatcher.stream_scope() as scope:
+    with edge.stream_scope() as scope:
         out = [writer.choice({"role": "assistant", "content": ""})]
         ended = False
         for event in answer.head:
@@ -284,15 +283,41 @@ def _render(
 
 
 async def list_models(
-    dispatcher: Dispatcher, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
+    edge: EdgeServices, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
 ) -> None:
-    created = int(dispatcher.started_at)
+    created = int(edge.started_at)
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "trio-dispatcher"}
-        for name in sorted(dispatcher.registry.models())
+        for name in sorted(edge.registry.models())
     ]
     body = orjson.dumps({"object": "list", "data": data})
     await responder.respond(200, (*JSON_HEADERS, *headers), body)
 
 
-__all__ = ["HTTPStream", "chat_completions", "list_models", "parse_chat_request"]
+async def _models(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    await list_models(edge, responder, ctx.headers)
+
+
+_POST = ("POST",)
+
+FRONT_END = FrontEnd(
+    "openai",
+    {
+        "/v1/chat/completions": RouteSpec(_POST, chat_completions, "client", work=True),
+        "/v1/completions": RouteSpec(_POST, tunnel_route, "client", work=True),
+        "/v1/embeddings": RouteSpec(_POST, tunnel_route, "client", work=True),
+        "/v1/models": RouteSpec(("GET", "HEAD"), _models, "client"),
+    },
+    openai_error,
+)
+
+__all__ = [
+    "FRONT_END",
+    "JSON_HEADERS",
+    "HTTPStream",
+    "chat_completions",
+    "list_models",
+    "parse_chat_request",
+]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 import trio
@@ -49,10 +49,8 @@ from ..tunnel_http import (
 )
 from . import schema
 from .common import CutResponse, counted_request, dispatch_headers, gate_request
-
-if TYPE_CHECKING:
-    from ..service import Dispatcher
-    from .app import RouteContext
+from .front import RouteContext
+from .seam import EdgeServices
 
 log = logging.getLogger("dispatcher.api.tunnel")
 
@@ -69,7 +67,7 @@ def _sse_error(message: str, code: str) -> bytes:
 
 
 async def relay(
-    dispatcher: Dispatcher,
+    edge: EdgeServices,
     answer: TunnelAnswer,
     request_body: dict[str, Any],
     responder: Responder,
@@ -97,7 +95,7 @@ async def relay(
             sse = head.sse
             try:
                 outcome = await _relay_sse(
-                    dispatcher, tunnel, responder, out_headers, head, sse, stall, answer.delivered
+                    edge, tunnel, responder, out_headers, head, sse, stall, answer.delivered
                 )
             finally:
                 usage, completion_estimate = sse.usage, sse.events
@@ -134,7 +132,7 @@ async def _receive(tunnel: Tunnel, stall: float) -> bytes:
 
 
 async def _relay_sse(
-    dispatcher: Dispatcher,
+    edge: EdgeServices,
     tunnel: Tunnel,
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
@@ -147,7 +145,7 @@ async def _relay_sse(
     sent the stream's ``data: [DONE]`` (it then has the whole answer)."""
     stream = await responder.start_stream(head.start.status, headers)
     outcome = "completed"
-    with dispatcher.stream_scope() as scope:
+    with edge.stream_scope() as scope:
         try:
             if head.data:
                 await stream.send(head.data)
@@ -251,15 +249,15 @@ def tunnel_call(request: Request, body: dict[str, Any]) -> TunnelCall:
 
 
 async def tunnel_route(
-    dispatcher: Dispatcher,
+    edge: EdgeServices,
     request: Request,
     responder: Responder,
     ctx: RouteContext,
 ) -> None:
     """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
-    with counted_request(dispatcher) as counted:
+    with counted_request(edge) as counted:
         body = parse_tunnel_body(await request.body(), route=request.path)
-        counted.model = dispatcher.metric_model_label(body["model"])
+        counted.model = edge.metric_model_label(body["model"])
         gated = gate_request(
             request,
             ctx,
@@ -269,9 +267,9 @@ async def tunnel_route(
             predicate=tunnel_only(request.path),
         )
         counted.gate = gated.result
-        async with dispatcher.gate.open(gated) as answer:
+        async with edge.gate.open(gated) as answer:
             assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
-            counted.outcome = await relay(dispatcher, answer, body, responder, ctx.headers)
+            counted.outcome = await relay(edge, answer, body, responder, ctx.headers)
 
 
 __all__ = [

@@ -9,7 +9,7 @@ import attrs
 import trio
 
 from dispatcher import wire
-from dispatcher.service import Dispatcher
+from dispatcher.edge import Dispatcher
 from dispatcher.transport import ConnectionClosed, MemoryConnection, memory_connection_pair
 
 

@@ -19,8 +19,8 @@ import trio
 from dispatcher import wire
 from dispatcher.admission import AdmissionStatistics
 from dispatcher.config import EdgeConfig, QueuePolicySettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import ConnectionClosed
 
 from .fakes import ScriptedNode, connect, hello, wait_until

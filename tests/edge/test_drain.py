@@ -13,9 +13,10 @@ import trio.testing
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, HTTPSettings
+from dispatcher.edge import Dispatcher, open_dispatcher
+from dispatcher.errors import ShuttingDown
 from dispatcher.http import Server
 from dispatcher.runs import RunSpec
-from dispatcher.service import Dispatcher, ShuttingDown, open_dispatcher
 
 from .fakes import connect, hello, wait_until
 

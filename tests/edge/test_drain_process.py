@@ -19,8 +19,8 @@ import httpx
 import trio
 
 from dispatcher.config import EdgeConfig
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.service import Dispatcher, open_dispatcher
 from nodes.config import default_node_config
 
 BOUND = 30.0

@@ -20,10 +20,10 @@ import trio.testing
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.gate import Answer, GateRequest
 from dispatcher.pool import DispatchRequest
 from dispatcher.runs import RunSpec
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import Frame, MemoryConnection, memory_connection_pair
 from dispatcher.usage import UsageRow
 

@@ -18,9 +18,9 @@ import trio
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, HTTPSettings, QueuePolicySettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
 from dispatcher.runs import RunSpec
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.usage import UsageRow
 
 from .fakes import ScriptedNode, connect, hello, wait_until

@@ -16,8 +16,8 @@ import pytest
 import trio
 
 from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings, QueuePolicySettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.usage import UsageRow
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig

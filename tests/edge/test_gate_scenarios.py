@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from dispatcher import wire
 from dispatcher.admission import Needs, NoCapableCandidate
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.gate import AllAttemptsFailed, Answer, GateRequest
 from dispatcher.pool import DispatchRequest
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import ConnectionClosed
 from dispatcher.usage import UsageRow
 

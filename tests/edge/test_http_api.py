@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.service import Dispatcher, open_dispatcher
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
 from .fakes import wait_until

@@ -28,9 +28,9 @@ from dispatcher.admission import (
     PolicySnapshot,
 )
 from dispatcher.config import EdgeConfig, QueuePolicySettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.metrics import UNKNOWN_MODEL, Metrics
 from dispatcher.pool import DispatchRequest
-from dispatcher.service import Dispatcher, open_dispatcher
 
 from ..admission.helpers import cand
 from .fakes import ScriptedNode, connect, hello, wait_until

@@ -13,6 +13,7 @@ import trio.testing
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings, NodeToken
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
 from dispatcher.nodelink import (
     Authenticated,
@@ -21,7 +22,6 @@ from dispatcher.nodelink import (
     authenticate,
 )
 from dispatcher.runs import RunSpec
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import ConnectionClosed, memory_connection_pair
 from nodes.agent import dial_edge, serve_node, serve_node_session
 from nodes.config import default_node_config

@@ -11,8 +11,8 @@ import httpx
 import trio
 
 from dispatcher.config import EdgeConfig, NodeSettings
+from dispatcher.edge import open_dispatcher
 from dispatcher.http import Server
-from dispatcher.service import open_dispatcher
 
 
 async def models(client: httpx.AsyncClient) -> list[str]:

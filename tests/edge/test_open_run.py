@@ -15,9 +15,9 @@ import trio.testing
 from dispatcher import wire
 from dispatcher.admission import QueueTimeout
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import StaleGeneration
 from dispatcher.runs import RunSpec
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import memory_connection_pair
 
 from .fakes import connect, hello, wait_until

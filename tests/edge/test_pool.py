@@ -11,9 +11,9 @@ import trio.testing
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, QueuePolicySettings
+from dispatcher.edge import open_dispatcher
 from dispatcher.pool import DispatchRequest
 from dispatcher.runs import RunSpec
-from dispatcher.service import open_dispatcher
 
 from .fakes import connect, hello
 

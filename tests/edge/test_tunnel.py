@@ -24,10 +24,10 @@ import trio
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import TunnelFailed
 from dispatcher.http import Headers, HTTPStream, Responder, Server, WebSocket
 from dispatcher.pool import DispatchRequest
-from dispatcher.service import Dispatcher, open_dispatcher
 from dispatcher.transport import Connection, ConnectionClosed, Frame
 from dispatcher.tunnel_http import SSEFilter, upstream_body, upstream_headers
 from nodes.agent import dial_edge, serve_node

@@ -26,8 +26,8 @@ from dispatcher.api import schema
 from dispatcher.api.openai import parse_chat_request
 from dispatcher.api.tunnel_relay import parse_tunnel_body
 from dispatcher.config import EdgeConfig, HTTPSettings
+from dispatcher.edge import open_dispatcher
 from dispatcher.errors import BadRequest, PayloadTooLarge, error_status_and_body
-from dispatcher.service import open_dispatcher
 
 Parse = Callable[[bytes], object]
 

@@ -44,8 +44,8 @@ from wsproto.events import Request as WSRequest
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings, NodeToken
+from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Limits, Server
-from dispatcher.service import Dispatcher, open_dispatcher
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 

@@ -1,0 +1,122 @@
+"""The edge's own routes, a front end like any other: liveness and readiness, the usage
+report, Prometheus metrics, and the websocket nodes dial. They answer errors in the OpenAI
+shape, like the OpenAI routes beside them."""
+
+from __future__ import annotations
+
+import orjson
+
+from ..errors import BadRequest, ShuttingDown
+from ..http import PeerGone, Request, Responder, WebSocket, WebSocketClosed
+from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..transport import ConnectionClosed
+from .common import JSON_HEADERS, openai_error
+from .front import FrontEnd, RouteContext, RouteSpec
+from .seam import EdgeServices
+from .usage_report import parse_usage_query, usage_report_json
+
+__all__ = ["FRONT_END", "NODE_CONNECT_PATH", "ServerWebSocketConnection"]
+
+NODE_CONNECT_PATH = "/v1/nodes/connect"
+
+
+class ServerWebSocketConnection:
+    """A :class:`dispatcher.transport.Connection` over our server's websocket."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self._ws = ws
+
+    async def send(self, frame: str | bytes) -> None:
+        try:
+            await self._ws.send(frame)
+        except WebSocketClosed as exc:
+            raise ConnectionClosed(exc.reason or "websocket closed", exc.code) from None
+        except PeerGone as exc:
+            raise ConnectionClosed(str(exc) or "peer gone") from None
+
+    async def receive(self) -> str | bytes:
+        try:
+            return await self._ws.receive()
+        except WebSocketClosed as exc:
+            raise ConnectionClosed(exc.reason or "websocket closed", exc.code) from None
+        except PeerGone as exc:
+            raise ConnectionClosed(str(exc) or "peer gone") from None
+
+    async def aclose(self, code: int = 1000, reason: str = "") -> None:
+        try:
+            await self._ws.aclose(code, reason)
+        except (WebSocketClosed, PeerGone):
+            pass
+
+
+async def _node_connect(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    if not request.is_websocket_upgrade:
+        raise BadRequest("this endpoint takes a websocket upgrade from a node")
+    if edge.draining:
+        # Refused before the upgrade: the node retries with backoff (a 503 is transient to
+        # it), by then maybe to the edge's successor.
+        raise ShuttingDown("the edge is shutting down; reconnect later")
+    ws = await responder.accept_websocket()
+    client = request.client
+    peer = f"{client.host}:{client.port}" if client else "unknown"
+    await edge.serve_node_connection(ServerWebSocketConnection(ws), peer)
+
+
+async def _healthz(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    body = orjson.dumps({"status": "ok", "nodes": len(edge.registry.sessions)})
+    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)
+
+
+async def _readyz(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    """Readiness (``/healthz`` is liveness): 200 while the edge takes requests -- not
+    draining, at least one model served -- else 503."""
+    models = sorted(edge.registry.models())
+    if edge.draining:
+        status = "draining"
+    elif not models:
+        status = "no_models"
+    else:
+        status = "ready"
+    body = orjson.dumps({"status": status, "nodes": len(edge.registry.sessions), "models": models})
+    code = 200 if status == "ready" else 503
+    await responder.respond(code, (*JSON_HEADERS, *ctx.headers), body)
+
+
+async def _metrics(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    body = edge.metrics.render()
+    content_type = (b"content-type", METRICS_CONTENT_TYPE.encode())
+    await responder.respond(200, (content_type, *ctx.headers), body)
+
+
+async def _usage(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    try:
+        query = parse_usage_query(request.query)
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="invalid_query") from None
+    report = await edge.ledger.query(**query)
+    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), usage_report_json(report))
+
+
+_GET = ("GET", "HEAD")
+
+FRONT_END = FrontEnd(
+    "operations",
+    {
+        NODE_CONNECT_PATH: RouteSpec(("GET",), _node_connect, "open"),
+        "/healthz": RouteSpec(_GET, _healthz, "open"),
+        "/readyz": RouteSpec(_GET, _readyz, "open"),
+        "/v1/usage": RouteSpec(_GET, _usage, "admin"),
+        "/metrics": RouteSpec(_GET, _metrics, "metrics"),
+    },
+    openai_error,
+)

@@ -1,0 +1,114 @@
+"""The narrow seam between the HTTP surface and the edge: what routes need, nothing more.
+
+Routes take an :class:`EdgeServices`, a ``typing.Protocol``, never the ``Dispatcher`` class:
+the API layer imports nothing above the gate, and a route can be tested against anything that
+offers these members. ``dispatcher.service.Dispatcher`` satisfies it structurally (mypy checks
+that where ``dispatcher.edge`` hands the dispatcher to :func:`dispatcher.api.app.make_handler`).
+
+What the edge decides once for the whole HTTP surface (who may call, what is exposed) is not
+asked of it per request: :class:`ApiSettings`, built from the config where the handler is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import attrs
+import trio
+
+from ..config import EdgeConfig
+from ..gate import Gate
+from ..metrics import Metrics
+from ..transport import Connection
+from ..usage import UsageLedger
+
+__all__ = ["ApiSettings", "EdgeServices", "RegistryView", "WorkTicket"]
+
+
+class RegistryView(Protocol):
+    """What routes read of the node registry: who is connected and which models are served."""
+
+    @property
+    def sessions(self) -> Mapping[str, object]:
+        """Connected node sessions by node id (routes only count them)."""
+        ...
+
+    def models(self) -> Mapping[str, object]:
+        """Served model names (the keys; routes never look at the values)."""
+        ...
+
+
+class WorkTicket(Protocol):
+    """One request being served (see :meth:`EdgeServices.track_work`)."""
+
+    scope: trio.CancelScope
+    """Cancelled when a drain's grace is over and the answer has not started."""
+    answered: bool
+    """Set by the route's responder when the answer starts."""
+
+
+class EdgeServices(Protocol):
+    """What the API routes use of the edge."""
+
+    @property
+    def gate(self) -> Gate:
+        """Where every model request goes: attempts, recovery, the commit point."""
+        ...
+
+    @property
+    def registry(self) -> RegistryView: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def ledger(self) -> UsageLedger:
+        """The usage ledger (routes only query it; the gate records)."""
+        ...
+
+    @property
+    def started_at(self) -> float:
+        """Unix time the edge started (``/v1/models``' ``created``)."""
+        ...
+
+    @property
+    def draining(self) -> bool:
+        """True once the edge admits nothing new."""
+        ...
+
+    def track_work(self) -> AbstractContextManager[WorkTicket]:
+        """Count one request as in flight for the drain; raises ``ShuttingDown`` when
+        draining."""
+        ...
+
+    def stream_scope(self) -> AbstractContextManager[trio.CancelScope]:
+        """A scope for one streamed answer, cancelled when the drain's grace is over."""
+        ...
+
+    def serve_node_connection(self, conn: Connection, peer: str) -> Awaitable[None]:
+        """Serve one node's connection (hello, session, events) until it closes."""
+        ...
+
+    def metric_model_label(self, model: str) -> str:
+        """A model name safe as a metric label (served or configured, else "unknown")."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class ApiSettings:
+    """The HTTP surface's own settings (see ``make_handler`` for who may call what)."""
+
+    client_keys: tuple[bytes, ...] = ()
+    admin_keys: tuple[bytes, ...] = ()
+    expose_node_ids: bool = False
+    """``x-dispatcher-node`` / ``-provider`` reach clients only when set."""
+
+    @classmethod
+    def from_config(cls, config: EdgeConfig) -> ApiSettings:
+        return cls(
+            client_keys=tuple(key.encode() for key in config.client_api_keys()),
+            admin_keys=tuple(key.encode() for key in config.admin_api_keys()),
+            expose_node_ids=config.expose_node_ids,
+        )

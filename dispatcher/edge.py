@@ -1,0 +1,129 @@
+"""The edge: a :class:`~dispatcher.service.Dispatcher` serving its HTTP front ends.
+
+Serving HTTP lives here, above both the API and the dispatcher, so that
+``dispatcher.service`` imports neither ``dispatcher.api`` nor ``dispatcher.http``:
+:func:`serve_edge` builds the handler (:func:`dispatcher.api.app.make_handler` over the
+front ends), the server limits and the TLS context from the config, and runs
+``serve_http``::
+
+    async with open_dispatcher(config) as dispatcher:
+        server = await nursery.start(dispatcher.serve)     # or serve_edge(dispatcher, ...)
+
+Why ``dispatcher.serve`` still works, and by a subclass: embedders and the tests call
+``await dispatcher.serve(...)`` / ``nursery.start(dispatcher.serve)``, so this module's
+:func:`open_dispatcher` (the one ``dispatcher.open_dispatcher`` names) yields a
+:class:`Dispatcher` that adds ``serve`` to the service's and nothing else. A serving function
+plugged into the service's class instead would have to be typed in ``service.py``, which may
+not name ``http.Limits`` or ``http.Server`` (what ``task_status`` reports): the plug's type
+would erase both, and mypy could no longer check ``await dispatcher.serve(limits=...,
+task_status=...)``. The subclass keeps every type, and ``service.py`` builds it through
+:func:`~dispatcher.service.open_dispatcher_of` without knowing it exists.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import trio
+
+from . import service
+from .api.app import FRONT_ENDS, make_error_page, make_handler
+from .api.front import FrontEnd
+from .api.seam import ApiSettings
+from .config import EdgeConfig
+from .http import Limits, Server, serve_http
+
+__all__ = ["Dispatcher", "limits_from_config", "open_dispatcher", "serve_edge"]
+
+
+def limits_from_config(config: EdgeConfig) -> Limits:
+    """The server limits ``config.http`` sets (the rest are ``Limits``' defaults)."""
+    http = config.http
+    return Limits(
+        max_header_size=http.max_header_size,
+        max_body_size=http.max_body_size,
+        header_timeout=http.header_timeout,
+        keepalive_timeout=http.keepalive_timeout,
+        write_timeout=http.write_timeout,
+        max_connections=http.max_connections,
+        shutdown_grace=http.shutdown_grace,
+    )
+
+
+def _ssl_context(config: EdgeConfig) -> ssl.SSLContext | None:
+    http = config.http
+    if not (http.tls_certificate and http.tls_private_key):
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(http.tls_certificate, http.tls_private_key)
+    return context
+
+
+async def serve_edge(  # noqa: ASYNC128 (task_status is passed on to serve_http)
+    dispatcher: service.Dispatcher,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    limits: Limits | None = None,
+    front_ends: Sequence[FrontEnd] = FRONT_ENDS,
+    task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``front_ends`` (the OpenAI routes, the edge's own and the node websocket) until
+    cancelled or shut down through the server handle passed to ``task_status``:
+    ``server.shutdown()`` drains (``dispatcher.drain``, ``http.shutdown_grace``) while the
+    server still answers, then closes the node websockets with 1001 and stops.
+
+    ``limits`` replaces the server limits built from ``config.http`` (an embedder's own
+    timeouts, e.g. ``body_timeout``, which the config does not set). Errors the HTTP layer
+    answers itself get the first front end's error shape (``api.app.make_error_page``)."""
+    config = dispatcher.config
+
+    async def drain() -> None:
+        await dispatcher.drain(config.http.shutdown_grace)
+
+    await serve_http(
+        make_handler(dispatcher, ApiSettings.from_config(config), front_ends),
+        host=host if host is not None else config.host,
+        port=port if port is not None else config.port,
+        limits=limits if limits is not None else limits_from_config(config),
+        ssl_context=_ssl_context(config),
+        on_drain=drain,
+        on_shutdown=dispatcher.begin_shutdown,
+        error_page=make_error_page(front_ends),
+        task_status=task_status,
+    )
+
+
+class Dispatcher(service.Dispatcher):
+    """The dispatcher with its HTTP front ends: what :func:`open_dispatcher` yields."""
+
+    __slots__ = ()
+
+    async def serve(  # noqa: ASYNC128 (task_status is passed on to serve_http)
+        self,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        limits: Limits | None = None,
+        front_ends: Sequence[FrontEnd] = FRONT_ENDS,
+        task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """:func:`serve_edge` on this dispatcher."""
+        await serve_edge(
+            self,
+            host=host,
+            port=port,
+            limits=limits,
+            front_ends=front_ends,
+            task_status=task_status,
+        )
+
+
+@asynccontextmanager
+async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dispatcher]:
+    """The embedding entry point: a running dispatcher that can :meth:`~Dispatcher.serve`,
+    stopped when the block exits."""
+    async with service.open_dispatcher_of(Dispatcher, config) as dispatcher:
+        yield dispatcher
