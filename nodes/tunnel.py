@@ -51,10 +51,10 @@ from nodes.adapters._http import (
     split_timeouts,
 )
 from nodes.config import NodeConfigError, ProviderConfig
+from nodes.runner import Send as SendMessage
 
 log = logging.getLogger("nodes.tunnel")
 
-SendMessage = Callable[[wire.NodeMessage], Awaitable[None]]
 SendData = Callable[[str, bytes], Awaitable[None]]
 """Sends one binary body frame: ``(tunnel_id, data)``."""
 
@@ -230,14 +230,14 @@ class TunnelRunner:
         self._closed = False
 
     def start(self, request: wire.TunnelRequest) -> None:
-        """Start a tunnel in its own cancel scope. A tunnel id that is already running is
-        ignored (logged): answering it would end the running one on the edge."""
+        """Start a tunnel in its own cancel scope. The session's protocol machine refuses a
+        second ``tunnel.request`` for a running tunnel before it gets here (the edge gives an
+        id once); starting one anyway is ``wire.LocalProtocolError``, a bug of the caller."""
         if self._closed:
             raise RuntimeError("the tunnel runner is closed")
         tunnel_id = request.tunnel_id
         if tunnel_id in self._tunnels:
-            log.warning("tunnel %s: duplicate tunnel.request ignored (already running)", tunnel_id)
-            return
+            raise wire.LocalProtocolError(f"tunnel {tunnel_id!r} is already running")
         tunnel = self._tunnels[tunnel_id] = _Tunnel(tunnel_id, credit=request.window)
         self._nursery.start_soon(self._run, tunnel, request, name=f"tunnel {tunnel_id}")
 
