@@ -44,6 +44,16 @@ class RunSpec:
     """Derived from ``body`` when not given."""
 
 
+@attrs.frozen
+class RunStatistics(LeaseStatistics):
+    """What :meth:`Runs.statistics` counts: the lease counts of runs."""
+
+    @property
+    def open_runs(self) -> int:
+        """Runs whose block is open now (subscribed, not yet left): :attr:`open`."""
+        return self.open
+
+
 @attrs.define(eq=False, kw_only=True)
 class Run(Lease):
     """The handle ``open_run`` yields. Iterate it for the run's events, terminal included."""
@@ -132,14 +142,6 @@ class Run(Lease):
             settle()
 
         self._subscription.on_late_event = late_event
-
-
-@attrs.frozen
-class RunStatistics(LeaseStatistics):
-    @property
-    def open_runs(self) -> int:
-        """Runs whose block is open now (subscribed, not yet left): :attr:`open`."""
-        return self.open
 
 
 @attrs.define(eq=False)

@@ -160,15 +160,6 @@ class Tunnel(Lease):
         start = self._route.start
         return None if start is None else start.status
 
-    @property
-    def buffered(self) -> int:
-        """Body bytes received from the node and not yet consumed."""
-        return self._route.buffered
-
-    @property
-    def peak_buffered(self) -> int:
-        return self._route.peak_buffered
-
     async def send_request(
         self,
         *,
@@ -309,11 +300,11 @@ class Tunnels(Leases[Tunnel]):
         return max(1, self.window // 4)
 
     def statistics(self) -> TunnelStatistics:
-        tunnels = self._open.values()
+        routes = [tunnel._route for tunnel in self._open.values()]
         return TunnelStatistics(
             *self._counts(),
-            buffered_bytes=sum(tunnel.buffered for tunnel in tunnels),
-            peak_buffered_bytes=max([self._peak_buffered, *(t.peak_buffered for t in tunnels)]),
+            buffered_bytes=sum(route.buffered for route in routes),
+            peak_buffered_bytes=max([self._peak_buffered, *(r.peak_buffered for r in routes)]),
             usage_reported=self._usage_reported,
             usage_estimated=self._usage_estimated,
             prompt_tokens=self._prompt_tokens,

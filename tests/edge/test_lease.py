@@ -93,6 +93,7 @@ async def test_tunnel_frames_out_of_order_close_the_session(
 
 
 async def test_a_tunnel_left_unsent_gives_its_slot_back_and_counts_once() -> None:
+    """Nothing reached the node, so nothing is cancelled or drained: the slot is released."""
     async with scripted_edge() as (dispatcher, node):
         request = DispatchRequest(model="t", body={"model": "t"}, route="/v1/embeddings")
         async with dispatcher.open_dispatch(request) as dispatch:
@@ -113,41 +114,9 @@ async def test_a_tunnel_left_unsent_gives_its_slot_back_and_counts_once() -> Non
         assert dispatcher.admission.statistics().in_use == 0
         assert dispatcher.admission.statistics().draining == 0
         assert node.seen == [node.welcome]
-
-
-async def test_both_paths_count_the_same_shape(nursery: trio.Nursery) -> None:
-    async with scripted_edge() as (dispatcher, node):
-        # A tunnel abandoned after its send: cancelled at the node, drained, then settled.
-        scope = trio.CancelScope()
-        sent = trio.Event()
-
-        async def client() -> None:
-            with scope:
-                request = DispatchRequest(model="t", body={"model": "t"})
-                async with dispatcher.open_dispatch(request) as dispatch:
-                    assert dispatch.tunnel is not None
-                    await dispatch.tunnel.send_request(method="POST", path="/v1/embeddings")
-                    sent.set()
-                    await trio.sleep_forever()
-
-        nursery.start_soon(client)
-        tunnel_request = await node.receive()
-        assert isinstance(tunnel_request, wire.TunnelRequest)
-        await sent.wait()
-        scope.cancel()
-        assert await node.receive() == wire.TunnelCancel(tunnel_id=tunnel_request.tunnel_id)
-        await node.send(wire.TunnelEnd(tunnel_id=tunnel_request.tunnel_id, error="cancelled"))
-        await wait_until(lambda: dispatcher.admission.statistics().draining == 0)
-        tunnels = dispatcher.tunnels.statistics()
+        # The run path counts the same shape (its older spellings kept).
         runs = dispatcher.runs.statistics()
         assert isinstance(runs, LeaseStatistics)
-        assert isinstance(tunnels, LeaseStatistics)
-        assert (tunnels.opened, tunnels.open_tunnels, tunnels.ended, tunnels.cancels_sent) == (
-            1,
-            0,
-            {"cancelled": 1},
-            1,
-        )
         assert (runs.opened, runs.open_runs, runs.ended, runs.cancels_sent) == (0, 0, {}, 0)
         assert dispatcher.runs.stats == runs
-        assert tunnel_request.tunnel_id.startswith("tun-")
+        assert stats.open_tunnels == stats.open
