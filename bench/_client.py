@@ -15,10 +15,13 @@ Commands:
 * ``{"cmd": "load", "port", "request" (latin-1 text), "stream", "clients", "warmup",
   "duration", "pids": {name: pid}}`` -- closed-loop keep-alive load: ``clients`` connections,
   each sending ``request`` again as soon as the previous response ended. After ``warmup``
-  seconds the window of ``duration`` seconds starts: CPU times of ``pids`` (with their
-  children) are read at its start and end, requests that *complete* inside it are counted
-  for throughput, requests *sent* inside it give the latencies (the client waits for them
-  after the window, up to ``drain`` seconds). Answers ``{"completed", "seconds",
+  seconds (and once every connection has had one answer) the window starts; it lasts
+  ``duration`` seconds and until ``min_completions`` requests completed in it (default
+  max(20, clients); at most ``max_extra`` seconds longer), so a slow server still gives
+  samples. CPU times of ``pids`` (with their children) are read at its start and end;
+  requests that *complete* inside it are counted for throughput, requests *sent* inside it
+  give the latencies (the client waits for them after the window, up to ``drain``
+  seconds). Answers ``{"completed", "seconds",
   "latencies", "ttfts", "cpu": {name: seconds}, "client_cpu", "rss": {name: KiB},
   "errors"}``.
 * ``{"cmd": "hold", ...}`` -- the ``streams`` section: see :func:`hold`.
@@ -209,6 +212,8 @@ async def load(command: Mapping[str, Any]) -> dict[str, Any]:
     clients = int(command["clients"])
     warmup = float(command["warmup"])
     duration = float(command["duration"])
+    min_completions = int(command.get("min_completions", max(20, clients)))
+    max_extra = float(command.get("max_extra", 8.0))
     drain = float(command.get("drain", 30.0))
     pids: dict[str, int] = {k: int(v) for k, v in command.get("pids", {}).items()}
     conns = [await _open(port, request, stream) for _ in range(clients)]
@@ -216,61 +221,92 @@ async def load(command: Mapping[str, Any]) -> dict[str, Any]:
     ttfts: list[float] = []
     errors: list[str] = []
     completed = 0
-    start = time.perf_counter()
-    measure_from = start + warmup
-    stop_at = measure_from + duration
+    warmed: set[int] = set()
+    measuring = False
+    stopping = False
+    failed = asyncio.Event()
     marks: dict[str, Any] = {}
-    loop = asyncio.get_running_loop()
 
     def mark(which: str) -> None:
         marks[which] = (time.perf_counter(), time.process_time(), cpu_of(pids))
 
-    loop.call_later(warmup, mark, "start")
-    loop.call_later(warmup + duration, mark, "end")
-
-    async def worker(conn: _Conn) -> None:
+    async def worker(index: int, conn: _Conn) -> None:
         nonlocal completed
         perf = time.perf_counter
-        while (sent := perf()) < stop_at:
+        while not stopping:
+            counted = measuring
             try:
                 status = await conn.send()
             except (ConnectionError, ValueError) as exc:
                 errors.append(str(exc))
+                failed.set()
                 return
             ended = perf()
+            warmed.add(index)
             if status != 200:
                 errors.append(f"status {status}")
                 if len(errors) > 20:
+                    failed.set()
                     return
                 continue
             if stream and not conn.first_at:
                 errors.append("a stream without content")
-            if measure_from <= ended < stop_at:
+            if measuring:
                 completed += 1
-            if measure_from <= sent < stop_at:
-                latencies.append(ended - sent)
+            if counted:
+                latencies.append(ended - conn.sent_at)
                 if stream and conn.first_at:
-                    ttfts.append(conn.first_at - sent)
+                    ttfts.append(conn.first_at - conn.sent_at)
 
-    tasks = [asyncio.ensure_future(worker(conn)) for conn in conns]
+    async def control() -> None:
+        """Warm-up (at least ``warmup`` s and until every connection has had an answer, at
+        most ``max_extra`` s more), then the window: at least ``duration`` s and until
+        ``min_completions`` completed in it (at most ``max_extra`` s more)."""
+        nonlocal measuring, stopping
+        begin = time.perf_counter()
+        await asyncio.sleep(warmup)
+        while len(warmed) < clients and time.perf_counter() - begin < warmup + max_extra:
+            await asyncio.sleep(0.01)
+        mark("start")
+        measuring = True
+        opened = time.perf_counter()
+        await asyncio.sleep(duration)
+        while completed < min_completions and time.perf_counter() - opened < duration + max_extra:
+            await asyncio.sleep(0.01)
+        mark("end")
+        measuring = False
+        stopping = True
+
+    tasks = [asyncio.ensure_future(worker(i, conn)) for i, conn in enumerate(conns)]
+    controller = asyncio.ensure_future(control())
     try:
-        await asyncio.wait_for(asyncio.gather(*tasks), warmup + duration + drain)
+        stopper = asyncio.ensure_future(failed.wait())
+        await asyncio.wait([controller, stopper], return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not controller.done():  # a connection failed: stop the turn now
+            controller.cancel()
+            stopping = True
+            if "start" not in marks:
+                mark("start")
+            mark("end")
+        await asyncio.wait_for(asyncio.gather(*tasks), drain)
     except TimeoutError:
         errors.append(f"requests still unanswered {drain:g} s after the window")
     finally:
+        for task in tasks:
+            task.cancel()
         for conn in conns:
             if conn.transport is not None:
                 conn.transport.close()
-    if "end" not in marks:
-        await asyncio.sleep(max(0.0, stop_at - time.perf_counter()) + 0.01)
     (w0, c0, p0), (w1, c1, p1) = marks["start"], marks["end"]
+    seconds = max(w1 - w0, 1e-9)
     return {
         "completed": completed,
-        "seconds": w1 - w0,
+        "seconds": seconds,
         "latencies": latencies,
         "ttfts": ttfts,
         "cpu": {name: p1[name] - p0[name] for name in pids},
-        "client_cpu": (c1 - c0) / (w1 - w0),
+        "client_cpu": (c1 - c0) / seconds,
         "rss": rss_of(pids),
         "errors": errors[:5] + ([f"... {len(errors)} errors in all"] if len(errors) > 5 else []),
     }

@@ -165,7 +165,11 @@ model_list:
 litellm_settings:
   drop_params: true
   telemetry: false
+general_settings:
+  master_key: {master_key}
 """
+LITELLM_MASTER_KEY = "sk-bench-0f3a9c27e1d84b6a95c03e7d2b1f8a64"
+"""The proxy refuses to start without a strong master key; clients send it as their key."""
 
 
 @asynccontextmanager
@@ -177,7 +181,12 @@ async def litellm_proxy(
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "litellm.yaml"
         config.write_text(
-            LITELLM_YAML.format(model=model, served=served, upstream_port=upstream_port)
+            LITELLM_YAML.format(
+                model=model,
+                served=served,
+                upstream_port=upstream_port,
+                master_key=LITELLM_MASTER_KEY,
+            )
         )
         port = free_port()
         argv = [executable, "--config", str(config), "--host", HOST, "--port", str(port)]

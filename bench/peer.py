@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from bench._load import (
 )
 from bench._options import RunOptions
 from bench._procs import (
+    LITELLM_MASTER_KEY,
     Client,
     client_process,
     edge_daemon,
@@ -75,6 +77,12 @@ class Plan:
     warmup: float
     window: float
 
+
+MAX_EXTRA = 8.0
+"""A turn's warm-up and window each stretch by up to this many seconds for a slow path (until
+every connection had an answer; until max(20, c) requests completed in the window)."""
+DRAIN = 30.0
+"""How long the client waits for the window's requests after it."""
 
 FULL = Plan(concurrency=(1, 16, 64), rounds=3, warmup=0.3, window=1.0)
 QUICK = Plan(concurrency=(1, 16), rounds=1, warmup=0.2, window=0.5)
@@ -161,6 +169,8 @@ class Target:
     include_usage: bool
     """Ask for the usage chunk (direct, LiteLLM); through our edge the edge or the adapter
     asks for it, as for a client that did not."""
+    headers: str = ""
+    """Extra request header lines (LiteLLM's key)."""
 
     def request(self, *, stream: bool) -> bytes:
         tokens = STREAM_TOKENS if stream else NON_STREAM_TOKENS
@@ -174,7 +184,9 @@ class Target:
             body["stream"] = True
             if self.include_usage:
                 body["stream_options"] = {"include_usage": True}
-        return http_request("POST", CHAT_PATH, orjson.dumps(body), headers=JSON_HEADER)
+        return http_request(
+            "POST", CHAT_PATH, orjson.dumps(body), headers=JSON_HEADER + self.headers
+        )
 
 
 @dataclass
@@ -262,10 +274,11 @@ async def _turn(
             "clients": clients,
             "warmup": warmup,
             "duration": window,
-            "drain": 30.0,
+            "drain": DRAIN,
+            "max_extra": MAX_EXTRA,
             "pids": target.pids,
         },
-        timeout=warmup + window + 60.0,
+        timeout=warmup + window + 2 * MAX_EXTRA + DRAIN + 15.0,
     )
 
 
@@ -337,7 +350,8 @@ def cell_table(results: Results, plan: Plan, *, stream: bool, names: Sequence[st
             if cell is None:
                 continue
             if not cell.ok:
-                table.rows.append([name, str(clients), "error: " + "; ".join(cell.errors[:1])])
+                why = cell.errors[0] if cell.errors else "no request completed"
+                table.rows.append([name, str(clients), f"error: {why}"])
                 continue
             p50, p99 = cell.p(0.5, stream), cell.p(0.99, stream)
             added50 = added99 = math.nan
@@ -478,10 +492,6 @@ def targets_table(results: Results, plan: Plan, *, litellm: bool) -> Table:
                 _verdict(worst, CPU_SPREAD, unit="x"),
             ]
         )
-    if not litellm:
-        table.notes.append(
-            "LiteLLM not installed: its rows are skipped (BENCH_LITELLM=1 nox -s bench -- peer)"
-        )
     if top < 64:
         table.notes.append(f"--quick: the c=64 targets are judged at c={top}")
     return table
@@ -531,28 +541,45 @@ async def run(options: RunOptions | None = None) -> list[Table]:
             targets = [Target("direct", upstream.port, SERVED, {"upstream": upstream.pid}, True)]
             targets += [Target(name, edge.port, name, dict(ours), False) for name in OURS]
             processes = [upstream, edge, node]
-            async with client_process() as client:
+            async with client_process() as client, AsyncExitStack() as stack:
+                proxy: ServerProcess | None = None
                 if executable is None:
-                    tables.extend(await _measure(client, targets, plan, processes, False))
+                    missing = "LiteLLM not installed: its column and rows are skipped"
                 else:
-                    async with litellm_proxy(
-                        executable, upstream.port, model="litellm", served=SERVED
-                    ) as proxy:
-                        targets.append(
-                            Target(
-                                "litellm",
-                                proxy.port,
-                                "litellm",
-                                {"litellm": proxy.pid, "upstream": upstream.pid},
-                                True,
-                            )
+                    try:
+                        proxy = await stack.enter_async_context(
+                            litellm_proxy(executable, upstream.port, model="litellm", served=SERVED)
                         )
-                        processes.append(proxy)
-                        tables.extend(await _measure(client, targets, plan, processes, True))
-                        tables[-1].notes.extend(log_notes(proxy))
+                    except Exception as exc:  # any failure to start: measure without it
+                        missing = f"LiteLLM did not start, skipped: {_first_leaf(exc)}"
+                if proxy is not None:
+                    targets.append(
+                        Target(
+                            "litellm",
+                            proxy.port,
+                            "litellm",
+                            {"litellm": proxy.pid, "upstream": upstream.pid},
+                            True,
+                            headers=f"Authorization: Bearer {LITELLM_MASTER_KEY}\r\n",
+                        )
+                    )
+                    processes.append(proxy)
+                tables.extend(await _measure(client, targets, plan, processes))
+                if proxy is None:
+                    tables[-1].notes.append(
+                        missing + " (BENCH_LITELLM=1 nox -s bench -- peer installs it)"
+                    )
+                else:
+                    tables[-1].notes.extend(log_notes(proxy))
             tables[-1].notes.extend(log_notes(edge) + log_notes(node))
     tables[-1].notes.append(load.note())
     return tables
+
+
+def _first_leaf(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 async def _measure(
@@ -560,7 +587,6 @@ async def _measure(
     targets: Sequence[Target],
     plan: Plan,
     processes: Sequence[ServerProcess],
-    litellm: bool,
 ) -> list[Table]:
     from bench._load import rss_kib
 
@@ -571,7 +597,7 @@ async def _measure(
         cell_table(results, plan, stream=False, names=names),
         cell_table(results, plan, stream=True, names=names),
         memory_table([*processes, client.server], start),
-        targets_table(results, plan, litellm=litellm),
+        targets_table(results, plan, litellm="litellm" in names),
     ]
 
 
