@@ -165,6 +165,27 @@ async def test_cancel_while_waiting_for_the_first_byte(fake: FakeOpenAI) -> None
     assert isinstance(terminal, wire.RunCancelled)
 
 
+async def test_a_provider_lingering_after_done_does_not_hold_the_run(fake: FakeOpenAI) -> None:
+    """After ``[DONE]`` the node reads the rest of the body only briefly (to reuse the
+    connection); a provider that keeps the stream open gets its connection closed instead,
+    and the run completes long before the provider would have ended."""
+    fake.linger_after_end = 60
+    rec = Recorder()
+    with trio.fail_after(10):
+        async with open_runner(rec.send, adapters={"oa": adapter_for(fake.base_url)}) as runner:
+            runner.start(req())
+            terminal = await rec.wait_terminal("r1")
+            (seen,) = fake.requests
+            await seen.disconnected.wait()
+            runner.start(req("r2"))
+            second = await rec.wait_terminal("r2")
+            await fake.requests[1].disconnected.wait()
+    assert isinstance(terminal, wire.RunCompleted)
+    assert isinstance(second, wire.RunCompleted)
+    assert rec.text("r1") == rec.text("r2") == fake.expected_text
+    assert fake.disconnects == fake.requests  # each lingering stream closed by the node
+
+
 @pytest.mark.parametrize(
     ("status", "code", "retryable"),
     [
