@@ -32,14 +32,16 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import attrs
-import cattrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
+
+from .protocol.config_errors import Invalid, first_problem, show
+from .protocol.config_errors import key as toml_key
 
 DEFAULT_API_KEYS_ENV: Final = "DISPATCHER_API_KEYS"
 DEFAULT_ADMIN_KEYS_ENV: Final = "DISPATCHER_ADMIN_KEYS"
@@ -51,7 +53,6 @@ ENVIRONMENT: Final = "environment"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ID_PATTERN = re.compile(r"[A-Za-z0-9._:*?\[\]!-]+\Z")
 """A node id glob: node id characters (see ``nodelink``) plus ``* ? [ ] !``."""
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
 class ConfigError(Exception):
@@ -276,26 +277,6 @@ def _env_values(
 # --------------------------------------------------------------------------- structuring
 
 
-class _Invalid(Exception):
-    """A problem at ``at`` (a key path relative to where the hook was called: ``[2]`` or
-    ``name``, or empty), either a ``reason`` or a nested structuring error ``inner``."""
-
-    def __init__(self, reason: str = "", *, at: str = "", inner: BaseException | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.at = at
-        self.inner = inner
-
-
-def _show(value: Any) -> str:
-    """A value in an error message (the node's style: ``'x'``, ``3``, a table, an array)."""
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return repr(value)
-
-
 def _kind(value: Any) -> str:
     """A value's TOML type, never the value (for secrets)."""
     if isinstance(value, bool):
@@ -322,7 +303,7 @@ def _strict(kind: type[Any]) -> Callable[[Any, Any], Any]:
     def structure(value: Any, _: Any) -> Any:
         ok = type(value) is kind or (kind is float and type(value) is int)
         if not ok:
-            raise _Invalid(f"expected {_EXPECTED[kind]}, got {_show(value)}")
+            raise Invalid(f"expected {_EXPECTED[kind]}, got {show(value)}")
         return float(value) if kind is float else value
 
     return structure
@@ -335,15 +316,15 @@ for _kind_type in (str, int, float, bool):
 def _string(value: Any, at: str) -> str:
     # Never the value itself: these arrays hold secrets.
     if not isinstance(value, str):
-        raise _Invalid(f"expected a string, got {_kind(value)}", at=at)
+        raise Invalid(f"expected a string, got {_kind(value)}", at=at)
     if not value.strip():
-        raise _Invalid("expected a non-empty string", at=at)
+        raise Invalid("expected a non-empty string", at=at)
     return value
 
 
 def _array(value: Any, what: str) -> list[Any]:
     if not isinstance(value, list):
-        raise _Invalid(f"expected an array of {what}, got {_kind(value)}")
+        raise Invalid(f"expected an array of {what}, got {_kind(value)}")
     return value
 
 
@@ -359,23 +340,23 @@ def _tokens(value: Any, _: Any) -> tuple[str | NodeToken, ...]:
             try:
                 tokens.append(_converter.structure(item, NodeToken))
             except Exception as exc:
-                raise _Invalid(at=at, inner=exc) from None
+                raise Invalid(at=at, inner=exc) from None
         elif isinstance(item, str):
             tokens.append(_string(item, at))
         else:
-            raise _Invalid(f"expected a string or a table, got {_kind(item)}", at=at)
+            raise Invalid(f"expected a string or a table, got {_kind(item)}", at=at)
     return tuple(tokens)
 
 
 def _models(value: Any, _: Any) -> dict[str, QueuePolicySettings]:
     if not isinstance(value, dict):
-        raise _Invalid(f"expected a table, got {_show(value)}")
+        raise Invalid(f"expected a table, got {show(value)}")
     models = {}
     for name, item in value.items():
         try:
             models[name] = _converter.structure(item, QueuePolicySettings)
         except Exception as exc:
-            raise _Invalid(at=_key("", name), inner=exc) from None
+            raise Invalid(at=toml_key("", name), inner=exc) from None
     return models
 
 
@@ -384,7 +365,7 @@ def _table_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:
 
     def structure(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
-            raise _Invalid(f"expected a table, got {_show(value)}")
+            raise Invalid(f"expected a table, got {show(value)}")
         return inner(value, cls)
 
     return structure
@@ -402,43 +383,6 @@ _converter.register_structure_hook_func(
 _converter.register_structure_hook_factory(attrs.has, _table_hook)
 
 
-def _key(path: str, name: object) -> str:
-    if isinstance(name, int):
-        return f"{path}[{name}]"
-    text = str(name)
-    part = text if _BARE_KEY.match(text) else '"' + text.replace('"', '\\"') + '"'
-    return f"{path}.{part}" if path else part
-
-
-def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, str]]:
-    """(key path, reason) for every problem in a structuring error, unknown keys first."""
-    if isinstance(exc, _Invalid):
-        if not exc.at or not path or exc.at.startswith("["):
-            where = path + exc.at
-        else:
-            where = f"{path}.{exc.at}"
-        if exc.inner is not None:
-            yield from _problems(exc.inner, where)
-        else:
-            yield where, exc.reason
-    elif isinstance(exc, cattrs.ClassValidationError | cattrs.IterableValidationError):
-        with_notes, without = exc.group_exceptions()
-        for inner in without:
-            yield from _problems(inner, path)
-        for inner, note in with_notes:
-            name = note.index if isinstance(note, cattrs.IterableValidationNote) else note.name
-            yield from _problems(inner, _key(path, name))
-    elif isinstance(exc, cattrs.ForbiddenExtraKeysError):
-        for name in sorted(exc.extra_fields):
-            yield _key(path, name), "unknown key"
-    elif isinstance(exc, KeyError):
-        yield path, "missing"
-    elif isinstance(exc, AttributeError):
-        yield path, "expected a table"
-    else:
-        yield path, str(exc) or type(exc).__name__
-
-
 def parse_edge_config(
     raw: dict[str, Any],
     *,
@@ -451,7 +395,7 @@ def parse_edge_config(
     try:
         config = _converter.structure(raw, EdgeConfig)
     except Exception as exc:
-        key, reason = next(_problems(exc, ""), ("", str(exc)))
+        key, reason = first_problem(exc)
         raise ConfigError(source, key, reason) from None
     _validate(config, source)
     return resolve_secrets(config, environ=environ, default_env=True, source=source)
@@ -509,7 +453,7 @@ def _validate(config: EdgeConfig, source: str) -> None:
     )
     for name, policy in {
         "admission": config.admission,
-        **{_key("models", k): v for k, v in config.models.items()},
+        **{toml_key("models", k): v for k, v in config.models.items()},
     }.items():
         if policy.max_queue is not None:
             check(policy.max_queue >= 0, f"{name}.max_queue", "must be >= 0")

@@ -30,16 +30,16 @@ import shlex
 import socket
 import tomllib
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, NoReturn, Protocol, get_args, get_origin
 
 import attrs
-import cattrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
 from dispatcher import protocol as wire
+from dispatcher.protocol.config_errors import Invalid, first_problem, show
 
 NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
 """The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
@@ -47,7 +47,6 @@ may put a prefix before it)."""
 DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + NODE_CONNECT_PATH
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
 class NodeConfigError(Exception):
@@ -84,36 +83,17 @@ class AdapterKind(Protocol):
 # --------------------------------------------------------------------------- value checks
 
 
-class _Invalid(Exception):
-    """A problem at ``at`` (a key path relative to where the hook was called: ``[2]``, or
-    empty), either a ``reason`` or a nested structuring error ``inner``."""
-
-    def __init__(self, reason: str = "", *, at: str = "", inner: BaseException | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.at = at
-        self.inner = inner
-
-
 @attrs.frozen
 class _Check:
     """``Annotated`` metadata: how the loader checks (and converts) a field's TOML value;
-    ``structure`` raises :class:`_Invalid`."""
+    ``structure`` raises :class:`Invalid`."""
 
     structure: Callable[[Any], Any]
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return repr(value)
-
-
 def _string(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise _Invalid(f"expected a non-empty string, got {_show(value)}")
+        raise Invalid(f"expected a non-empty string, got {show(value)}")
     return value
 
 
@@ -121,7 +101,7 @@ def _integer(*, minimum: int) -> _Check:
     def structure(value: Any) -> int:
         if type(value) is not int or value < minimum:
             kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise _Invalid(f"expected {kind}, got {_show(value)}")
+            raise Invalid(f"expected {kind}, got {show(value)}")
         return value
 
     return _Check(structure)
@@ -134,7 +114,7 @@ def _number(*, minimum: float, strict: bool = False) -> _Check:
         ok = type(value) in (int, float) and math.isfinite(value)
         if not (ok and (value > minimum if strict else value >= minimum)):
             bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-            raise _Invalid(f"expected a number {bound}, got {_show(value)}")
+            raise Invalid(f"expected a number {bound}, got {show(value)}")
         return float(value)
 
     return _Check(structure)
@@ -143,14 +123,14 @@ def _number(*, minimum: float, strict: bool = False) -> _Check:
 def _env_name(value: Any) -> str:
     name = _string(value)
     if not _ENV_NAME.match(name):
-        raise _Invalid(f"expected the name of an environment variable, got {name!r}")
+        raise Invalid(f"expected the name of an environment variable, got {name!r}")
     return name
 
 
 def _http_url(value: Any) -> str:
     url = _string(value)
     if not url.startswith(("http://", "https://")):
-        raise _Invalid(f"expected an http:// or https:// URL, got {url!r}")
+        raise Invalid(f"expected an http:// or https:// URL, got {url!r}")
     return url
 
 
@@ -160,21 +140,21 @@ def _command(value: Any) -> tuple[str, ...]:
         try:
             argv = shlex.split(value)
         except ValueError as exc:
-            raise _Invalid(f"cannot split the command line: {exc}") from None
+            raise Invalid(f"cannot split the command line: {exc}") from None
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
         argv = list(value)
     else:
-        raise _Invalid(f"expected a string or an array of strings, got {_show(value)}")
+        raise Invalid(f"expected a string or an array of strings, got {show(value)}")
     if not argv:
-        raise _Invalid("expected a non-empty command")
+        raise Invalid("expected a non-empty command")
     return tuple(argv)
 
 
 def _distinct_names(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise _Invalid(f"expected an array of non-empty strings, got {_show(value)}")
+        raise Invalid(f"expected an array of non-empty strings, got {show(value)}")
     if len(set(value)) != len(value):
-        raise _Invalid("duplicate entries")
+        raise Invalid("duplicate entries")
     return tuple(value)
 
 
@@ -369,13 +349,13 @@ def _choice(value: Any, literal: Any) -> Any:
     choices: tuple[str, ...] = get_args(literal)
     text = _string(value)
     if text not in choices:
-        raise _Invalid(f"expected one of {', '.join(choices)}, got {text!r}")
+        raise Invalid(f"expected one of {', '.join(choices)}, got {text!r}")
     return text
 
 
 def _table(value: Any, _: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _Invalid(f"expected a table, got {_show(value)}")
+        raise Invalid(f"expected a table, got {show(value)}")
     return dict(value)
 
 
@@ -387,14 +367,14 @@ def _is_tables(kind: Any) -> bool:
 def _tables(value: Any, kind: Any) -> tuple[Any, ...]:
     """An array of tables (``[[providers]]``), each structured as the tuple's item class."""
     if not isinstance(value, list):
-        raise _Invalid(f"expected an array of tables, got {_show(value)}")
+        raise Invalid(f"expected an array of tables, got {show(value)}")
     item_class = get_args(kind)[0]
     items = []
     for index, item in enumerate(value):
         try:
             items.append(_converter.structure(item, item_class))
         except Exception as exc:
-            raise _Invalid(at=f"[{index}]", inner=exc) from None
+            raise Invalid(at=f"[{index}]", inner=exc) from None
     return tuple(items)
 
 
@@ -424,38 +404,6 @@ _converter.register_structure_hook_func(_is_literal, _choice)
 _converter.register_structure_hook_func(_is_options, _table)
 _converter.register_structure_hook_func(_is_tables, _tables)
 _converter.register_structure_hook_factory(attrs.has, _table_hook)
-
-
-def _key(path: str, name: object) -> str:
-    if isinstance(name, int):
-        return f"{path}[{name}]"
-    text = str(name)
-    part = text if _BARE_KEY.match(text) else '"' + text.replace('"', '\\"') + '"'
-    return f"{path}.{part}" if path else part
-
-
-def _problems(exc: BaseException, path: str) -> Iterator[tuple[str, str]]:
-    """(key path, reason) for every problem in a structuring error, unknown keys first."""
-    if isinstance(exc, _Invalid):
-        where = path + exc.at
-        if exc.inner is not None:
-            yield from _problems(exc.inner, where)
-        else:
-            yield where, exc.reason
-    elif isinstance(exc, cattrs.ClassValidationError | cattrs.IterableValidationError):
-        with_notes, without = exc.group_exceptions()
-        for inner in without:
-            yield from _problems(inner, path)
-        for inner, note in with_notes:
-            name = note.index if isinstance(note, cattrs.IterableValidationNote) else note.name
-            yield from _problems(inner, _key(path, name))
-    elif isinstance(exc, cattrs.ForbiddenExtraKeysError):
-        for name in sorted(exc.extra_fields):
-            yield _key(path, name), "unknown key"
-    elif isinstance(exc, KeyError):
-        yield path, "missing"
-    else:
-        yield path, str(exc) or type(exc).__name__
 
 
 # --------------------------------------------------------------------------- loading TOML
@@ -512,7 +460,7 @@ def parse_node_config(
     try:
         file = _converter.structure(dict(data), _NodeFile)
     except Exception as exc:
-        key, reason = next(_problems(exc, ""), ("", str(exc)))
+        key, reason = first_problem(exc)
         raise NodeConfigError(source, key, reason) from None
 
     def fail(key: str, reason: str) -> NoReturn:

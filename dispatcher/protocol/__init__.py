@@ -7,8 +7,9 @@
 * the session state machine (:mod:`._session`): :class:`EdgeProtocol` and
   :class:`NodeProtocol`, one per side, judge what each side may send in which state, per run
   (``seq`` 0, 1, 2..., one terminal last) and per tunnel (start, body, one end);
-* what both sides share beyond the wire: :mod:`.tokens` (the token estimator) and
-  :mod:`.excgroups` (exception-group walkers).
+* what both sides share beyond the wire: :mod:`.tokens` (the token estimator),
+  :mod:`.excgroups` (exception-group walkers), :mod:`.config_errors` (a configuration
+  error's TOML key path and reason, from a cattrs structuring failure).
 
 ``dispatcher.wire`` re-exports this module's names (the name the edge's code imports).
 Nothing here imports anything else of ours.
