@@ -101,24 +101,9 @@ class Dispatcher(service.Dispatcher):
 
     __slots__ = ()
 
-    async def serve(  # noqa: ASYNC128 (task_status is passed on to serve_http)
-        self,
-        *,
-        host: str | None = None,
-        port: int | None = None,
-        limits: Limits | None = None,
-        front_ends: Sequence[FrontEnd] = FRONT_ENDS,
-        task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """:func:`serve_edge` on this dispatcher."""
-        await serve_edge(
-            self,
-            host=host,
-            port=port,
-            limits=limits,
-            front_ends=front_ends,
-            task_status=task_status,
-        )
+    serve = serve_edge
+    """:func:`serve_edge` on this dispatcher: ``await dispatcher.serve(...)``,
+    ``await nursery.start(dispatcher.serve)``."""
 
 
 @asynccontextmanager
