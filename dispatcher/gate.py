@@ -31,24 +31,30 @@ timeout, fails the attempt on a 5xx / 429 (:func:`dispatcher.gate_rules.tunnel_s
 and yields a :class:`TunnelAnswer` with what it buffered (``head``) for the relay to send,
 then the rest.
 
-Every dispatched attempt (its run or tunnel request was sent) gets exactly one usage row when
-it ends.
+The loop (:meth:`Gate.open`) holds each attempt's scopes -- its request deadline, its
+``pool.open``, its usage row -- in an :class:`~contextlib.AsyncExitStack`; the first attempt
+that commits hands its scopes to the request's own stack and the gate yields its answer once,
+after the loop, so the caller's block runs inside them. Every dispatched attempt (its run or
+tunnel request was sent) gets exactly one usage row when its scopes end, however they end
+(:mod:`dispatcher.accounting`). The decisions -- retry or not, how a scope ended, the row's
+outcome, the candidate's health -- are pure functions in :mod:`dispatcher.gate_rules`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import TracebackType
+from typing import Generic, TypeVar
 
 import attrs
 import trio
 
 from . import gate_rules as rules
 from . import wire
+from .accounting import SETTLE_TIMEOUT, Accounting, Attempted, UsageSink
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
 from .errors import AllAttemptsFailed, NodeUnavailable, RunError, TunnelFailed, UpstreamRejected
 from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
@@ -56,18 +62,13 @@ from .protocol.excgroups import holds
 from .runs import Run, RunSpec
 from .tunnel import Tunnel
 from .tunnel_http import PreCommit, TunnelCall, TunnelHead, commit_tunnel
-from .usage import UsageRow
+from .usage import ExecutionPath
 
 log = logging.getLogger("dispatcher.gate")
 
 Outcome = rules.Outcome
 GatePolicy = rules.GatePolicy
-UsageSink = Callable[[UsageRow], None]
 PrepareAttempt = Callable[[int, Candidate, RunSpec], Awaitable[RunSpec]]
-
-
-SETTLE_TIMEOUT = 10.0
-"""How long an abandoned run's usage row waits for the node's cancel confirmation."""
 
 
 @attrs.define
@@ -114,62 +115,136 @@ class AttemptFailed(Exception):
         self.message = message
         self.retryable = retryable
         self.candidate = candidate
-        """The candidate to exclude, when no attempt was made on it."""
-
-
-_AttemptFailed = AttemptFailed
+        """The candidate the next attempts exclude (None: no attempt was made on one)."""
 
 
 def _is_content(event: wire.RunEvent) -> bool:
     return isinstance(event, wire.RunDelta) and bool(event.text or event.tool_calls)
 
 
-def _estimate_tokens(chars: int) -> int:
-    return (chars + 3) // 4
-
-
-@attrs.define(eq=False)
+@attrs.define(eq=False, kw_only=True)
 class Attempt:
-    """One attempt's bookkeeping, from dispatch to its usage row."""
+    """One attempt's bookkeeping, from dispatch to its usage row: what both paths share."""
 
     number: int
     result: DispatchResult
-    run: Run
     started_at: float
     """``trio.current_time()`` when the attempt was submitted to admission."""
     dispatched_at: float
-    first_content_at: float | None = None
+    output_at: float | None = None
+    """When the answer began: a run's first content, a tunnel's commit (the row's ttft)."""
     committed: bool = False
-    stalled: bool = False
-    """The stall timeout ended the answer after the commit (the client got an error)."""
     client_gone: bool = False
     """The API found the client gone (its connection reset): the row says ``cancelled``."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.result.node_id}/{self.result.provider_id}"
+
+    def failure(self, code: str, message: str, *, retryable: bool) -> AttemptFailed:
+        """This attempt failed before its commit: its candidate is excluded from the next."""
+        return AttemptFailed(code, message, retryable=retryable, candidate=self.result.candidate)
+
+    def attempted(self, path: ExecutionPath, outcome: Outcome) -> Attempted:
+        ttft = None if self.output_at is None else self.output_at - self.dispatched_at
+        return Attempted(
+            number=self.number,
+            result=self.result,
+            path=path,
+            outcome=outcome,
+            committed=self.committed,
+            ttft=ttft,
+            started_at=self.started_at,
+        )
+
+
+@attrs.define(eq=False, kw_only=True)
+class RunAttempt(Attempt):
+    """A normalized attempt: its run."""
+
+    run: Run
+    stalled: bool = False
+    """The stall timeout ended the answer after the commit (the client got an error)."""
 
     def observe(self, event: wire.RunEvent) -> None:
         """The consumer took ``event`` (usage is read from the run itself, consumed or
         not: see :attr:`dispatcher.runs.Run.usage`)."""
-        if (
-            self.first_content_at is None
-            and isinstance(event, wire.RunDelta)
-            and _is_content(event)
-        ):
-            self.first_content_at = trio.current_time()
+        if self.output_at is None and _is_content(event):
+            self.output_at = trio.current_time()
+
+    def record(self, accounting: Accounting, request: GateRequest, ended: rules.Ended) -> Outcome:
+        outcome = rules.run_outcome(
+            rules.RunEnd(
+                terminal=_terminal_kind(self.run.terminal),
+                committed=self.committed,
+                ended=ended,
+                client_gone=self.client_gone,
+                stalled=self.stalled,
+            )
+        )
+        accounting.record_run(request, self.attempted("normalized", outcome), self.run)
+        return outcome
 
 
-@attrs.define(eq=False)
-class Answer:
-    """The committed attempt, as the API consumes it."""
+@attrs.define(eq=False, kw_only=True)
+class TunnelAttempt(Attempt):
+    """A tunnel attempt: its tunnel, and what its relay reported."""
 
-    attempt: Attempt
+    tunnel: Tunnel
+    failed: bool = False
+    """The relay ended the answer with an error after the commit (broken off, stalled)."""
+    delivered: bool = False
+    """The client got the whole answer (the relayed ``data: [DONE]``): however the request
+    ends from here, its row says ``completed``."""
+
+    def record(self, accounting: Accounting, request: GateRequest, ended: rules.Ended) -> Outcome:
+        tunnel = self.tunnel
+        outcome = rules.tunnel_outcome(
+            rules.TunnelEnd(
+                committed=self.committed,
+                ended=ended,
+                client_gone=self.client_gone,
+                relay_failed=self.failed,
+                delivered=self.delivered,
+                finished=tunnel.finished,
+                completed=tunnel.completed,
+                status=tunnel.status,
+            )
+        )
+        accounting.record_tunnel(request, self.attempted("tunnel", outcome), tunnel)
+        return outcome
+
+
+A = TypeVar("A", RunAttempt, TunnelAttempt)
+
+
+@attrs.define(eq=False, kw_only=True)
+class _Answer(Generic[A]):
+    """The committed attempt, as the API consumes it (both paths)."""
+
+    attempt: A
     attempts: int
     """How many attempts the request took (the committed one included)."""
-    head: list[wire.RunEvent]
-    _stall_timeout: float
-    _done: bool = False
+    stall_timeout: float
+    """The longest silence between two pieces of the answer after the commit."""
 
     @property
     def result(self) -> DispatchResult:
         return self.attempt.result
+
+    def client_gone(self) -> None:
+        """The API found the client gone (a reset connection, not a cancellation): the row
+        says ``cancelled``, as it would for a client that left by closing."""
+        self.attempt.client_gone = True
+
+
+@attrs.define(eq=False, kw_only=True)
+class Answer(_Answer[RunAttempt]):
+    """A committed normalized attempt: ``head`` (the events up to the commit point), then
+    the rest by iteration."""
+
+    head: list[wire.RunEvent]
+    _done: bool = False
 
     @property
     def run(self) -> Run:
@@ -179,11 +254,6 @@ class Answer:
     def terminal(self) -> wire.RunEvent | None:
         return self.attempt.run.terminal
 
-    def client_gone(self) -> None:
-        """The API found the client gone (a reset connection, not a cancellation): the row
-        says ``cancelled``, as it would for a client that left by closing."""
-        self.attempt.client_gone = True
-
     def __aiter__(self) -> Answer:
         return self
 
@@ -191,7 +261,7 @@ class Answer:
         """The next event after the head; a stall becomes a synthesized ``run.failed``."""
         if self._done:
             raise StopAsyncIteration
-        with trio.move_on_after(self._stall_timeout) as stall:
+        with trio.move_on_after(self.stall_timeout) as stall:
             event = await self.attempt.run.__anext__()
         if stall.cancelled_caught:
             self._done = True
@@ -200,7 +270,7 @@ class Answer:
                 run_id=self.attempt.run.run_id,
                 seq=-1,
                 code="stall_timeout",
-                message=f"no output from the model for {self._stall_timeout:g} s",
+                message=f"no output from the model for {self.stall_timeout:g} s",
                 retryable=False,
             )
         self.attempt.observe(event)
@@ -217,43 +287,12 @@ class Answer:
         return events
 
 
-@attrs.define(eq=False)
-class TunnelAttempt:
-    """One tunnel attempt's bookkeeping, from dispatch to its usage row."""
-
-    number: int
-    result: DispatchResult
-    tunnel: Tunnel
-    started_at: float
-    """``trio.current_time()`` when the attempt was submitted to admission."""
-    dispatched_at: float
-    committed_at: float | None = None
-    committed: bool = False
-    failed: bool = False
-    """The relay ended the answer with an error after the commit (broken off, stalled)."""
-    client_gone: bool = False
-    """The relay found the client gone."""
-    delivered: bool = False
-    """The client got the whole answer (the relayed ``data: [DONE]``): however the request
-    ends from here, its row says ``completed``."""
-
-
-@attrs.define(eq=False)
-class TunnelAnswer:
-    """The committed tunnel attempt: the relay sends ``head`` (what the pre-commit phase
+@attrs.define(eq=False, kw_only=True)
+class TunnelAnswer(_Answer[TunnelAttempt]):
+    """A committed tunnel attempt: the relay sends ``head`` (what the pre-commit phase
     buffered), then the rest of the tunnel's response."""
 
-    attempt: TunnelAttempt
-    attempts: int
-    """How many attempts the request took (the committed one included)."""
     head: TunnelHead
-    """What the pre-commit phase read (:func:`~dispatcher.tunnel_http.commit_tunnel`)."""
-    stall_timeout: float
-    """The longest silence of the tunnel between two pieces after the commit."""
-
-    @property
-    def result(self) -> DispatchResult:
-        return self.attempt.result
 
     @property
     def tunnel(self) -> Tunnel:
@@ -263,87 +302,82 @@ class TunnelAnswer:
         """The relay ended the answer with an error (its usage row says ``failed``)."""
         self.attempt.failed = True
 
-    def client_gone(self) -> None:
-        """The relay found the client gone (its usage row says ``cancelled``)."""
-        self.attempt.client_gone = True
-
     def delivered(self) -> None:
         """The client got the whole answer (its usage row says ``completed``, even if the
         client leaves before the provider's end of body)."""
         self.attempt.delivered = True
 
 
-@attrs.define(eq=False)
 class Gate:
-    pool: Pool
-    policy_for: Callable[[str], GatePolicy]
-    record_usage: UsageSink | None = None
-    nursery: trio.Nursery | None = None
-    """Where an abandoned run's row waits for the node's cancel confirmation (the
-    dispatcher's own nursery). Without one, such rows are written at once, estimated."""
-    settle_timeout: float = SETTLE_TIMEOUT
-    statistics: dict[str, int] = attrs.field(factory=dict)
+    """The stream gate (see the module docstring). ``record_usage`` is the ledger's sink;
+    ``nursery`` is where an abandoned run's row waits for the node's cancel confirmation
+    (the dispatcher's own nursery; without one, such rows are written at once, estimated)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        policy_for: Callable[[str], GatePolicy],
+        record_usage: UsageSink | None = None,
+        nursery: trio.Nursery | None = None,
+        settle_timeout: float = SETTLE_TIMEOUT,
+    ) -> None:
+        self.pool = pool
+        self.policy_for = policy_for
+        self.accounting = Accounting(record_usage, nursery, settle_timeout)
+        self.statistics: dict[str, int] = {}
+
+    @property
+    def record_usage(self) -> UsageSink | None:
+        return self.accounting.record_usage
+
+    @record_usage.setter
+    def record_usage(self, sink: UsageSink | None) -> None:
+        self.accounting.record_usage = sink
+
+    @property
+    def settle_timeout(self) -> float:
+        return self.accounting.settle_timeout
+
+    @settle_timeout.setter
+    def settle_timeout(self, seconds: float) -> None:
+        self.accounting.settle_timeout = seconds
 
     @asynccontextmanager
     async def open(self, request: GateRequest) -> AsyncIterator[Answer | TunnelAnswer]:
+        """Make attempts until one commits and yield its answer, inside that attempt's
+        scopes; raise the request's error when none does."""
+        async with AsyncExitStack() as committed:
+            yield await self._until_committed(request, committed)
+
+    async def _until_committed(
+        self, request: GateRequest, committed: AsyncExitStack
+    ) -> Answer | TunnelAnswer:
+        """The loop: each attempt's scopes in their own stack, left (aborting it) when it
+        fails; the committed one's moved onto ``committed``."""
         policy = self.policy_for(request.dispatch.model)
         excluded: set[CandidateKey] = set()
-        last_failure: _AttemptFailed | None = None
+        last_failure: AttemptFailed | None = None
         deadline = trio.current_time() + policy.request_timeout_s
         for number in range(1, policy.max_attempts + 1):
-            dispatch_request = attrs.evolve(
-                request.dispatch, exclude=frozenset(excluded), requeue=number > 1
-            )
-            attempt: Attempt | TunnelAttempt | None = None
-            yielded = False  # once the caller has the answer, its errors are its own
-            started = trio.current_time()
             try:
-                with trio.CancelScope(deadline=deadline) as before_commit:
-                    async with self.pool.open(
-                        dispatch_request, prepare_run=self._prepare(request, number)
-                    ) as dispatch:
-                        attempt = self._new_attempt(request, number, dispatch, started)
-                        ended_by: BaseException | None = None
-                        try:
-                            try:
-                                answer = await self._commit(request, attempt, number, policy)
-                            except (_AttemptFailed, UpstreamRejected) as exc:
-                                # Before the slot is released, so that a probe's failure
-                                # is seen before another request may probe.
-                                self._report_health(attempt, exc)
-                                raise
-                            self._report_health(attempt, None)
-                            before_commit.deadline = math.inf
-                            yielded = True
-                            yield answer
-                        except BaseException as exc:
-                            ended_by = exc
-                            raise
-                        finally:
-                            timed_out = not attempt.committed and before_commit.cancel_called
-                            if isinstance(attempt, TunnelAttempt):
-                                self._record_tunnel(request, attempt, ended_by, timed_out)
-                            else:
-                                self._record(request, attempt, ended_by, timed_out)
-                if before_commit.cancelled_caught:
-                    raise _AttemptFailed(
-                        "request_timeout",
-                        f"no answer within the request deadline of {policy.request_timeout_s:g} s",
-                        retryable=False,
+                async with AsyncExitStack() as scopes:
+                    deadline_scope = scopes.enter_context(trio.CancelScope(deadline=deadline))
+                    answer = await self._attempt(
+                        request, policy, number, excluded, deadline_scope, scopes
                     )
-                return
-            except _AttemptFailed as failure:
-                last_failure = failure
-                self._count(f"attempt_failed:{failure.code}")
-                if attempt is not None:
-                    excluded.add(attempt.result.candidate)
-                elif failure.candidate is not None:
-                    excluded.add(failure.candidate)
-                step = rules.after_failure(
-                    rules.Failure(failure.code, failure.retryable),
-                    attempt=number,
-                    max_attempts=policy.max_attempts,
+                    committed.push_async_exit(scopes.pop_all())
+                    return answer
+                # Only the attempt's deadline scope, having caught its cancellation, gets here.
+                raise AttemptFailed(
+                    rules.REQUEST_TIMEOUT.code,
+                    f"no answer within the request deadline of {policy.request_timeout_s:g} s",
+                    retryable=rules.REQUEST_TIMEOUT.retryable,
                 )
+            except AttemptFailed as failure:
+                last_failure = failure
+                if failure.candidate is not None:
+                    excluded.add(failure.candidate)
+                step = self._after_failure(failure, number, policy)
                 log.info(
                     "request %s attempt %d failed before commit: %s (%s)",
                     request.request_id,
@@ -351,12 +385,9 @@ class Gate:
                     failure.message,
                     "retrying" if step == "retry" else "giving up",
                 )
-                if step == "give_up":
-                    break
             except AdmissionError as exc:
                 incapable = isinstance(exc, NoCapableCandidate)
                 decided = rules.after_admission_error(
-                    committed=yielded,
                     failed_before=last_failure is not None,
                     incapable=incapable,
                     only_excluded=incapable and exc.only_excluded,
@@ -365,26 +396,81 @@ class Gate:
                     raise
                 break  # a recovery could not be admitted: the last cause stands
             except RunError as exc:
-                if yielded:
-                    raise  # the caller's own error after the commit: not ours to retry
                 # Admitted but never dispatched (stale generation, node gone at send).
-                last_failure = _AttemptFailed(exc.code, exc.message, retryable=exc.retryable)
-                self._count(f"attempt_failed:{exc.code}")
-                step = rules.after_failure(
-                    rules.Failure(exc.code, exc.retryable),
-                    attempt=number,
-                    max_attempts=policy.max_attempts,
-                )
-                if step == "give_up":
-                    break
+                last_failure = AttemptFailed(exc.code, exc.message, retryable=exc.retryable)
+                step = self._after_failure(last_failure, number, policy)
+            if step == "give_up":
+                break
         assert last_failure is not None
         raise AllAttemptsFailed(
             f"every attempt failed before the answer started; last cause: {last_failure.message}",
             code=last_failure.code,
         )
 
+    def _after_failure(self, failure: AttemptFailed, number: int, policy: GatePolicy) -> rules.Step:
+        self._count(f"attempt_failed:{failure.code}")
+        return rules.after_failure(
+            rules.Failure(failure.code, failure.retryable),
+            attempt=number,
+            max_attempts=policy.max_attempts,
+        )
+
+    async def _attempt(
+        self,
+        request: GateRequest,
+        policy: GatePolicy,
+        number: int,
+        excluded: set[CandidateKey],
+        deadline_scope: trio.CancelScope,
+        scopes: AsyncExitStack,
+    ) -> Answer | TunnelAnswer:
+        """One attempt, its scopes entered on ``scopes``: admitted and opened, read up to
+        its commit point (raising :class:`AttemptFailed` before it)."""
+        dispatch_request = attrs.evolve(
+            request.dispatch, exclude=frozenset(excluded), requeue=number > 1
+        )
+        started = trio.current_time()
+        dispatch = await scopes.enter_async_context(
+            self.pool.open(dispatch_request, prepare_run=self._prepare(request, number))
+        )
+        attempt = self._new_attempt(request, number, dispatch, started)
+        scopes.push(self._row_when_ended(request, attempt, deadline_scope))
+        try:
+            answer = await self._commit(request, attempt, number, policy)
+        except (AttemptFailed, UpstreamRejected) as exc:
+            # Before the slot is released, so that a probe's failure is seen before another
+            # request may probe.
+            self._report_health(attempt, exc)
+            raise
+        self._report_health(attempt, None)
+        deadline_scope.deadline = math.inf
+        return answer
+
+    def _row_when_ended(
+        self, request: GateRequest, attempt: RunAttempt | TunnelAttempt, deadline: trio.CancelScope
+    ) -> Callable[[type[BaseException] | None, BaseException | None, TracebackType | None], None]:
+        """The exit callback that records the attempt's usage row, exactly once, when its
+        scopes end (however they end) -- if its request reached the node."""
+
+        def ended(
+            _type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
+        ) -> None:
+            if not self.accounting.enabled:
+                return
+            if isinstance(attempt, TunnelAttempt) and not attempt.tunnel.sent:
+                return
+            raised: rules.Raised = (
+                "nothing" if exc is None else "cancelled" if holds(exc, trio.Cancelled) else "error"
+            )
+            how = rules.scope_ended(
+                raised, committed=attempt.committed, deadline_fired=deadline.cancel_called
+            )
+            request.result.outcome = attempt.record(self.accounting, request, how)
+
+        return ended
+
     def _report_health(
-        self, attempt: Attempt | TunnelAttempt, failure: _AttemptFailed | UpstreamRejected | None
+        self, attempt: Attempt, failure: AttemptFailed | UpstreamRejected | None
     ) -> None:
         """Tell admission how the candidate did: it answered (committed, or refused the
         request as the client's mistake), or it failed for a reason of its own. A client's
@@ -403,40 +489,60 @@ class Gate:
 
     def _new_attempt(
         self, request: GateRequest, number: int, dispatch: Dispatch, started: float
-    ) -> Attempt | TunnelAttempt:
+    ) -> RunAttempt | TunnelAttempt:
         """The bookkeeping of an attempt that was just admitted and opened."""
         now = trio.current_time()
+        result = dispatch.result
         if dispatch.run is not None:
-            return Attempt(number, dispatch.result, dispatch.run, started, now)
+            return RunAttempt(
+                number=number,
+                result=result,
+                started_at=started,
+                dispatched_at=now,
+                run=dispatch.run,
+            )
+        assert dispatch.tunnel is not None  # a dispatch holds exactly one of the two
         if request.tunnel_call is None:
-            result = dispatch.result
-            raise _AttemptFailed(
+            raise AttemptFailed(
                 "tunnel_unsupported",
                 f"{result.node_id}/{result.provider_id} serves this model through a tunnel, "
                 "which this request cannot use",
                 retryable=True,
                 candidate=result.candidate,
             )
-        return TunnelAttempt(number, dispatch.result, dispatch.tunnel, started, now)
+        return TunnelAttempt(
+            number=number,
+            result=result,
+            started_at=started,
+            dispatched_at=now,
+            tunnel=dispatch.tunnel,
+        )
 
     async def _commit(
         self,
         request: GateRequest,
-        attempt: Attempt | TunnelAttempt,
+        attempt: RunAttempt | TunnelAttempt,
         number: int,
         policy: GatePolicy,
     ) -> Answer | TunnelAnswer:
         """Read the attempt up to its commit point (raising :class:`AttemptFailed` before
         it) and mark it committed."""
         if isinstance(attempt, TunnelAttempt):
-            assert request.tunnel_call is not None
+            assert request.tunnel_call is not None  # _new_attempt refused it otherwise
             tunnel_head = await self._until_tunnel_commit(attempt, request.tunnel_call, policy)
             attempt.committed = True
-            attempt.committed_at = trio.current_time()
-            return TunnelAnswer(attempt, number, tunnel_head, policy.stall_timeout_s)
+            attempt.output_at = trio.current_time()
+            return TunnelAnswer(
+                attempt=attempt,
+                attempts=number,
+                stall_timeout=policy.stall_timeout_s,
+                head=tunnel_head,
+            )
         head = await self._until_commit(attempt, request.stream, policy)
         attempt.committed = True
-        return Answer(attempt, number, head, policy.stall_timeout_s)
+        return Answer(
+            attempt=attempt, attempts=number, stall_timeout=policy.stall_timeout_s, head=head
+        )
 
     def _prepare(
         self, request: GateRequest, number: int
@@ -451,35 +557,23 @@ class Gate:
         return for_this_attempt
 
     async def _until_commit(
-        self, attempt: Attempt, stream: bool, policy: GatePolicy
+        self, attempt: RunAttempt, stream: bool, policy: GatePolicy
     ) -> list[wire.RunEvent]:
         """Read the attempt's events up to its commit point (the first content for a stream,
-        the successful end otherwise). Raises :class:`_AttemptFailed` before that."""
+        the successful end otherwise). Raises :class:`AttemptFailed` before that."""
         head: list[wire.RunEvent] = []
         run = attempt.run
         first_token_deadline = attempt.dispatched_at + policy.first_token_timeout_s
         while True:
             timeout = (
                 first_token_deadline
-                if attempt.first_content_at is None
+                if attempt.output_at is None
                 else trio.current_time() + policy.stall_timeout_s
             )
             with trio.move_on_at(timeout) as waited:
                 event = await run.__anext__()
             if waited.cancelled_caught:
-                if attempt.first_content_at is None:
-                    raise _AttemptFailed(
-                        "first_token_timeout",
-                        f"{attempt.result.node_id}/{attempt.result.provider_id}: no first "
-                        f"token within {policy.first_token_timeout_s:g} s",
-                        retryable=True,
-                    )
-                raise _AttemptFailed(
-                    "stall_timeout",
-                    f"{attempt.result.node_id}/{attempt.result.provider_id}: no output for "
-                    f"{policy.stall_timeout_s:g} s",
-                    retryable=True,
-                )
+                raise _timed_out(attempt, policy, output_seen=attempt.output_at is not None)
             attempt.observe(event)
             if isinstance(event, wire.RunFailed) and rules.is_client_error(
                 event.status, event.retryable
@@ -489,13 +583,11 @@ class Gate:
                 attempt.committed = True
                 raise UpstreamRejected(event.message, code=event.code, status=event.status)
             if isinstance(event, wire.RunFailed):
-                raise _AttemptFailed(
-                    event.code,
-                    f"{attempt.result.node_id}/{attempt.result.provider_id}: {event.message}",
-                    retryable=event.retryable,
+                raise attempt.failure(
+                    event.code, f"{attempt.where}: {event.message}", retryable=event.retryable
                 )
             if isinstance(event, wire.RunCancelled):
-                raise _AttemptFailed(
+                raise attempt.failure(
                     "cancelled_by_node",
                     f"{attempt.result.node_id}: the node cancelled the run",
                     retryable=True,
@@ -509,210 +601,49 @@ class Gate:
     ) -> TunnelHead:
         """Run the tunnel's pre-commit phase (:func:`commit_tunnel`) under the first-token
         timeout (the stall timeout once it reported output), and judge the response's status
-        (:func:`rules.tunnel_status_failure`). Raises :class:`_AttemptFailed` when the
+        (:func:`rules.tunnel_status_failure`). Raises :class:`AttemptFailed` when the
         attempt failed before its commit point."""
-        result = attempt.result
-        where = f"{result.node_id}/{result.provider_id}"
+        where = attempt.where
         first_token_deadline = attempt.dispatched_at + policy.first_token_timeout_s
         with trio.CancelScope(deadline=first_token_deadline) as waited:
             pre_commit = PreCommit(waited, policy.stall_timeout_s)
             try:
-                head = await commit_tunnel(attempt.tunnel, call, result.served_model, pre_commit)
+                head = await commit_tunnel(
+                    attempt.tunnel, call, attempt.result.served_model, pre_commit
+                )
             except TunnelFailed as exc:
-                raise _AttemptFailed(exc.code, exc.message, retryable=exc.retryable) from exc
+                raise attempt.failure(exc.code, exc.message, retryable=exc.retryable) from exc
             except NodeUnavailable as exc:
-                raise _AttemptFailed(exc.code, f"{where}: {exc.message}", retryable=True) from exc
+                raise attempt.failure(exc.code, f"{where}: {exc.message}", retryable=True) from exc
             status = head.start.status
             failure = rules.tunnel_status_failure(status)
             if failure is not None:
-                raise _AttemptFailed(
+                raise attempt.failure(
                     failure.code,
                     f"{where}: the provider answered status {status}",
                     retryable=failure.retryable,
                 )
             return head
-        if pre_commit.output_at is None:
-            raise _AttemptFailed(
-                "first_token_timeout",
-                f"{where}: no first token within {policy.first_token_timeout_s:g} s",
-                retryable=True,
-            )
-        raise _AttemptFailed(
-            "stall_timeout", f"{where}: no output for {policy.stall_timeout_s:g} s", retryable=True
-        )
-
-    def _record_tunnel(
-        self,
-        request: GateRequest,
-        attempt: TunnelAttempt,
-        ended_by: BaseException | None,
-        timed_out: bool,
-    ) -> None:
-        """The tunnel attempt's usage row, exactly once, when its scope ends -- if its
-        request reached the node. ``timed_out``: the request deadline ended it before the
-        commit."""
-        tunnel = attempt.tunnel
-        if self.record_usage is None or not tunnel.sent:
-            return
-        cancelled = _is_cancellation(ended_by)
-        outcome = rules.tunnel_outcome(
-            rules.TunnelEnd(
-                committed=attempt.committed,
-                cancelled=cancelled,
-                timed_out=timed_out,
-                client_gone=attempt.client_gone,
-                errored=ended_by is not None and not cancelled,
-                relay_failed=attempt.failed,
-                delivered=attempt.delivered,
-                finished=tunnel.finished,
-                completed=tunnel.completed,
-                status=tunnel.status,
-            )
-        )
-        request.result.outcome = outcome
-        usage = tunnel.usage
-        if usage is not None:
-            prompt, completion, reported = usage
-            source = "reported" if reported else "estimated"
-        else:
-            prompt, completion, source = _estimate_prompt(request.dispatch.body), 0, "estimated"
-        ttft = (
-            None if attempt.committed_at is None else attempt.committed_at - attempt.dispatched_at
-        )
-        self._emit(
-            request,
-            attempt.number,
-            attempt.result,
-            prompt=prompt,
-            completion=completion,
-            source=source,
-            outcome=outcome,
-            committed=attempt.committed,
-            ttft=ttft,
-            started_at=attempt.started_at,
-        )
-
-    def _record(
-        self,
-        request: GateRequest,
-        attempt: Attempt,
-        ended_by: BaseException | None,
-        timed_out: bool,
-    ) -> None:
-        """The attempt's usage row, exactly once, when its scope ends. ``timed_out``: the
-        request deadline ended it before the commit."""
-        if self.record_usage is None:
-            return
-        cancelled = _is_cancellation(ended_by)
-        outcome = rules.run_outcome(
-            rules.RunEnd(
-                terminal=_terminal_kind(attempt.run.terminal),
-                committed=attempt.committed,
-                cancelled=cancelled,
-                timed_out=timed_out,
-                client_gone=attempt.client_gone,
-                errored=ended_by is not None and not cancelled,
-                stalled=attempt.stalled,
-            )
-        )
-        request.result.outcome = outcome
-        if not attempt.run.finished and self.nursery is not None:
-            # The run is about to be abandoned (cancel sent, slot draining): its row waits
-            # for the node's end (its cancel confirmation or, if it ignored the cancel, its
-            # own end), which carries the usage the node knows; at once if the node is lost.
-            self.nursery.start_soon(self._record_when_settled, request, attempt, outcome)
-            return
-        self._write(request, attempt, outcome)
-
-    async def _record_when_settled(
-        self, request: GateRequest, attempt: Attempt, outcome: Outcome
-    ) -> None:
-        try:
-            with trio.move_on_after(self.settle_timeout):
-                await attempt.run.settled.wait()
-        finally:
-            # However this ends (confirmed, timed out, the dispatcher closing), once.
-            self._write(request, attempt, outcome)
-
-    def _write(self, request: GateRequest, attempt: Attempt, outcome: Outcome) -> None:
-        usage = attempt.run.usage
-        if usage is not None and (usage.prompt_tokens < 0 or usage.completion_tokens < 0):
-            log.warning(
-                "request %s attempt %d: node %s reported negative usage (%d, %d); estimating",
-                request.request_id,
-                attempt.number,
-                attempt.result.node_id,
-                usage.prompt_tokens,
-                usage.completion_tokens,
-            )
-            usage = None
-        if usage is not None:
-            prompt, completion = usage.prompt_tokens, usage.completion_tokens
-            source = "estimated" if usage.estimated else "reported"
-        else:
-            prompt = _estimate_prompt(request.dispatch.body)
-            completion = _estimate_tokens(attempt.run.text_chars)
-            source = "estimated"
-        self._emit(
-            request,
-            attempt.number,
-            attempt.result,
-            prompt=prompt,
-            completion=completion,
-            source=source,
-            outcome=outcome,
-            committed=attempt.committed,
-            ttft=(
-                None
-                if attempt.first_content_at is None
-                else attempt.first_content_at - attempt.dispatched_at
-            ),
-            started_at=attempt.started_at,
-        )
-
-    def _emit(
-        self,
-        request: GateRequest,
-        number: int,
-        result: DispatchResult,
-        *,
-        prompt: int,
-        completion: int,
-        source: str,
-        outcome: Outcome,
-        committed: bool,
-        ttft: float | None,
-        started_at: float,
-    ) -> None:
-        assert self.record_usage is not None
-        try:
-            row = UsageRow(
-                request_id=request.request_id,
-                attempt=number,
-                model_group=result.model_group,
-                served_model=result.served_model,
-                provider_id=result.provider_id,
-                node_id=result.node_id,
-                path=result.path,  # type: ignore[arg-type]
-                attribution=request.attribution,
-                prompt_tokens=prompt,
-                completion_tokens=completion,
-                usage_source=source,  # type: ignore[arg-type]
-                outcome=outcome,
-                billable_to="client" if committed else "operator",
-                queue_wait_s=result.queue_wait,
-                ttft_s=ttft,
-                duration_s=trio.current_time() - started_at,
-                ended_at=time.time(),
-                client_request_id=request.client_request_id,
-                route=request.dispatch.route,
-            )
-            self.record_usage(row)
-        except Exception:  # the ledger must never break a request's exit path
-            log.exception("could not record usage for %s attempt %d", request.request_id, number)
+        raise _timed_out(attempt, policy, output_seen=pre_commit.output_at is not None)
 
     def _count(self, key: str) -> None:
         self.statistics[key] = self.statistics.get(key, 0) + 1
+
+
+def _timed_out(attempt: Attempt, policy: GatePolicy, *, output_seen: bool) -> AttemptFailed:
+    """The first-token timeout (nothing came yet) or the stall timeout (output stopped)
+    ended the attempt before its commit."""
+    if not output_seen:
+        return attempt.failure(
+            "first_token_timeout",
+            f"{attempt.where}: no first token within {policy.first_token_timeout_s:g} s",
+            retryable=True,
+        )
+    return attempt.failure(
+        "stall_timeout",
+        f"{attempt.where}: no output for {policy.stall_timeout_s:g} s",
+        retryable=True,
+    )
 
 
 def _terminal_kind(event: wire.RunEvent | None) -> rules.Terminal | None:
@@ -725,33 +656,6 @@ def _terminal_kind(event: wire.RunEvent | None) -> rules.Terminal | None:
     return None
 
 
-def _is_cancellation(exc: BaseException | None) -> bool:
-    return holds(exc, trio.Cancelled)
-
-
-def _estimate_prompt(body: dict[str, Any]) -> int:
-    """Characters of the request's messages (and, for the tunnel-only routes, its ``prompt``
-    or ``input``) / 4, rounded up."""
-    chars = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
-    for key in ("prompt", "input"):
-        value = body.get(key)
-        if isinstance(value, str):
-            chars += len(value)
-        elif isinstance(value, list):
-            chars += sum(len(item) for item in value if isinstance(item, str))
-    return _estimate_tokens(chars)
-
-
 __all__: Sequence[str] = (
     "AllAttemptsFailed",
     "Answer",
@@ -760,8 +664,10 @@ __all__: Sequence[str] = (
     "Gate",
     "GatePolicy",
     "GateRequest",
+    "Outcome",
     "PreCommit",
     "RequestResult",
+    "RunAttempt",
     "TunnelAnswer",
     "TunnelAttempt",
     "TunnelCall",

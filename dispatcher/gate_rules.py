@@ -1,9 +1,11 @@
 """The stream gate's decisions, as pure functions over typed inputs (no event loop, no clock).
 
 The gate (:mod:`dispatcher.gate`) carries out what these return: whether a failed attempt is
-retried, what an admission error means once an attempt has failed, what an attempt's usage row
-says, and what admission is told about the candidate. Hypothesis drives them directly
-(``tests/edge/test_gate_rules.py``).
+retried (:func:`after_failure`; the request deadline is the final :data:`REQUEST_TIMEOUT`), what
+an admission error means once an attempt has failed, whether a tunnel's status fails its
+attempt, how an attempt's scope ended (:func:`scope_ended`), what its usage row says
+(:func:`run_outcome`, :func:`tunnel_outcome`), and what admission is told about the
+candidate. Hypothesis drives them directly (``tests/edge/test_gate_rules.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ AdmissionStep = Literal["raise", "give_up"]
 Health = Literal["success", "failure", "none"]
 Terminal = Literal["completed", "failed", "cancelled"]
 """The run's terminal event as the edge received it (consumed or not)."""
+Raised = Literal["nothing", "error", "cancelled"]
+"""What left an attempt's scope: nothing (its block ended), an exception, a cancellation."""
+Ended = Literal["quietly", "error", "cancelled", "deadline"]
+"""How an attempt's scope ended, as its row sees it: ``deadline`` is the request deadline
+cancelling it before the commit; ``cancelled`` any other cancellation (the client left, the
+edge shut down)."""
 
 NOT_THE_CANDIDATES_FAULT: Final = frozenset(
     {"request_timeout", "tunnel_unsupported", "node_draining", "node_lost", "stale_generation"}
@@ -45,6 +53,11 @@ class Failure:
     retryable: bool
 
 
+REQUEST_TIMEOUT: Final = Failure("request_timeout", retryable=False)
+"""The request deadline (which covers queue waits too) ended the attempt before its commit:
+the request is over, however many attempts are left."""
+
+
 def after_failure(failure: Failure, *, attempt: int, max_attempts: int) -> Step:
     """Try another candidate, or give up (the client gets a 502 naming this failure)."""
     if failure.retryable and attempt < max_attempts:
@@ -53,13 +66,13 @@ def after_failure(failure: Failure, *, attempt: int, max_attempts: int) -> Step:
 
 
 def after_admission_error(
-    *, committed: bool, failed_before: bool, incapable: bool, only_excluded: bool
+    *, failed_before: bool, incapable: bool, only_excluded: bool
 ) -> AdmissionStep:
-    """An admission refused the request. The first admission's refusal (or any refusal once
-    an answer was committed) is the client's answer; a recovery's refusal gives up with the
-    last failure -- except a "no capable candidate" for a reason other than exclusions (the
-    request itself cannot be served: the same 400 as a first admission)."""
-    if committed or not failed_before:
+    """An admission refused the request. The first admission's refusal is the client's
+    answer; a recovery's refusal gives up with the last failure -- except a "no capable
+    candidate" for a reason other than exclusions (the request itself cannot be served: the
+    same 400 as a first admission)."""
+    if not failed_before:
         return "raise"
     if incapable and not only_excluded:
         return "raise"
@@ -96,6 +109,14 @@ def tunnel_status_failure(status: int) -> Failure | None:
     return None
 
 
+def scope_ended(raised: Raised, *, committed: bool, deadline_fired: bool) -> Ended:
+    """How an attempt's scope ended: a cancellation is the request deadline's when that
+    deadline fired before the commit (after it, the deadline no longer applies)."""
+    if raised == "cancelled":
+        return "deadline" if deadline_fired and not committed else "cancelled"
+    return "error" if raised == "error" else "quietly"
+
+
 @attrs.frozen(kw_only=True)
 class RunEnd:
     """How a normalized attempt's scope ended, as its usage row sees it."""
@@ -103,14 +124,9 @@ class RunEnd:
     terminal: Terminal | None
     """The run's terminal event, if it arrived before the scope ended."""
     committed: bool
-    cancelled: bool
-    """The scope ended by a cancellation (the client left, or the edge shut down)."""
-    timed_out: bool
-    """... and that cancellation was the request deadline before the commit."""
+    ended: Ended
     client_gone: bool
     """The API found the client gone by a broken connection."""
-    errored: bool
-    """The scope ended by an exception other than a cancellation."""
     stalled: bool
 
 
@@ -118,9 +134,9 @@ def run_outcome(end: RunEnd) -> Outcome:
     """The row outcome of a normalized attempt: what its client saw when the request ended."""
     if end.terminal == "completed":
         return "completed"  # the run ended whole, whether or not the API relayed it all
-    if end.client_gone or (end.cancelled and not end.timed_out):
+    if end.client_gone or end.ended == "cancelled":
         return "cancelled"
-    if end.committed and (end.terminal is not None or end.errored or end.cancelled or end.stalled):
+    if end.committed and (end.terminal is not None or end.ended != "quietly" or end.stalled):
         return "failed"  # failed (or stalled) after the client saw part of it
     return "aborted"  # failed before the commit, or left unfinished by its consumer
 
@@ -130,10 +146,8 @@ class TunnelEnd:
     """How a tunnel attempt's scope ended, as its usage row sees it."""
 
     committed: bool
-    cancelled: bool
-    timed_out: bool
+    ended: Ended
     client_gone: bool
-    errored: bool
     relay_failed: bool
     """The relay ended the answer with an error after the commit."""
     delivered: bool
@@ -149,12 +163,12 @@ def tunnel_outcome(end: TunnelEnd) -> Outcome:
     """The row outcome of a tunnel attempt."""
     if end.delivered and not end.relay_failed:
         return "completed"
-    if end.client_gone or (end.cancelled and not end.timed_out):
+    if end.client_gone or end.ended == "cancelled":
         return "cancelled"
     if not end.committed:
         return "aborted"
     ok = end.status is not None and 200 <= end.status < 300
-    quiet = not end.errored and not end.cancelled and not end.relay_failed
+    quiet = end.ended == "quietly" and not end.relay_failed
     if quiet and end.completed and ok:
         return "completed"
     if quiet and not end.finished:
@@ -164,11 +178,14 @@ def tunnel_outcome(end: TunnelEnd) -> Outcome:
 
 __all__ = [
     "NOT_THE_CANDIDATES_FAULT",
+    "REQUEST_TIMEOUT",
     "AdmissionStep",
+    "Ended",
     "Failure",
     "GatePolicy",
     "Health",
     "Outcome",
+    "Raised",
     "RunEnd",
     "Step",
     "Terminal",
@@ -178,6 +195,7 @@ __all__ = [
     "health",
     "is_client_error",
     "run_outcome",
+    "scope_ended",
     "tunnel_outcome",
     "tunnel_status_failure",
 ]

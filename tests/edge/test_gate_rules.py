@@ -24,6 +24,8 @@ CODES = st.sampled_from(
 )
 FAILURES = st.builds(rules.Failure, CODES, st.booleans())
 TERMINALS = st.sampled_from([None, "completed", "failed", "cancelled"])
+ENDED = st.sampled_from(["quietly", "error", "cancelled", "deadline"])
+RAISED = st.sampled_from(["nothing", "error", "cancelled"])
 
 
 @given(
@@ -53,23 +55,28 @@ def test_after_failure(failure: rules.Failure, attempt: int, max_attempts: int) 
     assert (step == "retry") == (failure.retryable and attempt < max_attempts)
 
 
+@given(attempt=st.integers(1, 10), max_attempts=st.integers(1, 10))
+def test_the_request_deadline_ends_the_request_whatever_attempts_are_left(
+    attempt: int, max_attempts: int
+) -> None:
+    step = rules.after_failure(rules.REQUEST_TIMEOUT, attempt=attempt, max_attempts=max_attempts)
+    assert step == "give_up"
+    assert rules.health(rules.REQUEST_TIMEOUT) == "none"  # not the candidate's fault
+
+
 @given(
-    committed=st.booleans(),
     failed_before=st.booleans(),
     incapable=st.booleans(),
     only_excluded=st.booleans(),
 )
-def test_after_admission_error(
-    committed: bool, failed_before: bool, incapable: bool, only_excluded: bool
-) -> None:
+def test_after_admission_error(failed_before: bool, incapable: bool, only_excluded: bool) -> None:
     step = rules.after_admission_error(
-        committed=committed,
         failed_before=failed_before,
         incapable=incapable,
         only_excluded=only_excluded,
     )
-    if committed or not failed_before:
-        assert step == "raise"  # the first admission's answer, or the caller's own
+    if not failed_before:
+        assert step == "raise"  # the first admission's answer
     elif incapable and not only_excluded:
         assert step == "raise"  # the request itself cannot be served: its 400
     else:
@@ -95,14 +102,53 @@ def test_is_client_error(status: int | None, retryable: bool) -> None:
     assert rules.is_client_error(status, retryable) is expected
 
 
+@given(status=st.integers(0, 999))
+def test_a_tunnel_status_fails_its_attempt_only_for_5xx_429_or_no_http_status(status: int) -> None:
+    failure = rules.tunnel_status_failure(status)
+    if 200 <= status < 500 and status != 429:
+        assert failure is None  # the client's answer: read to its commit, or relayed as it is
+    else:
+        assert failure is not None
+        assert failure.retryable  # another candidate may answer
+        assert rules.health(failure) == "failure"  # and this one is to blame
+
+
+@given(raised=RAISED, committed=st.booleans(), deadline_fired=st.booleans())
+def test_a_cancellation_is_the_deadlines_only_before_the_commit(
+    raised: rules.Raised, committed: bool, deadline_fired: bool
+) -> None:
+    ended = rules.scope_ended(raised, committed=committed, deadline_fired=deadline_fired)
+    if raised == "cancelled":
+        expected = "deadline" if deadline_fired and not committed else "cancelled"
+        assert ended == expected
+    else:
+        assert ended == ("quietly" if raised == "nothing" else "error")
+
+
+def _run_end(
+    terminal: rules.Terminal | None,
+    committed: bool,
+    raised: rules.Raised,
+    deadline_fired: bool,
+    client_gone: bool,
+    stalled: bool,
+) -> rules.RunEnd:
+    return rules.RunEnd(
+        terminal=terminal,
+        committed=committed,
+        ended=rules.scope_ended(raised, committed=committed, deadline_fired=deadline_fired),
+        client_gone=client_gone,
+        stalled=stalled,
+    )
+
+
 RUN_ENDS = st.builds(
-    rules.RunEnd,
+    _run_end,
     terminal=TERMINALS,
     committed=st.booleans(),
-    cancelled=st.booleans(),
-    timed_out=st.booleans(),
+    raised=RAISED,
+    deadline_fired=st.booleans(),
     client_gone=st.booleans(),
-    errored=st.booleans(),
     stalled=st.booleans(),
 )
 
@@ -110,7 +156,7 @@ RUN_ENDS = st.builds(
 @given(end=RUN_ENDS)
 def test_a_run_rows_outcome_is_what_its_client_saw(end: rules.RunEnd) -> None:
     outcome = rules.run_outcome(end)
-    left = end.client_gone or (end.cancelled and not end.timed_out)
+    left = end.client_gone or end.ended == "cancelled"
     if end.terminal == "completed":
         assert outcome == "completed"  # the node's whole answer arrived
     elif left:
@@ -119,9 +165,10 @@ def test_a_run_rows_outcome_is_what_its_client_saw(end: rules.RunEnd) -> None:
         assert outcome in ("failed", "aborted")
         # "failed" only for an answer the client saw part of; else the gate aborted it
         assert (outcome == "failed") == (
-            end.committed
-            and (end.terminal is not None or end.errored or end.cancelled or end.stalled)
+            end.committed and (end.terminal is not None or end.ended != "quietly" or end.stalled)
         )
+    if end.ended == "deadline" and not end.client_gone and end.terminal != "completed":
+        assert outcome == "aborted"  # the request deadline cut it before the client saw any
     if outcome == "failed":
         assert end.committed
 
@@ -129,10 +176,8 @@ def test_a_run_rows_outcome_is_what_its_client_saw(end: rules.RunEnd) -> None:
 TUNNEL_ENDS = st.builds(
     rules.TunnelEnd,
     committed=st.booleans(),
-    cancelled=st.booleans(),
-    timed_out=st.booleans(),
+    ended=ENDED,
     client_gone=st.booleans(),
-    errored=st.booleans(),
     relay_failed=st.booleans(),
     delivered=st.booleans(),
     finished=st.booleans(),
@@ -144,7 +189,7 @@ TUNNEL_ENDS = st.builds(
 @given(end=TUNNEL_ENDS)
 def test_a_tunnel_rows_outcome_is_what_its_client_saw(end: rules.TunnelEnd) -> None:
     outcome = rules.tunnel_outcome(end)
-    left = end.client_gone or (end.cancelled and not end.timed_out)
+    left = end.client_gone or end.ended == "cancelled"
     if end.delivered and not end.relay_failed:
         assert outcome == "completed"  # the client has the whole answer, [DONE] included
     elif left:
@@ -155,8 +200,7 @@ def test_a_tunnel_rows_outcome_is_what_its_client_saw(end: rules.TunnelEnd) -> N
         assert end.completed
         assert end.status is not None
         assert 200 <= end.status < 300
-        assert not end.errored
-        assert not end.cancelled
+        assert end.ended == "quietly"
         assert not end.relay_failed
     if outcome == "failed":
         assert end.committed

@@ -1,0 +1,225 @@
+"""Accounting: the usage row of every dispatched attempt, built in one place for both paths.
+
+The gate tells :class:`Accounting` how an attempt ended (:class:`Attempted`: its outcome,
+whether it was committed, its times) with the handle its counts come from: a normalized run
+(:meth:`Accounting.record_run`) or a tunnel (:meth:`Accounting.record_tunnel`). Each becomes
+exactly one :class:`~dispatcher.usage.UsageRow` (:func:`usage_row`), with the counts the node
+or provider reported, or the edge's estimate (:mod:`dispatcher.protocol.tokens`, the one
+estimator) when it reported none -- or reported nonsense.
+
+A run abandoned unfinished (its cancel sent, its slot draining) waits for the node's end,
+which carries the usage the node knows, at most :data:`SETTLE_TIMEOUT`; that wait runs in the
+nursery the accounting is given (the dispatcher's root nursery), never in a bare task. Without
+a nursery, such rows are written at once.
+
+Recording never raises: the ledger must not break a request's exit path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Final, Protocol
+
+import attrs
+import trio
+
+from . import wire
+from .pool import DispatchRequest, DispatchResult
+from .protocol.tokens import estimate_prompt_tokens
+from .usage import ExecutionPath, Outcome, UsageRow, UsageSource
+
+log = logging.getLogger("dispatcher.gate")
+
+UsageSink = Callable[[UsageRow], None]
+
+SETTLE_TIMEOUT: Final = 10.0
+"""How long an abandoned run's usage row waits for the node's cancel confirmation."""
+
+
+class Accounted(Protocol):
+    """What a row says of the request (the gate's ``GateRequest``)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def attribution(self) -> str | None: ...
+    @property
+    def client_request_id(self) -> str | None: ...
+    @property
+    def dispatch(self) -> DispatchRequest: ...
+
+
+class RunCounts(Protocol):
+    """What accounting reads of a normalized run (:class:`dispatcher.runs.Run`)."""
+
+    @property
+    def usage(self) -> wire.Usage | None: ...
+    @property
+    def text_chars(self) -> int: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def settled(self) -> trio.Event: ...
+
+
+class TunnelCounts(Protocol):
+    """What accounting reads of a tunnel (:class:`dispatcher.tunnel.Tunnel`)."""
+
+    @property
+    def usage(self) -> tuple[int, int, bool] | None: ...
+
+
+@attrs.frozen(kw_only=True)
+class Attempted:
+    """How one attempt ended, as its row says it (besides the counts)."""
+
+    number: int
+    result: DispatchResult
+    path: ExecutionPath
+    outcome: Outcome
+    committed: bool
+    """The client saw (part of) this attempt's answer: billable to the client."""
+    ttft: float | None
+    started_at: float
+    """``trio.current_time()`` when the attempt was submitted to admission."""
+
+
+@attrs.frozen
+class Counts:
+    prompt_tokens: int
+    completion_tokens: int
+    source: UsageSource
+
+
+def usage_row(request: Accounted, attempt: Attempted, counts: Counts) -> UsageRow:
+    """The one row builder, for both paths; ``duration_s`` and ``ended_at`` are now."""
+    result = attempt.result
+    return UsageRow(
+        request_id=request.request_id,
+        attempt=attempt.number,
+        model_group=result.model_group,
+        served_model=result.served_model,
+        provider_id=result.provider_id,
+        node_id=result.node_id,
+        path=attempt.path,
+        attribution=request.attribution,
+        prompt_tokens=counts.prompt_tokens,
+        completion_tokens=counts.completion_tokens,
+        usage_source=counts.source,
+        outcome=attempt.outcome,
+        billable_to="client" if attempt.committed else "operator",
+        queue_wait_s=result.queue_wait,
+        ttft_s=attempt.ttft,
+        duration_s=trio.current_time() - attempt.started_at,
+        ended_at=time.time(),
+        client_request_id=request.client_request_id,
+        route=request.dispatch.route,
+    )
+
+
+def run_counts(request: Accounted, attempt: Attempted, run: RunCounts) -> Counts:
+    """The run's usage as the node reported it (or as its adapter estimated it); the edge's
+    estimate when there is none, or when the node's counts are negative (logged)."""
+    usage = run.usage
+    if usage is not None and (usage.prompt_tokens < 0 or usage.completion_tokens < 0):
+        log.warning(
+            "request %s attempt %d: node %s reported negative usage (%d, %d); estimating",
+            request.request_id,
+            attempt.number,
+            attempt.result.node_id,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+        )
+        usage = None
+    if usage is not None:
+        source: UsageSource = "estimated" if usage.estimated else "reported"
+        return Counts(usage.prompt_tokens, usage.completion_tokens, source)
+    return Counts(
+        estimate_prompt_tokens(request.dispatch.body),
+        _completion_estimate(run.text_chars),
+        "estimated",
+    )
+
+
+def tunnel_counts(request: Accounted, tunnel: TunnelCounts) -> Counts:
+    """The tunnel's usage as its relay found it (reported or estimated there); the prompt's
+    estimate when the tunnel reported none (it ended before its relay)."""
+    if tunnel.usage is not None:
+        prompt, completion, reported = tunnel.usage
+        return Counts(prompt, completion, "reported" if reported else "estimated")
+    return Counts(estimate_prompt_tokens(request.dispatch.body), 0, "estimated")
+
+
+def _completion_estimate(chars: int) -> int:
+    # The character half of protocol.tokens.estimate_tokens: the subscription counts the
+    # run's text in characters only, so the word count is not known here.
+    return math.ceil(chars / 4)
+
+
+@attrs.define(eq=False)
+class Accounting:
+    """Writes the rows to ``record_usage`` (the ledger); without one, nothing is recorded."""
+
+    record_usage: UsageSink | None = None
+    nursery: trio.Nursery | None = None
+    """Where an abandoned run's row waits for the node's end (the dispatcher's own)."""
+    settle_timeout: float = SETTLE_TIMEOUT
+
+    @property
+    def enabled(self) -> bool:
+        return self.record_usage is not None
+
+    def record_run(self, request: Accounted, attempt: Attempted, run: RunCounts) -> None:
+        """The run attempt's row: at once if the run finished (or there is no nursery to
+        wait in), else once the node's end arrived or :attr:`settle_timeout` passed."""
+        if not self.enabled:
+            return
+        if not run.finished and self.nursery is not None:
+            # The run is about to be abandoned (cancel sent, slot draining): its row waits
+            # for the node's end (its cancel confirmation or, if it ignored the cancel, its
+            # own end), which carries the usage the node knows; at once if the node is lost.
+            self.nursery.start_soon(self._record_when_settled, request, attempt, run)
+            return
+        self._write(request, attempt, run_counts(request, attempt, run))
+
+    def record_tunnel(self, request: Accounted, attempt: Attempted, tunnel: TunnelCounts) -> None:
+        """The tunnel attempt's row, at once (its relay has reported the usage by now)."""
+        if self.enabled:
+            self._write(request, attempt, tunnel_counts(request, tunnel))
+
+    async def _record_when_settled(
+        self, request: Accounted, attempt: Attempted, run: RunCounts
+    ) -> None:
+        try:
+            with trio.move_on_after(self.settle_timeout):
+                await run.settled.wait()
+        finally:
+            # However this ends (confirmed, timed out, the dispatcher closing), once.
+            self._write(request, attempt, run_counts(request, attempt, run))
+
+    def _write(self, request: Accounted, attempt: Attempted, counts: Counts) -> None:
+        try:
+            assert self.record_usage is not None
+            self.record_usage(usage_row(request, attempt, counts))
+        except Exception:  # the ledger must never break a request's exit path
+            log.exception(
+                "could not record usage for %s attempt %d", request.request_id, attempt.number
+            )
+
+
+__all__ = [
+    "SETTLE_TIMEOUT",
+    "Accounted",
+    "Accounting",
+    "Attempted",
+    "Counts",
+    "RunCounts",
+    "TunnelCounts",
+    "UsageSink",
+    "run_counts",
+    "tunnel_counts",
+    "usage_row",
+]
