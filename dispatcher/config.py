@@ -40,7 +40,7 @@ import attrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
-from .protocol.config_errors import Invalid, first_problem, show
+from .protocol.config_errors import ConfigFileError, Invalid, first_problem, show
 from .protocol.config_errors import key as toml_key
 
 DEFAULT_API_KEYS_ENV: Final = "DISPATCHER_API_KEYS"
@@ -55,14 +55,8 @@ _ID_PATTERN = re.compile(r"[A-Za-z0-9._:*?\[\]!-]+\Z")
 """A node id glob: node id characters (see ``nodelink``) plus ``* ? [ ] !``."""
 
 
-class ConfigError(Exception):
+class ConfigError(ConfigFileError):
     """A configuration that cannot be used; ``str()`` is ``"<file>: <key>: <reason>"``."""
-
-    def __init__(self, source: str, key: str, reason: str) -> None:
-        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
-        self.source = source
-        self.key = key
-        self.reason = reason
 
 
 @attrs.frozen(kw_only=True)
@@ -277,21 +271,19 @@ def _env_values(
 # --------------------------------------------------------------------------- structuring
 
 
+_TOML_KINDS: Final = (
+    (bool, "a boolean"),  # before int: a bool is an int in Python, not in TOML
+    (str, "a string"),
+    (int, "an integer"),
+    (float, "a float"),
+    (dict, "a table"),
+    (list, "an array"),
+)
+
+
 def _kind(value: Any) -> str:
     """A value's TOML type, never the value (for secrets)."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return "a date or time"
+    return next((name for kind, name in _TOML_KINDS if isinstance(value, kind)), "a date or time")
 
 
 _converter = make_converter(forbid_extra_keys=True)

@@ -39,7 +39,7 @@ from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
 from dispatcher import protocol as wire
-from dispatcher.protocol.config_errors import Invalid, first_problem, show
+from dispatcher.protocol.config_errors import ConfigFileError, Invalid, first_problem, show
 
 NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
 """The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
@@ -49,14 +49,8 @@ DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + NODE_CONNECT_PATH
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-class NodeConfigError(Exception):
+class NodeConfigError(ConfigFileError):
     """An invalid node configuration. ``str()`` is ``"<file>: <key>: <reason>"``."""
-
-    def __init__(self, source: str, key: str, reason: str) -> None:
-        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
-        self.source = source
-        self.key = key
-        self.reason = reason
 
 
 class OptionsError(Exception):

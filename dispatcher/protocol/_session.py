@@ -51,7 +51,7 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Mapping
-from typing import Final, TypeAlias
+from typing import Final, TypeAlias, TypeVar
 
 import attrs
 
@@ -117,6 +117,7 @@ class Tolerated:
 
 
 ACCEPTED: Final = Accepted()
+_Greeting = TypeVar("_Greeting", m.Hello, m.Welcome)
 Verdict: TypeAlias = Accepted | Tolerated | ProtocolError
 Frame: TypeAlias = Message | TunnelData
 """What a decoder yields: a text frame's message, or a binary tunnel body frame."""
@@ -177,15 +178,20 @@ class _Half:
             return Tolerated("the session is over")
         return None
 
-    def _version(self, protocol: int, this_side: str) -> Verdict:
-        """The verdict on the peer's protocol version (in its hello or welcome)."""
-        if protocol == PROTOCOL_VERSION:
-            return ACCEPTED
-        return self._fail(
-            f"protocol version {protocol} is not supported "
-            f"(this {this_side} speaks {PROTOCOL_VERSION})",
-            UnsupportedVersion,
-        )
+    def _greeting(self, message: Frame, kind: type[_Greeting], then: State) -> Verdict:
+        """Judge the peer's first message: a ``kind`` (hello or welcome) in this protocol's
+        version moves the session to ``then``."""
+        if not isinstance(message, kind):
+            return self._fail(f"expected {kind.TYPE}, got {_describe(message)}")
+        if message.protocol != PROTOCOL_VERSION:
+            this_side = "edge" if kind is m.Hello else "node"
+            return self._fail(
+                f"protocol version {message.protocol} is not supported "
+                f"(this {this_side} speaks {PROTOCOL_VERSION})",
+                UnsupportedVersion,
+            )
+        self.state = then
+        return ACCEPTED
 
 
 @attrs.define(eq=False)
@@ -248,12 +254,9 @@ class EdgeProtocol(_Half):
         if over is not None:
             return over
         if state is State.AWAITING_HELLO:
-            if not isinstance(message, m.Hello):
-                return self._fail(f"expected hello, got {_describe(message)}")
-            verdict = self._version(message.protocol, "edge")
-            if verdict is ACCEPTED:
+            verdict = self._greeting(message, m.Hello, State.AWAITING_WELCOME)
+            if isinstance(message, m.Hello) and verdict is ACCEPTED:
                 self.hello = message
-                self.state = State.AWAITING_WELCOME
             return verdict
         return self._fail(f"{_describe(message)} before the edge's welcome")
 
@@ -367,12 +370,9 @@ class NodeProtocol(_Half):
             return over
         if state is State.AWAITING_HELLO:
             return self._fail(f"{_describe(message)} before this node's hello")
-        if not isinstance(message, m.Welcome):
-            return self._fail(f"expected welcome, got {_describe(message)}")
-        verdict = self._version(message.protocol, "node")
-        if verdict is ACCEPTED:
+        verdict = self._greeting(message, m.Welcome, State.OPEN)
+        if isinstance(message, m.Welcome) and verdict is ACCEPTED:
             self.welcome = message
-            self.state = State.OPEN
         return verdict
 
     def _receive_open(self, message: Frame) -> Verdict:

@@ -24,6 +24,17 @@ _BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+\Z")
 """A TOML key that needs no quotes."""
 
 
+class ConfigFileError(Exception):
+    """An unusable configuration file: ``str()`` is ``"<file>: <key>: <reason>"`` (just
+    ``"<file>: <reason>"`` without a key). The base of each loader's own error."""
+
+    def __init__(self, source: str, key: str, reason: str) -> None:
+        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
+        self.source = source
+        self.key = key
+        self.reason = reason
+
+
 class Invalid(Exception):
     """A problem at ``at`` (a key path relative to where the hook was called: ``[2]``,
     ``name``, or empty), either a ``reason`` or a nested structuring error ``inner``."""
