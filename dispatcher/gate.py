@@ -122,7 +122,7 @@ def _is_content(event: wire.RunEvent) -> bool:
     return isinstance(event, wire.RunDelta) and bool(event.text or event.tool_calls)
 
 
-@attrs.define(eq=False, kw_only=True)
+@attrs.define(eq=False)
 class Attempt:
     """One attempt's bookkeeping, from dispatch to its usage row: what both paths share."""
 
@@ -158,11 +158,11 @@ class Attempt:
         )
 
 
-@attrs.define(eq=False, kw_only=True)
+@attrs.define(eq=False)
 class RunAttempt(Attempt):
     """A normalized attempt: its run."""
 
-    run: Run
+    run: Run = attrs.field(kw_only=True)
     stalled: bool = False
     """The stall timeout ended the answer after the commit (the client got an error)."""
 
@@ -186,11 +186,11 @@ class RunAttempt(Attempt):
         return outcome
 
 
-@attrs.define(eq=False, kw_only=True)
+@attrs.define(eq=False)
 class TunnelAttempt(Attempt):
     """A tunnel attempt: its tunnel, and what its relay reported."""
 
-    tunnel: Tunnel
+    tunnel: Tunnel = attrs.field(kw_only=True)
     failed: bool = False
     """The relay ended the answer with an error after the commit (broken off, stalled)."""
     delivered: bool = False
@@ -494,13 +494,7 @@ class Gate:
         now = trio.current_time()
         result = dispatch.result
         if dispatch.run is not None:
-            return RunAttempt(
-                number=number,
-                result=result,
-                started_at=started,
-                dispatched_at=now,
-                run=dispatch.run,
-            )
+            return RunAttempt(number, result, started, now, run=dispatch.run)
         assert dispatch.tunnel is not None  # a dispatch holds exactly one of the two
         if request.tunnel_call is None:
             raise AttemptFailed(
@@ -510,13 +504,7 @@ class Gate:
                 retryable=True,
                 candidate=result.candidate,
             )
-        return TunnelAttempt(
-            number=number,
-            result=result,
-            started_at=started,
-            dispatched_at=now,
-            tunnel=dispatch.tunnel,
-        )
+        return TunnelAttempt(number, result, started, now, tunnel=dispatch.tunnel)
 
     async def _commit(
         self,

@@ -204,3 +204,34 @@ def test_a_tunnel_rows_outcome_is_what_its_client_saw(end: rules.TunnelEnd) -> N
         assert not end.relay_failed
     if outcome == "failed":
         assert end.committed
+
+
+@given(
+    failure=FAILURES,
+    deadline=st.booleans(),
+    committed=st.booleans(),
+    attempt=st.integers(1, 10),
+    max_attempts=st.integers(1, 10),
+)
+def test_failure_kind_x_committed_x_attempts_x_deadline(
+    failure: rules.Failure, deadline: bool, committed: bool, attempt: int, max_attempts: int
+) -> None:
+    """An attempt's scope ended by a failure (an error, or the request deadline's
+    cancellation): before the commit the gate decides retry or give up and the row says
+    ``aborted`` (the operator's); after it the failure is the client's error and the row says
+    ``failed`` (the client's) -- the gate's loop never sees it to retry."""
+    ended = rules.scope_ended(
+        "cancelled" if deadline else "error", committed=committed, deadline_fired=deadline
+    )
+    run_end = rules.RunEnd(
+        terminal=None, committed=committed, ended=ended, client_gone=False, stalled=False
+    )
+    outcome = rules.run_outcome(run_end)
+    if committed:
+        assert outcome == ("cancelled" if deadline else "failed")  # no deadline after commit
+        return
+    assert outcome == "aborted"
+    why = rules.REQUEST_TIMEOUT if deadline else failure
+    step = rules.after_failure(why, attempt=attempt, max_attempts=max_attempts)
+    retried = failure.retryable and not deadline and attempt < max_attempts
+    assert step == ("retry" if retried else "give_up")
