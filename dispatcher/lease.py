@@ -36,7 +36,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, asynccontextmanager
-from typing import ClassVar, Final, Generic, Literal, TypeVar
+from typing import ClassVar, Generic, Literal, TypeVar
 
 import attrs
 import trio
@@ -67,12 +67,6 @@ EndReason = Literal[
 ]
 """How a lease ended, as counted in :attr:`LeaseStatistics.ended`."""
 
-LOST_CODES: Final[dict[str, LostCode]] = {
-    "node_lost": "node_lost",
-    "stale_generation": "stale_generation",
-}
-"""A ``run.failed`` code that tells a lost session's synthesized end, as its end reason."""
-
 
 def end_reason(
     *,
@@ -81,8 +75,10 @@ def end_reason(
     send_failure: SendFailure | None,
     left_by: BaseException | None,
 ) -> EndReason:
-    """How a lease's block ended: what the node said if it ended it, else how the block was
-    left (``left_by``: the exception that left it, None for a normal exit)."""
+    """How a lease's block ended, from what is known as it is left: a send that failed (the
+    request never reached the node) first, then the node's end if it arrived (``node_end``),
+    then whether anything was sent, then how the block was left (``left_by``: the exception
+    that left it, None for a normal exit)."""
     if not sent and send_failure is not None:
         return send_failure
     if node_end is not None:

@@ -35,7 +35,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import attrs
 import trio
@@ -105,7 +105,7 @@ class Outgoing:
         else:
             self._waiter = trio.lowlevel.current_task()
 
-            def abort(_: Any) -> trio.lowlevel.Abort:
+            def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
                 self._waiter = None
                 self.withdrawn = True
                 return trio.lowlevel.Abort.SUCCEEDED

@@ -22,16 +22,22 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
 from . import wire
 from .admission import Needs, Slot, needs_from_body
-from .lease import LOST_CODES, EndReason, Lease, Leases, LeaseStatistics, NodeEnd
-from .registry import NodeSession, Subscription
+from .lease import EndReason, Lease, Leases, LeaseStatistics, NodeEnd
+from .registry import LostCode, NodeSession, Subscription
 
 __all__ = ["EndReason", "Run", "RunSpec", "RunStatistics", "Runs"]
+
+_LOST_CODES: Final[dict[str, LostCode]] = {
+    "node_lost": "node_lost",
+    "stale_generation": "stale_generation",
+}
+"""The ``run.failed`` codes of the end the registry synthesizes for a lost session."""
 
 
 @attrs.frozen(kw_only=True)
@@ -122,7 +128,7 @@ class Run(Lease):
         if isinstance(terminal, wire.RunCompleted):
             return "completed"
         if isinstance(terminal, wire.RunFailed):
-            return LOST_CODES.get(terminal.code, "failed")
+            return _LOST_CODES.get(terminal.code, "failed")
         if isinstance(terminal, wire.RunCancelled):
             return "cancelled"
         return None
