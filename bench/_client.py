@@ -134,6 +134,8 @@ class _Conn(asyncio.Protocol):
         self.closed = asyncio.get_running_loop().create_future()
         self.sent_at = 0.0
         self.first_at = 0.0
+        self.body = b""
+        """The last Content-Length response's body."""
         self._buf = b""
         self._status = 0
         self._length = -1  # -1: head not read; -2: chunked
@@ -188,6 +190,7 @@ class _Conn(asyncio.Protocol):
         if self._length >= 0:
             self._buf += data
             if len(self._buf) >= self._length:
+                self.body = self._buf[: self._length]
                 self.done.set_result(self._status)
         else:
             tail = (self._tail + data)[-16:]
@@ -365,21 +368,35 @@ def metric_labels(text: bytes, name: str, label: str) -> set[str]:
     return found
 
 
-async def probe(port: int, request: bytes, count: int, limit: float) -> list[float]:
+async def probe(
+    port: int, request: bytes, count: int, limit: float, errors: list[str]
+) -> list[float]:
     """Sequential non-stream requests on one keep-alive connection (``count``, or as many as
-    fit in ``limit`` seconds): their latencies."""
-    conn = await _open(port, request, False)
+    fit in ``limit`` seconds): the latencies of the 200s. Other answers are added to
+    ``errors`` (status and the start of the body) and do not count."""
     latencies: list[float] = []
     deadline = time.perf_counter() + limit
+    conn: _Conn | None = None
     try:
         while len(latencies) < count and time.perf_counter() < deadline:
-            status = await asyncio.wait_for(conn.send(), max(deadline - time.perf_counter(), 0.1))
+            if conn is None or conn.closed.done():
+                conn = await _open(port, request, False)
+            try:
+                status = await asyncio.wait_for(
+                    conn.send(), max(deadline - time.perf_counter(), 0.1)
+                )
+            except (ConnectionError, ValueError, TimeoutError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                conn = None
+                continue
             if status != 200:
-                raise ValueError(f"probe: status {status}")
+                errors.append(f"status {status}: {conn.body[:160].decode(errors='replace')}")
+                await asyncio.sleep(0.05)
+                continue
             latencies.append(time.perf_counter() - conn.sent_at)
     finally:
-        assert conn.transport is not None
-        conn.transport.close()
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
     return latencies
 
 
@@ -411,8 +428,10 @@ async def hold(command: Mapping[str, Any]) -> dict[str, Any]:
     settle = float(command.get("settle", 1.0))
     out: dict[str, Any] = {"n": n}
 
-    await probe(port, probe_request, 20, 10.0)
-    out["before"] = await probe(port, probe_request, probe_count, 20.0)
+    errors: dict[str, list[str]] = {"before": [], "during": [], "after": [], "streams": []}
+    out["errors"] = errors
+    await probe(port, probe_request, 20, 10.0, [])
+    out["before"] = await probe(port, probe_request, probe_count, 20.0, errors["before"])
     _, metrics = await _get(port, "/metrics", poll_timeout)
     out["nodes_before"] = sorted(metric_labels(metrics, "dispatcher_slots_total", "node"))
     out["rss_before"] = rss_of(pids)
@@ -438,11 +457,19 @@ async def hold(command: Mapping[str, Any]) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.05)
         out["established"] = sum(1 for c in conns if c.first_at)
+        for conn in conns:
+            if conn.done is not None and conn.done.done() and not conn.first_at:
+                failure = conn.done.exception()
+                errors["streams"].append(
+                    f"{type(failure).__name__}: {failure}"
+                    if failure is not None
+                    else f"status {conn.done.result()}"
+                )
         out["establish_seconds"] = time.perf_counter() - started
         out["failed_to_establish"] = pending
         await asyncio.sleep(settle)
         out["rss_during"] = rss_of(pids)
-        out["during"] = await probe(port, probe_request, probe_count, 30.0)
+        out["during"] = await probe(port, probe_request, probe_count, 30.0, errors["during"])
         out["dropped_while_held"] = sum(1 for c in conns if c.closed.done())
         _, metrics = await _get(port, "/metrics", poll_timeout)
         out["slots_in_use_held"] = metric_sum(metrics, "dispatcher_slots_in_use")
@@ -479,7 +506,7 @@ async def hold(command: Mapping[str, Any]) -> dict[str, Any]:
     out["metrics_unanswered"] = unanswered
     _, metrics = await _get(port, "/metrics", poll_timeout)
     out["nodes_after"] = sorted(metric_labels(metrics, "dispatcher_slots_total", "node"))
-    out["after"] = await probe(port, probe_request, probe_count, 20.0)
+    out["after"] = await probe(port, probe_request, probe_count, 20.0, errors["after"])
     return out
 
 

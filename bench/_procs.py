@@ -302,6 +302,16 @@ def log_notes(process: ServerProcess, *, keep: int = 1) -> list[str]:
     return [f"{process.name} process logged {len(bad)} warning/error line(s); last: {last}"]
 
 
+def matching_lines(process: ServerProcess, needles: Sequence[str], *, keep: int = 3) -> list[str]:
+    """The first ``keep`` lines of the process's stderr containing any of ``needles``."""
+    found = [
+        line[:240]
+        for line in process.stderr_tail(1_000_000).splitlines()
+        if any(needle in line for needle in needles)
+    ]
+    return found[:keep]
+
+
 def count_lines(process: ServerProcess, needle: str) -> int:
     """How many lines of the process's stderr contain ``needle``."""
     return sum(needle in line for line in process.stderr_tail(1_000_000).splitlines())

@@ -2,7 +2,8 @@
 
 For each N (default 1,000, 5,000 and 10,000; ``--n N`` picks), a fresh pair of daemons --
 ``python -m dispatcher serve`` and ``python -m dispatcher node`` with one ``echo`` provider of
-N + 64 slots -- and the client process (``python -m bench._client``, asyncio, raw sockets):
+N + 64 slots (in providers of at most 4,096, the protocol's limit per model; each serves
+``echo``) -- and the client process (``python -m bench._client``, asyncio, raw sockets):
 
 1. "before": 20 warm-up then :data:`PROBES` sequential non-stream echo requests on one
    keep-alive connection (p50/p99);
@@ -38,7 +39,15 @@ import trio
 from bench import Table, fmt_int
 from bench._load import MachineLoad, http_request, raise_nofile_limit
 from bench._options import RunOptions
-from bench._procs import Client, client_process, count_lines, edge_daemon, log_notes, node_daemon
+from bench._procs import (
+    Client,
+    client_process,
+    count_lines,
+    edge_daemon,
+    log_notes,
+    matching_lines,
+    node_daemon,
+)
 from bench.edge_bench import JSON_HEADER, percentile, words
 
 TIME_LIMIT = 720.0
@@ -52,6 +61,9 @@ NODE_ID = "bench-streams-node"
 EXTRA_SLOTS = 64
 EXTRA_FDS = 200
 """Descriptors beyond N that each process needs (listeners, the node link, probes, files)."""
+
+LINK_LINES = ("connection to the edge lost", "ending session", f"node {NODE_ID} generation")
+"""Log lines (node's, edge's) that tell of the node link ending."""
 
 # Targets of issue #12 (stated for 10,000 streams).
 KIB_PER_STREAM = 40.0
@@ -83,14 +95,27 @@ NODE_TOML = """\
 id = "{node_id}"
 edge_url = "ws://127.0.0.1:{edge_port}/v1/nodes/connect"
 drain_grace = 1
-
+"""
+PROVIDER_TOML = """
 [[providers]]
-id = "echo"
+id = "echo-{index}"
 type = "echo"
   [[providers.models]]
   name = "echo"
   slots = {slots}
 """
+MAX_SLOTS = 4096
+"""The protocol's limit on one model's slots in a hello: more slots are more providers, each
+serving ``echo`` (candidates of one model group on the one node)."""
+
+
+def node_toml(edge_port: int, slots: int) -> str:
+    providers = -(-slots // MAX_SLOTS)
+    each = -(-slots // providers)
+    text = NODE_TOML.format(node_id=NODE_ID, edge_port=edge_port)
+    return text + "".join(
+        PROVIDER_TOML.format(index=index, slots=each) for index in range(providers)
+    )
 
 
 def _stream_request() -> bytes:
@@ -118,36 +143,55 @@ def _f(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _first_leaf(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
 def _estimate_seconds(n: int) -> float:
     """A generous guess of one N's duration on 2 busy cores (start-up, opening, probes,
     release), to skip an N that cannot finish within the section's limit."""
     return 40.0 + n * 0.012
 
 
-async def hold_once(client: Client, n: int) -> tuple[dict[str, Any], list[str]]:
-    """One N on a fresh edge + node: the client's answer and notes."""
+async def hold_once(client: Client, n: int, notes: list[str]) -> dict[str, Any]:
+    """One N on a fresh edge + node: the client's answer; what the daemons logged goes to
+    ``notes`` (also when this fails)."""
     edge_toml = EDGE_TOML.replace("{max_connections}", str(n + EXTRA_FDS))
     async with edge_daemon(edge_toml) as edge:
-        node_toml = NODE_TOML.format(node_id=NODE_ID, edge_port=edge.port, slots=n + EXTRA_SLOTS)
-        async with node_daemon(edge.port, node_toml, ["echo"]) as node:
-            answer = await client.call(
-                {
-                    "cmd": "hold",
-                    "port": edge.port,
-                    "n": n,
-                    "stream_request": _stream_request().decode("latin-1"),
-                    "probe_request": _probe_request().decode("latin-1"),
-                    "probe_count": PROBES,
-                    "pids": {"edge": edge.pid, "node": node.pid},
-                    "establish_timeout": 60.0 + n * 0.01,
-                    "release_timeout": 60.0,
-                },
-                timeout=240.0 + n * 0.02,
-            )
-            answer["node_sessions"] = count_lines(node, "registered with the edge")
-            answer["edge_node_lost"] = count_lines(edge, f"node {NODE_ID} generation")
-            notes = log_notes(node) + log_notes(edge)
-    return answer, notes
+        config = node_toml(edge.port, n + EXTRA_SLOTS)
+        try:
+            async with node_daemon(edge.port, config, ["echo"]) as node:
+                try:
+                    answer = await _hold(client, n, edge.port, edge.pid, node.pid)
+                    answer["node_sessions"] = count_lines(node, "registered with the edge")
+                    answer["edge_node_lost"] = count_lines(edge, f"node {NODE_ID} generation")
+                finally:
+                    notes.extend(f"N={n}: {note}" for note in log_notes(node, keep=2))
+                    for line in matching_lines(node, LINK_LINES) + matching_lines(edge, LINK_LINES):
+                        notes.append(f"N={n}: link: {line}")
+        finally:
+            notes.extend(f"N={n}: {note}" for note in log_notes(edge, keep=2))
+    return answer
+
+
+async def _hold(client: Client, n: int, port: int, edge_pid: int, node_pid: int) -> dict[str, Any]:
+    return await client.call(
+        {
+            "cmd": "hold",
+            "port": port,
+            "n": n,
+            "stream_request": _stream_request().decode("latin-1"),
+            "probe_request": _probe_request().decode("latin-1"),
+            "probe_count": PROBES,
+            "pids": {"edge": edge_pid, "node": node_pid},
+            "establish_timeout": 60.0 + n * 0.01,
+            "release_timeout": 60.0,
+        },
+        timeout=240.0 + n * 0.02,
+    )
 
 
 def tables(answers: Sequence[dict[str, Any]], notes: list[str]) -> list[Table]:
@@ -169,6 +213,7 @@ def tables(answers: Sequence[dict[str, Any]], notes: list[str]) -> list[Table]:
             "/metrics slowest s",
             "unanswered polls",
             "node link",
+            "failed requests",
         ],
     )
     targets = Table(
@@ -214,8 +259,17 @@ def tables(answers: Sequence[dict[str, Any]], notes: list[str]) -> list[Table]:
                 _f(answer["metrics_slowest"]),
                 str(answer["metrics_unanswered"]),
                 link,
+                " ".join(
+                    f"{phase} {len(errors)}" for phase, errors in answer["errors"].items() if errors
+                )
+                or "none",
             ]
         )
+        for phase, errors in answer["errors"].items():
+            if errors:
+                main.notes.append(
+                    f"N={n}: {len(errors)} failed {phase} request(s), the first: {errors[0]}"
+                )
 
         def verdict(ok: bool, shown: str) -> str:
             return f"{shown} {'met' if ok else 'MISSED'}"
@@ -263,15 +317,19 @@ async def run(options: RunOptions | None = None) -> list[Table]:
     load = MachineLoad()
     answers: list[dict[str, Any]] = []
     notes: list[str] = []
-    async with client_process() as client:
-        for n in counts:
-            spent = time.perf_counter() - started
-            if spent + _estimate_seconds(n) > TIME_LIMIT - 30:
-                notes.append(f"N={n} skipped: not enough of the section's time left")
-                continue
-            answer, more = await hold_once(client, n)
-            answers.append(answer)
-            notes.extend(more)
+    for n in counts:
+        spent = time.perf_counter() - started
+        if spent + _estimate_seconds(n) > TIME_LIMIT - 30:
+            notes.append(f"N={n} skipped: not enough of the section's time left")
+            continue
+        try:
+            # a fresh client too: one that failed mid-command is never reused
+            async with client_process() as client:
+                answers.append(await hold_once(client, n, notes))
+        except Exception as exc:  # this N failed; the others still run
+            notes.append(f"N={n} FAILED: {_first_leaf(exc)}")
+    if not answers:
+        raise RuntimeError("; ".join(notes) or "no N was run")
     result = tables(answers, notes)
     result[-1].notes.append(load.note())
     return result
