@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import trio
@@ -110,14 +111,14 @@ async def _measure(kind: str, port: int, runs: int, concurrency: int) -> dict[st
 async def _main(args: argparse.Namespace) -> None:
     print(f"{'adapter':8} {'c':>3} {'runs':>5} {'node CPU ms/run':>16} {'p50 ms':>8} {'runs/s':>8}")
     for kind in args.adapter:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "bench.adapter_reuse", "--serve", kind],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
+        command = [sys.executable, "-m", "bench.adapter_reuse", "--serve", kind]
+        async with trio.open_nursery() as nursery:
+            # The child lives in this nursery: cancelling it at the end kills the child.
+            child: trio.Process = await nursery.start(
+                partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+            )
             assert child.stdout is not None
-            port = int(child.stdout.readline())
+            port = int(await _read_line(child.stdout))
             for concurrency in args.concurrency:
                 result = await _measure(kind, port, args.runs, concurrency)
                 print(
@@ -125,9 +126,17 @@ async def _main(args: argparse.Namespace) -> None:
                     f"{result['p50_ms']:>8.2f} {result['per_s']:>8.0f}",
                     flush=True,
                 )
-        finally:
-            child.terminate()
-            child.wait(10)
+            nursery.cancel_scope.cancel(reason="measured")
+
+
+async def _read_line(stream: trio.abc.ReceiveStream) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        piece = await stream.receive_some(64)
+        if not piece:
+            raise RuntimeError("the fake provider exited before it said its port")
+        data += piece
+    return data.decode()
 
 
 def main() -> None:
