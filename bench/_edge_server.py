@@ -39,7 +39,7 @@ async def _until_signal(server: Server) -> None:
 
 async def serve_edge() -> None:
     from dispatcher.config import EdgeConfig, HTTPSettings
-    from dispatcher.service import open_dispatcher
+    from dispatcher.edge import open_dispatcher
 
     config = EdgeConfig(port=0, local_node=False, http=HTTPSettings(shutdown_grace=SHUTDOWN_GRACE))
     async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
