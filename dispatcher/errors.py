@@ -4,13 +4,15 @@ it maps to; :func:`error_status_and_body` is the one place they become a respons
 
 ::
 
-    DispatcherError                    .status .error_type .code .param .retry_after
+    DispatcherError           .status .error_type .code .param .retry_after .retryable
     ├── BadRequest            400 invalid_request_error
     ├── PayloadTooLarge       413 invalid_request_error
     ├── Unauthorized          401 authentication_error
     ├── NotFound              404 invalid_request_error
     ├── UpstreamRejected      4xx the upstream's own status: the client's mistake, not retried
     ├── ShuttingDown          503 the edge is draining: nothing new is admitted
+    ├── TunnelUnavailable     501 a tunnel candidate and no tunnel transport installed
+    ├── MethodNotAllowed      405 (dispatcher.api.app, with the Allow header)
     ├── AdmissionError        the request got no slot (dispatcher.admission)
     │   ├── UnknownModel          404 model_not_found
     │   ├── NoCapableCandidate    400 no_capable_candidate (.reasons, .only_excluded)
@@ -28,15 +30,43 @@ decides them); the rest here.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import orjson
 
 
 class DispatcherError(Exception):
-    status: ClassVar[int] = 500
-    error_type: ClassVar[str] = "server_error"
-    default_code: ClassVar[str] = "internal_error"
+    """The root. A subclass states what it maps to in its class line::
+
+        class QueueFull(AdmissionError, status=429, error_type="invalid_request_error",
+                        code="queue_full"): ...
+
+    (each keyword optional: unnamed ones are inherited). A raise site may give its own
+    ``code``, ``param``, ``retry_after`` and ``status``."""
+
+    status: int = 500
+    error_type: str = "server_error"
+    default_code: str = "internal_error"
+    retryable: bool = False
+    r"""Whether another candidate may succeed where this failed (the :class:`RunError`\ s)."""
+
+    def __init_subclass__(
+        cls,
+        *,
+        status: int | None = None,
+        error_type: str | None = None,
+        code: str | None = None,
+        retryable: bool | None = None,
+    ) -> None:
+        super().__init_subclass__()
+        if status is not None:
+            cls.status = status
+        if error_type is not None:
+            cls.error_type = error_type
+        if code is not None:
+            cls.default_code = code
+        if retryable is not None:
+            cls.retryable = retryable
 
     def __init__(
         self,
@@ -53,53 +83,47 @@ class DispatcherError(Exception):
         self.param = param
         self.retry_after = retry_after
         if status is not None:
-            self.status = status  # type: ignore[misc]
+            self.status = status
 
 
-class BadRequest(DispatcherError):
-    status = 400
-    error_type = "invalid_request_error"
-    default_code = "invalid_request"
+_CLIENT = "invalid_request_error"
 
 
-class PayloadTooLarge(DispatcherError):
-    status = 413
-    error_type = "invalid_request_error"
-    default_code = "payload_too_large"
+class BadRequest(DispatcherError, status=400, error_type=_CLIENT, code="invalid_request"):
+    """The request is malformed or invalid (its JSON, a field, a header)."""
 
 
-class Unauthorized(DispatcherError):
-    status = 401
-    error_type = "authentication_error"
-    default_code = "invalid_api_key"
+class PayloadTooLarge(DispatcherError, status=413, error_type=_CLIENT, code="payload_too_large"):
+    """The request body is over the size limit."""
 
 
-class NotFound(DispatcherError):
-    status = 404
-    error_type = "invalid_request_error"
-    default_code = "not_found"
+class Unauthorized(
+    DispatcherError, status=401, error_type="authentication_error", code="invalid_api_key"
+):
+    """No API key, or a wrong one (the response says ``WWW-Authenticate: Bearer``)."""
 
 
-class UpstreamRejected(DispatcherError):
+class NotFound(DispatcherError, status=404, error_type=_CLIENT, code="not_found"):
+    """No such route or object."""
+
+
+class UpstreamRejected(DispatcherError, status=400, error_type=_CLIENT, code="invalid_request"):
     """The upstream refused the request as the client's mistake (a 4xx such as a bad
     parameter or a context-length overflow): relayed with the upstream's status and its own
     error code, never retried, never counted against the node."""
 
-    status = 400
-    error_type = "invalid_request_error"
-    default_code = "invalid_request"
+
+class TunnelUnavailable(DispatcherError, status=501, code="tunnel_unavailable"):
+    """Admission chose a tunnel candidate and this edge has no tunnel transport installed."""
 
 
 DRAIN_RETRY_AFTER = 1.0
 """``Retry-After`` (seconds) of the 503 a draining edge answers: soon, and elsewhere."""
 
 
-class ShuttingDown(DispatcherError):
+class ShuttingDown(DispatcherError, status=503, code="shutting_down"):
     """The dispatcher is draining or shut down: it admits nothing new (503, retry after
     :data:`DRAIN_RETRY_AFTER` unless the raise site says otherwise)."""
-
-    status = 503
-    default_code = "shutting_down"
 
     def __init__(
         self, message: str, *, code: str | None = None, retry_after: float = DRAIN_RETRY_AFTER
@@ -107,28 +131,22 @@ class ShuttingDown(DispatcherError):
         super().__init__(message, code=code, retry_after=retry_after)
 
 
-class RunError(DispatcherError):
-    status = 502
-    error_type = "server_error"
-    default_code = "upstream_error"
-    retryable: bool = True
+class RunError(DispatcherError, status=502, code="upstream_error", retryable=True):
+    """A dispatched attempt could not produce an answer."""
 
 
-class StaleGeneration(RunError):
-    status = 503
-    default_code = "stale_generation"
+class StaleGeneration(RunError, status=503, code="stale_generation"):
+    """The node reconnected between selection and send."""
 
 
-class NodeUnavailable(RunError):
-    default_code = "node_unavailable"
+class NodeUnavailable(RunError, code="node_unavailable"):
+    """The node's connection broke before the request went out."""
 
 
-class TunnelFailed(RunError):
+class TunnelFailed(RunError, code="tunnel_failed"):
     """The tunnel ended with an error: the node's (unreachable provider, broken body, ...) or
     a synthesized one (the node was lost). ``retryable`` says whether another candidate may
     succeed."""
-
-    default_code = "tunnel_failed"
 
     def __init__(self, message: str, *, code: str = "tunnel_failed", retryable: bool) -> None:
         super().__init__(message, code=code)

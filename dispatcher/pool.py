@@ -24,7 +24,7 @@ import attrs
 
 from .admission import Admission, Candidate, CandidateKey, Predicate, Slot, needs_from_body
 from .admission._candidates import RequestClass
-from .errors import DispatcherError
+from .errors import TunnelUnavailable
 from .runs import Run, Runs, RunSpec
 from .tunnel import Tunnel
 
@@ -86,12 +86,6 @@ PrepareRun = Callable[[Candidate, RunSpec], Awaitable[RunSpec]]
 PrepareTunnel = Callable[[Candidate, DispatchRequest], Awaitable[DispatchRequest]]
 OpenTunnel = Callable[[Slot], AbstractAsyncContextManager[Tunnel]]
 """Opens a tunnel on the slot's candidate (``dispatcher.tunnel.Tunnels.open_tunnel``)."""
-
-
-class TunnelUnavailable(DispatcherError):
-    status = 501
-    error_type = "server_error"
-    default_code = "tunnel_unavailable"
 
 
 @attrs.define(eq=False)

@@ -14,18 +14,12 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from ..errors import DispatcherError
 from ._core import Reject
 
 
-class AdmissionError(DispatcherError):
+class AdmissionError(DispatcherError, status=503, code="admission_error"):
     """The request got no slot. ``str()`` is a message fit for the client."""
-
-    status: ClassVar[int] = 503
-    error_type: ClassVar[str] = "server_error"
-    default_code: ClassVar[str] = "admission_error"
 
     def __init__(
         self,
@@ -42,31 +36,25 @@ class AdmissionError(DispatcherError):
         (each already failed for it), none refused for what the request needs."""
 
 
-class UnknownModel(AdmissionError):
-    status = 404
-    error_type = "invalid_request_error"
-    default_code = "model_not_found"
+class UnknownModel(
+    AdmissionError, status=404, error_type="invalid_request_error", code="model_not_found"
+):
+    """No node serves the model and the config does not name it."""
 
 
-class NoCapableCandidate(AdmissionError):
+class NoCapableCandidate(
+    AdmissionError, status=400, error_type="invalid_request_error", code="no_capable_candidate"
+):
     """Every candidate failed the request's needs; ``reasons`` says why, one per candidate.
     Raised before any slot or queue position was taken."""
 
-    status = 400
-    error_type = "invalid_request_error"
-    default_code = "no_capable_candidate"
+
+class QueueFull(AdmissionError, status=429, error_type="invalid_request_error", code="queue_full"):
+    """The model group's queue is at its limit (429, ``Retry-After``)."""
 
 
-class QueueFull(AdmissionError):
-    status = 429
-    error_type = "invalid_request_error"
-    default_code = "queue_full"
-
-
-class QueueTimeout(AdmissionError):
-    status = 503
-    error_type = "server_error"
-    default_code = "queue_timeout"
+class QueueTimeout(AdmissionError, status=503, code="queue_timeout"):
+    """The request waited in the queue for its whole queue timeout (503, ``Retry-After``)."""
 
 
 _BY_CAUSE: dict[str, type[AdmissionError]] = {

@@ -118,12 +118,10 @@ class _WorkResponder:
         return ws
 
 
-class MethodNotAllowed(DispatcherError):
+class MethodNotAllowed(
+    DispatcherError, status=405, error_type="invalid_request_error", code="method_not_allowed"
+):
     """405, with the methods the path takes (the response's ``Allow``)."""
-
-    status = 405
-    error_type = "invalid_request_error"
-    default_code = "method_not_allowed"
 
     def __init__(self, message: str, *, allow: str) -> None:
         super().__init__(message)

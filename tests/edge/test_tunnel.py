@@ -957,6 +957,7 @@ async def open_scripted_tunnel(
         request = DispatchRequest(model="t", body={"model": "t"}, route="/v1/embeddings")
         async with send, dispatcher.open_dispatch(request) as dispatch:
             tunnel = dispatch.tunnel
+            assert tunnel is not None
             await tunnel.send_request(method="POST", path="/v1/embeddings", body="{}")
             try:
                 await send.send(await tunnel.start())
@@ -1041,9 +1042,11 @@ async def test_leaving_early_cancels_and_a_late_end_confirms_the_drain(
             with scope:
                 request = DispatchRequest(model="t", body={"model": "t"})
                 async with dispatcher.open_dispatch(request) as dispatch:
-                    await dispatch.tunnel.send_request(method="POST", path="/v1/embeddings")
+                    tunnel = dispatch.tunnel
+                    assert tunnel is not None
+                    await tunnel.send_request(method="POST", path="/v1/embeddings")
                     opened.set()
-                    await dispatch.tunnel.start()
+                    await tunnel.start()
 
         nursery.start_soon(client)
         request = await node.receive()
