@@ -109,17 +109,21 @@ def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes
 
 
 def gate_request(
+    edge: EdgeServices,
     request: Request,
     ctx: RouteContext,
     body: dict[str, Any],
+    counted: RequestOutcome,
     *,
     stream: bool,
-    tunnel_call: TunnelCall,
     predicate: Predicate | None = None,
 ) -> GateRequest:
-    """The gate's view of one OpenAI request (``body`` already parsed and validated)."""
+    """The gate's view of one OpenAI request (``body`` already parsed and validated), which
+    a tunnel attempt relays as the client sent it; ``counted`` learns its model label and
+    then follows the gate's result."""
+    counted.model = edge.metric_model_label(body["model"])
     session = request.header(b"x-session-id")
-    return GateRequest(
+    gated = GateRequest(
         request_id=ctx.request_id,
         client_request_id=ctx.client_request_id,
         dispatch=DispatchRequest(
@@ -131,5 +135,13 @@ def gate_request(
         ),
         stream=stream,
         attribution=ctx.attribution,
-        tunnel_call=tunnel_call,
+        tunnel_call=TunnelCall(
+            method=request.method,
+            path=request.path,
+            query=request.query,
+            headers=tuple(request.headers),
+            body=body,
+        ),
     )
+    counted.gate = gated.result
+    return gated

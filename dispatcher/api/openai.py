@@ -27,7 +27,7 @@ from . import schema
 from .common import JSON_HEADERS, counted_request, dispatch_headers, gate_request, openai_error
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
-from .tunnel_relay import relay, tunnel_call, tunnel_route
+from .tunnel_relay import relay, tunnel_route
 
 SSE_HEADERS = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -76,11 +76,7 @@ async def chat_completions(
 ) -> None:
     with counted_request(edge) as counted:
         chat = parse_chat_request(await request.body())
-        counted.model = edge.metric_model_label(chat.model)
-        gated = gate_request(
-            request, ctx, chat.body, stream=chat.stream, tunnel_call=tunnel_call(request, chat.body)
-        )
-        counted.gate = gated.result
+        gated = gate_request(edge, request, ctx, chat.body, counted, stream=chat.stream)
         counted.outcome = await _chat(edge, chat, gated, responder, ctx)
 
 

@@ -9,7 +9,7 @@ What the provider receives and what the client receives -- the header rules, the
 usage sniffing -- and the pre-commit phase the gate runs inside its attempt (send the request,
 await the start, read up to the commit point; a 5xx / 429 fails the attempt and the gate
 recovers on another candidate) live in the core, :mod:`dispatcher.tunnel_http`. The API gives
-the gate what to relay of the client's request (:func:`tunnel_call`).
+the gate what to relay of the client's request (:func:`dispatcher.api.common.gate_request`).
 
 :func:`relay` is the relay phase of the committed answer: its head, then the rest. An SSE
 response is streamed as it arrives; another body is answered whole (with ``Content-Length``)
@@ -33,7 +33,7 @@ import trio
 
 from ..admission import Candidate
 from ..errors import TunnelFailed
-from ..gate import TunnelAnswer, TunnelCall
+from ..gate import TunnelAnswer
 from ..http import PeerGone, Request, Responder
 from ..protocol.tokens import estimate_prompt_tokens
 from ..tunnel import Tunnel
@@ -55,9 +55,6 @@ from .seam import EdgeServices
 log = logging.getLogger("dispatcher.api.tunnel")
 
 SHUTDOWN_SEND_TIMEOUT: Final = 1.0
-TUNNEL_ROUTES: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
-
-
 # --------------------------------------------------------------------------- the relay
 
 
@@ -237,17 +234,6 @@ def tunnel_only(route: str) -> Callable[[Candidate], str | None]:
     return predicate
 
 
-def tunnel_call(request: Request, body: dict[str, Any]) -> TunnelCall:
-    """What a tunnel attempt relays of ``request`` (whose parsed JSON body is ``body``)."""
-    return TunnelCall(
-        method=request.method,
-        path=request.path,
-        query=request.query,
-        headers=tuple(request.headers),
-        body=body,
-    )
-
-
 async def tunnel_route(
     edge: EdgeServices,
     request: Request,
@@ -257,16 +243,15 @@ async def tunnel_route(
     """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
     with counted_request(edge) as counted:
         body = parse_tunnel_body(await request.body(), route=request.path)
-        counted.model = edge.metric_model_label(body["model"])
         gated = gate_request(
+            edge,
             request,
             ctx,
             body,
+            counted,
             stream=body.get("stream") is True,
-            tunnel_call=tunnel_call(request, body),
             predicate=tunnel_only(request.path),
         )
-        counted.gate = gated.result
         async with edge.gate.open(gated) as answer:
             assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
             counted.outcome = await relay(edge, answer, body, responder, ctx.headers)
@@ -275,7 +260,6 @@ async def tunnel_route(
 __all__ = [
     "parse_tunnel_body",
     "relay",
-    "tunnel_call",
     "tunnel_only",
     "tunnel_route",
 ]
