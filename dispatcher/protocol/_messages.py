@@ -50,6 +50,10 @@ class ModelInfo:
 
 @attrs.frozen(kw_only=True)
 class ProviderInfo:
+    """One provider of a node's ``hello``: its ``id`` (unique on the node), ``type`` and
+    ``adapter``, whether the edge runs it ``normalized`` or relays to it through a ``tunnel``,
+    and the models it serves. Never its credentials."""
+
     id: str
     type: str
     adapter: str
@@ -59,6 +63,9 @@ class ProviderInfo:
 
 @attrs.frozen(kw_only=True)
 class Hello:
+    """The node's first message: who it is (``node_id``, ``label``, the node ``token`` when
+    the edge wants one) and everything it serves. The edge answers ``welcome``, or closes."""
+
     TYPE: ClassVar[str] = "hello"
     protocol: int
     node_id: str
@@ -80,12 +87,16 @@ class Capacity:
 
 @attrs.frozen(kw_only=True)
 class Pong:
+    """The node's answer to ``ping``, with its ``nonce``."""
+
     TYPE: ClassVar[str] = "pong"
     nonce: int
 
 
 @attrs.frozen(kw_only=True)
 class Usage:
+    """A run's token counts, as the node knows them."""
+
     prompt_tokens: int
     completion_tokens: int
     estimated: bool = False
@@ -119,6 +130,8 @@ class _TunnelFields:
 
 @attrs.frozen(kw_only=True)
 class RunStarted(_RunEventFields):
+    """The node began the run (always the run's first event, ``seq`` 0)."""
+
     TYPE: ClassVar[str] = "run.started"
 
 
@@ -134,18 +147,27 @@ class RunDelta(_RunEventFields):
 
 @attrs.frozen(kw_only=True)
 class RunUsage(_RunEventFields):
+    """The run's latest known usage; sent before ``run.completed`` always, and before
+    ``run.failed`` when anything is known."""
+
     TYPE: ClassVar[str] = "run.usage"
     usage: Usage
 
 
 @attrs.frozen(kw_only=True)
 class RunCompleted(_RunEventFields):
+    """Terminal: the run is done, for ``finish_reason`` (``stop``, ``length``,
+    ``tool_calls``, ...)."""
+
     TYPE: ClassVar[str] = "run.completed"
     finish_reason: str = "stop"
 
 
 @attrs.frozen(kw_only=True)
 class RunFailed(_RunEventFields):
+    """Terminal: the run failed with ``code`` and ``message`` (which never name the
+    provider's URL or host); ``retryable`` says the edge may try the request again."""
+
     TYPE: ClassVar[str] = "run.failed"
     code: str
     message: str
@@ -166,6 +188,9 @@ class RunCancelled(_RunEventFields):
 
 @attrs.frozen(kw_only=True)
 class TunnelStart(_TunnelFields):
+    """The provider answered a ``tunnel.request``: its status and headers (without the
+    hop-by-hop ones and ``Content-Length``). Body frames follow."""
+
     TYPE: ClassVar[str] = "tunnel.start"
     status: int
     headers: tuple[tuple[str, str], ...] = ()
@@ -204,6 +229,10 @@ class EdgeDraining:
 
 @attrs.frozen(kw_only=True)
 class Welcome:
+    """The edge accepted the node's ``hello``: the protocol version it speaks, the session's
+    fresh ``generation``, and how often it pings (``<= 0`` turns the node's heartbeat check
+    off)."""
+
     TYPE: ClassVar[str] = "welcome"
     protocol: int
     generation: int
@@ -212,6 +241,8 @@ class Welcome:
 
 @attrs.frozen(kw_only=True)
 class Ping:
+    """A heartbeat; the node answers ``pong`` with the same ``nonce``."""
+
     TYPE: ClassVar[str] = "ping"
     nonce: int
 
@@ -230,12 +261,19 @@ class RunRequest(_RunFields):
 
 @attrs.frozen(kw_only=True)
 class RunCancel(_RunFields):
+    """Stop the run (``reason`` says why, e.g. its client left): the node answers
+    ``run.cancelled`` with the partial usage, or ignores it for a run it already ended."""
+
     TYPE: ClassVar[str] = "run.cancel"
     reason: str = ""
 
 
 @attrs.frozen(kw_only=True)
 class TunnelRequest(_TunnelFields):
+    """Perform this HTTP request on the tunnel provider ``provider_id``; ``headers`` come
+    without the hop-by-hop ones and the client's ``Authorization`` (the node adds the
+    provider's credentials)."""
+
     TYPE: ClassVar[str] = "tunnel.request"
     provider_id: str
     method: str
@@ -260,6 +298,9 @@ class TunnelCredit(_TunnelFields):
 
 @attrs.frozen(kw_only=True)
 class TunnelCancel(_TunnelFields):
+    """Stop the tunnel now: the node closes the upstream request and answers ``tunnel.end``
+    (``error`` ``"cancelled"``)."""
+
     TYPE: ClassVar[str] = "tunnel.cancel"
 
 
