@@ -270,6 +270,12 @@ def default_node_config(node_id: str | None = None) -> NodeConfig:
     )
 
 
+def _model_info(model: ModelConfig) -> wire.ModelInfo:
+    """A model as the hello announces it: as configured (a :class:`ModelConfig` has exactly
+    the fields of ``wire.ModelInfo``, by name and type; its validation is what it adds)."""
+    return wire.ModelInfo(**attrs.asdict(model, recurse=False))
+
+
 def hello_from_config(config: NodeConfig) -> wire.Hello:
     """The ``hello`` announcing this node: everything but provider credentials (which never
     leave the node). ``adapter`` is the provider's ``type``."""
@@ -284,17 +290,7 @@ def hello_from_config(config: NodeConfig) -> wire.Hello:
                 type=provider.type,
                 adapter=provider.type,
                 path=provider.path,
-                models=tuple(
-                    wire.ModelInfo(
-                        name=model.name,
-                        served_name=model.served_name,
-                        slots=model.slots,
-                        long_context_slots=model.long_context_slots,
-                        context_window=model.context_window,
-                        capabilities=model.capabilities,
-                    )
-                    for model in provider.models
-                ),
+                models=tuple(_model_info(model) for model in provider.models),
             )
             for provider in config.providers
         ),
