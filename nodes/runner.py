@@ -184,24 +184,15 @@ class Runner:
         self._closed = False
 
     def start(self, request: wire.RunRequest) -> None:
-        """Start a run in its own cancel scope. A run id that is already running gets a
-        ``run.failed`` (code ``duplicate_run_id``, seq 0) and the running one goes on."""
+        """Start a run in its own cancel scope. The session's protocol machine refuses a
+        second ``run.request`` for a running run before it gets here (the edge gives an id
+        once); starting one anyway is ``wire.LocalProtocolError``, a bug of the caller, and
+        the running one goes on."""
         if self._closed:
             raise RuntimeError("the runner is closed")
         run_id = request.run_id
         if run_id in self._runs:
-            log.warning("run %s: duplicate run.request ignored (already running)", run_id)
-            duplicate = _Run(run_id)
-            self._push(
-                duplicate,
-                lambda seq: wire.RunFailed(
-                    run_id=run_id,
-                    seq=seq,
-                    code="duplicate_run_id",
-                    message=f"run {run_id!r} is already running on this node",
-                ),
-            )
-            return
+            raise wire.LocalProtocolError(f"run {run_id!r} is already running")
         adapter = self._adapters.get(request.provider_id) or RefusingAdapter(
             "unknown_provider", f"this node has no provider {request.provider_id!r}"
         )

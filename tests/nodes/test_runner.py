@@ -198,7 +198,10 @@ async def test_drop_connection_escapes_the_runner_and_nothing_more_is_sent() -> 
     assert rec.terminal("r2") is None
 
 
-async def test_duplicate_run_id_fails_the_duplicate_only() -> None:
+async def test_a_second_start_for_a_running_run_is_a_local_protocol_error() -> None:
+    """The session's machine refuses the edge's second ``run.request`` for a running run
+    (the session closes with 1002); the runner does not paper over a caller that skipped it:
+    the second start raises, sends nothing, and the running run goes on to its own end."""
     rec = Recorder()
     release = trio.Event()
 
@@ -210,14 +213,13 @@ async def test_duplicate_run_id_fails_the_duplicate_only() -> None:
     async with open_runner(rec.send, adapters={"p": Waiting()}) as runner:
         runner.start(request("r1", provider_id="p"))
         await rec.wait_text("r1", "first")
-        runner.start(request("r1", provider_id="p"))
-        await rec.wait_for(lambda: "run.failed" in rec.types("r1"))
+        with pytest.raises(wire.LocalProtocolError, match="run 'r1' is already running"):
+            runner.start(request("r1", provider_id="p"))
+        assert runner.statistics().active_runs == 1
         release.set()
         await rec.wait_for(lambda: "run.completed" in rec.types("r1"))
-    failed = [e for e in rec.events("r1") if isinstance(e, wire.RunFailed)]
-    assert [(f.code, f.seq, f.retryable) for f in failed] == [("duplicate_run_id", 0, False)]
-    original = [e for e in rec.events("r1") if e is not failed[0]]
-    assert_well_formed(original)
+    assert not any(isinstance(e, wire.RunFailed) for e in rec.events("r1"))
+    assert_well_formed(rec.events("r1"))
 
 
 async def test_unknown_provider_and_unsupported_adapter_fail() -> None:
