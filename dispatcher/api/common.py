@@ -1,10 +1,12 @@
-"""What the API's front ends share: the gate request built from the HTTP request, the
+"""What the API's front ends share: the model routes' call (:class:`ModelCall`, which
+builds the gate request from the HTTP request) and counting (:func:`model_route`), the
 request-outcome metric, the headers that describe the attempt which answered, and the OpenAI
 error shape (:func:`openai_error`), which the OpenAI routes and the edge's own routes answer in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,9 +16,9 @@ import trio
 from ..admission import AdmissionError, Predicate
 from ..errors import RunError, ShuttingDown, error_status_and_body
 from ..gate import GateRequest, RequestResult, TunnelCall
-from ..http import PeerGone, Request
+from ..http import PeerGone, Request, Responder
 from ..pool import DispatchRequest, DispatchResult
-from .front import RenderedError, RouteContext
+from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
@@ -108,40 +110,64 @@ def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes
     )
 
 
-def gate_request(
-    edge: EdgeServices,
-    request: Request,
-    ctx: RouteContext,
-    body: dict[str, Any],
-    counted: RequestOutcome,
-    *,
-    stream: bool,
-    predicate: Predicate | None = None,
-) -> GateRequest:
-    """The gate's view of one OpenAI request (``body`` already parsed and validated), which
-    a tunnel attempt relays as the client sent it; ``counted`` learns its model label and
-    then follows the gate's result."""
-    counted.model = edge.metric_model_label(body["model"])
-    session = request.header(b"x-session-id")
-    gated = GateRequest(
-        request_id=ctx.request_id,
-        client_request_id=ctx.client_request_id,
-        dispatch=DispatchRequest(
-            model=body["model"],
-            body=body,
-            route=request.path,
-            session_id=session.decode("latin-1") if session else None,
-            predicate=predicate,
-        ),
-        stream=stream,
-        attribution=ctx.attribution,
-        tunnel_call=TunnelCall(
-            method=request.method,
-            path=request.path,
-            query=request.query,
-            headers=tuple(request.headers),
-            body=body,
-        ),
-    )
-    counted.gate = gated.result
-    return gated
+@attrs.frozen
+class ModelCall:
+    """One request to a route that runs a model, counted from its start (see
+    :func:`model_route`): the edge, the HTTP request, its context, and what the request
+    metric will count."""
+
+    edge: EdgeServices
+    request: Request
+    ctx: RouteContext
+    counted: RequestOutcome
+
+    def gate_request(
+        self, body: dict[str, Any], *, stream: bool, predicate: Predicate | None = None
+    ) -> GateRequest:
+        """The gate's view of the request (``body`` already parsed and validated), which a
+        tunnel attempt relays as the client sent it; the counted request learns its model
+        label and then follows the gate's result."""
+        request, ctx = self.request, self.ctx
+        self.counted.model = self.edge.metric_model_label(body["model"])
+        session = request.header(b"x-session-id")
+        gated = GateRequest(
+            request_id=ctx.request_id,
+            client_request_id=ctx.client_request_id,
+            dispatch=DispatchRequest(
+                model=body["model"],
+                body=body,
+                route=request.path,
+                session_id=session.decode("latin-1") if session else None,
+                predicate=predicate,
+            ),
+            stream=stream,
+            attribution=ctx.attribution,
+            tunnel_call=TunnelCall(
+                method=request.method,
+                path=request.path,
+                query=request.query,
+                headers=tuple(request.headers),
+                body=body,
+            ),
+        )
+        self.counted.gate = gated.result
+        return gated
+
+
+ServeModel = Callable[[ModelCall, Responder], Awaitable[str]]
+"""What a model route does with its call: answer it, and return the outcome the request
+metric counts when no attempt was dispatched (otherwise the gate's row outcome counts)."""
+
+
+def model_route(serve: ServeModel) -> Route:
+    """The route that answers with ``serve``, its request counted under
+    ``dispatcher_requests_total`` however it ends (:func:`counted_request`)."""
+
+    @functools.wraps(serve)
+    async def route(
+        edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+    ) -> None:
+        with counted_request(edge) as counted:
+            counted.outcome = await serve(ModelCall(edge, request, ctx, counted), responder)
+
+    return route

@@ -24,7 +24,7 @@ from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..runs import Run
 from . import schema
-from .common import JSON_HEADERS, counted_request, dispatch_headers, gate_request, openai_error
+from .common import JSON_HEADERS, ModelCall, dispatch_headers, model_route, openai_error
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
 from .tunnel_relay import relay, tunnel_route
@@ -68,16 +68,11 @@ def _usage_object(usage: wire.Usage | None) -> dict[str, int]:
     }
 
 
-async def chat_completions(
-    edge: EdgeServices,
-    request: Request,
-    responder: Responder,
-    ctx: RouteContext,
-) -> None:
-    with counted_request(edge) as counted:
-        chat = parse_chat_request(await request.body())
-        gated = gate_request(edge, request, ctx, chat.body, counted, stream=chat.stream)
-        counted.outcome = await _chat(edge, chat, gated, responder, ctx)
+@model_route
+async def chat_completions(call: ModelCall, responder: Responder) -> str:
+    chat = parse_chat_request(await call.request.body())
+    gated = call.gate_request(chat.body, stream=chat.stream)
+    return await _chat(call.edge, chat, gated, responder, call.ctx)
 
 
 async def _chat(

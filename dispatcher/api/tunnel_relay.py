@@ -34,7 +34,7 @@ import trio
 from ..admission import Candidate
 from ..errors import TunnelFailed
 from ..gate import TunnelAnswer
-from ..http import PeerGone, Request, Responder
+from ..http import PeerGone, Responder
 from ..protocol.tokens import estimate_prompt_tokens
 from ..tunnel import Tunnel
 from ..tunnel_http import (
@@ -48,8 +48,7 @@ from ..tunnel_http import (
     tail_usage,
 )
 from . import schema
-from .common import CutResponse, counted_request, dispatch_headers, gate_request
-from .front import RouteContext
+from .common import CutResponse, ModelCall, dispatch_headers, model_route
 from .seam import EdgeServices
 
 log = logging.getLogger("dispatcher.api.tunnel")
@@ -234,27 +233,15 @@ def tunnel_only(route: str) -> Callable[[Candidate], str | None]:
     return predicate
 
 
-async def tunnel_route(
-    edge: EdgeServices,
-    request: Request,
-    responder: Responder,
-    ctx: RouteContext,
-) -> None:
+@model_route
+async def tunnel_route(call: ModelCall, responder: Responder) -> str:
     """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
-    with counted_request(edge) as counted:
-        body = parse_tunnel_body(await request.body(), route=request.path)
-        gated = gate_request(
-            edge,
-            request,
-            ctx,
-            body,
-            counted,
-            stream=body.get("stream") is True,
-            predicate=tunnel_only(request.path),
-        )
-        async with edge.gate.open(gated) as answer:
-            assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
-            counted.outcome = await relay(edge, answer, body, responder, ctx.headers)
+    route = call.request.path
+    body = parse_tunnel_body(await call.request.body(), route=route)
+    gated = call.gate_request(body, stream=body.get("stream") is True, predicate=tunnel_only(route))
+    async with call.edge.gate.open(gated) as answer:
+        assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
+        return await relay(call.edge, answer, body, responder, call.ctx.headers)
 
 
 __all__ = [
