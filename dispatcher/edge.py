@@ -26,6 +26,7 @@ import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import attrs
 import trio
 
 from . import service
@@ -38,18 +39,13 @@ from .http import Limits, Server, serve_http
 __all__ = ["Dispatcher", "limits_from_config", "open_dispatcher", "serve_edge"]
 
 
+_IS_LIMIT = attrs.filters.include(*(field.name for field in attrs.fields(Limits)))
+
+
 def limits_from_config(config: EdgeConfig) -> Limits:
-    """The server limits ``config.http`` sets (the rest are ``Limits``' defaults)."""
-    http = config.http
-    return Limits(
-        max_header_size=http.max_header_size,
-        max_body_size=http.max_body_size,
-        header_timeout=http.header_timeout,
-        keepalive_timeout=http.keepalive_timeout,
-        write_timeout=http.write_timeout,
-        max_connections=http.max_connections,
-        shutdown_grace=http.shutdown_grace,
-    )
+    """The server limits ``config.http`` sets: its settings named after a ``Limits`` field
+    (all but the TLS files), which have the field's type; the rest are ``Limits``' defaults."""
+    return Limits(**attrs.asdict(config.http, filter=_IS_LIMIT))
 
 
 def _ssl_context(config: EdgeConfig) -> ssl.SSLContext | None:
