@@ -129,12 +129,8 @@ class CandidateStatistics:
     them long requests may hold (0 when the group has no classes). ``in_use`` and
     ``draining`` count both classes; ``long_*`` the long ones among them.
 
-    Health (of the candidate's identity, so it carries over a reconnect): ``health``;
-    ``consecutive_failures`` since the last success; ``ejections`` in a row without a
-    success (the cool-down level); ``ejected_until`` (same clock as the inputs' ``now``)
-    while ejected, else None; ``probe_in_flight`` while probing with its one request
-    admitted; ``ejections_total``: every ejection of the identity since the core last
-    started remembering it (a counter; see "Bounded memory" in ``docs/admission.md``)."""
+    The health fields, from ``health`` on, are of the candidate's identity, so they carry
+    over a reconnect."""
 
     total: int
     in_use: int
@@ -144,10 +140,16 @@ class CandidateStatistics:
     long_draining: int
     health: HealthState = "healthy"
     consecutive_failures: int = 0
+    """Failures since the last success."""
     ejections: int = 0
+    """Ejections in a row without a success (the cool-down level)."""
     ejected_until: float | None = None
+    """While ejected, when the ejection ends (same clock as the inputs' ``now``); else None."""
     probe_in_flight: bool = False
+    """Probing, with its one request admitted."""
     ejections_total: int = 0
+    """Every ejection of the identity since the core last started remembering it (a counter;
+    see "Bounded memory" in ``docs/admission.md``)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -427,7 +429,14 @@ class AdmissionCore:
         decisions = self._advance(now)
         name = self._policy.resolve(model)
         if name not in self._groups and name not in self._known:
-            self._reject(decisions, waiter_id, "unknown_model", f"model {model!r} does not exist")
+            self._reject(
+                decisions,
+                Reject(
+                    waiter_id=waiter_id,
+                    cause="unknown_model",
+                    message=f"model {model!r} does not exist",
+                ),
+            )
             return decisions
         group = self._group(name)
         policy = group.policy
@@ -474,10 +483,12 @@ class AdmissionCore:
         if not requeue and depth >= policy.max_queue:
             self._reject(
                 decisions,
-                waiter_id,
-                "queue_full",
-                f"the queue for model {name!r} is full ({depth} waiting)",
-                retry_after=policy.retry_after_s,
+                Reject(
+                    waiter_id=waiter_id,
+                    cause="queue_full",
+                    message=f"the queue for model {name!r} is full ({depth} waiting)",
+                    retry_after=policy.retry_after_s,
+                ),
             )
             return decisions
         self._enqueue(waiter)
@@ -849,28 +860,10 @@ class AdmissionCore:
             )
         )
 
-    def _reject(
-        self,
-        decisions: list[Decision],
-        waiter_id: WaiterId,
-        cause: RejectCause,
-        message: str,
-        *,
-        retry_after: float | None = None,
-        reasons: tuple[str, ...] = (),
-        only_excluded: bool = False,
-    ) -> None:
-        self._rejections[cause] += 1
-        decisions.append(
-            Reject(
-                waiter_id=waiter_id,
-                cause=cause,
-                message=message,
-                retry_after=retry_after,
-                reasons=reasons,
-                only_excluded=only_excluded,
-            )
-        )
+    def _reject(self, decisions: list[Decision], reject: Reject) -> None:
+        """Decide ``reject`` and count it under its cause."""
+        self._rejections[reject.cause] += 1
+        decisions.append(reject)
 
     def _reject_incapable(
         self,
@@ -882,13 +875,16 @@ class AdmissionCore:
         group: _Group,
     ) -> None:
         needs = waiter.needs
+        why = "; ".join(reasons)
         self._reject(
             decisions,
-            waiter_id,
-            "no_capable_candidate",
-            f"no candidate for model {name!r} can serve this request: " + "; ".join(reasons),
-            reasons=tuple(reasons),
-            only_excluded=all(needs.excludes(s.candidate) for s in group.candidates.values()),
+            Reject(
+                waiter_id=waiter_id,
+                cause="no_capable_candidate",
+                message=f"no candidate for model {name!r} can serve this request: {why}",
+                reasons=tuple(reasons),
+                only_excluded=all(needs.excludes(s.candidate) for s in group.candidates.values()),
+            ),
         )
 
     def _enqueue(self, waiter: _Waiter) -> None:
@@ -1271,11 +1267,13 @@ class AdmissionCore:
                 self._end(waiter, popped=True)
                 self._reject(
                     decisions,
-                    waiter.id,
-                    "timeout",
-                    f"no slot for model {group.name!r} became free within "
-                    f"{group.policy.queue_timeout_s:g} s",
-                    retry_after=group.policy.retry_after_s,
+                    Reject(
+                        waiter_id=waiter.id,
+                        cause="timeout",
+                        message=f"no slot for model {group.name!r} became free within "
+                        f"{group.policy.queue_timeout_s:g} s",
+                        retry_after=group.policy.retry_after_s,
+                    ),
                 )
                 self._prune(group)
             else:
