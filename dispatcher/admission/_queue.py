@@ -40,6 +40,7 @@ class _Parked:
     decision: Decision | None = None
 
 
+@attrs.define(eq=False, repr=False)
 class Slot:
     """An admitted request's slot, valid inside its ``open_slot`` block.
 
@@ -49,11 +50,11 @@ class Slot:
     frees it early (the run ended before the block did).
     """
 
-    def __init__(self, admission: Admission, admit: Admit) -> None:
-        self._admission = admission
-        self._admit = admit
-        self._drain = False
-        self._done = False
+    _admission: Admission
+    _admit: Admit
+    """The core's decision that admitted the request: what the properties below read."""
+    _drain: bool = attrs.field(default=False, init=False)
+    _done: bool = attrs.field(default=False, init=False)
 
     @property
     def slot_id(self) -> SlotId:
