@@ -4,7 +4,8 @@
 :func:`serve_node_session` per connection, and reconnects with exponential backoff and full
 jitter after any connection loss or dial failure. It stops only when cancelled or when the edge
 rejects the node for good (:class:`NodeRejected`: a bad token, an unsupported protocol
-version), which it raises so the process can exit non-zero instead of retrying forever.
+version), which it raises so the process can exit non-zero instead of retrying forever. It
+holds the providers' connection pools for the node's life, across reconnects.
 
 One session::
 
@@ -62,14 +63,20 @@ import trio
 from dispatcher import protocol as wire
 from dispatcher.protocol.excgroups import first_leaf
 from dispatcher.transport import Connection, ConnectionClosed
-from nodes.adapters import Adapter, DropConnection, build_adapters
+from nodes.adapters import Adapter, DropConnection, build_adapters, open_adapters
 from nodes.config import NodeConfig, hello_from_config
 from nodes.dial import CLOSE_TIMEOUT, close_budget, edge_dial, explain
 from nodes.dial import Dial as Dial
 from nodes.dial import NodeRejected as NodeRejected
 from nodes.dial import dial_edge as dial_edge
 from nodes.runner import Runner, open_runner
-from nodes.tunnel import TunnelProvider, TunnelRunner, open_tunnels, tunnel_providers
+from nodes.tunnel import (
+    AnyTunnelProvider,
+    TunnelRunner,
+    open_tunnel_pools,
+    open_tunnels,
+    tunnel_providers,
+)
 
 log = logging.getLogger("nodes.agent")
 
@@ -194,7 +201,7 @@ async def serve_node_session(
     config: NodeConfig,
     *,
     adapters: Mapping[str, Adapter] | None = None,
-    tunnels: Mapping[str, TunnelProvider] | None = None,
+    tunnels: Mapping[str, AnyTunnelProvider] | None = None,
     drain: Drain | None = None,
     task_status: trio.TaskStatus[wire.Welcome] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -205,7 +212,10 @@ async def serve_node_session(
     after closing ``conn``. Raises :class:`NodeRejected` when the edge refuses the node for
     good. ``task_status.started(welcome)`` is called once the edge has welcomed the node.
     ``adapters`` defaults to ``build_adapters(config.providers)``, ``tunnels`` to
-    ``tunnel_providers(config.providers)``.
+    ``tunnel_providers(config.providers)``. Their pooled HTTP clients not yet open are opened
+    for this session (:func:`~nodes.adapters.open_adapters`,
+    :func:`~nodes.tunnel.open_tunnel_pools`); pass them opened to keep the pools across
+    sessions, as :func:`serve_node` does.
     """
     if adapters is None:
         adapters = build_adapters(config.providers)
@@ -289,7 +299,7 @@ async def _handshake(conn: Connection, link: _Link, config: NodeConfig) -> wire.
 async def _serve_welcomed(
     link: _Link,
     adapters: Mapping[str, Adapter],
-    tunnel_providers: Mapping[str, TunnelProvider],
+    tunnel_providers: Mapping[str, AnyTunnelProvider],
     silence_limit: float,
     drain: Drain | None,
     drain_grace: float,
@@ -502,16 +512,39 @@ async def serve_node(
     ``serve_node`` returns; requested while not connected (or before welcome), it returns at
     once.
 
+    The providers' pooled HTTP clients (the normalized adapters' and the tunnels', one per
+    provider, sized to its slots) are opened once and held for the whole call, around every
+    session: the connections to the providers survive a reconnect to the edge (the runs and
+    tunnels of a lost session are cancelled, which closes *their* connections).
+
     Raises ``ValueError`` at once, before dialling, when the default dial is used and
     ``config.edge_url`` is not an edge's node endpoint (a mistake no retry can fix).
     """
     if dial is None:
         dial = edge_dial(config)
-    adapters = build_adapters(config.providers)
-    tunnels = tunnel_providers(config.providers)
-    backoff = Backoff(config.reconnect_min_backoff, config.reconnect_max_backoff, rng=rng)
     if drain is None:
         drain = Drain()  # never requested
+    # The providers' pools live as long as the node, around every session: the connections
+    # to the providers survive a reconnect to the edge.
+    async with (
+        open_adapters(build_adapters(config.providers)) as adapters,
+        open_tunnel_pools(tunnel_providers(config.providers)) as tunnels,
+    ):
+        await _reconnect_loop(config, dial, rng, drain, adapters, tunnels, task_status)
+    log.info("node %s drained: stopping", config.node_id)
+
+
+async def _reconnect_loop(
+    config: NodeConfig,
+    dial: Dial,
+    rng: random.Random | None,
+    drain: Drain,
+    adapters: Mapping[str, Adapter],
+    tunnels: Mapping[str, AnyTunnelProvider],
+    task_status: trio.TaskStatus[None],
+) -> None:
+    """:func:`serve_node`'s loop: dial, serve a session, back off, until drained."""
+    backoff = Backoff(config.reconnect_min_backoff, config.reconnect_max_backoff, rng=rng)
     welcomed = False
 
     def on_welcome(attempt: _Attempt) -> None:
@@ -571,7 +604,6 @@ async def serve_node(
         )
         with trio.move_on_after(delay):
             await drain.wait()
-    log.info("node %s drained: stopping", config.node_id)
 
 
 def _log_rejection(config: NodeConfig, exc: NodeRejected) -> None:

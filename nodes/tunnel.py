@@ -48,6 +48,8 @@ from nodes.adapters._http import (
     Redactor,
     display_url,
     finished,
+    open_client,
+    pool_size,
     split_timeouts,
 )
 from nodes.config import NodeConfigError, ProviderConfig
@@ -61,7 +63,8 @@ SendData = Callable[[str, bytes], Awaitable[None]]
 MAX_PENDING: Final = 64 * 1024
 """Upstream body bytes a tunnel buffers before it stops reading the upstream."""
 MAX_CONNECTIONS: Final = 256
-"""Concurrent upstream connections per provider."""
+"""Concurrent upstream connections of a provider built without a config (no slots known);
+one from the config gets its slots (:func:`~nodes.adapters._http.pool_size`)."""
 
 DEFAULT_BASE_URLS: Final[Mapping[str, str]] = {
     "openai": "https://api.openai.com/v1",
@@ -104,6 +107,9 @@ class TunnelProvider:
     base_url: str
     api_key: str | None = attrs.field(default=None, repr=False)
     timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
+    connections: int = MAX_CONNECTIONS
+    """The size of the provider's connection pool, all kept alive: its slots when built from
+    the config (the edge sends it no more tunnels at once)."""
 
     @classmethod
     def from_config(
@@ -121,7 +127,16 @@ class TunnelProvider:
             base_url=base_url,
             api_key=api_key,
             timeouts=timeouts,
+            connections=pool_size(provider),
         )
+
+    @asynccontextmanager
+    async def open(self) -> AsyncIterator[PooledTunnelProvider]:
+        """The provider's pooled client for this block (:func:`~nodes.adapters._http.
+        open_client`: :attr:`connections` connections kept alive, the shared TLS context),
+        and the provider bound to it."""
+        async with open_client(self.timeouts, max_connections=self.connections) as client:
+            yield PooledTunnelProvider(self, client)
 
     def url(self, path: str, query: str = "") -> str:
         """``base_url`` joined with the request's path: a ``base_url`` that ends in ``/v1``
@@ -132,6 +147,37 @@ class TunnelProvider:
         if not path.startswith("/"):
             path = "/" + path
         return root + path + (f"?{query}" if query else "")
+
+
+@attrs.frozen
+class PooledTunnelProvider:
+    """A :class:`TunnelProvider` bound to its open pooled client (what
+    :meth:`TunnelProvider.open` gives). It has no lifetime of its own: opening it again
+    (:func:`open_tunnel_pools`) leaves it as it is."""
+
+    provider: TunnelProvider
+    client: httpx.AsyncClient = attrs.field(repr=False)
+
+
+AnyTunnelProvider = TunnelProvider | PooledTunnelProvider
+"""A tunnel provider, its pool opened or not."""
+
+
+@asynccontextmanager
+async def open_tunnel_pools(
+    providers: Mapping[str, AnyTunnelProvider],
+) -> AsyncIterator[dict[str, PooledTunnelProvider]]:
+    """``providers`` with every pool not yet open opened for this block (one client per
+    provider) and closed, every connection with it, when the block is left; those already
+    open as they are. So a caller that holds the pools for longer (the agent, for the
+    node's life) keeps them open across the blocks of :func:`open_tunnels` inside."""
+    async with AsyncExitStack() as stack:
+        opened: dict[str, PooledTunnelProvider] = {}
+        for provider_id, provider in providers.items():
+            if isinstance(provider, TunnelProvider):
+                provider = await stack.enter_async_context(provider.open())
+            opened[provider_id] = provider
+        yield opened
 
 
 def tunnel_providers(
@@ -215,14 +261,12 @@ class TunnelRunner:
         nursery: trio.Nursery,
         send: SendMessage,
         send_data: SendData,
-        providers: Mapping[str, TunnelProvider],
-        clients: Mapping[str, httpx.AsyncClient],
+        providers: Mapping[str, PooledTunnelProvider],
     ) -> None:
         self._nursery = nursery
         self._send = send
         self._send_data = send_data
         self._providers = providers
-        self._clients = clients
         self._tunnels: dict[str, _Tunnel] = {}
         self._peak_pending = 0
         self._frames_sent = 0
@@ -289,9 +333,8 @@ class TunnelRunner:
 
     async def _perform(self, tunnel: _Tunnel, request: wire.TunnelRequest) -> wire.TunnelEnd:
         tunnel_id = request.tunnel_id
-        provider = self._providers.get(request.provider_id)
-        client = self._clients.get(request.provider_id)
-        if provider is None or client is None:
+        pooled = self._providers.get(request.provider_id)
+        if pooled is None:
             return wire.TunnelEnd(
                 tunnel_id=tunnel_id,
                 error=f"unknown_provider: this node serves no provider {request.provider_id!r} "
@@ -302,6 +345,7 @@ class TunnelRunner:
             return wire.TunnelEnd(
                 tunnel_id=tunnel_id, error=f"bad_request: window {request.window} is not positive"
             )
+        provider, client = pooled.provider, pooled.client
         url = provider.url(request.path, request.query)
         headers = request_headers(request.headers, provider.api_key)
         # The edge relays these errors to clients: they name "the provider", never its URL,
@@ -409,28 +453,17 @@ def _name(exc: BaseException) -> str:
 
 @asynccontextmanager
 async def open_tunnels(
-    send: SendMessage, send_data: SendData, providers: Mapping[str, TunnelProvider]
+    send: SendMessage, send_data: SendData, providers: Mapping[str, AnyTunnelProvider]
 ) -> AsyncIterator[TunnelRunner]:
-    """A :class:`TunnelRunner` whose tunnels (and the providers' HTTP clients, one
-    connection pool per provider) live inside this block. Leaving it cancels every tunnel,
-    which closes their upstream connections; nothing more is sent."""
-    async with AsyncExitStack() as stack:
-        clients = {
-            provider_id: await stack.enter_async_context(
-                httpx.AsyncClient(
-                    timeout=provider.timeouts.as_httpx(),
-                    follow_redirects=False,
-                    limits=httpx.Limits(
-                        max_connections=MAX_CONNECTIONS, max_keepalive_connections=32
-                    ),
-                )
-            )
-            for provider_id, provider in providers.items()
-        }
-        async with trio.open_nursery() as nursery:
-            runner = TunnelRunner(nursery, send, send_data, providers, clients)
-            try:
-                yield runner
-            finally:
-                runner._closed = True
-                nursery.cancel_scope.cancel(reason="tunnel runner closed")
+    """A :class:`TunnelRunner` whose tunnels live inside this block. The providers' pools
+    (one pooled HTTP client per provider) not yet open are opened for the block
+    (:func:`open_tunnel_pools`; those the caller opened stay open after it). Leaving it
+    cancels every tunnel, which closes their upstream connections (a connection whose answer
+    was not read to its end is never pooled); nothing more is sent."""
+    async with open_tunnel_pools(providers) as pooled, trio.open_nursery() as nursery:
+        runner = TunnelRunner(nursery, send, send_data, pooled)
+        try:
+            yield runner
+        finally:
+            runner._closed = True
+            nursery.cancel_scope.cancel(reason="tunnel runner closed")
