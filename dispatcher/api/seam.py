@@ -58,10 +58,14 @@ class EdgeServices(Protocol):
         ...
 
     @property
-    def registry(self) -> RegistryView: ...
+    def registry(self) -> RegistryView:
+        """The node registry, read only: who is connected, which models are served."""
+        ...
 
     @property
-    def metrics(self) -> Metrics: ...
+    def metrics(self) -> Metrics:
+        """The edge's metrics: every route's request is counted in them."""
+        ...
 
     @property
     def ledger(self) -> UsageLedger:
