@@ -19,10 +19,15 @@ Guarantees:
 * leaving the ``async with`` block (the connection is gone) cancels every run and sends
   nothing more; the adapters' lifetimes (one pooled HTTP client per provider, its
   connections reused by run after run) last as long as the block, around every run;
-* one writer task sends all runs' events, so sends never interleave; it serves runs in turn
-  and coalesces a run's consecutive unsent text into one ``run.delta`` frame when the
-  connection is slower than the adapter. Unsent text is bounded per run
-  (:data:`MAX_PENDING_CHARS`): past it, ``out.delta()`` waits for the connection;
+* one writer task sends all runs' events, so sends never interleave; it serves runs in turn.
+  Fewer frames per stream (:mod:`nodes.coalesce`): what a run has ready when the writer
+  takes it goes out coalesced -- consecutive text as one ``run.delta`` -- and nothing waits
+  for more. The first piece of a burst is never held back: ``out.delta()`` on an idle writer
+  lets it run (and take what is there) before the adapter goes on; while the writer is
+  sending, ``out.delta()`` is only a cancel point (a schedule point every
+  :data:`MAX_UNYIELDED` pieces), so what the adapter has ready -- the rest of one upstream
+  read -- queues behind the send in flight and leaves as one frame. Unsent text is bounded
+  per run (:data:`MAX_PENDING_CHARS`): past it, ``out.delta()`` waits for the connection;
 * ``out.tool_calls()`` becomes its own ``run.delta`` with ``tool_calls`` (split only when
   over :data:`MAX_DELTA_CHARS`), in order with the text around it: tool-call deltas are
   never merged with text or with each other, and count towards the unsent bound. They do not
@@ -55,6 +60,9 @@ from nodes.adapters.base import (
     estimate_prompt_tokens,
     open_adapters,
 )
+from nodes.coalesce import MAX_DELTA_CHARS as MAX_DELTA_CHARS
+from nodes.coalesce import EventFactory as _EventFactory
+from nodes.coalesce import RunPieces
 
 log = logging.getLogger("nodes.runner")
 
@@ -63,12 +71,9 @@ Send = Callable[[wire.NodeMessage], Awaitable[None]]
 
 MAX_PENDING_CHARS: Final = 64 * 1024
 """Unsent text per run (characters) beyond which ``out.delta()`` waits for the connection."""
-MAX_DELTA_CHARS: Final = 64 * 1024
-"""Most text in one coalesced ``run.delta`` frame (well under ``wire.MAX_FRAME_SIZE`` even
-when every character needs a JSON escape)."""
-
-_EventFactory = Callable[[int], wire.NodeMessage]
-"""A run event waiting for its ``seq``."""
+MAX_UNYIELDED: Final = 64
+"""Pieces a run may add in a row, while the writer is sending, before ``out.delta()`` is a
+schedule point again (a bound on how long an adapter with everything ready runs on)."""
 
 
 @attrs.frozen
@@ -83,10 +88,10 @@ class RunnerStatistics:
 class _Run:
     run_id: str
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    pending: collections.deque[str | _EventFactory] = attrs.Factory(collections.deque)
-    pending_chars: int = 0
-    next_seq: int = 0
+    pieces: RunPieces = attrs.field()
     queued: bool = False
+    unyielded: int = 0
+    """Pieces added since this run's adapter last let others run."""
     ignoring_cancel: bool = False
     terminal_sent: trio.Event = attrs.Factory(trio.Event)
     drained: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
@@ -94,38 +99,9 @@ class _Run:
     finish_reason: str = "stop"
     generated: TokenEstimator = attrs.Factory(TokenEstimator)
 
-    def take_frames(self) -> list[wire.NodeMessage]:
-        """Everything pending, as messages with their seq; consecutive text coalesced."""
-        frames: list[wire.NodeMessage] = []
-        text: list[str] = []
-
-        def flush_text() -> None:
-            joined = "".join(text)
-            text.clear()
-            for start in range(0, len(joined), MAX_DELTA_CHARS):
-                frames.append(
-                    wire.RunDelta(
-                        run_id=self.run_id,
-                        seq=self._seq(),
-                        text=joined[start : start + MAX_DELTA_CHARS],
-                    )
-                )
-
-        while self.pending:
-            item = self.pending.popleft()
-            if isinstance(item, str):
-                text.append(item)
-            else:
-                flush_text()
-                frames.append(item(self._seq()))
-        flush_text()
-        self.pending_chars = 0
-        return frames
-
-    def _seq(self) -> int:
-        seq = self.next_seq
-        self.next_seq += 1
-        return seq
+    @pieces.default
+    def _pieces(self) -> RunPieces:
+        return RunPieces(self.run_id)
 
 
 @attrs.define(eq=False)
@@ -139,25 +115,41 @@ class _Output:
         run = self._run
         # A cancelled run emits nothing more: check before taking the text.
         await trio.lowlevel.checkpoint_if_cancelled()
-        if text:
-            run.generated.add(text)
-            self._runner._push(run, text)
+        if not text:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        run.generated.add(text)
+        self._runner._push(run, text)
         await self._wait_drained()
 
     async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
         run = self._run
         await trio.lowlevel.checkpoint_if_cancelled()
-        for frame, size in tool_call_frames(calls):
+        frames = tool_call_frames(calls)
+        if not frames:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        for frame, size in frames:
             self._runner._push(run, _tool_call_delta(run.run_id, frame), size=size)
         await self._wait_drained()
 
     async def _wait_drained(self) -> None:
-        run = self._run
-        if run.pending_chars > MAX_PENDING_CHARS:
-            while run.pending_chars > MAX_PENDING_CHARS:
+        """After this run added a piece (which woke the writer if it was idle)."""
+        run, runner = self._run, self._runner
+        if run.pieces.size > MAX_PENDING_CHARS:
+            while run.pieces.size > MAX_PENDING_CHARS:
                 await run.drained.park()
-        else:
+            run.unyielded = 0
+        elif not runner._writing:
+            # The first piece of a burst: the writer runs and takes it before we go on.
+            await runner._writer_woke.park()
+            run.unyielded = 0
+        elif run.unyielded >= MAX_UNYIELDED:
             await trio.lowlevel.cancel_shielded_checkpoint()
+            run.unyielded = 0
+        else:
+            # A send is in flight: the piece joins what waits behind it; no schedule point.
+            run.unyielded += 1
 
     def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
         self._run.reported_usage = wire.Usage(
@@ -181,6 +173,10 @@ class Runner:
         self._runs: dict[str, _Run] = {}
         self._ready: collections.deque[_Run] = collections.deque()
         self._wakeup = trio.lowlevel.ParkingLot()
+        self._writing = False
+        """The writer is taking or sending (not parked waiting for work)."""
+        self._writer_woke = trio.lowlevel.ParkingLot()
+        """Adapters that added a piece while the writer was idle, until it runs."""
         self._closed = False
 
     def start(self, request: wire.RunRequest) -> None:
@@ -216,25 +212,34 @@ class Runner:
     # ----------------------------------------------------------------------- internals
 
     def _push(self, run: _Run, item: str | _EventFactory, *, size: int = 0) -> None:
-        run.pending.append(item)
-        run.pending_chars += len(item) if isinstance(item, str) else size
+        if isinstance(item, str):
+            run.pieces.add_text(item)
+        else:
+            run.pieces.add_event(item, size=size)
         if not run.queued:
             run.queued = True
             self._ready.append(run)
             self._wakeup.unpark_all()
 
     async def _write_loop(self) -> None:
-        while True:
-            while not self._ready:
-                await self._wakeup.park()
-            run = self._ready.popleft()
-            run.queued = False
-            frames = run.take_frames()
-            run.drained.unpark_all()
-            for frame in frames:
-                await self._send(frame)
-                if isinstance(frame, wire.TERMINAL_EVENTS):
-                    run.terminal_sent.set()
+        try:
+            while True:
+                while not self._ready:
+                    self._writing = False
+                    await self._wakeup.park()
+                self._writing = True
+                self._writer_woke.unpark_all()
+                run = self._ready.popleft()
+                run.queued = False
+                frames = run.pieces.take()
+                run.drained.unpark_all()
+                for frame in frames:
+                    await self._send(frame)
+                    if isinstance(frame, wire.TERMINAL_EVENTS):
+                        run.terminal_sent.set()
+        finally:
+            self._writing = False
+            self._writer_woke.unpark_all()
 
     async def _run(self, run: _Run, adapter: Adapter, request: wire.RunRequest) -> None:
         run_id = run.run_id

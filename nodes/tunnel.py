@@ -52,6 +52,7 @@ from nodes.adapters._http import (
     pool_size,
     split_timeouts,
 )
+from nodes.coalesce import take_body
 from nodes.config import NodeConfigError, ProviderConfig
 from nodes.runner import Send as SendMessage
 
@@ -428,9 +429,9 @@ class TunnelRunner:
                 await tunnel.changed.park()
             if not pending:
                 return
-            size = min(len(pending), tunnel.credit, wire.MAX_TUNNEL_CHUNK)
-            data = bytes(pending[:size])
-            del pending[:size]
+            # Everything buffered that fits one frame and the credit (nodes.coalesce).
+            data = take_body(pending, tunnel.credit)
+            size = len(data)
             tunnel.credit -= size
             tunnel.changed.unpark_all()  # room for the reader
             await self._send_data(tunnel.tunnel_id, data)

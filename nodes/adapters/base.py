@@ -5,7 +5,7 @@ An :class:`Adapter` runs one request and reports through a :class:`RunOutput`::
     class MyAdapter:
         async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
             async for piece in upstream(request.body):
-                await out.delta(piece.text)          # a checkpoint; may wait (backpressure)
+                await out.delta(piece.text)          # a cancel point; may wait (backpressure)
                 await out.tool_calls(piece.tool_calls)   # OpenAI-shaped tool-call deltas
                 out.usage(piece.prompt_tokens, piece.completion_tokens)
             out.finish("stop")
@@ -85,9 +85,12 @@ class RunOutput(Protocol):
     """What a running adapter reports to. Provided by the runner, one per run."""
 
     async def delta(self, text: str) -> None:
-        """Emit generated text. Always a checkpoint. Waits when too much text is still
-        unsent (the connection is slower than the adapter); pending pieces may be coalesced
-        into one ``run.delta`` frame."""
+        """Emit generated text. Always a cancel point (a cancelled run raises
+        ``trio.Cancelled`` here). A schedule point when the connection is idle (the piece
+        goes out at once); while a send is in flight, the piece joins the unsent ones and
+        the adapter goes on with what it has ready (a schedule point every so many pieces):
+        pending pieces are coalesced into one ``run.delta`` frame. Waits when too much text
+        is still unsent (the connection is slower than the adapter)."""
 
     async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
         """Emit tool-call deltas in OpenAI's streaming shape: ``{"index": i, "id"?: ...,
