@@ -34,6 +34,7 @@ import attrs
 import trio
 
 from . import wire
+from .protocol.excgroups import holds, leaves
 from .registry import NodeGone, NodeIdInUse, NodeSession, Registry
 from .transport import Connection, ConnectionClosed
 
@@ -52,6 +53,9 @@ LOCAL_CREDENTIAL: Final = "in-process"
 """The credential of the in-process node (``Dispatcher.attach_local_node``): trusted without
 a token, and never equal to a connection's (those are token digests, or None)."""
 
+WRITER_STOP_TIMEOUT = 2.0
+"""How long a session that is ending waits for its writer to finish the frame it is writing
+(then the write is cut, which aborts the connection)."""
 LAST_FRAMES_TIMEOUT = 1.0
 """After a write found the connection closed, how long the receive loop may still read the
 frames the node sent before it closed."""
@@ -267,12 +271,15 @@ async def serve_node_connection(
     except (ConnectionClosed, NodeGone) as exc:
         close_reason = f"connection lost: {exc}"
         log.info("node connection from %s lost: %s", peer, exc)
-    except trio.Cancelled:
-        close_reason = "the edge is shutting down"
-        raise
     except Exception:
         log.exception("node connection from %s failed", peer)
         close_code, close_reason = 1011, "internal error"
+    except BaseException as exc:
+        if holds(exc, trio.Cancelled):
+            # The connection's own scope was cancelled (the edge shutting down, the HTTP
+            # layer finding the connection gone), perhaps as a group: say which.
+            close_reason = _cancelled_because(exc)
+        raise
     finally:
         if session is not None:
             if session.closed_reason is not None and session.closed_reason.startswith("superseded"):
@@ -283,6 +290,15 @@ async def serve_node_connection(
             )
         with trio.move_on_after(2, shield=True):
             await conn.aclose(close_code, close_reason)
+
+
+def _cancelled_because(exc: BaseException) -> str:
+    """Why the connection was cancelled: the first reason a ``Cancelled`` in ``exc`` gives."""
+    for leaf in leaves(exc):
+        reason = getattr(leaf, "reason", None) if isinstance(leaf, trio.Cancelled) else None
+        if reason:
+            return f"cancelled: {reason}"
+    return "cancelled: the edge is shutting down"
 
 
 async def _receive_hello(
@@ -336,7 +352,7 @@ async def _serve_session(
         if closing is None:
             closing = reason
 
-    async def heartbeat(scope: trio.CancelScope) -> None:
+    async def heartbeat(receiving: trio.CancelScope) -> None:
         nonce = 0
         while True:
             await trio.sleep(settings.heartbeat_interval)
@@ -346,9 +362,9 @@ async def _serve_session(
                 break
             nonce += 1
             session.post(wire.Ping(nonce=nonce))
-        scope.cancel()
+        receiving.cancel()
 
-    async def writer(scope: trio.CancelScope) -> None:
+    async def writer(receiving: trio.CancelScope, stopped: trio.Event) -> None:
         try:
             await session.serve_writer()
         except ConnectionClosed as exc:
@@ -356,16 +372,18 @@ async def _serve_session(
             # The node may have closed right after its last events (a drained node sends its
             # final run.completed, then leaves): let the receive loop take what is already
             # queued -- it ends when the closed connection runs dry -- within a bound.
-            scope.deadline = min(scope.deadline, trio.current_time() + LAST_FRAMES_TIMEOUT)
+            receiving.deadline = min(receiving.deadline, trio.current_time() + LAST_FRAMES_TIMEOUT)
             return
         except NodeGone as exc:
             end(_Closing(CLOSE_POLICY, str(exc)))
-        scope.cancel()
+        finally:
+            stopped.set()
+        receiving.cancel()
 
-    async def superseded(scope: trio.CancelScope) -> None:
+    async def superseded(receiving: trio.CancelScope) -> None:
         await session.ended.wait()
         end(_Closing(CLOSE_SUPERSEDED, session.closed_reason or "session ended"))
-        scope.cancel()
+        receiving.cancel()
 
     async def receive_loop() -> None:
         nonlocal last_seen
@@ -399,15 +417,23 @@ async def _serve_session(
                 if on_draining is not None:
                     on_draining(session)
 
+    receiving = trio.CancelScope()
+    writer_stopped = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(writer, nursery.cancel_scope, name=f"node {session.node_id} writer")
-        nursery.start_soon(heartbeat, nursery.cancel_scope)
-        nursery.start_soon(superseded, nursery.cancel_scope)
-        try:
-            await receive_loop()
-        except _Closing as exc:
-            end(exc)
-        except ConnectionClosed as exc:
-            end(_Closing(CLOSE_GOING_AWAY, f"connection lost: {exc.reason}"))
+        nursery.start_soon(writer, receiving, writer_stopped, name=f"node {session.node_id} writer")
+        nursery.start_soon(heartbeat, receiving)
+        nursery.start_soon(superseded, receiving)
+        with receiving:
+            try:
+                await receive_loop()
+            except _Closing as exc:
+                end(exc)
+            except ConnectionClosed as exc:
+                end(_Closing(CLOSE_GOING_AWAY, f"connection lost: {exc.reason}"))
+        # Ending: the writer finishes the frame it is writing rather than have it cut (a
+        # write cut half-way aborts the connection, and the close frame saying why with it).
+        session.stop_writing()
+        with trio.move_on_after(WRITER_STOP_TIMEOUT):
+            await writer_stopped.wait()
         nursery.cancel_scope.cancel()
     return closing or _Closing(CLOSE_GOING_AWAY, "session ended")

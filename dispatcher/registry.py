@@ -256,6 +256,7 @@ class NodeSession:
     frames_written: int = 0
     overflowed: bool = False
     """The outbox went over :data:`MAX_OUTBOX`: the writer ends the session."""
+    _stopping: bool = False
 
     @property
     def label(self) -> str:
@@ -313,15 +314,17 @@ class NodeSession:
         self._outbox_lot.unpark()
 
     async def serve_writer(self) -> None:
-        """The session's one writer: send what the outbox holds, in order, until cancelled.
-        Raises ``ConnectionClosed`` when the connection breaks, and :class:`NodeGone` when
-        the outbox overflowed. Runs in the node connection's nursery, never in a request's
+        """The session's one writer: send what the outbox holds, in order, until cancelled
+        or :meth:`stop_writing` (which it honours between frames). Raises
+        ``ConnectionClosed`` when the connection breaks, and :class:`NodeGone` when the
+        outbox overflowed. Runs in the node connection's nursery, never in a request's
         cancel scope: a request leaving can withdraw a frame, never interrupt one."""
         outbox = self._outbox
         try:
-            while True:
-                while not outbox:
+            while not self._stopping:
+                if not outbox:
                     await self._outbox_lot.park()
+                    continue
                 if self.overflowed:
                     raise NodeGone(
                         f"node {self.node_id} is not reading: over {MAX_OUTBOX} frames queued"
@@ -335,6 +338,13 @@ class NodeSession:
                 self.frames_written += 1
         finally:
             self._drop_outbox(self.closed_reason or "the session's writer stopped")
+
+    def stop_writing(self) -> None:
+        """Ask :meth:`serve_writer` to return once the frame it is writing is written (the
+        session is ending: a write cut half-way would abort the connection, and with it the
+        close frame that tells the node why)."""
+        self._stopping = True
+        self._outbox_lot.unpark_all()
 
     def _drop_outbox(self, reason: str) -> None:
         while self._outbox:

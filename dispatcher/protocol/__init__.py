@@ -75,6 +75,7 @@ from ._messages import (
 )
 from ._session import (
     ACCEPTED,
+    MAX_ABANDONED,
     RECENT_RUNS,
     RECENT_TUNNELS,
     Accepted,
@@ -90,6 +91,7 @@ __all__ = [
     "ACCEPTED",
     "DEFAULT_TUNNEL_WINDOW",
     "EDGE_MESSAGE_TYPES",
+    "MAX_ABANDONED",
     "MAX_FRAME_SIZE",
     "MAX_TUNNEL_CHUNK",
     "MESSAGE_TYPES",

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Mapping
 from typing import Final, TypeAlias, TypeVar
 
 import attrs
@@ -60,9 +59,15 @@ from ._errors import LocalProtocolError, ProtocolError, UnsupportedVersion
 from ._messages import PROTOCOL_VERSION, Message, RunEvent, TunnelData
 
 RECENT_RUNS: Final = 4096
-"""How many ended run ids a session remembers, to judge their late events."""
+"""How many finished run ids a session remembers (an event after a run's terminal is then
+reported as such, and the id cannot be given again)."""
 RECENT_TUNNELS: Final = 4096
-"""How many ended tunnel ids a session remembers, to judge their late frames."""
+"""As :data:`RECENT_RUNS`, for finished tunnels."""
+MAX_ABANDONED: Final = 65536
+"""How many runs (and, apart, tunnels) the edge may have ended early -- the client left --
+whose end the node has not sent yet. They are remembered until that end arrives, however
+many the edge ends at once: a node still streaming a run it was just told to cancel is late,
+not wrong. Past this bound (a node ignoring that many cancels) the oldest is forgotten."""
 
 _RUN_EVENTS: Final = (
     m.RunDelta,
@@ -127,9 +132,7 @@ def _describe(message: Frame) -> str:
     return "a binary frame" if isinstance(message, TunnelData) else repr(message.TYPE)
 
 
-def _claim(
-    table: dict[str, int], ended: Mapping[str, bool], kind: str, key: str, first: int
-) -> None:
+def _claim(table: dict[str, int], ended: _Ended, kind: str, key: str, first: int) -> None:
     """The edge gives ``key`` (a ``kind`` id: run or tunnel) to this session: its state
     begins at ``first``. An id may be given once per session."""
     if key in table or key in ended:
@@ -137,23 +140,55 @@ def _claim(
     table[key] = first
 
 
-def _retire(
-    table: dict[str, int],
-    ended: collections.OrderedDict[str, bool],
-    key: str,
-    finished: int,
-    limit: int,
-) -> str | None:
-    """Move ``key`` from the open ``table`` to the ``limit`` most recently ``ended`` ones:
-    tolerated (True) unless its state was ``finished``. Returns the id forgotten to keep the
-    memory bounded, if any."""
-    state = table.pop(key, None)
-    if state is None:
-        return None
-    ended[key] = state != finished
-    if len(ended) > limit:
-        return ended.popitem(last=False)[0]
+def _remember(memory: collections.OrderedDict[str, None], key: str, limit: int) -> str | None:
+    """Add ``key`` to a bounded memory; return the oldest id it forgot, if any."""
+    memory[key] = None
+    if len(memory) > limit:
+        return memory.popitem(last=False)[0]
     return None
+
+
+@attrs.define(eq=False)
+class _Ended:
+    """What one side remembers of the runs (or tunnels) it stopped routing: those *finished*
+    (their end arrived: anything more is a violation), the most recent ``recent`` of them,
+    and those *abandoned* before their end (the node's late frames are tolerated until that
+    end arrives), at most ``max_abandoned``."""
+
+    recent: int
+    max_abandoned: int
+    finished: collections.OrderedDict[str, None] = attrs.field(factory=collections.OrderedDict)
+    abandoned: collections.OrderedDict[str, None] = attrs.field(factory=collections.OrderedDict)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.finished or key in self.abandoned
+
+    def retire(self, table: dict[str, int], key: str, finished: int) -> str | None:
+        """Move ``key`` out of the open ``table``: finished if its state was ``finished``,
+        else abandoned. Returns the id forgotten to keep the memory bounded, if any."""
+        state = table.pop(key, None)
+        if state is None:
+            return None
+        if state == finished:
+            return _remember(self.finished, key, self.recent)
+        return _remember(self.abandoned, key, self.max_abandoned)
+
+    def late(self, key: str, *, end: bool) -> bool | None:
+        """A frame for ``key``, which is not open: True if tolerated (abandoned; its ``end``
+        makes it finished), False if it came after the end, None if never seen."""
+        if key in self.abandoned:
+            if end:
+                del self.abandoned[key]
+                _remember(self.finished, key, self.recent)
+            return True
+        return False if key in self.finished else None
+
+    def keys(self) -> set[str]:
+        return {*self.finished, *self.abandoned}
+
+    def clear(self) -> None:
+        self.finished.clear()
+        self.abandoned.clear()
 
 
 @attrs.define(eq=False)
@@ -200,17 +235,19 @@ class EdgeProtocol(_Half):
 
     recent_runs: int = RECENT_RUNS
     recent_tunnels: int = RECENT_TUNNELS
+    max_abandoned: int = MAX_ABANDONED
     hello: m.Hello | None = None
     """The node's ``hello``, once received."""
     _runs: dict[str, int] = attrs.field(factory=dict)
     """Open runs: the next ``seq`` expected, or ``_TERMINATED``."""
-    _ended_runs: collections.OrderedDict[str, bool] = attrs.field(factory=collections.OrderedDict)
-    """Recently closed runs: True when closed before their terminal (late events tolerated),
-    False after it (any event is a violation)."""
+    _ended_runs: _Ended = attrs.field(init=False)
+    """Runs the edge stopped routing (see :class:`_Ended`)."""
     _tunnels: dict[str, int] = attrs.field(factory=dict)
-    _ended_tunnels: collections.OrderedDict[str, bool] = attrs.field(
-        factory=collections.OrderedDict
-    )
+    _ended_tunnels: _Ended = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._ended_runs = _Ended(self.recent_runs, self.max_abandoned)
+        self._ended_tunnels = _Ended(self.recent_tunnels, self.max_abandoned)
 
     # ------------------------------------------------------------------ what the node sends
 
@@ -229,7 +266,7 @@ class EdgeProtocol(_Half):
     def _unexpected_run_event(self, event: RunEvent, expected: int | None) -> Verdict:
         what = f"event {event.TYPE!r} for run {event.run_id!r}"
         if expected is None:
-            tolerated = self._ended_runs.get(event.run_id)
+            tolerated = self._ended_runs.late(event.run_id, end=type(event) in _TERMINAL)
             if tolerated is None:
                 return self._fail(f"{what}, which this session was not given")
             if tolerated:
@@ -264,7 +301,7 @@ class EdgeProtocol(_Half):
         tunnel_id = message.tunnel_id
         phase = self._tunnels.get(tunnel_id)
         if phase is None:
-            tolerated = self._ended_tunnels.get(tunnel_id)
+            tolerated = self._ended_tunnels.late(tunnel_id, end=isinstance(message, m.TunnelEnd))
             if tolerated is None:
                 what = "binary frame" if isinstance(message, TunnelData) else repr(message.TYPE)
                 return self._fail(
@@ -315,13 +352,14 @@ class EdgeProtocol(_Half):
 
     def close_run(self, run_id: str) -> str | None:
         """The edge stopped routing this run (its subscription closed). Before its terminal
-        event, the node's late events for it become tolerated. Returns the id of a run
-        forgotten to keep the memory bounded (its late events are now violations), if any."""
-        return _retire(self._runs, self._ended_runs, run_id, _TERMINATED, self.recent_runs)
+        event, the node's events for it are tolerated until that terminal arrives, however
+        many runs are ended at once. Returns the id of a run forgotten to keep the memory
+        bounded (see :data:`MAX_ABANDONED`), if any."""
+        return self._ended_runs.retire(self._runs, run_id, _TERMINATED)
 
     def close_tunnel(self, tunnel_id: str) -> str | None:
-        """As :meth:`close_run`, for a tunnel (tolerated when closed before its end)."""
-        return _retire(self._tunnels, self._ended_tunnels, tunnel_id, _ENDED, self.recent_tunnels)
+        """As :meth:`close_run`, for a tunnel (tolerated until its end when closed before)."""
+        return self._ended_tunnels.retire(self._tunnels, tunnel_id, _ENDED)
 
     def close(self) -> None:
         """The edge ended the session: what still arrives is tolerated, what is still sent
@@ -341,10 +379,10 @@ class EdgeProtocol(_Half):
 
     def known_runs(self) -> set[str]:
         """Every run id the machine holds state for (open or recently ended)."""
-        return {*self._runs, *self._ended_runs}
+        return {*self._runs, *self._ended_runs.keys()}
 
     def known_tunnels(self) -> set[str]:
-        return {*self._tunnels, *self._ended_tunnels}
+        return {*self._tunnels, *self._ended_tunnels.keys()}
 
 
 @attrs.define(eq=False)

@@ -6,6 +6,7 @@ started and did not finish, the node saw ``run.cancel``. Virtual time throughout
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 import pytest
@@ -273,3 +274,45 @@ async def test_stale_generation_between_admission_and_send(
     assert nothing.cancelled_caught, "the request was sent on the new connection"
     dispatcher.registry.unregister(new_session)
     assert_clean(dispatcher)
+
+
+async def test_many_runs_ended_at_once_keep_the_node_session(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The regression (5,000 streams left at once in the bench): more runs ended early than
+    the session's memory of finished runs, while the node was still streaming them. The edge
+    forgot the oldest, the node's next delta for it was "a run this session was not given",
+    and the whole node session closed -- every other run on it with it. Now a run ended early
+    is remembered until its terminal arrives. (The memory is made small here: 2 instead of
+    4,096, with 6 runs.)"""
+    monkeypatch.setattr(wire, "EdgeProtocol", functools.partial(wire.EdgeProtocol, recent_runs=2))
+    runs = 6
+    async with open_dispatcher(config(drain_timeout_s=60)) as d:
+        node = await connect(d, hello(slots=runs))
+        generation = d.registry.sessions["node-a"].generation
+        async with trio.open_nursery() as clients:
+            for _ in range(runs):
+
+                async def client() -> None:
+                    async with d.open_run(SPEC):
+                        await trio.sleep_forever()
+
+                clients.start_soon(client)
+            sent = [await node.receive_run() for _ in range(runs)]
+            clients.cancel_scope.cancel(reason="every client left")
+        cancels = [await node.receive() for _ in range(runs)]
+        assert {c.run_id for c in cancels if isinstance(c, wire.RunCancel)} == {
+            r.run_id for r in sent
+        }
+        # The node was still streaming them: a delta each, then its cancel confirmations.
+        for request in sent:
+            await node.send(wire.RunDelta(run_id=request.run_id, seq=0, text="late"))
+        for request in sent:
+            await node.send(wire.RunCancelled(run_id=request.run_id, seq=1))
+        await wait_until(lambda: d.admission.statistics().draining == 0)
+        session = d.registry.sessions.get("node-a")
+        assert session is not None
+        assert session.generation == generation
+        assert session.closed_reason is None
+        assert_clean(d)
+        assert d.runs.stats.ended == {"cancelled": runs}

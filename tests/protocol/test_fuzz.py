@@ -39,7 +39,10 @@ from dispatcher import protocol as p
 from tests.test_wire import message_strategy
 
 RECENT = 3
-"""A small memory, so that forgetting ended runs and tunnels is exercised."""
+"""A small memory, so that forgetting finished runs and tunnels is exercised."""
+ABANDONED = 4
+"""A small bound on runs (tunnels) ended before their end, so that forgetting them is
+exercised too."""
 HELLO = p.Hello(protocol=p.PROTOCOL_VERSION, node_id="n")
 WELCOME = p.Welcome(protocol=p.PROTOCOL_VERSION, generation=1, heartbeat_interval=5.0)
 RUN_KINDS = (p.RunStarted, p.RunDelta, p.RunUsage, p.RunCompleted, p.RunFailed, p.RunCancelled)
@@ -72,6 +75,30 @@ class ModelTunnel:
     ended: bool = False
 
 
+@attrs.define
+class ModelEnded:
+    """What the edge must remember of the runs (tunnels) it stopped routing: the last RECENT
+    finished ones, and every one ended before its end until that end arrives (at most
+    ABANDONED, oldest forgotten first)."""
+
+    finished: list[str] = attrs.Factory(list)
+    abandoned: list[str] = attrs.Factory(list)
+
+    def close(self, key: str, *, finished: bool) -> str | None:
+        """The edge closed ``key``; returns the id the machine must say it forgot."""
+        memory, limit = (self.finished, RECENT) if finished else (self.abandoned, ABANDONED)
+        memory.append(key)
+        return memory.pop(0) if len(memory) > limit else None
+
+    def late(self, key: str, *, end: bool) -> bool | None:
+        if key in self.abandoned:
+            if end:
+                self.abandoned.remove(key)
+                self.close(key, finished=True)
+            return True
+        return False if key in self.finished else None
+
+
 class HostileNode(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -81,14 +108,16 @@ class HostileNode(RuleBasedStateMachine):
     def fresh(self) -> None:
         """A new session: a new machine, an empty model."""
         self.sessions += 1
-        self.edge = p.EdgeProtocol(recent_runs=RECENT, recent_tunnels=RECENT)
+        self.edge = p.EdgeProtocol(
+            recent_runs=RECENT, recent_tunnels=RECENT, max_abandoned=ABANDONED
+        )
         self.ids = itertools.count()
         self.given_runs: set[str] = set()
         self.given_tunnels: set[str] = set()
         self.runs: dict[str, ModelRun] = {}
-        self.ended_runs: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self.ended_runs = ModelEnded()
         self.tunnels: dict[str, ModelTunnel] = {}
-        self.ended_tunnels: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self.ended_tunnels = ModelEnded()
         self.failure: p.ProtocolError | None = None
 
     @initialize(handshake=mostly(st.just(True), st.just(False)))
@@ -129,11 +158,7 @@ class HostileNode(RuleBasedStateMachine):
         run_id = data.draw(st.sampled_from(sorted(self.runs)))
         run = self.runs.pop(run_id)
         forgotten = self.edge.close_run(run_id)
-        self.ended_runs[run_id] = not run.terminal
-        expected = None
-        if len(self.ended_runs) > RECENT:
-            expected = self.ended_runs.popitem(last=False)[0]
-        assert forgotten == expected
+        assert forgotten == self.ended_runs.close(run_id, finished=run.terminal)
 
     @rule()
     def edge_gives_a_tunnel(self) -> None:
@@ -153,11 +178,7 @@ class HostileNode(RuleBasedStateMachine):
         tunnel_id = data.draw(st.sampled_from(sorted(self.tunnels)))
         tunnel = self.tunnels.pop(tunnel_id)
         forgotten = self.edge.close_tunnel(tunnel_id)
-        self.ended_tunnels[tunnel_id] = not tunnel.ended
-        expected = None
-        if len(self.ended_tunnels) > RECENT:
-            expected = self.ended_tunnels.popitem(last=False)[0]
-        assert forgotten == expected
+        assert forgotten == self.ended_tunnels.close(tunnel_id, finished=tunnel.ended)
 
     # ------------------------------------------------------------------ the node's frames
 
@@ -232,7 +253,9 @@ class HostileNode(RuleBasedStateMachine):
         if isinstance(message, RUN_KINDS):
             run = self.runs.get(message.run_id)
             if run is None:
-                late = self.ended_runs.get(message.run_id)
+                late = self.ended_runs.late(
+                    message.run_id, end=isinstance(message, p.TERMINAL_EVENTS)
+                )
                 return p.Tolerated if late else p.ProtocolError
             if run.terminal or message.seq != run.next_seq:
                 return p.ProtocolError
@@ -242,7 +265,9 @@ class HostileNode(RuleBasedStateMachine):
         if isinstance(message, p.TunnelData | p.TunnelStart | p.TunnelEnd):
             tunnel = self.tunnels.get(message.tunnel_id)
             if tunnel is None:
-                late = self.ended_tunnels.get(message.tunnel_id)
+                late = self.ended_tunnels.late(
+                    message.tunnel_id, end=isinstance(message, p.TunnelEnd)
+                )
                 if late is None:
                     return p.ProtocolError
                 if late:
@@ -267,7 +292,7 @@ class HostileNode(RuleBasedStateMachine):
     def no_state_for_what_was_not_given(self) -> None:
         assert self.edge.known_runs() <= self.given_runs
         assert self.edge.known_tunnels() <= self.given_tunnels
-        assert len(self.edge.known_runs()) <= len(self.runs) + RECENT
+        assert len(self.edge.known_runs()) <= len(self.runs) + RECENT + ABANDONED
 
     @invariant()
     def failed_means_failed(self) -> None:

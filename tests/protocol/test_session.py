@@ -12,8 +12,10 @@ HELLO = p.Hello(protocol=p.PROTOCOL_VERSION, node_id="n")
 WELCOME = p.Welcome(protocol=p.PROTOCOL_VERSION, generation=1, heartbeat_interval=5.0)
 
 
-def open_edge(recent_runs: int = p.RECENT_RUNS) -> p.EdgeProtocol:
-    edge = p.EdgeProtocol(recent_runs=recent_runs)
+def open_edge(
+    recent_runs: int = p.RECENT_RUNS, max_abandoned: int = p.MAX_ABANDONED
+) -> p.EdgeProtocol:
+    edge = p.EdgeProtocol(recent_runs=recent_runs, max_abandoned=max_abandoned)
     assert edge.receive(HELLO) is p.ACCEPTED
     edge.send(WELCOME)
     assert edge.state is p.State.OPEN
@@ -184,14 +186,43 @@ def test_a_run_closed_after_its_terminal_stays_strict() -> None:
     assert "after its terminal" in error(edge.receive(p.RunDelta(run_id="r", seq=1)))
 
 
-def test_ended_runs_are_remembered_within_a_bound() -> None:
+def test_runs_ended_early_are_remembered_until_their_terminal_however_many() -> None:
+    """The regression: 5,000 clients leaving at once ended more runs than the finished-run
+    memory holds, the edge forgot some while the node was still streaming them, and the
+    node's next delta closed the whole session as a protocol error."""
     edge = open_edge(recent_runs=2)
+    for run_id in "abcde":
+        edge.send(request(run_id))
+    for run_id in "abcde":
+        assert edge.close_run(run_id) is None  # ended early: kept, past recent_runs
+    assert edge.known_runs() == set("abcde")
+    for run_id in "abcde":
+        assert isinstance(edge.receive(p.RunDelta(run_id=run_id, seq=0)), p.Tolerated)
+    assert isinstance(edge.receive(p.RunCancelled(run_id="a", seq=1)), p.Tolerated)
+    # Its terminal arrived: anything more for it is a violation.
+    assert "after its terminal" in error(edge.receive(p.RunDelta(run_id="a", seq=2)))
+
+
+def test_finished_runs_are_remembered_within_a_bound() -> None:
+    edge = open_edge(recent_runs=2)
+    for run_id in "abc":
+        edge.send(request(run_id))
+        assert edge.receive(p.RunCompleted(run_id=run_id, seq=0)) is p.ACCEPTED
+    assert edge.close_run("a") is None
+    assert edge.close_run("b") is None
+    assert edge.close_run("c") == "a"  # forgotten: the oldest finished one
+    assert edge.close_run("c") is None  # closing twice is harmless
+    assert edge.known_runs() == {"b", "c"}
+    assert "after its terminal" in error(edge.receive(p.RunDelta(run_id="b", seq=1)))
+
+
+def test_runs_ended_early_are_remembered_within_their_own_bound() -> None:
+    edge = open_edge(max_abandoned=2)
     for run_id in "abc":
         edge.send(request(run_id))
     assert edge.close_run("a") is None
     assert edge.close_run("b") is None
-    assert edge.close_run("c") == "a"  # forgotten: its late events are now violations
-    assert edge.close_run("c") is None  # closing twice is harmless
+    assert edge.close_run("c") == "a"  # a node ignoring that many cancels: oldest forgotten
     assert edge.known_runs() == {"b", "c"}
     assert isinstance(edge.receive(p.RunDelta(run_id="b", seq=0)), p.Tolerated)
     assert "was not given" in error(edge.receive(p.RunDelta(run_id="a", seq=0)))
