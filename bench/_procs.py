@@ -102,6 +102,19 @@ async def _daemon(
                 yield server, proc
             finally:
                 nursery.cancel_scope.cancel()
+        _keep_log(name, err)
+
+
+def _keep_log(name: str, err: Any) -> None:
+    """With ``BENCH_LOG_DIR`` set, the process's whole stderr is kept there as
+    ``<name>-<pid>.log`` (to read why something broke; the tables only quote warnings)."""
+    folder = os.environ.get("BENCH_LOG_DIR")
+    if not folder:
+        return
+    err.seek(0)
+    path = Path(folder) / f"{name}-{os.getpid()}-{id(err)}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(err.read())
 
 
 @asynccontextmanager
