@@ -23,6 +23,7 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -166,13 +167,21 @@ class _FakeEdge:
 
 
 class _Counting:
-    """The node's connection, counting what it sends inside the measured window."""
+    """The node's connection, counting what it sends inside the measured window.
+    :meth:`on_start` and :meth:`on_stop` run when the window opens and closes (a profiler
+    hooks there: ``bench.profile_node``)."""
 
     def __init__(self, inner: Connection) -> None:
         self._inner = inner
         self.counting = False
         self.frames = 0
         self.cpu = self.wall = 0.0
+
+    def on_start(self) -> None:
+        """The measured window opens."""
+
+    def on_stop(self) -> None:
+        """The measured window closed."""
 
     async def send(self, frame: Frame) -> None:
         if self.counting:
@@ -186,18 +195,26 @@ class _Counting:
             assert isinstance(ping, wire.Ping)
             if ping.nonce == START:
                 self.counting = True
+                self.on_start()
                 self.cpu, self.wall = time.process_time(), time.perf_counter()
             elif ping.nonce == STOP:
                 self.counting = False
                 self.cpu = time.process_time() - self.cpu
                 self.wall = time.perf_counter() - self.wall
+                self.on_stop()
         return frame
 
     async def aclose(self, code: int = 1000, reason: str = "") -> None:
         await self._inner.aclose(code, reason)
 
 
-async def _cell(path: str, stream: bool, runs: int, concurrency: int) -> dict[str, float]:
+async def _cell(
+    path: str,
+    stream: bool,
+    runs: int,
+    concurrency: int,
+    counting: Callable[[Connection], _Counting] = _Counting,
+) -> dict[str, float]:
     command = [
         sys.executable,
         "-m",
@@ -232,7 +249,7 @@ async def _cell(path: str, stream: bool, runs: int, concurrency: int) -> dict[st
             ),
         )
         async with dial_edge(config) as conn:
-            counted = _Counting(conn)
+            counted = counting(conn)
             await serve_node_session(counted, config)
         nursery.cancel_scope.cancel(reason="measured")
     return {

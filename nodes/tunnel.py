@@ -50,6 +50,7 @@ from nodes.adapters._http import (
     finished,
     open_client,
     pool_size,
+    request_target,
     split_timeouts,
 )
 from nodes.coalesce import take_body
@@ -355,16 +356,15 @@ class TunnelRunner:
         where = "the provider"
         started = False
         try:
+            target, shown = request_target(url)  # parsed once per provider path
             async with client.stream(
                 request.method,
-                url,
+                target,
                 headers=headers,
                 content=request.body.encode("utf-8"),
             ) as response:
                 started = True
-                log.debug(
-                    "tunnel %s: %s answered %d", tunnel_id, display_url(url), response.status_code
-                )
+                log.debug("tunnel %s: %s answered %d", tunnel_id, shown, response.status_code)
                 await self._send(
                     wire.TunnelStart(
                         tunnel_id=tunnel_id,

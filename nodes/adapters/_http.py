@@ -287,10 +287,13 @@ def dumps(value: Any) -> bytes:
 
 def loads_object(text: str | bytes, what: str) -> dict[str, Any]:
     """A JSON object from the upstream, or ``upstream_bad_response`` quoting ``text`` whole
-    (:func:`post_stream` redacts, then cuts it)."""
+    (:func:`post_stream` redacts, then cuts it). Bytes are read as UTF-8, a malformed
+    sequence replaced (as a text decoder would)."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
+        if isinstance(text, bytes):
+            return loads_object(text.decode("utf-8", errors="replace"), what)
         raise AdapterError(
             "upstream_bad_response",
             f"the upstream sent {what} that is not JSON: {str(text)!r}",
@@ -299,10 +302,14 @@ def loads_object(text: str | bytes, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise AdapterError(
             "upstream_bad_response",
-            f"the upstream sent {what} that is not a JSON object: {str(text)!r}",
+            f"the upstream sent {what} that is not a JSON object: {_text(text)!r}",
             retryable=True,
         )
     return value
+
+
+def _text(text: str | bytes) -> str:
+    return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
 
 
 def error_text(value: Any) -> str | None:
@@ -426,13 +433,26 @@ class Redactor:
 
     @classmethod
     def for_request(cls, url: str, headers: Mapping[str, str]) -> Redactor:
+        """The redactor for a request to ``url`` with ``headers``: built once per URL and
+        secret header values, then shared (a tunnel's URL and key are the same on every
+        request to a provider; building one parses the URL and compiles two patterns)."""
+        secrets = tuple(
+            sorted(
+                value.strip()
+                for name, value in headers.items()
+                if name.lower() in _SECRET_HEADERS and value.strip()
+            )
+        )
+        return _redactor(url, secrets)
+
+    @classmethod
+    def _build(cls, url: str, header_secrets: tuple[str, ...]) -> Redactor:
         secrets: set[str] = set()
-        for name, value in headers.items():
-            if name.lower() in _SECRET_HEADERS and value.strip():
-                secrets.add(value.strip())
-                token = value.strip().partition(" ")[2].strip()
-                if token:
-                    secrets.add(token)
+        for value in header_secrets:
+            secrets.add(value)
+            token = value.partition(" ")[2].strip()
+            if token:
+                secrets.add(token)
         places = {url.rstrip("/")}
         try:
             parsed = httpx.URL(url)
@@ -473,6 +493,11 @@ class Redactor:
         return text
 
 
+@functools.lru_cache(maxsize=256)
+def _redactor(url: str, header_secrets: tuple[str, ...]) -> Redactor:
+    return Redactor._build(url, header_secrets)
+
+
 def _alternation(literals: set[str], *, names: bool) -> re.Pattern[str] | None:
     """One pattern matching any of ``literals``, longest first. ``names``: case-insensitive,
     and a literal must not be followed by a character that would make it part of a longer
@@ -506,9 +531,8 @@ async def post_stream(
     returns the connection to the client's pool. A non-2xx status and every transport error
     (also those raised while the caller reads the body inside the block) come out as
     :class:`AdapterError`; every AdapterError leaving the block (the caller's too) has its
-    message passed through a :class:`Redactor` for this request. Read lines with
-    :func:`response_lines` (or use :func:`post_lines`), which finishes the iterator however
-    it is left.
+    message passed through a :class:`Redactor` for this request. Read the body with
+    :func:`post_chunks`, which finishes the iterator however it is left.
     """
     target, where, redact = _request_context(url, tuple(headers.items()))
     started = False
@@ -557,14 +581,21 @@ async def post_stream(
         ) from None
 
 
-@functools.lru_cache(maxsize=64)
 def _request_context(
     url: str, headers: tuple[tuple[str, str], ...]
 ) -> tuple[httpx.URL, str, Redactor]:
-    """``url`` parsed, as the log shows it, and the :class:`Redactor` for a request to it with
-    ``headers``: the same for every run of a provider, so worked out once (httpx's URL
-    parsing was a tenth of a pooled run's CPU)."""
-    return httpx.URL(url), display_url(url), Redactor.for_request(url, dict(headers))
+    """``url`` parsed, as the log shows it (:func:`request_target`), and the
+    :class:`Redactor` for a request to it with ``headers``."""
+    target, where = request_target(url)
+    return target, where, Redactor.for_request(url, dict(headers))
+
+
+@functools.lru_cache(maxsize=256)
+def request_target(url: str) -> tuple[httpx.URL, str]:
+    """``url`` parsed, and as the log shows it (:func:`display_url`): the same for every
+    request to a provider's path, so worked out once (httpx's URL parsing was a tenth of a
+    pooled run's CPU, :func:`display_url` another tenth of a tunnel's)."""
+    return httpx.URL(url), display_url(url)
 
 
 def _transport_failure(code: str, message: str, where: str, exc: Exception) -> AdapterError:
@@ -575,22 +606,18 @@ def _transport_failure(code: str, message: str, where: str, exc: Exception) -> A
 
 
 @asynccontextmanager
-async def post_lines(
+async def post_chunks(
     client: httpx.AsyncClient, url: str, body: Mapping[str, Any], *, headers: Mapping[str, str]
-) -> AsyncIterator[AsyncIterator[str]]:
-    """:func:`post_stream`, its response read as lines (:func:`response_lines`)."""
+) -> AsyncIterator[AsyncIterator[bytes]]:
+    """:func:`post_stream`, its response's body as it arrives (``aiter_bytes``: decoded if
+    the upstream compressed it), finished properly however the block is left. Split it with
+    :class:`LineSplitter` or :class:`SSEDecoder`: a whole read at a time, instead of httpx's
+    text and line iterators, one generator each per piece."""
     async with (
         post_stream(client, url, body, headers=headers) as response,
-        response_lines(response) as lines,
+        finished(response, response.aiter_bytes()) as chunks,
     ):
-        yield lines
-
-
-@asynccontextmanager
-async def response_lines(response: httpx.Response) -> AsyncIterator[AsyncIterator[str]]:
-    """``response.aiter_lines()``, finished properly however the block is left."""
-    async with finished(response, response.aiter_lines()) as lines:
-        yield lines
+        yield chunks
 
 
 @asynccontextmanager
@@ -681,28 +708,71 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-class SSEDecoder:
-    """Server-sent events, line by line: :meth:`feed` each line (without its end of line);
-    it returns an event's ``data`` (its ``data:`` lines joined by newlines) when a blank
-    line ends the event. Comments, ``event:``, ``id:`` and ``retry:`` fields are ignored."""
+class LineSplitter:
+    """A body's lines, from its bytes as they arrive: :meth:`feed` gives the lines each piece
+    completes (without their ends: ``\\n``, ``\\r\\n`` or a lone ``\\r``, as httpx's
+    ``aiter_lines`` splits), :meth:`flush` the unterminated last one. Works on whole reads
+    (one ``split`` per read), not byte by byte nor through a text decoder."""
+
+    __slots__ = ("_rest",)
 
     def __init__(self) -> None:
-        self._data: list[str] = []
+        self._rest = b""
 
-    def feed(self, line: str) -> str | None:
-        if not line:
-            return self.flush()
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        if name == "data":
-            self._data.append(value.removeprefix(" "))
-        return None
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._rest + data if self._rest else data
+        tail = b""
+        if b"\r" in buffer:
+            if buffer.endswith(b"\r"):  # maybe the first half of a \r\n
+                buffer, tail = buffer[:-1], b"\r"
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = buffer.split(b"\n")
+        self._rest = lines.pop() + tail
+        return lines
 
-    def flush(self) -> str | None:
+    def flush(self) -> bytes | None:
+        """The last line, if the body did not end with an end of line."""
+        rest, self._rest = self._rest.removesuffix(b"\r"), b""
+        return rest or None
+
+
+class SSEDecoder:
+    """Server-sent events from a body's bytes: :meth:`feed` each piece of the body as it
+    arrives; it returns the ``data`` of every event the piece completed (an event's
+    ``data:`` lines joined by newlines, ended by a blank line), :meth:`flush` the last one
+    at the end of the body. Comments, ``event:``, ``id:`` and ``retry:`` fields are
+    ignored."""
+
+    __slots__ = ("_data", "_lines")
+
+    def __init__(self) -> None:
+        self._lines = LineSplitter()
+        self._data: list[bytes] = []
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        events: list[bytes] = []
+        data = self._data
+        for line in self._lines.feed(piece):
+            if not line:
+                if data:
+                    events.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    data.clear()
+            elif line.startswith(b"data"):
+                self._field(line)
+        return events
+
+    def _field(self, line: bytes) -> None:
+        name, _, value = line.partition(b":")
+        if name == b"data":
+            self._data.append(value[1:] if value.startswith(b" ") else value)
+
+    def flush(self) -> bytes | None:
         """The pending event's data at the end of the stream (None if there is none)."""
+        last = self._lines.flush()
+        if last is not None and last.startswith(b"data"):
+            self._field(last)
         if not self._data:
             return None
-        data = "\n".join(self._data)
+        data = b"\n".join(self._data)
         self._data.clear()
         return data

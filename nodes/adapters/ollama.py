@@ -152,31 +152,22 @@ class OllamaAdapter(_http.HTTPAdapter):
         self, client: httpx.AsyncClient, request: wire.RunRequest, out: RunOutput
     ) -> None:
         payload = self.payload(request)
-        generated = TokenEstimator()
-        final: dict[str, Any] | None = None
-        calls_made = 0
-        async with _http.post_lines(
+        stream = _Stream(out)
+        splitter = _http.LineSplitter()
+        async with _http.post_chunks(
             client, self.url, payload, headers={"accept": "application/x-ndjson"}
-        ) as lines:
-            async for line in lines:
-                if not line.strip():
-                    continue
-                chunk = _http.loads_object(line, "a line")
-                if "error" in chunk:
-                    raise _http.error_event_failure(chunk, "line")
-                answer = chunk.get("message")
-                if isinstance(answer, dict):
-                    content = answer.get("content")
-                    if isinstance(content, str) and content:
-                        generated.add(content)
-                        await out.delta(content)
-                    calls = _tool_call_deltas(answer.get("tool_calls"), calls_made)
-                    if calls:
-                        calls_made += len(calls)
-                        await out.tool_calls(calls)
-                if chunk.get("done") is True:
-                    final = chunk
+        ) as chunks:
+            async for piece in chunks:
+                for line in splitter.feed(piece):
+                    if await stream.take(line):
+                        break
+                if stream.final is not None:
                     break
+            else:
+                last = splitter.flush()
+                if last is not None:
+                    await stream.take(last)
+        final, generated, calls_made = stream.final, stream.generated, stream.calls_made
         if final is None:
             raise AdapterError(
                 "upstream_disconnected",
@@ -193,6 +184,41 @@ class OllamaAdapter(_http.HTTPAdapter):
         done_reason = final.get("done_reason")
         finish = FINISH_REASONS.get(done_reason, "stop") if isinstance(done_reason, str) else "stop"
         out.finish("tool_calls" if calls_made and finish == "stop" else finish)
+
+
+class _Stream:
+    """One run's NDJSON lines, taken one by one."""
+
+    __slots__ = ("calls_made", "final", "generated", "out")
+
+    def __init__(self, out: RunOutput) -> None:
+        self.out = out
+        self.generated = TokenEstimator()
+        self.final: dict[str, Any] | None = None
+        """The done line, once it came."""
+        self.calls_made = 0
+
+    async def take(self, line: bytes) -> bool:
+        """Report one line; True once it was the done line."""
+        if not line.strip():
+            return False
+        chunk = _http.loads_object(line, "a line")
+        if "error" in chunk:
+            raise _http.error_event_failure(chunk, "line")
+        answer = chunk.get("message")
+        if isinstance(answer, dict):
+            content = answer.get("content")
+            if isinstance(content, str) and content:
+                self.generated.add(content)
+                await self.out.delta(content)
+            calls = _tool_call_deltas(answer.get("tool_calls"), self.calls_made)
+            if calls:
+                self.calls_made += len(calls)
+                await self.out.tool_calls(calls)
+        if chunk.get("done") is True:
+            self.final = chunk
+            return True
+        return False
 
 
 def _tool_call_deltas(raw: Any, first_index: int) -> list[dict[str, Any]]:

@@ -109,21 +109,21 @@ class OpenAIAdapter(_http.HTTPAdapter):
         finish: str | None = None
         done = False
         decoder = _http.SSEDecoder()
-        async with _http.post_lines(client, self.url, body, headers=headers) as lines:
-            async for line in lines:
-                data = decoder.feed(line)
-                if data is None:
-                    continue
-                if data.strip() == "[DONE]":
-                    done = True
-                    break
-                finish = await _take_chunk(data, out) or finish
-            else:
-                data = decoder.flush()
-                if data is not None and data.strip() == "[DONE]":
-                    done = True
-                elif data is not None:
+        async with _http.post_chunks(client, self.url, body, headers=headers) as chunks:
+            async for piece in chunks:
+                for data in decoder.feed(piece):
+                    if data.strip() == b"[DONE]":
+                        done = True
+                        break
                     finish = await _take_chunk(data, out) or finish
+                if done:
+                    break
+            else:
+                last = decoder.flush()
+                if last is not None and last.strip() == b"[DONE]":
+                    done = True
+                elif last is not None:
+                    finish = await _take_chunk(last, out) or finish
         if finish is None and not done:
             raise AdapterError(
                 "upstream_disconnected",
@@ -133,7 +133,7 @@ class OpenAIAdapter(_http.HTTPAdapter):
         out.finish(finish or "stop")
 
 
-async def _take_chunk(data: str, out: RunOutput) -> str | None:
+async def _take_chunk(data: bytes, out: RunOutput) -> str | None:
     """Report one chunk; its finish reason, if it has one."""
     chunk = _http.loads_object(data, "an SSE event")
     if "error" in chunk:
