@@ -356,6 +356,9 @@ REQUEST: Final = _strict(
         "previous_response_id": schema.NON_EMPTY,
         "text": _strict({"format": _FORMAT}),
         "truncation": schema.enum("disabled"),
+        # The built-in echo model's per-request knobs (nodes/adapters/echo.py), forwarded as
+        # the chat routes forward them: what the tests inject faults and tool calls with.
+        "echo": schema.ANY_OBJECT,
     },
     ("model", "input"),
 )
@@ -498,6 +501,8 @@ def chat_body(request: ParsedResponsesRequest, history: Sequence[JSONObject]) ->
     ):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
+    if body.get("echo") is not None:
+        chat["echo"] = body["echo"]
     text_format = (body.get("text") or {}).get("format")
     if isinstance(text_format, dict) and text_format["type"] != "text":
         if text_format["type"] == "json_object":
