@@ -35,7 +35,10 @@ from dispatcher.api.responses import (
     RESPONSE_ID_ROUTE,
     RESPONSES_PATH,
     ResponseStore,
+    chat_body,
+    error_code,
     make_front_end,
+    parse_responses_request,
 )
 from dispatcher.api.seam import ApiSettings
 from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings
@@ -73,6 +76,11 @@ def with_id_routes(inner: Handler, make: Callable[[FrontEnd], Handler], front: F
         await inner(request, responder)
 
     return handler
+
+
+def others() -> tuple[FrontEnd, ...]:
+    """The app's front ends but its own responses one (each test has its own store)."""
+    return tuple(front for front in FRONT_ENDS if front.name != "responses")
 
 
 @attrs.frozen
@@ -148,7 +156,7 @@ async def open_edge(
     )
     store = store if store is not None else ResponseStore()
     responses = make_front_end(store)
-    front_ends = (*FRONT_ENDS, responses)
+    front_ends = (*others(), responses)
     async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
         if local:
             capabilities = ("tools",) if tools else ()
@@ -660,7 +668,7 @@ async def test_the_app_routes_the_id_pattern_itself(nursery: trio.Nursery) -> No
     responses = make_front_end()
     async with open_dispatcher(EdgeConfig(port=0)) as dispatcher:
         await dispatcher.attach_local_node()
-        serve = functools.partial(dispatcher.serve, front_ends=(*FRONT_ENDS, responses))
+        serve = functools.partial(dispatcher.serve, front_ends=(*others(), responses))
         server = await nursery.start(serve)
         url = f"http://127.0.0.1:{server.address.port}"
         async with httpx.AsyncClient(base_url=url) as client:
@@ -668,3 +676,111 @@ async def test_the_app_routes_the_id_pattern_itself(nursery: trio.Nursery) -> No
             fetched = await client.get(f"{RESPONSES_PATH}/{created.json()['id']}")
         server.shutdown()
     assert fetched.status_code == 200, fetched.text
+
+
+async def test_a_reply_cut_by_max_output_tokens_is_incomplete() -> None:
+    async with open_edge() as edge:
+        async with edge.sdk() as client:
+            cut = await client.responses.create(
+                model="echo", input="one two three four", max_output_tokens=2
+            )
+        assert cut.status == "incomplete"
+        assert cut.incomplete_details is not None
+        assert cut.incomplete_details.reason == "max_output_tokens"
+        assert cut.output_text == "one two "
+        assert cut.max_output_tokens == 2
+
+        def consume() -> list[Any]:
+            with edge.sync_sdk() as client:
+                stream = client.responses.create(
+                    model="echo", input="one two three four", max_output_tokens=2, stream=True
+                )
+                with stream:
+                    return list(stream)
+
+        events = await trio.to_thread.run_sync(consume)
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.status == "incomplete"
+    assert events[-2].item.status == "incomplete"
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "expected"),
+    [
+        ("upstream_rate_limited", 429, "rate_limit_exceeded"),
+        ("upstream_error", 429, "rate_limit_exceeded"),
+        ("context_length_exceeded", None, "context_length_exceeded"),
+        ("echo_fault", None, "server_error"),
+        ("stall_timeout", None, "server_error"),
+    ],
+)
+def test_failures_after_commit_get_the_responses_api_error_codes(
+    code: str, status: int | None, expected: str
+) -> None:
+    failed = wire.RunFailed(run_id="r", seq=1, code=code, message="m", status=status)
+    assert error_code(failed) == expected
+
+
+def test_items_translate_to_chat_messages() -> None:
+    request = parse_responses_request(
+        orjson.dumps(
+            {
+                "model": "m",
+                "instructions": "be kind",
+                "input": [
+                    {"type": "message", "role": "developer", "content": "rules"},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "a"},
+                            {"type": "input_text", "text": "b"},
+                        ],
+                    },
+                    {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "[]"},
+                    {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c2",
+                        "output": [{"type": "input_text", "text": "two"}],
+                    },
+                ],
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "name": "get_weather"},
+                "max_output_tokens": 7,
+                "top_p": 0.5,
+                "text": {"format": {"type": "json_object"}},
+            }
+        )
+    )
+    body = chat_body(request, [])
+    assert body["messages"] == [
+        {"role": "system", "content": "be kind"},
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {
+            "role": "assistant",
+            "content": "c",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "[]"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": WEATHER_TOOL["description"],
+                "parameters": WEATHER_TOOL["parameters"],
+            },
+        }
+    ]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert (body["max_tokens"], body["top_p"]) == (7, 0.5)
+    assert body["response_format"] == {"type": "json_object"}
+    assert "stream" not in body
