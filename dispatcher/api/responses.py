@@ -85,12 +85,16 @@ class StoredResponse:
     items: what a later ``previous_response_id`` prepends."""
     size: int
     stored_at: float
+    owner: str | None = None
+    """Whose it is: the id of the API key that created it (None when the edge has none)."""
 
 
 class ResponseStore:
     """Stored responses in memory, oldest first out: at most ``max_entries`` of them, at most
     ``max_bytes`` of JSON together, none older than ``max_age`` seconds (by ``clock``, a
-    monotonic clock). A response bigger than ``max_bytes`` alone is not kept."""
+    monotonic clock). A response bigger than ``max_bytes`` alone is not kept. A response is
+    found only by its ``owner`` (the API key id that created it): another key's is not
+    there."""
 
     def __init__(
         self,
@@ -118,13 +122,18 @@ class ResponseStore:
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, response: JSONObject, conversation: Sequence[JSONObject]) -> bool:
+    def put(
+        self,
+        response: JSONObject,
+        conversation: Sequence[JSONObject],
+        owner: str | None = None,
+    ) -> bool:
         """Keep ``response`` (by its ``id``); False if it is too big to keep at all."""
         size = len(orjson.dumps(response)) + len(orjson.dumps(list(conversation)))
         if size > self.max_bytes:
             return False
         self._expire()
-        entry = StoredResponse(response, tuple(conversation), size, self._clock())
+        entry = StoredResponse(response, tuple(conversation), size, self._clock(), owner)
         self._remove(response["id"])
         self._entries[response["id"]] = entry
         self._bytes += size
@@ -132,13 +141,13 @@ class ResponseStore:
             self._pop_oldest()
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
         self._expire()
-        return self._entries.get(response_id)
+        entry = self._entries.get(response_id)
+        return entry if entry is not None and entry.owner == owner else None
 
-    def delete(self, response_id: str) -> bool:
-        self._expire()
-        return self._remove(response_id)
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        return self.get(response_id, owner) is not None and self._remove(response_id)
 
     def _remove(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
@@ -816,10 +825,10 @@ class _Events:
 # --------------------------------------------------------------------------- routes
 
 
-def _history(store: ResponseStore, previous: str | None) -> list[JSONObject]:
+def _history(store: ResponseStore, previous: str | None, owner: str | None) -> list[JSONObject]:
     if previous is None:
         return []
-    stored = store.get(previous)
+    stored = store.get(previous, owner)
     if stored is None:
         raise BadRequest(
             f"previous response {previous!r} was not found: it was not stored (store: false), "
@@ -835,7 +844,8 @@ def _create_route(store: ResponseStore) -> Route:
     async def create_response(call: ModelCall, responder: Responder) -> str:
         request = parse_responses_request(await call.request.body())
         previous = request.body.get("previous_response_id")
-        history = _history(store, previous)
+        owner = call.ctx.attribution
+        history = _history(store, previous, owner)
         gated = call.gate_request(
             chat_body(request, history), stream=request.stream, predicate=normalized_only
         )
@@ -844,7 +854,7 @@ def _create_route(store: ResponseStore) -> Route:
         def keep() -> None:
             # Before the answer's last byte: a client that chains on it at once finds it.
             if request.store and turn.fields["status"] in ("completed", "incomplete"):
-                store.put(turn.response(), turn.conversation(history))
+                store.put(turn.response(), turn.conversation(history), owner)
 
         async with call.edge.gate.open(gated) as answer:
             assert isinstance(answer, Answer), "the predicate admits normalized candidates only"
@@ -959,12 +969,12 @@ def _stored_route(store: ResponseStore) -> Route:
             )
         headers = (*JSON_HEADERS, *ctx.headers)
         if request.method == "DELETE":
-            if not store.delete(response_id):
+            if not store.delete(response_id, ctx.attribution):
                 raise _not_found(response_id)
             body: JSONObject = {"id": response_id, "object": "response.deleted", "deleted": True}
             await responder.respond(200, headers, orjson.dumps(body))
             return
-        stored = store.get(response_id)
+        stored = store.get(response_id, ctx.attribution)
         if stored is None:
             raise _not_found(response_id)
         await responder.respond(200, headers, orjson.dumps(stored.response))

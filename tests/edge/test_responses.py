@@ -143,7 +143,11 @@ class Edge:
 
 @asynccontextmanager
 async def open_edge(
-    *, local: bool = True, tools: bool = False, store: ResponseStore | None = None
+    *,
+    local: bool = True,
+    tools: bool = False,
+    store: ResponseStore | None = None,
+    api_keys: tuple[str, ...] = (),
 ) -> AsyncIterator[Edge]:
     """An edge serving the app's front ends and the responses one; with ``local``, the
     in-process echo node (announcing ``tools`` if asked)."""
@@ -151,6 +155,7 @@ async def open_edge(
         port=0,
         local_node=False,
         expose_node_ids=True,
+        api_keys=api_keys,
         http=HTTPSettings(shutdown_grace=2),
         nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),
     )
@@ -784,3 +789,18 @@ def test_items_translate_to_chat_messages() -> None:
     assert (body["max_tokens"], body["top_p"]) == (7, 0.5)
     assert body["response_format"] == {"type": "json_object"}
     assert "stream" not in body
+
+
+async def test_a_stored_response_is_only_its_own_keys() -> None:
+    async with open_edge(api_keys=("sk-a", "sk-b")) as edge:
+        a = openai.AsyncOpenAI(base_url=f"{edge.url}/v1", api_key="sk-a", max_retries=0)
+        b = openai.AsyncOpenAI(base_url=f"{edge.url}/v1", api_key="sk-b", max_retries=0)
+        async with a, b:
+            mine = await a.responses.create(model="echo", input="secret words")
+            with pytest.raises(openai.NotFoundError):
+                await b.responses.retrieve(mine.id)
+            with pytest.raises(openai.NotFoundError):
+                await b.responses.delete(mine.id)
+            with pytest.raises(openai.BadRequestError):
+                await b.responses.create(model="echo", input="x", previous_response_id=mine.id)
+            assert (await a.responses.retrieve(mine.id)).output_text == "secret words"
