@@ -1,0 +1,203 @@
+"""The Anthropic Messages front end: ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``, errors in Anthropic's shape (:func:`anthropic_error`).
+
+A Messages request is validated strictly and translated to an OpenAI chat body
+(:mod:`._request`), then served like a chat completion: one typed
+:class:`~dispatcher.gate.GateRequest` on route ``/v1/messages`` (the usage rows say so), the
+same gate, recovery before the commit, cancellation and usage rows. The committed answer is
+rendered back as a ``message`` or its SSE events (:mod:`._answer`).
+
+Tunnel candidates are excluded at admission (:func:`normalized_only`): a tunnel relays bytes
+to a provider, and no provider of ours speaks ``/v1/messages`` natively yet, so such an
+attempt could only fail. ``anthropic-version`` and ``anthropic-beta`` are accepted and not
+needed (a tunnel to an Anthropic-native provider would pass them on; there is none today).
+
+``docs/messages.md`` lists the subset supported and what is answered 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import orjson
+import trio
+
+from ... import wire
+from ...admission import Candidate, QueueTimeout
+from ...errors import DispatcherError, NotFound, RunError, ShuttingDown
+from ...gate import Answer
+from ...http import PeerGone, Request, Responder
+from ..common import JSON_HEADERS, ModelCall, dispatch_headers, model_route
+from ..front import FrontEnd, RenderedError, RouteContext, RouteSpec
+from ..seam import EdgeServices
+from ._answer import SSE_HEADERS, EventWriter, error_event, message_body
+from ._request import (
+    MessagesRequest,
+    count_input_tokens,
+    parse_count_tokens_request,
+    parse_messages_request,
+    to_chat_body,
+)
+
+__all__ = [
+    "FRONT_END",
+    "MESSAGES_PATH",
+    "anthropic_error",
+    "count_tokens",
+    "messages",
+    "normalized_only",
+]
+
+MESSAGES_PATH: Final = "/v1/messages"
+COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
+SHUTDOWN_SEND_TIMEOUT: Final = 1.0
+
+# --------------------------------------------------------------------------- errors
+
+ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+"""Anthropic's error type for each status it documents."""
+
+OVERLOADED: Final = (QueueTimeout, ShuttingDown, RunError)
+"""The errors of an edge that cannot answer now, retryable later: 529 ``overloaded_error``
+(a queue wait that timed out, a draining edge, every attempt failed -- ``RunError`` covers
+``AllAttemptsFailed`` -- or a node lost at send). A full queue is 429 ``rate_limit_error``,
+as Anthropic's docs answer a client over its rate."""
+
+
+def anthropic_error(exc: BaseException) -> RenderedError:
+    """Any error in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``:
+    the status the error tree says (529 for :data:`OVERLOADED`, 500 for any other server
+    error), the type by status (:data:`ERROR_TYPES`; another 4xx is
+    ``invalid_request_error``), ``Retry-After`` kept."""
+    if isinstance(exc, DispatcherError) and 400 <= exc.status <= 599:
+        if isinstance(exc, OVERLOADED):
+            status = 529
+        elif exc.status >= 500:
+            status = 500
+        else:
+            status = exc.status
+        error_type = ERROR_TYPES.get(status, "invalid_request_error")
+        message, retry_after = exc.message, exc.retry_after
+    else:
+        status, error_type, message, retry_after = 500, "api_error", "internal error", None
+    body = {"type": "error", "error": {"type": error_type, "message": message}}
+    return RenderedError(status, orjson.dumps(body), retry_after=retry_after)
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def normalized_only(candidate: Candidate) -> str | None:
+    """The admission predicate of ``/v1/messages``: tunnel candidates cannot serve it (no
+    provider speaks the Messages API natively yet), so no attempt is spent on them."""
+    if candidate.path != "tunnel":
+        return None
+    return "serves this model through a tunnel, and no tunnel speaks /v1/messages yet"
+
+
+@model_route
+async def messages(call: ModelCall, responder: Responder) -> str:
+    """``POST /v1/messages``."""
+    parsed = parse_messages_request(await call.request.body())
+    gated = call.gate_request(
+        to_chat_body(parsed.body), stream=parsed.stream, predicate=normalized_only
+    )
+    estimate = count_input_tokens(parsed.body)
+    async with call.edge.gate.open(gated) as answer:
+        if not isinstance(answer, Answer):  # normalized_only admits no tunnel
+            raise DispatcherError("a tunnel answered a /v1/messages request")
+        message_id = "msg_" + answer.run.run_id
+        headers = (
+            *call.ctx.headers,
+            *dispatch_headers(answer.result, answer.attempts),
+            (b"request-id", call.ctx.request_id.encode()),
+        )
+        try:
+            if parsed.stream:
+                await _stream(call.edge, parsed, answer, responder, headers, message_id, estimate)
+            else:
+                body = message_body(
+                    message_id=message_id,
+                    model=parsed.model,
+                    head=answer.head,
+                    input_estimate=estimate,
+                )
+                await responder.respond(200, (*JSON_HEADERS, *headers), orjson.dumps(body))
+        except PeerGone:
+            answer.client_gone()  # a reset is a client leaving, like a cancellation
+            raise
+        return "completed" if isinstance(answer.terminal, wire.RunCompleted) else "failed"
+
+
+async def _stream(
+    edge: EdgeServices,
+    parsed: MessagesRequest,
+    answer: Answer,
+    responder: Responder,
+    headers: Sequence[tuple[bytes, bytes]],
+    message_id: str,
+    estimate: int,
+) -> None:
+    """The committed answer as Messages SSE events; after the commit a failure is an
+    ``error`` event, and the stream ends without ``message_stop``."""
+    writer = EventWriter(message_id=message_id, model=parsed.model, input_estimate=estimate)
+    stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
+    with edge.stream_scope() as scope:
+        out = [writer.start(answer.head)]
+        ended = False
+        for item in answer.head:
+            ended = ended or writer.render(item, out)
+        await stream.send(b"".join(out))
+        while not ended:
+            try:
+                item = await answer.__anext__()
+            except StopAsyncIteration:
+                break
+            out = []
+            ended = writer.render(item, out)
+            if not ended:
+                for ready in answer.ready_events():
+                    if writer.render(ready, out):
+                        ended = True
+                        break
+            if out:
+                await stream.send(b"".join(out))
+    if scope.cancelled_caught:
+        with trio.move_on_after(SHUTDOWN_SEND_TIMEOUT, shield=True):
+            await stream.send(error_event("overloaded_error", "the dispatcher is shutting down"))
+
+
+async def count_tokens(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    """``POST /v1/messages/count_tokens``: the input's estimate by the edge's one token
+    estimator (no model runs; an unknown model is a 404 as for ``/v1/messages``)."""
+    body = parse_count_tokens_request(await request.body())
+    model = body["model"]
+    if edge.metric_model_label(model) == "unknown" and model not in edge.registry.models():
+        raise NotFound(f"model {model!r} is not served here", code="model_not_found")
+    payload = orjson.dumps({"input_tokens": count_input_tokens(body)})
+    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), payload)
+
+
+_POST: Final = ("POST",)
+
+FRONT_END: Final = FrontEnd(
+    "anthropic",
+    {
+        MESSAGES_PATH: RouteSpec(_POST, messages, "client", work=True),
+        COUNT_TOKENS_PATH: RouteSpec(_POST, count_tokens, "client"),
+    },
+    anthropic_error,
+)
+"""Registered with one line in ``api/app.py``'s ``FRONT_ENDS``."""
