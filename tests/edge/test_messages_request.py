@@ -218,7 +218,7 @@ def delta(seq: int, text: str = "", *calls: dict[str, Any]) -> wire.RunDelta:
 def test_text_then_two_tool_calls_are_three_blocks() -> None:
     writer = EventWriter(message_id="msg_r", model="m", input_estimate=7)
     out: list[bytes] = [writer.start([])]
-    stream = [
+    stream: list[wire.RunEvent] = [
         delta(1, "Checking."),
         delta(2, "", {"index": 0, "id": "call_a", "function": {"name": "f", "arguments": '{"x"'}}),
         delta(3, "", {"index": 0, "function": {"arguments": ": 1}"}}),
@@ -275,7 +275,7 @@ def test_a_failure_after_the_commit_is_an_error_event_typed_by_its_code() -> Non
 
 
 def test_a_non_streamed_message_with_invalid_tool_arguments_keeps_them() -> None:
-    head = [
+    head: list[wire.RunEvent] = [
         delta(0, "", {"index": 0, "id": "c", "function": {"name": "f", "arguments": "{not json"}}),
         wire.RunCompleted(run_id="r", seq=1, finish_reason="tool_calls"),
     ]
