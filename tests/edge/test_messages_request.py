@@ -354,3 +354,15 @@ def test_the_predicate_refuses_tunnels_only() -> None:
     reason = normalized_only(candidate("tunnel"))
     assert reason is not None
     assert "/v1/messages" in reason
+
+
+def test_the_echo_models_knobs_are_forwarded() -> None:
+    chat = to_chat_body(
+        parse(
+            model="m",
+            max_tokens=5,
+            messages=[{"role": "user", "content": "x"}],
+            echo={"fail_after_tokens": 1},
+        )
+    )
+    assert chat["echo"] == {"fail_after_tokens": 1}

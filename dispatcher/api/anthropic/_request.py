@@ -20,7 +20,8 @@ fault; the front end renders it as ``invalid_request_error``.
   ``"required"`` / ``{"type": "function", ...}`` / ``"none"``;
   ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``;
 * ``stop_sequences`` -> ``stop``; ``max_tokens``, ``temperature``, ``top_p``, ``stream`` as
-  they are; ``metadata.user_id`` -> ``user``.
+  they are; ``metadata.user_id`` -> ``user``; ``echo`` (the built-in echo model's per-request
+  knobs, ``nodes/adapters/echo.py``) as it is, as the chat and Responses routes forward it.
 """
 
 from __future__ import annotations
@@ -281,6 +282,7 @@ _FIELDS: Final[Mapping[str, schema.Schema]] = {
     "top_p": Number(0, 1),
     "stream": BOOLEAN,
     "metadata": _strict({"user_id": String(max_length=256)}),
+    "echo": ANY_OBJECT,
 }
 _THINKING_OFF: Final = {"type": "disabled"}
 
@@ -455,6 +457,8 @@ def to_chat_body(body: JSONObject) -> JSONObject:
         chat["stop"] = list(body["stop_sequences"])
     if body.get("stream") is True:
         chat["stream"] = True
+    if body.get("echo") is not None:
+        chat["echo"] = body["echo"]  # the built-in echo model's knobs, as chat forwards them
     user = (body.get("metadata") or {}).get("user_id")
     if user is not None:
         chat["user"] = user
