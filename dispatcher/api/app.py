@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ..admission import AdmissionError
 from ..errors import DispatcherError, NotFound, PayloadTooLarge, ShuttingDown, Unauthorized
 from ..http import BodyTooLarge, Handler, Headers, HTTPStream, Request, Responder, WebSocket
-from . import openai, operations
+from . import openai, operations, responses
 from .front import Access, ErrorRenderer, FrontEnd, RenderedError, RouteContext, RouteSpec
 from .seam import ApiSettings, EdgeServices, WorkTicket
 
@@ -41,6 +41,7 @@ log = logging.getLogger("dispatcher.api")
 FRONT_ENDS: tuple[FrontEnd, ...] = (
     openai.FRONT_END,
     operations.FRONT_END,
+    responses.FRONT_END,
 )
 """The edge's front ends, one line each; the first one's error shape is the default."""
 
@@ -182,6 +183,11 @@ def make_handler(
                 await responder.respond(204, ((b"allow", allow_any), *headers))
                 return
             found = routes.get(path)
+            if found is None:
+                # A pattern route: its last segment is "{id}" (``/v1/responses/{id}``).
+                parent, _, last = path.rpartition("/")
+                if last:
+                    found = routes.get(parent + "/{id}")
             if found is None:
                 raise NotFound(f"no route for {method} {_shorten(path)}", code="unknown_url")
             route, render = found

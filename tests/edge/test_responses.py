@@ -666,9 +666,6 @@ async def test_stored_response_routes_refuse_other_methods() -> None:
         }
 
 
-@pytest.mark.xfail(
-    strict=True, reason="api.app matches exact paths only until the {id} pattern diff is applied"
-)
 async def test_the_app_routes_the_id_pattern_itself(nursery: trio.Nursery) -> None:
     responses = make_front_end()
     async with open_dispatcher(EdgeConfig(port=0)) as dispatcher:

@@ -50,7 +50,7 @@ METHODS: dict[str, Method] = {
     ),
     "options-chat": Method("OPTIONS", CHAT, 204, POST_ALLOW),
     "options-healthz": Method("OPTIONS", "/healthz", 204, GET_ALLOW),
-    "options-asterisk": Method("OPTIONS", "*", 204, "GET, HEAD, POST, OPTIONS"),
+    "options-asterisk": Method("OPTIONS", "*", 204, "GET, HEAD, POST, DELETE, OPTIONS"),
     "options-unknown-path": Method("OPTIONS", "/v1/nothing", 404, None, "unknown_url"),
     "unknown-path": Method("GET", "/v1/nothing", 404, None, "unknown_url"),
     "path-traversal": Method("GET", "/v1/../healthz", 404, None, "unknown_url"),
