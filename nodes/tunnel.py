@@ -8,7 +8,8 @@
         tunnels.cancel(tunnel_id)         # close the upstream stream now; tunnel.end follows
 
 Each tunnel is a task with its own cancel scope in one nursery, keyed by tunnel id (like the
-runs of :mod:`nodes.runner`). It performs the request with httpx against the provider's
+runs of :mod:`nodes.runner`). It performs the request with the provider's pooled client
+(:class:`~nodes.adapters._client.Pool`) against its
 ``base_url`` + path (+ query), with the edge's headers minus hop-by-hop ones and the
 provider's own ``Authorization: Bearer <key>`` (read from the environment variable the
 provider's ``api_key_env`` names; the key never leaves the node). The response comes back as
@@ -43,6 +44,7 @@ import trio
 from dispatcher import protocol as wire
 from dispatcher.protocol.excgroups import first_leaf
 from dispatcher.transport import ConnectionClosed
+from nodes.adapters._client import Pool, Response
 from nodes.adapters._http import (
     HTTPTimeouts,
     Redactor,
@@ -51,6 +53,7 @@ from nodes.adapters._http import (
     open_client,
     pool_size,
     request_target,
+    shown_url,
     split_timeouts,
 )
 from nodes.coalesce import take_body
@@ -158,7 +161,7 @@ class PooledTunnelProvider:
     (:func:`open_tunnel_pools`) leaves it as it is."""
 
     provider: TunnelProvider
-    client: httpx.AsyncClient = attrs.field(repr=False)
+    client: Pool = attrs.field(repr=False)
 
 
 AnyTunnelProvider = TunnelProvider | PooledTunnelProvider
@@ -213,7 +216,7 @@ def request_headers(
     return out
 
 
-def response_headers(response: httpx.Response) -> tuple[tuple[str, str], ...]:
+def response_headers(response: Response) -> tuple[tuple[str, str], ...]:
     """The upstream's response headers, in order, minus hop-by-hop ones (and any its
     ``Connection`` header names) and ``Content-Length`` (the body is relayed in pieces)."""
     raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.headers.raw]
@@ -356,15 +359,14 @@ class TunnelRunner:
         where = "the provider"
         started = False
         try:
-            target, shown = request_target(url)  # parsed once per provider path
+            target = request_target(url)  # parsed once per provider path
             async with client.stream(
-                request.method,
-                target,
-                headers=headers,
-                content=request.body.encode("utf-8"),
+                request.method, target, headers, request.body.encode("utf-8")
             ) as response:
                 started = True
-                log.debug("tunnel %s: %s answered %d", tunnel_id, shown, response.status_code)
+                log.debug(
+                    "tunnel %s: %s answered %d", tunnel_id, shown_url(url), response.status_code
+                )
                 await self._send(
                     wire.TunnelStart(
                         tunnel_id=tunnel_id,
@@ -392,7 +394,7 @@ class TunnelRunner:
             return wire.TunnelEnd(tunnel_id=tunnel_id, error=redact(exc.error))
         return wire.TunnelEnd(tunnel_id=tunnel_id)
 
-    async def _pump(self, tunnel: _Tunnel, response: httpx.Response, where: str) -> None:
+    async def _pump(self, tunnel: _Tunnel, response: Response, where: str) -> None:
         """Relay the body: a reader task fills ``pending``, this task sends it."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read, tunnel, response, where)
@@ -400,11 +402,11 @@ class TunnelRunner:
         if tunnel.upstream_error is not None:
             raise _UpstreamFailed(tunnel.upstream_error)
 
-    async def _read(self, tunnel: _Tunnel, response: httpx.Response, where: str) -> None:
+    async def _read(self, tunnel: _Tunnel, response: Response, where: str) -> None:
         """Read the upstream body into ``pending`` while it has room. A failure of the
         upstream is recorded, not raised: what was read before it is still sent."""
-        # finished(): however this is left (cancelled too), the response is closed and
-        # httpx's chain of generators unwound, shielded and bounded.
+        # finished(): however this is left (cancelled too), the response is closed; unless
+        # it was read to its end, so is its connection when the request's block is left.
         async with finished(response, response.aiter_raw()) as iterator:
             try:
                 async for piece in iterator:

@@ -35,11 +35,13 @@ origin, ``host:port``, host and base path and the node's credentials removed
 (:class:`Redactor`); the upstream's text may quote any of them. The node's own log keeps the
 URL (INFO, logger ``nodes.adapters.http``).
 
-Connections are reused. Each provider gets one pooled ``httpx.AsyncClient``
-(:func:`open_client`): at most as many connections as the provider has slots (the sum of its
-models' ``slots``, :func:`pool_size`), all of them kept alive, and every client of the
-process shares one TLS context per distinct TLS setting (:func:`tls_context`: building one
-loads the CA bundle, ~50 ms of CPU). Its lifetime is lexical: an adapter is an
+Connections are reused. Each provider gets one pooled client, a
+:class:`~nodes.adapters._client.Pool` (:func:`open_client`; our own small HTTP/1.1 client:
+httpx's per-request and per-chunk work was most of a run's CPU, see that module): at most
+as many connections as the provider has slots (the sum of its models' ``slots``,
+:func:`pool_size`), all of them kept alive, and every client of the process shares one TLS
+context per distinct TLS setting (:func:`tls_context`: building one loads the CA bundle,
+~50 ms of CPU). Its lifetime is lexical: an adapter is an
 :class:`HTTPAdapter`, whose :meth:`~HTTPAdapter.open` block holds the client and gives the
 adapter bound to it; ``nodes.adapters.open_adapters`` (entered by ``nodes.runner.open_runner``)
 opens every adapter that has such a block for as long as the runs live. A run used without
@@ -47,8 +49,8 @@ it (``adapter.run()`` called directly) opens a client of its own, closed with th
 
 A run still owns *its* request: the response stream lives inside :func:`post_stream`'s block,
 in the run's cancel scope. Leaving the block early -- cancelled, or an error -- closes the
-response before the body's end, and httpcore closes such a connection instead of returning it
-to the pool, so no later run can read what was left of another's answer. Leaving it normally
+response before the body's end, and the pool closes such a connection instead of taking it
+back, so no later run can read what was left of another's answer. Leaving it normally
 (the adapter saw its last event) first reads the rest of the body, briefly and bounded
 (:data:`REUSE_WAIT`, :data:`REUSE_MAX_BYTES`: normally only the end of the chunked body, already
 on the way), so that the connection goes back to the pool.
@@ -74,6 +76,7 @@ import orjson
 import trio
 
 from dispatcher import protocol as wire
+from nodes.adapters._client import Pool, Response, Target
 from nodes.adapters.base import Adapter, AdapterError, RunOutput
 from nodes.config import OptionsError, ProviderConfig
 
@@ -89,8 +92,6 @@ MAX_ERROR_MESSAGE: Final = 1000
 MAX_MESSAGE: Final = MAX_ERROR_MESSAGE + 200
 """Characters of any AdapterError message leaving :func:`post_stream`. Text is cut only after
 it was redacted: a cut through an address would leave a part no redaction recognises."""
-DRAIN_TIMEOUT: Final = 1.0
-"""Bound on finishing httpx's iterators after the response was closed (normally instant)."""
 REUSE_WAIT: Final = 0.05
 """How long a response left normally (its last event seen) may take to end its body before
 its connection is closed instead of reused (a provider lingering after its last event)."""
@@ -114,11 +115,6 @@ class HTTPTimeouts:
     connect: float = DEFAULT_CONNECT_TIMEOUT
     read: float | None = DEFAULT_READ_TIMEOUT
     """None: wait for the upstream forever (until the run is cancelled)."""
-
-    def as_httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(
-            connect=self.connect, read=self.read, write=WRITE_TIMEOUT, pool=self.connect
-        )
 
 
 def parse_timeout_option(key: str, value: Any, fields: dict[str, Any]) -> bool:
@@ -173,8 +169,8 @@ def tls_context() -> ssl.SSLContext:
     """The TLS context for the node's HTTP clients under today's setting: httpx's default
     (``verify=True``, trusting the environment): the CA file ``SSL_CERT_FILE`` names, else
     the directory ``SSL_CERT_DIR`` names, else certifi's bundle. Built once per distinct
-    setting and shared (clients never change it: httpcore sets the same ALPN, HTTP/1.1, on
-    every connection, since no client enables HTTP/2)."""
+    setting and shared (clients never change it: :class:`~nodes.adapters._client.Pool` only
+    wraps connections with it)."""
     return _tls_context(
         os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None
     )
@@ -196,24 +192,23 @@ def pool_size(provider: ProviderConfig) -> int:
 
 
 @asynccontextmanager
-async def open_client(
-    timeouts: HTTPTimeouts, *, max_connections: int, max_keepalive: int | None = None
-) -> AsyncIterator[httpx.AsyncClient]:
-    """A pooled client, closed (every connection with it) when the block is left: at most
-    ``max_connections`` connections, ``max_keepalive`` of them (default: all) kept alive
-    between requests, the shared :func:`tls_context`, no redirects followed. A request that
-    finds every connection busy waits for one, up to the connect timeout."""
-    limits = httpx.Limits(
+async def open_client(timeouts: HTTPTimeouts, *, max_connections: int) -> AsyncIterator[Pool]:
+    """A pooled client (:class:`~nodes.adapters._client.Pool`), closed (every connection
+    with it) when the block is left: at most ``max_connections`` connections, all of them
+    kept alive between requests, the shared :func:`tls_context`, proxies from the
+    environment, no redirects followed. A request that finds every connection busy waits
+    for one, up to the connect timeout."""
+    async with Pool(
+        connect=timeouts.connect,
+        read=timeouts.read,
+        write=WRITE_TIMEOUT,
         max_connections=max_connections,
-        max_keepalive_connections=max_connections if max_keepalive is None else max_keepalive,
-    )
-    async with httpx.AsyncClient(
-        timeout=timeouts.as_httpx(), limits=limits, verify=tls_context(), follow_redirects=False
+        tls_context=tls_context(),
     ) as client:
         yield client
 
 
-RunOn = Callable[[httpx.AsyncClient, wire.RunRequest, RunOutput], Awaitable[None]]
+RunOn = Callable[[Pool, wire.RunRequest, RunOutput], Awaitable[None]]
 """An HTTP adapter's run, on the client it is given."""
 
 
@@ -223,7 +218,7 @@ class PooledAdapter:
     gives). It has no lifetime of its own: opening the adapters again leaves it as it is."""
 
     _run_on: RunOn
-    _client: httpx.AsyncClient = attrs.field(repr=False)
+    _client: Pool = attrs.field(repr=False)
 
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
         await self._run_on(self._client, request, out)
@@ -249,9 +244,7 @@ class HTTPAdapter(abc.ABC):
     """The size of the provider's connection pool: its slots (:func:`pool_size`)."""
 
     @abc.abstractmethod
-    async def run_on(
-        self, client: httpx.AsyncClient, request: wire.RunRequest, out: RunOutput
-    ) -> None:
+    async def run_on(self, client: Pool, request: wire.RunRequest, out: RunOutput) -> None:
         """Run ``request`` with requests on ``client``."""
 
     @asynccontextmanager
@@ -517,16 +510,16 @@ def _alternation(literals: set[str], *, names: bool) -> re.Pattern[str] | None:
 
 @asynccontextmanager
 async def post_stream(
-    client: httpx.AsyncClient,
+    client: Pool,
     url: str,
     body: Mapping[str, Any],
     *,
     headers: Mapping[str, str],
-) -> AsyncIterator[httpx.Response]:
+) -> AsyncIterator[Response]:
     """POST ``body`` as JSON to ``url`` on ``client`` and give the streamed 2xx response.
 
     The response lives inside this block: leaving it early -- by an error, or cancelled --
-    closes the response and its connection (httpcore does not pool a connection whose answer
+    closes the response and its connection (the pool does not keep a connection whose answer
     was not read to its end); leaving it after :func:`finished` read the body to its end
     returns the connection to the client's pool. A non-2xx status and every transport error
     (also those raised while the caller reads the body inside the block) come out as
@@ -534,14 +527,12 @@ async def post_stream(
     message passed through a :class:`Redactor` for this request. Read the body with
     :func:`post_chunks`, which finishes the iterator however it is left.
     """
-    target, where, redact = _request_context(url, tuple(headers.items()))
+    where, redact = shown_url(url), Redactor.for_request(url, headers)
     started = False
     try:
+        target = request_target(url)
         async with client.stream(
-            "POST",
-            target,
-            content=dumps(body),
-            headers={"content-type": "application/json", **headers},
+            "POST", target, [("content-type", "application/json"), *headers.items()], dumps(body)
         ) as response:
             started = True
             if not 200 <= response.status_code < 300:
@@ -581,21 +572,19 @@ async def post_stream(
         ) from None
 
 
-def _request_context(
-    url: str, headers: tuple[tuple[str, str], ...]
-) -> tuple[httpx.URL, str, Redactor]:
-    """``url`` parsed, as the log shows it (:func:`request_target`), and the
-    :class:`Redactor` for a request to it with ``headers``."""
-    target, where = request_target(url)
-    return target, where, Redactor.for_request(url, dict(headers))
+@functools.lru_cache(maxsize=256)
+def request_target(url: str) -> Target:
+    """``url`` parsed (by httpx's rules) for the client: the same for every request to a
+    provider's path, so worked out once (httpx's URL parsing was a tenth of a pooled run's
+    CPU)."""
+    return Target.from_url(httpx.URL(url))
 
 
 @functools.lru_cache(maxsize=256)
-def request_target(url: str) -> tuple[httpx.URL, str]:
-    """``url`` parsed, and as the log shows it (:func:`display_url`): the same for every
-    request to a provider's path, so worked out once (httpx's URL parsing was a tenth of a
-    pooled run's CPU, :func:`display_url` another tenth of a tunnel's)."""
-    return httpx.URL(url), display_url(url)
+def shown_url(url: str) -> str:
+    """:func:`display_url`, worked out once per URL (it parses the URL: a tenth of a
+    tunnel's CPU when its log line computed it at every request)."""
+    return display_url(url)
 
 
 def _transport_failure(code: str, message: str, where: str, exc: Exception) -> AdapterError:
@@ -607,12 +596,11 @@ def _transport_failure(code: str, message: str, where: str, exc: Exception) -> A
 
 @asynccontextmanager
 async def post_chunks(
-    client: httpx.AsyncClient, url: str, body: Mapping[str, Any], *, headers: Mapping[str, str]
+    client: Pool, url: str, body: Mapping[str, Any], *, headers: Mapping[str, str]
 ) -> AsyncIterator[AsyncIterator[bytes]]:
     """:func:`post_stream`, its response's body as it arrives (``aiter_bytes``: decoded if
     the upstream compressed it), finished properly however the block is left. Split it with
-    :class:`LineSplitter` or :class:`SSEDecoder`: a whole read at a time, instead of httpx's
-    text and line iterators, one generator each per piece."""
+    :class:`LineSplitter` or :class:`SSEDecoder`: a whole read at a time."""
     async with (
         post_stream(client, url, body, headers=headers) as response,
         finished(response, response.aiter_bytes()) as chunks,
@@ -622,34 +610,23 @@ async def post_chunks(
 
 @asynccontextmanager
 async def finished(
-    response: httpx.Response, iterator: AsyncIterator[_T]
+    response: Response, iterator: AsyncIterator[_T]
 ) -> AsyncIterator[AsyncIterator[_T]]:
-    """``iterator`` (one of httpx's response iterators), finished when the block is left.
+    """``iterator`` (one of the response's body iterators), finished when the block is left.
 
     Left normally (the caller has what it wanted), the rest of the body is read first, for
     at most :data:`REUSE_WAIT` and :data:`REUSE_MAX_BYTES`: a response read to its end gives
     its connection back to the pool. Left by an error or cancelled, nothing more is read.
-
-    Then, however the block is left: httpx's iterators are a chain of async generators (lines
-    over text over bytes over raw over httpcore's...). ``contextlib.aclosing`` closes only
-    the outermost one when the caller stops early; the others are left suspended and Trio
-    warns (ResourceWarning) when they are garbage collected. So: close the response (and,
-    unless its body was read to the end, its connection), then resume the chain until it ends
-    -- the read at its bottom fails at once on the closed connection and that error unwinds
-    every generator. Shielded and bounded, so it runs when cancelled too.
+    Either way the response is closed: unless its body was read to the end, its connection
+    is closed when the request's block is left (the iterators are plain objects, not async
+    generators: nothing is left suspended to finalize).
     """
     try:
         yield iterator
         with trio.move_on_after(REUSE_WAIT):
             await _read_to_end(iterator)
     finally:
-        with trio.move_on_after(DRAIN_TIMEOUT, shield=True):
-            await response.aclose()
-            try:
-                async for _ in iterator:
-                    pass
-            except Exception:  # the read on the closed connection fails: expected
-                pass
+        await response.aclose()  # no checkpoint: runs when cancelled too
 
 
 async def _read_to_end(iterator: AsyncIterator[Any]) -> None:
@@ -666,7 +643,7 @@ async def _read_to_end(iterator: AsyncIterator[Any]) -> None:
         log.debug("reading the rest of a finished response failed: %s", _describe(exc))
 
 
-async def _status_error(response: httpx.Response, where: str, redact: Redactor) -> AdapterError:
+async def _status_error(response: Response, where: str, redact: Redactor) -> AdapterError:
     status = response.status_code
     raw = bytearray()
     async with finished(response, response.aiter_bytes()) as chunks:

@@ -42,11 +42,11 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
-import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 import orjson
 
 from dispatcher import protocol as wire
 from nodes.adapters import _http
+from nodes.adapters._client import Pool
 from nodes.adapters.base import (
     AdapterError,
     RunOutput,
@@ -148,9 +148,7 @@ class OllamaAdapter(_http.HTTPAdapter):
             payload["keep_alive"] = self.options.keep_alive
         return payload
 
-    async def run_on(
-        self, client: httpx.AsyncClient, request: wire.RunRequest, out: RunOutput
-    ) -> None:
+    async def run_on(self, client: Pool, request: wire.RunRequest, out: RunOutput) -> None:
         payload = self.payload(request)
         stream = _Stream(out)
         splitter = _http.LineSplitter()

@@ -31,10 +31,10 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
-import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 
 from dispatcher import protocol as wire
 from nodes.adapters import _http
+from nodes.adapters._client import Pool
 from nodes.adapters.base import AdapterError, RunOutput
 from nodes.config import OptionsError, ProviderConfig
 
@@ -90,9 +90,7 @@ class OpenAIAdapter(_http.HTTPAdapter):
             connections=_http.pool_size(provider),
         )
 
-    async def run_on(
-        self, client: httpx.AsyncClient, request: wire.RunRequest, out: RunOutput
-    ) -> None:
+    async def run_on(self, client: Pool, request: wire.RunRequest, out: RunOutput) -> None:
         body = dict(request.body)
         body["model"] = request.served_model
         body["stream"] = True
