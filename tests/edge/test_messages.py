@@ -87,6 +87,11 @@ LOCAL = NodeConfig(
 )
 
 
+SERVED = FRONT_ENDS if MESSAGES in FRONT_ENDS else (*FRONT_ENDS, MESSAGES)
+"""The edge's front ends with the Messages one (registered in ``api/app.py``'s FRONT_ENDS
+once that line is applied: then as it is)."""
+
+
 @asynccontextmanager
 async def open_edge(node: NodeConfig | None = LOCAL, **config: Any) -> AsyncIterator[Edge]:
     rows: list[UsageRow] = []
@@ -102,7 +107,7 @@ async def open_edge(node: NodeConfig | None = LOCAL, **config: Any) -> AsyncIter
         if node is not None:
             await dispatcher.attach_local_node(node)
         async with trio.open_nursery() as nursery:
-            serve = functools.partial(dispatcher.serve, front_ends=(*FRONT_ENDS, MESSAGES))
+            serve = functools.partial(dispatcher.serve, front_ends=SERVED)
             server: Server = await nursery.start(serve)
             yield Edge(dispatcher, server, rows)
             server.shutdown()
