@@ -366,3 +366,13 @@ def test_the_echo_models_knobs_are_forwarded() -> None:
         )
     )
     assert chat["echo"] == {"fail_after_tokens": 1}
+
+
+def test_an_image_in_system_is_refused_naming_where() -> None:
+    with pytest.raises(BadRequest, match=r"'system\[0\].type': content blocks of type 'image'"):
+        parse(
+            model="m",
+            max_tokens=5,
+            system=[{"type": "image", "source": {}}],
+            messages=[{"role": "user", "content": "x"}],
+        )

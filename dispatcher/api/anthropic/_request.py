@@ -145,7 +145,7 @@ TOOL_NAME: Final = String(
     what="a name of 1 to 64 letters, digits, underscores or dashes",
 )
 _TEXT: Final = _strict({"text": STRING, "cache_control": _CACHE_CONTROL}, ("text",), tag="type")
-_TEXT_BLOCKS: Final = Array(Blocks({"text": _TEXT}, "this place"), what="an array of text blocks")
+_TEXT_BLOCKS: Final = Array(Blocks({"text": _TEXT}, "'system'"), what="an array of text blocks")
 _TEXT_OR_BLOCKS: Final = OneOf(
     {str: STRING, list: _TEXT_BLOCKS}, what="a string or an array of text blocks"
 )
