@@ -438,3 +438,30 @@ async def test_tunnel_candidates_are_excluded_at_admission() -> None:
         assert [(r.node_id, r.path, r.route) for r in edge.rows] == [
             ("normal", "normalized", "/v1/messages")
         ]
+
+
+async def test_a_draining_edge_is_overloaded_and_ends_open_streams_with_an_error_event(
+    edge: Edge,
+) -> None:
+    words = " ".join(f"w{i}" for i in range(300))
+    body = {"model": "echo-slow", "max_tokens": 1000, "stream": True, "messages": user(words)}
+    received = b""
+    async with (
+        httpx.AsyncClient(base_url=edge.url, timeout=30) as client,
+        client.stream("POST", "/v1/messages", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for chunk in response.aiter_bytes():
+            received += chunk
+            if b"event: content_block_delta" in received and not edge.dispatcher.draining:
+                await edge.dispatcher.begin_shutdown()
+    events = sse_events(received)
+    assert events[-1][0] == "error"
+    assert events[-1][1]["error"] == {
+        "type": "overloaded_error",
+        "message": "the dispatcher is shutting down",
+    }
+    assert "message_stop" not in [name for name, _ in events]
+    with pytest.raises(anthropic.OverloadedError) as info:
+        await edge.sdk(create())
+    assert info.value.response.headers["retry-after"] == "1"
