@@ -34,7 +34,7 @@ body was read to its end, on a connection both sides keep alive, the connection 
 to the pool; left any other way -- cancelled, an error, the body not read to its end -- it is
 closed at once, so no later request can read what was left of another's answer. The pool's
 block closes every idle connection. An idle connection the provider closed (readable while
-idle) is dropped before it would be reused.
+idle), or idle for more than :data:`KEEPALIVE_EXPIRY`, is dropped instead of reused.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ import trio
 MAX_HEAD: Final = 100 * 1024
 """Bytes an answer's status line and headers may take (httpcore's bound)."""
 READ_SIZE: Final = 64 * 1024
+KEEPALIVE_EXPIRY: Final = 5.0
+"""Seconds an idle connection is reused within (httpcore's default): older, it is closed
+rather than raced against a provider closing it (uvicorn's default keep-alive is 5 s)."""
 USER_AGENT: Final = b"trio-dispatcher-node"
 
 _NO_BODY_STATUSES: Final = frozenset({204, 304})
@@ -167,11 +170,12 @@ class Headers:
 
 
 class _Connection:
-    __slots__ = ("buffer", "stream")
+    __slots__ = ("buffer", "idle_since", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.buffer = bytearray()
+        self.idle_since = 0.0
 
     def is_readable(self) -> bool:
         """Readable while idle: the provider closed it (or sent what it should not)."""
@@ -493,6 +497,7 @@ class Pool:
                     and response.reusable
                     and not self._closed
                 ):
+                    conn.idle_since = trio.current_time()
                     self._idle.setdefault(target.origin, []).append(conn)
                 else:
                     self._discard(conn)
@@ -501,9 +506,11 @@ class Pool:
 
     def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(origin)
+        if idle:
+            now = trio.current_time()
         while idle:
             conn = idle.pop()
-            if not conn.is_readable():
+            if now - conn.idle_since <= KEEPALIVE_EXPIRY and not conn.is_readable():
                 return conn
             self._discard(conn)
         return None

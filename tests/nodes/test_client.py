@@ -12,6 +12,7 @@ import httpx
 import pytest
 import trio
 
+from nodes.adapters import _client
 from nodes.adapters._client import Pool, Response, Target
 from nodes.adapters._http import LineSplitter, SSEDecoder, tls_context
 
@@ -184,6 +185,20 @@ async def test_an_idle_connection_the_server_closed_is_not_reused() -> None:
                 while not client._idle[target(server).origin][0].is_readable():
                     await trio.sleep(0.01)
         assert server.accepted == 2
+
+
+async def test_an_idle_connection_past_its_keepalive_expiry_is_not_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_client, "KEEPALIVE_EXPIRY", 0.0)
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    async with serve(answering(answer)) as server, pool() as client:
+        for _ in range(2):
+            async with client.stream("POST", target(server), [], b"x") as response:
+                assert await body(response) == b"ok"
+            await trio.sleep(0.01)
+        assert server.accepted == 2
+        assert client.connections == 1
 
 
 async def test_leaving_before_the_end_closes_the_connection_at_once() -> None:
