@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ..admission import AdmissionError
 from ..errors import DispatcherError, NotFound, PayloadTooLarge, ShuttingDown, Unauthorized
 from ..http import BodyTooLarge, Handler, Headers, HTTPStream, Request, Responder, WebSocket
-from . import openai, operations, responses
+from . import anthropic, openai, operations, responses
 from .front import Access, ErrorRenderer, FrontEnd, RenderedError, RouteContext, RouteSpec
 from .seam import ApiSettings, EdgeServices, WorkTicket
 
@@ -33,6 +33,7 @@ __all__ = [
     "make_error_page",
     "make_handler",
     "new_request_id",
+    "presented_key",
     "request_headers",
 ]
 
@@ -42,6 +43,7 @@ FRONT_ENDS: tuple[FrontEnd, ...] = (
     openai.FRONT_END,
     operations.FRONT_END,
     responses.FRONT_END,
+    anthropic.FRONT_END,
 )
 """The edge's front ends, one line each; the first one's error shape is the default."""
 
@@ -72,6 +74,16 @@ def request_headers(request_id: str, client_id: str | None) -> tuple[tuple[bytes
     edge_id = request_id.encode("ascii")
     echoed = client_id.encode("ascii") if client_id is not None else edge_id
     return ((b"x-request-id", echoed), (b"x-dispatcher-request-id", edge_id))
+
+
+def presented_key(request: Request) -> bytes | None:
+    """The API key the client sent: ``Authorization: Bearer <key>``, else ``x-api-key: <key>``
+    (what Anthropic's clients send: Claude Code, older SDKs, the API's examples)."""
+    scheme, _, token = (request.header(b"authorization") or b"").partition(b" ")
+    token = token.strip()
+    if scheme.lower() == b"bearer" and token:
+        return token
+    return (request.header(b"x-api-key") or b"").strip() or None
 
 
 def key_id(key: bytes) -> str:
@@ -160,11 +172,11 @@ def make_handler(
             if admin and api_keys:
                 raise Unauthorized("admin routes need an admin key (configure admin_keys)")
             return None
-        header = request.header(b"authorization") or b""
-        scheme, _, token = header.partition(b" ")
-        token = token.strip()
-        if scheme.lower() != b"bearer" or not token:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        token = presented_key(request)
+        if token is None:
+            raise Unauthorized(
+                "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            )
         ok = False
         for key in keys:  # no early exit: constant time over the configured keys
             ok |= hmac.compare_digest(token, key)

@@ -59,11 +59,6 @@ async def test_a_wrong_key_is_an_authentication_error_and_the_right_one_works() 
         assert message.content[0].type == "text"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the x-api-key change in dispatcher/api/app.py's authorize (see "
-    "docs/messages.md); remove this marker when it is applied",
-)
 async def test_an_x_api_key_header_is_accepted() -> None:
     """What Claude Code, older SDKs and Anthropic's curl examples send."""
     async with open_edge(api_keys=("sk-good",)) as edge:
