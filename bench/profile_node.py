@@ -17,6 +17,12 @@ called often, so compare the shares, and take the absolute numbers from
 ``bench.node_frames``), then the top ``--top`` functions by each ``--sort`` key, their
 times per request in microseconds. ``--dump DIR`` also writes each cell's ``.prof`` file
 (``snakeviz``, ``pstats``). Not a section of ``python -m bench``: a focused probe.
+
+``--clients`` instead measures the node's upstream client alone, in this process, against the
+fake provider in a child process (64-token SSE answers, one keep-alive connection, ``--runs``
+requests per turn, 3 rounds taking turns): CPU per request of httpx (what the node used
+before), h11 over a Trio stream, and the node's own client (``nodes.adapters._client``), each
+body split by the same :class:`~nodes.adapters._http.SSEDecoder` and decoded by orjson.
 """
 
 from __future__ import annotations
@@ -24,14 +30,23 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import subprocess
+import sys
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
+import h11
+import httpx
+import orjson
 import trio
 
-from bench.node_frames import _cell, _Counting
+from bench.node_frames import _cell, _Counting, _read_line
 from dispatcher.transport import Connection
+from nodes.adapters._client import Pool, Target
+from nodes.adapters._http import SSEDecoder, tls_context
 
 
 class _Profiled(_Counting):
@@ -102,6 +117,120 @@ async def _main(args: argparse.Namespace) -> None:
                     profile.dump_stats(directory / f"{name}.prof")
 
 
+# --------------------------------------------------------------------------- --clients
+
+_BODY = orjson.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+)
+_HEADERS = [("content-type", "application/json"), ("accept", "text/event-stream")]
+
+
+def _consume(decoder: SSEDecoder, piece: bytes) -> int:
+    events = 0
+    for data in decoder.feed(piece):
+        if data.strip() != b"[DONE]":
+            orjson.loads(data)
+            events += 1
+    return events
+
+
+async def _via_httpx(port: int) -> Callable[[], Awaitable[int]]:
+    client = httpx.AsyncClient(verify=tls_context())
+    url = httpx.URL(f"http://127.0.0.1:{port}/v1/chat/completions")
+
+    async def one() -> int:
+        decoder, events = SSEDecoder(), 0
+        async with client.stream("POST", url, content=_BODY, headers=_HEADERS) as response:
+            async for piece in response.aiter_bytes():
+                events += _consume(decoder, piece)
+        return events
+
+    one.client = client  # type: ignore[attr-defined]
+    return one
+
+
+async def _via_h11(port: int) -> Callable[[], Awaitable[int]]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    conn = h11.Connection(h11.CLIENT)
+    headers = [("host", f"127.0.0.1:{port}"), *_HEADERS, ("content-length", str(len(_BODY)))]
+
+    async def one() -> int:
+        decoder, events = SSEDecoder(), 0
+        request = h11.Request(method="POST", target="/v1/chat/completions", headers=headers)
+        data = conn.send(request) + conn.send(h11.Data(data=_BODY)) + conn.send(h11.EndOfMessage())
+        await stream.send_all(data)
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Data):
+                events += _consume(decoder, bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                break
+        conn.start_next_cycle()
+        return events
+
+    one.client = stream  # type: ignore[attr-defined]
+    return one
+
+
+async def _via_pool(port: int) -> Callable[[], Awaitable[int]]:
+    pool = Pool(
+        connect=10, read=60, write=10, max_connections=1, tls_context=tls_context(), proxies={}
+    )
+    target = Target.from_url(httpx.URL(f"http://127.0.0.1:{port}/v1/chat/completions"))
+
+    async def one() -> int:
+        decoder, events = SSEDecoder(), 0
+        async with pool.stream("POST", target, _HEADERS, _BODY) as response:
+            async for piece in response.aiter_bytes():
+                events += _consume(decoder, piece)
+        return events
+
+    one.client = pool  # type: ignore[attr-defined]
+    return one
+
+
+async def _serve_fake() -> None:
+    from tests.nodes.fake_providers import serve_fake_openai
+
+    async with trio.open_nursery() as nursery:
+        fake: Any = await nursery.start(serve_fake_openai)
+        fake.chunk_count = 64
+        fake.requests = _Forgetful()
+        print(fake.server.address.port, flush=True)
+        await trio.sleep_forever()
+
+
+class _Forgetful(list[Any]):
+    def append(self, item: Any) -> None:
+        pass
+
+
+async def _clients(runs: int) -> None:
+    command = [sys.executable, "-m", "bench.profile_node", "--serve-fake"]
+    async with trio.open_nursery() as nursery:
+        child: trio.Process = await nursery.start(
+            partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
+        )
+        assert child.stdout is not None
+        port = int((await _read_line(child.stdout)).split()[0])
+        makers = {"httpx": _via_httpx, "h11": _via_h11, "ours": _via_pool}
+        print(f"{'round':>5} {'client':8} {'client CPU ms/request':>22}")
+        for round_ in range(3):
+            for name, make in makers.items():
+                one = await make(port)
+                async with one.client:  # type: ignore[attr-defined]
+                    for _ in range(20):
+                        assert await one() >= 64
+                    cpu = time.process_time()
+                    for _ in range(runs):
+                        await one()
+                    cpu = time.process_time() - cpu
+                print(f"{round_:>5} {name:8} {cpu / runs * 1000:>22.3f}", flush=True)
+        nursery.cancel_scope.cancel(reason="measured")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=300)
@@ -111,7 +240,15 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sort", nargs="+", default=["tottime"])
     parser.add_argument("--dump", help="a directory for each cell's .prof file")
-    trio.run(partial(_main, parser.parse_args()))
+    parser.add_argument("--clients", action="store_true", help="compare the upstream clients")
+    parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_fake:
+        trio.run(_serve_fake)
+    elif args.clients:
+        trio.run(_clients, args.runs)
+    else:
+        trio.run(partial(_main, args))
 
 
 if __name__ == "__main__":
