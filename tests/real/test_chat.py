@@ -1,0 +1,195 @@
+"""Chat completions and completions through the edge, on both paths, against the engine's own
+answer to the same request: the same text at temperature 0, the same finish reason, the
+engine's usage numbers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from .answers import ENGINE_MODEL, MESSAGES, OVERFLOW, Answer, chat, completion
+from .stack import NORMALIZED, TUNNEL, Stack, busy_slots
+
+PATHS = pytest.mark.parametrize("model", [TUNNEL, NORMALIZED])
+STREAMED = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+
+
+def _same(edge: Answer, direct: Answer) -> None:
+    assert edge.text == direct.text
+    assert edge.finish_reason == direct.finish_reason
+    assert edge.usage == direct.usage
+    assert edge.tool_calls == direct.tool_calls
+
+
+@PATHS
+@STREAMED
+def test_chat_is_the_engines_answer(
+    direct: openai.OpenAI, edge: openai.OpenAI, model: str, stream: bool
+) -> None:
+    expected = chat(direct, ENGINE_MODEL, stream=stream)
+    assert expected.text
+    assert expected.prompt_tokens
+    assert expected.completion_tokens
+    _same(chat(edge, model, stream=stream), expected)
+
+
+@PATHS
+@STREAMED
+def test_max_tokens_cuts_the_answer_with_length(
+    direct: openai.OpenAI, edge: openai.OpenAI, model: str, stream: bool
+) -> None:
+    expected = chat(direct, ENGINE_MODEL, stream=stream, max_tokens=5)
+    assert expected.finish_reason == "length"
+    assert expected.completion_tokens == 5
+    _same(chat(edge, model, stream=stream, max_tokens=5), expected)
+
+
+def _a_stop_word(direct: openai.OpenAI) -> tuple[str, Answer]:
+    """A word from the middle of the engine's answer, and the answer."""
+    full = chat(direct, ENGINE_MODEL, stream=False)
+    words = [w.strip(".,;:!?") for w in full.text.split()]
+    middle = [w for w in words[len(words) // 3 :] if len(w) >= 4]
+    assert middle, f"no stop word in {full.text!r}"
+    return middle[0], full
+
+
+@PATHS
+@STREAMED
+def test_a_stop_sequence_ends_the_answer_as_the_engine_does(
+    direct: openai.OpenAI, edge: openai.OpenAI, model: str, stream: bool
+) -> None:
+    stop, full = _a_stop_word(direct)
+    expected = chat(direct, ENGINE_MODEL, stream=stream, stop=[stop])
+    assert expected.finish_reason == "stop"
+    assert stop not in expected.text
+    assert full.text.startswith(expected.text)
+    assert len(expected.text) < len(full.text)
+    _same(chat(edge, model, stream=stream, stop=[stop]), expected)
+
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+@PATHS
+@STREAMED
+def test_a_required_tool_call_is_the_engines(
+    direct: openai.OpenAI, edge: openai.OpenAI, model: str, stream: bool
+) -> None:
+    knobs: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 64,
+    }
+    expected = chat(direct, ENGINE_MODEL, stream=stream, **knobs)
+    if not expected.tool_calls:
+        pytest.skip(f"the engine itself answered no tool call: {expected}")
+    assert expected.finish_reason == "tool_calls"
+    assert expected.tool_calls[0][0] == "get_weather"
+    _same(chat(edge, model, stream=stream, **knobs), expected)
+
+
+@STREAMED
+def test_completions_through_the_tunnel_are_the_engines(
+    direct: openai.OpenAI, edge: openai.OpenAI, stream: bool
+) -> None:
+    expected = completion(direct, ENGINE_MODEL, stream=stream)
+    assert expected.text
+    assert expected.prompt_tokens
+    assert expected.completion_tokens
+    assert completion(edge, TUNNEL, stream=stream) == expected
+    cut = completion(direct, ENGINE_MODEL, stream=stream, max_tokens=4)
+    assert cut.finish_reason == "length"
+    assert completion(edge, TUNNEL, stream=stream, max_tokens=4) == cut
+
+
+def test_completions_refuse_the_normalized_model(edge: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        completion(edge, NORMALIZED, stream=False)
+    assert raised.value.code == "no_capable_candidate"
+
+
+@PATHS
+@STREAMED
+def test_a_context_overflow_is_relayed_as_a_400(
+    direct: openai.OpenAI, edge: openai.OpenAI, model: str, stream: bool
+) -> None:
+    messages = [{"role": "user", "content": OVERFLOW}]
+    with pytest.raises(openai.BadRequestError) as engine_said:
+        chat(direct, ENGINE_MODEL, stream=stream, messages=messages)
+    assert engine_said.value.status_code == 400
+    with pytest.raises(openai.APIStatusError) as edge_said:
+        chat(edge, model, stream=stream, messages=messages)
+    assert edge_said.value.status_code == 400, edge_said.value.response.text
+    assert "context" in str(edge_said.value.message).lower()
+
+
+CANCEL_BOUND = 20.0
+"""Seconds the engine gets to see the client gone and free its slot."""
+
+LONG = 1500
+"""The disconnected generation's max_tokens: at ~100 tokens/s, 15 s of work left."""
+
+
+@PATHS
+def test_a_client_leaving_mid_stream_stops_the_generation(
+    idle_engine: Stack, edge: openai.OpenAI, model: str
+) -> None:
+    stack = idle_engine
+    body = {
+        "model": model,
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": LONG,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    chunks = 0
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{stack.edge_url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+            if chunks >= 5:
+                break
+        assert busy_slots(stack), "the engine is not generating"
+    left = time.monotonic()  # the connection is closed: the client is gone
+    while busy_slots(stack):
+        elapsed = time.monotonic() - left
+        assert elapsed < CANCEL_BOUND, (
+            f"the engine is still generating {elapsed:.1f} s after the client left\n"
+            + stack.diagnostics()
+        )
+        time.sleep(0.05)
+    stopped_after = time.monotonic() - left
+    decoded = _last_decoded(stack)
+    assert decoded is None or decoded < LONG, f"the engine decoded {decoded} tokens"
+    print(f"{model}: the engine's slot idle {stopped_after:.2f} s after the client left")
+
+
+def _last_decoded(stack: Stack) -> int | None:
+    """``n_decoded`` of the most recent task on the engine's slots, when it says."""
+    answer = httpx.get(f"{stack.engine_url}/slots", timeout=5).json()
+    counts = [slot.get("next_token", [{}])[0].get("n_decoded") for slot in answer]
+    known = [c for c in counts if isinstance(c, int)]
+    return max(known) if known else None
