@@ -100,6 +100,19 @@ class NodeSettings:
     heartbeat_timeout: float = 15.0
 
 
+@attrs.frozen(kw_only=True)
+class ResponsesSettings:
+    """The Responses API's stored responses (``docs/responses.md``): kept in SQLite beside
+    the usage ledger (in memory when the ledger is), oldest first out past a bound."""
+
+    max_stored: int = 10_000
+    """The most responses kept."""
+    max_stored_bytes: int = 64 * 1024 * 1024
+    """The most bytes of their JSON kept (each with its conversation)."""
+    max_age_s: float = 24 * 3600.0
+    """A response older than this is forgotten."""
+
+
 _GATE_FIELDS = frozenset(
     {"max_attempts", "request_timeout_s", "first_token_timeout_s", "stall_timeout_s"}
 )
@@ -171,6 +184,7 @@ class EdgeConfig:
     headers. Off by default: node ids are the operator's business, not every client's."""
     http: HTTPSettings = HTTPSettings()
     nodes: NodeSettings = NodeSettings()
+    responses: ResponsesSettings = ResponsesSettings()
     admission: QueuePolicySettings = QueuePolicySettings()
     models: dict[str, QueuePolicySettings] = attrs.field(factory=dict)
 
@@ -438,6 +452,9 @@ def _validate(config: EdgeConfig, source: str) -> None:
         "must be longer than nodes.heartbeat_interval",
     )
     check(config.http.max_body_size > 0, "http.max_body_size", "must be > 0")
+    check(config.responses.max_stored >= 1, "responses.max_stored", "must be >= 1")
+    check(config.responses.max_stored_bytes >= 1, "responses.max_stored_bytes", "must be >= 1")
+    check(config.responses.max_age_s > 0, "responses.max_age_s", "must be > 0")
     check(
         (config.http.tls_certificate is None) == (config.http.tls_private_key is None),
         "http.tls_certificate",

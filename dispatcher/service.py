@@ -46,6 +46,7 @@ from .metrics import Metrics
 from .nodelink import LOCAL_CREDENTIAL, NodeCredential, NodeLinkSettings, serve_node_connection
 from .pool import Dispatch, DispatchRequest, Pool
 from .registry import NodeSession, Registry
+from .responses_store import ResponseStore, beside_ledger, open_response_store
 from .runs import Run, Runs, RunSpec
 from .transport import Connection, memory_connection_pair
 from .tunnel import Tunnels
@@ -75,6 +76,8 @@ class Dispatcher:
     tunnels: Tunnels
     gate: Gate
     ledger: UsageLedger
+    response_store: ResponseStore
+    """The Responses API's stored responses, beside the ledger (``dispatcher.responses_store``)."""
     metrics: Metrics
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
@@ -370,6 +373,12 @@ async def open_dispatcher_of(
     )
     async with (
         open_usage_ledger(config.usage_db or ":memory:") as ledger,
+        open_response_store(
+            beside_ledger(config.usage_db),
+            max_entries=config.responses.max_stored,
+            max_bytes=config.responses.max_stored_bytes,
+            max_age=config.responses.max_age_s,
+        ) as response_store,
         trio.open_nursery() as nursery,
     ):
         dispatcher = kind(
@@ -381,6 +390,7 @@ async def open_dispatcher_of(
             tunnels=tunnels,
             gate=Gate(pool, gate_policies(config), record_usage=ledger.record, nursery=nursery),
             ledger=ledger,
+            response_store=response_store,
             metrics=metrics,
             nodelink_settings=settings,
             nursery=nursery,

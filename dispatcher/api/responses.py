@@ -14,18 +14,18 @@ before it is still an HTTP status (and recovered by the gate). After it, a failu
 ``response.failed`` event with an error ``code`` and the stream ends there -- never a
 ``response.completed``.
 
-Stored responses (``store``, true unless the client says false) live in a
-:class:`ResponseStore` in memory, bounded by count, bytes and age; ``previous_response_id``
-prepends the stored conversation.
+Stored responses (``store``, true unless the client says false) live in the edge's
+:class:`~dispatcher.responses_store.ResponseStore` (SQLite beside the usage ledger, bounded by
+count, bytes and age), reached through the seam (``EdgeServices.response_store``);
+``previous_response_id`` prepends the stored conversation.
 """
 
 from __future__ import annotations
 
-import collections
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -37,6 +37,7 @@ from ..admission import Candidate
 from ..errors import BadRequest, NotFound
 from ..gate import Answer
 from ..http import PeerGone, Request, Responder
+from ..responses_store import ResponseStore, StoredResponse
 from . import schema
 from .common import JSON_HEADERS, ModelCall, dispatch_headers, model_route, openai_error
 from .front import FrontEnd, Route, RouteContext, RouteSpec
@@ -65,110 +66,6 @@ SSE_HEADERS: Final = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-
-# --------------------------------------------------------------------------- the store
-
-MAX_STORED: Final = 10_000
-"""Default bound on stored responses."""
-MAX_STORED_BYTES: Final = 64 * 1024 * 1024
-"""Default bound on the stored responses' size (their JSON, conversation included)."""
-MAX_STORED_AGE: Final = 24 * 3600.0
-"""Default age in seconds past which a stored response is forgotten."""
-
-
-@attrs.frozen
-class StoredResponse:
-    response: JSONObject
-    """The response object as ``GET`` answers it."""
-    conversation: tuple[JSONObject, ...]
-    """The input items of the whole chain (without instructions) and this response's output
-    items: what a later ``previous_response_id`` prepends."""
-    size: int
-    stored_at: float
-    owner: str | None = None
-    """Whose it is: the id of the API key that created it (None when the edge has none)."""
-
-
-class ResponseStore:
-    """Stored responses in memory, oldest first out: at most ``max_entries`` of them, at most
-    ``max_bytes`` of JSON together, none older than ``max_age`` seconds (by ``clock``, a
-    monotonic clock). A response bigger than ``max_bytes`` alone is not kept. A response is
-    found only by its ``owner`` (the API key id that created it): another key's is not
-    there."""
-
-    def __init__(
-        self,
-        *,
-        max_entries: int = MAX_STORED,
-        max_bytes: int = MAX_STORED_BYTES,
-        max_age: float = MAX_STORED_AGE,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if max_entries < 1 or max_bytes < 1 or max_age <= 0:
-            raise ValueError("max_entries and max_bytes must be >= 1, max_age > 0")
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.max_age = max_age
-        self._clock = clock
-        self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-        self._bytes = 0
-        self.evicted = 0
-        """Responses forgotten for a bound (not deleted by a client)."""
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @property
-    def bytes(self) -> int:
-        return self._bytes
-
-    def put(
-        self,
-        response: JSONObject,
-        conversation: Sequence[JSONObject],
-        owner: str | None = None,
-    ) -> bool:
-        """Keep ``response`` (by its ``id``); False if it is too big to keep at all."""
-        size = len(orjson.dumps(response)) + len(orjson.dumps(list(conversation)))
-        if size > self.max_bytes:
-            return False
-        self._expire()
-        entry = StoredResponse(response, tuple(conversation), size, self._clock(), owner)
-        self._remove(response["id"])
-        self._entries[response["id"]] = entry
-        self._bytes += size
-        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-            self._pop_oldest()
-        return True
-
-    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
-        self._expire()
-        entry = self._entries.get(response_id)
-        return entry if entry is not None and entry.owner == owner else None
-
-    def delete(self, response_id: str, owner: str | None = None) -> bool:
-        return self.get(response_id, owner) is not None and self._remove(response_id)
-
-    def _remove(self, response_id: str) -> bool:
-        entry = self._entries.pop(response_id, None)
-        if entry is None:
-            return False
-        self._bytes -= entry.size
-        return True
-
-    def _pop_oldest(self) -> None:
-        _, entry = self._entries.popitem(last=False)
-        self._bytes -= entry.size
-        self.evicted += 1
-
-    def _expire(self) -> None:
-        horizon = self._clock() - self.max_age
-        while self._entries:
-            oldest = next(iter(self._entries.values()))
-            if oldest.stored_at > horizon:
-                break
-            self._pop_oldest()
-
 
 # --------------------------------------------------------------------------- the request
 
@@ -825,10 +722,21 @@ class _Events:
 # --------------------------------------------------------------------------- routes
 
 
-def _history(store: ResponseStore, previous: str | None, owner: str | None) -> list[JSONObject]:
+StoreOf = Callable[[EdgeServices], ResponseStore]
+"""Where a route finds the store: the edge's (``EdgeServices.response_store``), or one an
+embedder or a test gave :func:`make_front_end`."""
+
+
+def _edge_store(edge: EdgeServices) -> ResponseStore:
+    return edge.response_store
+
+
+async def _history(
+    store: ResponseStore, previous: str | None, owner: str | None
+) -> list[JSONObject]:
     if previous is None:
         return []
-    stored = store.get(previous, owner)
+    stored = await store.get(previous, owner)
     if stored is None:
         raise BadRequest(
             f"previous response {previous!r} was not found: it was not stored (store: false), "
@@ -839,22 +747,23 @@ def _history(store: ResponseStore, previous: str | None, owner: str | None) -> l
     return list(stored.conversation)
 
 
-def _create_route(store: ResponseStore) -> Route:
+def _create_route(store_of: StoreOf) -> Route:
     @model_route
     async def create_response(call: ModelCall, responder: Responder) -> str:
         request = parse_responses_request(await call.request.body())
         previous = request.body.get("previous_response_id")
         owner = call.ctx.attribution
-        history = _history(store, previous, owner)
+        store = store_of(call.edge)
+        history = await _history(store, previous, owner)
         gated = call.gate_request(
             chat_body(request, history), stream=request.stream, predicate=normalized_only
         )
         turn = _Turn(request, previous)
 
-        def keep() -> None:
+        async def keep() -> None:
             # Before the answer's last byte: a client that chains on it at once finds it.
             if request.store and turn.fields["status"] in ("completed", "incomplete"):
-                store.put(turn.response(), turn.conversation(history), owner)
+                await store.put(turn.response(), turn.conversation(history), owner)
 
         async with call.edge.gate.open(gated) as answer:
             assert isinstance(answer, Answer), "the predicate admits normalized candidates only"
@@ -877,13 +786,13 @@ async def _complete(
     answer: Answer,
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
-    keep: Callable[[], None],
+    keep: Callable[[], Awaitable[None]],
 ) -> None:
     """A non-streamed answer: the gate committed it complete."""
     for event in answer.head:
         if turn.feed(event):
             break
-    keep()
+    await keep()
     body = turn.response()
     await responder.respond(200, (*JSON_HEADERS, *headers), orjson.dumps(body))
 
@@ -894,7 +803,7 @@ async def _stream(
     answer: Answer,
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
-    keep: Callable[[], None],
+    keep: Callable[[], Awaitable[None]],
 ) -> None:
     """A streamed answer: the gate committed at its first content; the preamble goes out with
     it. From here a failure is ``response.failed``."""
@@ -928,7 +837,7 @@ async def _stream(
                 await stream.send(events.encode(chunk))
         if not ended:  # the run's events ended without a terminal one
             turn.fail("server_error", "the model run ended without finishing")
-        keep()
+        await keep()
         await stream.send(events.encode([*turn.output.take_events(), _final(turn)]))
     if scope.cancelled_caught:
         turn.fail("server_error", "the dispatcher is shutting down")
@@ -957,10 +866,11 @@ def _not_found(response_id: str) -> NotFound:
     )
 
 
-def _stored_route(store: ResponseStore) -> Route:
+def _stored_route(store_of: StoreOf) -> Route:
     async def stored_response(
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
+        store = store_of(edge)
         response_id = _response_id(request)
         if request.query:
             raise BadRequest(
@@ -969,12 +879,12 @@ def _stored_route(store: ResponseStore) -> Route:
             )
         headers = (*JSON_HEADERS, *ctx.headers)
         if request.method == "DELETE":
-            if not store.delete(response_id, ctx.attribution):
+            if not await store.delete(response_id, ctx.attribution):
                 raise _not_found(response_id)
             body: JSONObject = {"id": response_id, "object": "response.deleted", "deleted": True}
             await responder.respond(200, headers, orjson.dumps(body))
             return
-        stored = store.get(response_id, ctx.attribution)
+        stored = await store.get(response_id, ctx.attribution)
         if stored is None:
             raise _not_found(response_id)
         await responder.respond(200, headers, orjson.dumps(stored.response))
@@ -983,17 +893,18 @@ def _stored_route(store: ResponseStore) -> Route:
 
 
 def make_front_end(store: ResponseStore | None = None) -> FrontEnd:
-    """The Responses front end over ``store`` (a new default-bounded one if None)."""
-    store = store if store is not None else ResponseStore()
+    """The Responses front end over ``store``; None (what :data:`FRONT_END` is): the edge's
+    own, ``EdgeServices.response_store``, which ``open_dispatcher`` opens beside the ledger."""
+    store_of: StoreOf = _edge_store if store is None else (lambda _: store)
     return FrontEnd(
         "responses",
         {
-            RESPONSES_PATH: RouteSpec(("POST",), _create_route(store), "client", work=True),
-            RESPONSE_ID_ROUTE: RouteSpec(("GET", "DELETE"), _stored_route(store), "client"),
+            RESPONSES_PATH: RouteSpec(("POST",), _create_route(store_of), "client", work=True),
+            RESPONSE_ID_ROUTE: RouteSpec(("GET", "DELETE"), _stored_route(store_of), "client"),
         },
         openai_error,
     )
 
 
 FRONT_END: Final = make_front_end()
-"""The front end ``api.app.FRONT_ENDS`` registers (one store for the process's edge)."""
+"""The front end ``api.app.FRONT_ENDS`` registers, over the edge's store."""

@@ -21,6 +21,7 @@ import trio
 from ..config import EdgeConfig
 from ..gate import Gate
 from ..metrics import Metrics
+from ..responses_store import ResponseStore
 from ..transport import Connection
 from ..usage import UsageLedger
 
@@ -70,6 +71,12 @@ class EdgeServices(Protocol):
     @property
     def ledger(self) -> UsageLedger:
         """The usage ledger (routes only query it; the gate records)."""
+        ...
+
+    @property
+    def response_store(self) -> ResponseStore:
+        """The Responses API's stored responses (owned by ``open_dispatcher``, beside the
+        ledger)."""
         ...
 
     @property

@@ -34,7 +34,6 @@ from dispatcher.api.front import FrontEnd
 from dispatcher.api.responses import (
     RESPONSE_ID_ROUTE,
     RESPONSES_PATH,
-    ResponseStore,
     chat_body,
     error_code,
     make_front_end,
@@ -44,6 +43,7 @@ from dispatcher.api.seam import ApiSettings
 from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings
 from dispatcher.edge import Dispatcher, limits_from_config, open_dispatcher
 from dispatcher.http import Handler, Request, Responder, Server, serve_http
+from dispatcher.responses_store import ResponseStore, open_response_store
 from dispatcher.usage import UsageRow
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
@@ -159,7 +159,6 @@ async def open_edge(
         http=HTTPSettings(shutdown_grace=2),
         nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),
     )
-    store = store if store is not None else ResponseStore()
     responses = make_front_end(store)
     front_ends = (*others(), responses)
     async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
@@ -197,7 +196,9 @@ async def open_edge(
             )
         )
         del make
-        yield Edge(dispatcher, server, nursery, store)
+        yield Edge(
+            dispatcher, server, nursery, store if store is not None else dispatcher.response_store
+        )
         server.shutdown()
         nursery.cancel_scope.cancel()
 
@@ -414,8 +415,11 @@ async def test_previous_response_id_get_and_delete() -> None:
 
 async def test_the_store_bounds_answer_404_and_400_past_them() -> None:
     now = [0.0]
-    store = ResponseStore(max_entries=2, max_age=60, clock=lambda: now[0])
-    async with open_edge(store=store) as edge, edge.sdk(max_retries=0) as client:
+    async with (
+        open_response_store(max_entries=2, max_age=60, clock=lambda: now[0]) as store,
+        open_edge(store=store) as edge,
+        edge.sdk(max_retries=0) as client,
+    ):
         ids = [(await client.responses.create(model="echo", input=f"n{i}")).id for i in range(3)]
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(ids[0])  # the oldest made room
@@ -426,20 +430,9 @@ async def test_the_store_bounds_answer_404_and_400_past_them() -> None:
         with pytest.raises(openai.BadRequestError) as chained:
             await client.responses.create(model="echo", input="x", previous_response_id=ids[1])
         assert chained.value.param == "previous_response_id"
-    assert store.evicted == 3
-
-
-def test_the_store_bounds_its_bytes() -> None:
-    store = ResponseStore(max_bytes=400)
-    small = {"id": "resp_a", "output": []}
-    assert store.put(small, [])
-    assert not store.put({"id": "resp_big", "pad": "x" * 500}, [])  # alone over the bound
-    assert store.get("resp_big") is None
-    assert store.put({"id": "resp_b", "pad": "y" * 360}, [])
-    assert store.get("resp_a") is None  # the older one made room
-    assert store.bytes <= 400
-    assert store.delete("resp_b")
-    assert (len(store), store.bytes) == (0, 0)
+        # The age bound is counted at the next write: the expired one goes then.
+        await client.responses.create(model="echo", input="late")
+    assert store.statistics().evicted == 3
 
 
 # --------------------------------------------------------------------------- the gate
@@ -475,7 +468,7 @@ async def test_response_failed_after_commit_through_the_sdk() -> None:
         assert failed.output[0].status == "incomplete"
         (row,) = await edge.rows("after-commit", 1)
         assert (row.route, row.outcome, row.billable_to) == (RESPONSES_PATH, "failed", "client")
-        assert edge.store.get(failed.id) is None
+        assert await edge.store.get(failed.id) is None
 
 
 @pytest.mark.parametrize("stream", [False, True])
