@@ -42,7 +42,7 @@ import attrs
 import trio
 
 from . import wire
-from .admission import Admission, Candidate, Slot
+from .admission import Admission, Candidate, Slot, SlotId
 from .errors import NodeUnavailable, StaleGeneration
 from .registry import LostCode, NodeGone, NodeSession, Registry
 
@@ -153,6 +153,22 @@ class Lease(abc.ABC):
         block was left (called while the route is still registered)."""
 
 
+@attrs.define(eq=False, slots=True)
+class Settle:
+    """What an abandoned lease's late end calls, once: admission hears the slot's drain is
+    confirmed, and the lease's ``settled`` event is set. A plain object holding neither the
+    lease nor its opener, so nothing per request forms a reference cycle through it (a
+    closure over both did: the lease held its route, which held the closure)."""
+
+    admission: Admission
+    slot_id: SlotId
+    settled: trio.Event
+
+    def __call__(self) -> None:
+        self.admission.confirm_drain(self.slot_id)
+        self.settled.set()
+
+
 @attrs.frozen
 class LeaseStatistics:
     opened: int
@@ -235,13 +251,7 @@ class Leases(abc.ABC, Generic[L]):
         the slot and tell the node (posted: never waits, so no deadline can lose it)."""
         slot = lease.slot
         slot.drain()
-        slot_id = slot.slot_id
-
-        def settle() -> None:
-            self.admission.confirm_drain(slot_id)
-            lease.settled.set()
-
-        lease._on_late_end(settle)
+        lease._on_late_end(Settle(self.admission, slot.slot_id, lease.settled))
         if lease.session.is_open:
             lease.session.post(lease._cancel_message())
             self._cancels_sent += 1

@@ -366,6 +366,9 @@ class NodeSession:
         finally:
             del self.runs[run_id]
             late = subscription.on_late_event
+            # Its callbacks belong to the run's handle, which holds the subscription: forget
+            # them, so no reference cycle is left per run for the collector.
+            subscription.on_late_event = subscription.on_terminal = None
             if late is not None and not subscription.finished:
                 self._late_runs[run_id] = late
             forgotten = self.protocol.close_run(run_id)

@@ -72,6 +72,7 @@ class Run(Lease):
     synthesized ``node_lost`` failure if the node went away first)."""
     late_usage: wire.Usage | None = None
     """The usage the node reported after the block was left."""
+    _settle: Callable[[], None] | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def run_id(self) -> str:
@@ -138,16 +139,31 @@ class Run(Lease):
         return wire.RunCancel(run_id=self.run_id, reason=reason)
 
     def _on_late_end(self, settle: Callable[[], None]) -> None:
-        def late_event(event: wire.RunEvent) -> None:
-            if isinstance(event, wire.RunUsage):
-                self.late_usage = event.usage
-                return
-            self.late_terminal = event
-            if isinstance(event, wire.RunCancelled) and event.usage is not None:
-                self.late_usage = event.usage
+        self._settle = settle
+        # The subscription hands this bound method to the session as it closes, then
+        # forgets it (registry.NodeSession.subscribe): no cycle run -> subscription -> run.
+        self._subscription.on_late_event = self._late_event
+
+    def _late_event(self, event: wire.RunEvent) -> None:
+        if isinstance(event, wire.RunUsage):
+            self.late_usage = event.usage
+            return
+        self.late_terminal = event
+        if isinstance(event, wire.RunCancelled) and event.usage is not None:
+            self.late_usage = event.usage
+        settle, self._settle = self._settle, None
+        if settle is not None:
             settle()
 
-        self._subscription.on_late_event = late_event
+
+@attrs.define(eq=False, slots=True)
+class _Release:
+    """A subscription's ``on_terminal``: the node's end frees the slot at once."""
+
+    slot: Slot
+
+    def __call__(self, _event: wire.RunEvent) -> None:
+        self.slot.release()
 
 
 @attrs.define(eq=False)
@@ -195,5 +211,5 @@ class Runs(Leases[Run]):
     @contextmanager
     def _route(self, session: NodeSession, lease_id: str, slot: Slot) -> Iterator[Run]:
         with session.subscribe(lease_id) as subscription:
-            subscription.on_terminal = lambda _event: slot.release()
+            subscription.on_terminal = _Release(slot)
             yield Run(lease_id=lease_id, slot=slot, session=session, subscription=subscription)

@@ -6,8 +6,11 @@ started and did not finish, the node saw ``run.cancel``. Virtual time throughout
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
-from collections.abc import AsyncIterator
+import gc
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import trio
@@ -316,3 +319,74 @@ async def test_many_runs_ended_at_once_keep_the_node_session(
         assert session.closed_reason is None
         assert_clean(d)
         assert d.runs.stats.ended == {"cancelled": runs}
+
+
+@contextlib.contextmanager
+def no_cyclic_garbage() -> Iterator[None]:
+    """The block's objects die by reference counting alone: with the collector off during
+    it, a collection after it finds nothing unreachable (what it finds is named)."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield
+        gc.collect()
+        garbage = collections.Counter(type(thing).__qualname__ for thing in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not garbage, garbage.most_common(12)
+
+
+async def test_a_completed_run_leaves_no_reference_cycle(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    node = await connect(dispatcher, hello())
+
+    async def one_run() -> None:
+        async with dispatcher.open_run(SPEC) as run:
+            request = await node.receive_run()
+            await node.emit(
+                request.run_id,
+                ("run.started", {}),
+                ("run.delta", {"text": "hello"}),
+                ("run.usage", {"usage": wire.Usage(prompt_tokens=1, completion_tokens=1)}),
+                ("run.completed", {"finish_reason": "stop"}),
+            )
+            async for _ in run:
+                pass
+
+    await one_run()  # warm-up: what the first run creates once
+    with no_cyclic_garbage():
+        for _ in range(3):
+            await one_run()
+    assert_clean(dispatcher)
+
+
+async def test_an_abandoned_run_leaves_no_reference_cycle(
+    dispatcher: Dispatcher, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The client leaves mid-stream (a cancellation), the node confirms the cancel late:
+    the run's handle, its subscription, the late-event callback and the settle callback die
+    with the request, and the Cancelled that left the block is not kept."""
+    node = await connect(dispatcher, hello())
+
+    async def one_run() -> None:
+        with trio.move_on_after(1):
+            async with dispatcher.open_run(SPEC) as run:
+                request = await node.receive_run()
+                await node.emit(request.run_id, ("run.started", {}), ("run.delta", {"text": "a"}))
+                async for _ in run:
+                    pass
+        cancel = await node.receive()
+        assert isinstance(cancel, wire.RunCancel)
+        partial = wire.Usage(prompt_tokens=1, completion_tokens=1)
+        await node.send(wire.RunCancelled(run_id=request.run_id, seq=2, usage=partial))
+        await wait_until(lambda: dispatcher.admission.statistics().draining == 0)
+
+    await one_run()
+    with no_cyclic_garbage():
+        for _ in range(3):
+            await one_run()
+    assert_clean(dispatcher)
