@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from typing import TypeVar
 
@@ -211,6 +211,10 @@ class Dispatcher:
 
     def _node_left(self, session: NodeSession) -> None:
         self.admission.node_left(session.node_id, session.generation)
+
+    def model_aliases(self) -> Mapping[str, str]:
+        """The aliases the admission policy in force names (public name -> model group)."""
+        return self.admission.policy.aliases
 
     def metric_model_label(self, model: str) -> str:
         """``model`` if it names a served or configured group, else "unknown" (clients must not

@@ -1,4 +1,5 @@
-"""The OpenAI front end: ``POST /v1/chat/completions``, ``GET /v1/models``, and the
+"""The OpenAI front end: ``POST /v1/chat/completions``, ``GET /v1/models`` (served groups and
+their configured aliases), ``GET /v1/models/{id}``, and the
 tunnel-only ``POST /v1/completions`` and ``POST /v1/embeddings`` (``api.tunnel_relay``);
 errors in OpenAI's shape (:func:`~dispatcher.api.common.openai_error`).
 
@@ -11,6 +12,7 @@ silent clean end.
 from __future__ import annotations
 
 import time
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +21,7 @@ import orjson
 import trio
 
 from .. import wire
-from ..errors import openai_error_object
+from ..errors import BadRequest, NotFound, openai_error_object
 from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..runs import Run
@@ -273,14 +275,28 @@ def _render(
     return usage, False
 
 
+def served_models(edge: EdgeServices) -> list[str]:
+    """The model names a client may ask for now, sorted: every served model group and every
+    configured alias of a served group."""
+    served = edge.registry.models()
+    names = set(served)
+    names.update(alias for alias, group in edge.model_aliases().items() if group in served)
+    return sorted(names)
+
+
+def _model_object(edge: EdgeServices, name: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(edge.started_at),
+        "owned_by": "trio-dispatcher",
+    }
+
+
 async def list_models(
     edge: EdgeServices, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
 ) -> None:
-    created = int(edge.started_at)
-    data = [
-        {"id": name, "object": "model", "created": created, "owned_by": "trio-dispatcher"}
-        for name in sorted(edge.registry.models())
-    ]
+    data = [_model_object(edge, name) for name in served_models(edge)]
     body = orjson.dumps({"object": "list", "data": data})
     await responder.respond(200, (*JSON_HEADERS, *headers), body)
 
@@ -289,6 +305,28 @@ async def _models(
     edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
 ) -> None:
     await list_models(edge, responder, ctx.headers)
+
+
+MODEL_ID_ROUTE = "/v1/models/{id}"
+"""One model: the last path segment, percent-decoded (the OpenAI SDK encodes a ``/`` in a
+model id as ``%2F``)."""
+
+
+async def _model(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    name = urllib.parse.unquote(request.path.rpartition("/")[2])
+    if request.query:
+        raise BadRequest(
+            "query parameters are not supported on /v1/models/{id}", code="unsupported_parameter"
+        )
+    served = edge.registry.models()
+    if name not in served and edge.model_aliases().get(name) not in served:
+        raise NotFound(
+            f"The model {name!r} does not exist or is not served here", code="model_not_found"
+        )
+    body = orjson.dumps(_model_object(edge, name))
+    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)
 
 
 _POST = ("POST",)
@@ -300,6 +338,7 @@ FRONT_END = FrontEnd(
         "/v1/completions": RouteSpec(_POST, tunnel_route, "client", work=True),
         "/v1/embeddings": RouteSpec(_POST, tunnel_route, "client", work=True),
         "/v1/models": RouteSpec(("GET", "HEAD"), _models, "client"),
+        MODEL_ID_ROUTE: RouteSpec(("GET", "HEAD"), _model, "client"),
     },
     openai_error,
 )
@@ -307,8 +346,10 @@ FRONT_END = FrontEnd(
 __all__ = [
     "FRONT_END",
     "JSON_HEADERS",
+    "MODEL_ID_ROUTE",
     "HTTPStream",
     "chat_completions",
     "list_models",
     "parse_chat_request",
+    "served_models",
 ]

@@ -102,6 +102,10 @@ class EdgeServices(Protocol):
         """Serve one node's connection (hello, session, events) until it closes."""
         ...
 
+    def model_aliases(self) -> Mapping[str, str]:
+        """The configured aliases: public name -> the model group it means."""
+        ...
+
     def metric_model_label(self, model: str) -> str:
         """A model name safe as a metric label (served or configured, else "unknown")."""
         ...
