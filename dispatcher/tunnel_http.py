@@ -14,7 +14,9 @@ a ``usage`` object) from what the client receives (:class:`SSEFilter`).
 
 What the client receives (:func:`client_headers`): the provider's status, its headers minus
 hop-by-hop ones, ``Content-Length``, ``Date`` and any the edge sets itself, and the body byte
-for byte (apart from that stripped chunk).
+for byte (apart from that stripped chunk) but for the model's name: a ``"model"`` member
+holding the served name gets the name the client asked for (:class:`ModelRewrite`, a
+byte-level substitution, no re-serializing).
 
 The pre-commit phase (:func:`commit_tunnel`): send the request, await the start, and read up
 to the commit point -- the first SSE event that carries content, or a whole body (up to
@@ -180,6 +182,95 @@ def tail_usage(tail: bytes) -> Usage | None:
     return usage_of({"usage": value})
 
 
+# --------------------------------------------------------------------------- the model name
+
+_MODEL_KEY: Final = b'"model"'
+_MODEL_GAP: Final = 8
+"""Whitespace allowed on either side of the ``:`` of a ``"model"`` member (OpenAI pretty-prints
+non-streamed bodies with one space; vLLM and llama.cpp write none)."""
+
+
+@attrs.frozen(init=False)
+class ModelRewrite:
+    """Replaces the provider's served model name by the name the client asked for in what the
+    client receives, without parsing or re-serializing the JSON: every ``"model"`` member whose
+    value is exactly the served name (as JSON encodes it) gets the asked name instead. A match
+    is always a member's key: inside a JSON string every ``"`` is escaped. In OpenAI's answers
+    the one ``"model"`` member is the top-level one.
+
+    Call it on whole texts (a body, complete SSE events); :meth:`stream` rewrites a body that
+    arrives in pieces (a match may straddle two)."""
+
+    pattern: re.Pattern[bytes]
+    template: bytes
+    max_match: int
+    """The longest a match can be: a streamed body keeps this much back until more comes."""
+    compact: bytes
+    """``"model":"<served>"``, as vLLM and llama.cpp write it: when every ``"model"`` in a
+    text is this, a plain replace does it (several times cheaper than the pattern)."""
+    compact_asked: bytes
+
+    def __init__(self, served: str, asked: str) -> None:
+        served_json = orjson.dumps(served)
+        asked_json = orjson.dumps(asked)
+        gap = rb"[ \t\r\n]{0,%d}" % _MODEL_GAP
+        key = re.escape(_MODEL_KEY)
+        self.__attrs_init__(
+            re.compile(b"(" + key + gap + b":" + gap + b")" + re.escape(served_json)),
+            b"\\g<1>" + asked_json.replace(b"\\", b"\\\\"),
+            len(_MODEL_KEY) + 2 * _MODEL_GAP + 1 + len(served_json),
+            _MODEL_KEY + b":" + served_json,
+            _MODEL_KEY + b":" + asked_json,
+        )
+
+    @classmethod
+    def between(cls, served: str, asked: object) -> ModelRewrite | None:
+        """The rewrite from ``served`` to ``asked`` (the client's ``model``), or None when there
+        is nothing to rewrite (the same name, or no name asked)."""
+        if not isinstance(asked, str) or asked == served:
+            return None
+        return cls(served, asked)
+
+    def __call__(self, data: bytes) -> bytes:
+        keys = data.count(_MODEL_KEY)
+        if not keys:
+            return data
+        if data.count(self.compact) == keys:
+            return data.replace(self.compact, self.compact_asked)
+        return self.pattern.sub(self.template, data)
+
+    def stream(self) -> ModelRewriteStream:
+        return ModelRewriteStream(self)
+
+
+class ModelRewriteStream:
+    """:class:`ModelRewrite` over a body in pieces: :meth:`feed` returns what can be sent,
+    keeping back at most ``max_match`` bytes that may be the start of a match;
+    :meth:`finish` returns the rest."""
+
+    def __init__(self, rewrite: ModelRewrite) -> None:
+        self._rewrite = rewrite
+        self._carry = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._carry + data if self._carry else data
+        cut = len(buf) - self._rewrite.max_match
+        if cut <= 0:
+            self._carry = buf
+            return b""
+        # A match that begins before the cut is complete in buf (no match is longer than
+        # max_match): it goes out whole; one that begins after it waits for more.
+        for match in self._rewrite.pattern.finditer(buf, max(0, cut - self._rewrite.max_match)):
+            if match.start() < cut < match.end():
+                cut = match.end()
+        self._carry = buf[cut:]
+        return self._rewrite(buf[:cut])
+
+    def finish(self) -> bytes:
+        rest, self._carry = self._carry, b""
+        return self._rewrite(rest)
+
+
 class SSEFilter:
     """Passes an SSE byte stream through unchanged, event by event, except the one usage
     chunk the edge asked for (``strip_usage_chunk``); notes the stream's ``usage``.
@@ -187,8 +278,16 @@ class SSEFilter:
     Complete events are passed on as soon as they are complete; an unfinished one waits for
     its end (or :meth:`finish`). Only events that mention ``"usage"`` are parsed."""
 
-    def __init__(self, *, strip_usage_chunk: bool, find_content: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        strip_usage_chunk: bool,
+        find_content: bool = False,
+        rewrite: ModelRewrite | None = None,
+    ) -> None:
         self._strip = strip_usage_chunk
+        self._rewrite = rewrite
+        """Applied to what is passed on (the events are read as the provider sent them)."""
         self._pending = b""
         self._skip_next = False
         self.usage: Usage | None = None
@@ -233,7 +332,8 @@ class SSEFilter:
             self._pending = b""
             self._skip_next = True
             self.content_seen = True  # an event this large is output, whatever it holds
-        return b"".join(out)
+        passed = b"".join(out)
+        return self._rewrite(passed) if self._rewrite is not None and passed else passed
 
     def finish(self) -> bytes:
         """What is left: an unfinished last event, passed on as it is."""
@@ -242,7 +342,7 @@ class SSEFilter:
             self.events += 1
             if self._inspect(rest):
                 return b""
-        return rest
+        return self._rewrite(rest) if self._rewrite is not None and rest else rest
 
     def _inspect(self, event: bytes) -> bool:
         """Note the event's usage; True if it is the usage chunk to strip."""
@@ -370,6 +470,9 @@ class TunnelHead:
     """For a 2xx event stream: the filter the rest goes through."""
     complete: bool = False
     """The body ended within ``data``."""
+    model_rewrite: ModelRewrite | None = None
+    """The served model name -> the client's, for what the client receives (already applied
+    to ``data`` and by ``sse``; the relay applies it to another body)."""
 
     @property
     def ok(self) -> bool:
@@ -387,6 +490,7 @@ async def commit_tunnel(
     the answer, relayed as it is. Raises :class:`TunnelFailed` when the tunnel fails; the body
     breaking off before the commit is retryable: the client has seen nothing of it."""
     body, injected = upstream_body(call.body, served_model, call.path)
+    rewrite = ModelRewrite.between(served_model, call.body.get("model"))
     await tunnel.send_request(
         method=call.method,
         path=call.path,
@@ -396,28 +500,32 @@ async def commit_tunnel(
     )
     start = await tunnel.start()
     if not 200 <= start.status < 300:
-        return TunnelHead(start=start)
+        return TunnelHead(start=start, model_rewrite=rewrite)
     try:
         if _is_sse(client_headers(start.headers, ())):
-            return await _sse_head(tunnel, start, injected)
-        return await _body_head(tunnel, start, pre_commit)
+            return await _sse_head(tunnel, start, injected, rewrite)
+        head = await _body_head(tunnel, start, pre_commit)
+        return attrs.evolve(head, model_rewrite=rewrite)
     except TunnelFailed as exc:
         raise TunnelFailed(exc.message, code=exc.code, retryable=True) from exc
 
 
-async def _sse_head(tunnel: Tunnel, start: wire.TunnelStart, injected: bool) -> TunnelHead:
-    sse = SSEFilter(strip_usage_chunk=injected, find_content=True)
+async def _sse_head(
+    tunnel: Tunnel, start: wire.TunnelStart, injected: bool, rewrite: ModelRewrite | None
+) -> TunnelHead:
+    sse = SSEFilter(strip_usage_chunk=injected, find_content=True, rewrite=rewrite)
     parts: list[bytes] = []
     size = 0
     while not sse.content_seen and size <= BUFFER_LIMIT:
         data = await tunnel.receive_some()
         if not data:
             parts.append(sse.finish())
-            return TunnelHead(start=start, data=b"".join(parts), sse=sse, complete=True)
+            data = b"".join(parts)
+            return TunnelHead(start=start, data=data, sse=sse, complete=True, model_rewrite=rewrite)
         out = sse.feed(data)
         parts.append(out)
         size += len(out)
-    return TunnelHead(start=start, data=b"".join(parts), sse=sse)
+    return TunnelHead(start=start, data=b"".join(parts), sse=sse, model_rewrite=rewrite)
 
 
 async def _body_head(tunnel: Tunnel, start: wire.TunnelStart, pre_commit: PreCommit) -> TunnelHead:
@@ -437,6 +545,8 @@ __all__ = [
     "HOP_BY_HOP",
     "MAX_SSE_EVENT",
     "USAGE_TAIL",
+    "ModelRewrite",
+    "ModelRewriteStream",
     "PreCommit",
     "SSEFilter",
     "TunnelCall",

@@ -17,7 +17,11 @@ up to :data:`~dispatcher.tunnel_http.BUFFER_LIMIT` bytes, and streamed beyond. I
 stream breaks off (or stalls) after the commit, an SSE error event ends it; if another
 streamed body does, the connection is cut so the client sees the body is incomplete.
 
-Usage: read from the JSON body or the stream's usage chunk without altering the bytes, and
+The model's name: a ``"model"`` member holding the provider's served name reaches the client
+with the name it asked for (``tunnel_http.ModelRewrite``, a byte-level substitution; the SSE
+filter applies it to the events it passes on, :func:`_relay_body` to another body).
+
+Usage: read from the JSON body or the stream's usage chunk as the provider sent them, and
 reported once per tunnel (``Tunnel.on_usage``); an estimate when the provider reported none.
 The gate's usage row of the attempt reads it from there.
 """
@@ -188,23 +192,30 @@ async def _relay_body(
                 break
             parts.append(data)
             size += len(data)
+    rewrite = head.model_rewrite
     if size <= BUFFER_LIMIT:
         whole = b"".join(parts)
-        await responder.respond(status, headers, whole)
+        await responder.respond(status, headers, rewrite(whole) if rewrite else whole)
         return body_usage(whole) if parse else None
-    # Too large to hold: stream it, keeping the tail to find usage in.
+    # Too large to hold: stream it, keeping the tail (as the provider sent it) to find usage
+    # in; the model's name is rewritten across the pieces.
+    renamed = rewrite.stream() if rewrite else None
     stream = await responder.start_stream(status, headers)
     first = b"".join(parts)
     tail = first[-USAGE_TAIL:]
-    await stream.send(first)
+    await stream.send(renamed.feed(first) if renamed else first)
     del parts, first
     try:
         while data := await _receive(tunnel, stall):
             tail = (tail + data)[-USAGE_TAIL:]
-            await stream.send(data)
+            out = renamed.feed(data) if renamed else data
+            if out:
+                await stream.send(out)
     except TunnelFailed as exc:
         log.info("tunnel %s broke off mid-body, cutting the response: %s", tunnel.tunnel_id, exc)
         raise CutResponse(str(exc)) from exc
+    if renamed is not None and (rest := renamed.finish()):
+        await stream.send(rest)
     return tail_usage(tail) if parse else None
 
 

@@ -29,7 +29,7 @@ from dispatcher.errors import TunnelFailed
 from dispatcher.http import Headers, HTTPStream, Responder, Server, WebSocket
 from dispatcher.pool import DispatchRequest
 from dispatcher.transport import Connection, ConnectionClosed, Frame
-from dispatcher.tunnel_http import SSEFilter, upstream_body, upstream_headers
+from dispatcher.tunnel_http import ModelRewrite, SSEFilter, upstream_body, upstream_headers
 from nodes.agent import dial_edge, serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 from nodes.tunnel import MAX_PENDING, TunnelProvider, open_tunnels
@@ -364,6 +364,13 @@ async def open_env(
             nursery.cancel_scope.cancel()
 
 
+def renamed(sent: bytes) -> bytes:
+    """What the client gets of the provider's bytes: the served model name in a ``"model"``
+    member replaced by the one the client asked for (the fake writes compact JSON)."""
+    served, asked = orjson.dumps(SERVED), orjson.dumps(MODEL)
+    return sent.replace(b'"model":' + served, b'"model":' + asked)
+
+
 def chat_body(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "say hello"}], **extra}
 
@@ -391,10 +398,10 @@ async def test_chat_non_stream_is_relayed_byte_for_byte(monkeypatch: pytest.Monk
         )
         sent = env.fake.sent()
         assert response.status_code == sent.status == 200
-        assert response.content == sent.body
+        assert response.content == renamed(sent.body)
         assert response.headers["content-type"] == "application/json"
         assert response.headers["x-dispatcher-node"] == "tunnel-node"
-        assert int(response.headers["content-length"]) == len(sent.body)
+        assert int(response.headers["content-length"]) == len(renamed(sent.body))
 
         (seen,) = env.fake.requests
         assert (seen.method, seen.path) == ("POST", "/v1/chat/completions")
@@ -425,7 +432,7 @@ async def test_chat_stream_strips_only_the_injected_usage_chunk(
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream"
         assert response.headers["cache-control"] == "no-cache"
-        assert response.content == without_usage_chunk(sent.body)
+        assert response.content == renamed(without_usage_chunk(sent.body))
         assert response.content.endswith(b"data: [DONE]\n\n")
         assert len(sse_events(response.content)) == len(sse_events(sent.body)) - 1
         stats = env.dispatcher.tunnels.statistics()
@@ -440,9 +447,41 @@ async def test_chat_stream_that_asked_for_usage_is_untouched(
         body = chat_body(stream=True, stream_options={"include_usage": True})
         response = await client.post("/v1/chat/completions", content=orjson.dumps(body))
         assert env.fake.requests[0].json["stream_options"] == {"include_usage": True}
-        assert response.content == env.fake.sent().body
+        assert response.content == renamed(env.fake.sent().body)
         assert b'"choices":[],"usage":{' in response.content
         assert env.dispatcher.tunnels.statistics().usage_reported == 1
+
+
+async def test_answers_carry_the_model_name_the_client_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The provider answers under its served name; the client reads the name it asked for,
+    on chat and completions, streamed and not, through the OpenAI SDK too."""
+    async with open_env(monkeypatch) as env, env.client() as client:
+        chat = await client.post("/v1/chat/completions", json=chat_body())
+        assert b'"model":"fake-model"' in env.fake.sent().body
+        assert chat.json()["model"] == MODEL
+        streamed = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        payloads = [e.strip().removeprefix(b"data: ") for e in sse_events(streamed.content)]
+        assert payloads[-1] == b"[DONE]"
+        models = {orjson.loads(payload)["model"] for payload in payloads[:-1]}
+        assert models == {MODEL}
+        plain = await client.post("/v1/completions", json={"model": MODEL, "prompt": "once"})
+        assert plain.json()["model"] == MODEL
+        streamed = await client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "once", "stream": True}
+        )
+        assert b"fake-model" not in streamed.content
+        assert streamed.content.count(b'"model":"tunneled"') >= 2
+        stats = env.dispatcher.tunnels.statistics()
+        assert stats.usage_reported == 4  # usage still read from what the provider sent
+        sdk = openai.AsyncOpenAI(base_url=f"{env.url}/v1", api_key=CLIENT_KEY, max_retries=0)
+        async with sdk:
+            answer = await sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}]
+            )
+            completion = await sdk.completions.create(model=MODEL, prompt="once")
+        assert (answer.model, completion.model) == (MODEL, MODEL)
 
 
 async def test_completions_and_embeddings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -451,20 +490,20 @@ async def test_completions_and_embeddings(monkeypatch: pytest.MonkeyPatch) -> No
             "/v1/completions", json={"model": MODEL, "prompt": "once upon", "max_tokens": 5}
         )
         assert plain.status_code == 200
-        assert plain.content == env.fake.sent().body
+        assert plain.content == renamed(env.fake.sent().body)
         assert env.fake.requests[-1].path == "/v1/completions"
 
         streamed = await client.post(
             "/v1/completions", json={"model": MODEL, "prompt": "once upon", "stream": True}
         )
-        assert streamed.content == without_usage_chunk(env.fake.sent().body)
+        assert streamed.content == renamed(without_usage_chunk(env.fake.sent().body))
         assert b'"object":"text_completion"' in streamed.content
 
         embedded = await client.post(
             "/v1/embeddings", params={"probe": "1"}, json={"model": MODEL, "input": ["a b", "c"]}
         )
         assert embedded.status_code == 200
-        assert embedded.content == env.fake.sent().body
+        assert embedded.content == renamed(env.fake.sent().body)
         seen = env.fake.requests[-1]
         assert (seen.path, seen.query) == ("/v1/embeddings", "probe=1")
         assert seen.json["model"] == SERVED
@@ -483,7 +522,7 @@ async def test_large_body_is_streamed_and_its_usage_read(monkeypatch: pytest.Mon
             )
         body = env.fake.sent().body
         assert len(body) > 1_000_000
-        assert response.content == body
+        assert response.content == renamed(body)
         assert "content-length" not in response.headers  # streamed: chunked
         assert env.dispatcher.tunnels.statistics().prompt_tokens == 9
         assert env.dispatcher.tunnels.statistics().peak_buffered_bytes <= wire.DEFAULT_TUNNEL_WINDOW
@@ -663,7 +702,7 @@ async def test_a_slow_reader_keeps_every_buffer_bounded(monkeypatch: pytest.Monk
         assert len(sent) > 12_000_000
         head, _, chunked = bytes(received).partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200")
-        assert _dechunk(chunked) == sent
+        assert _dechunk(chunked) == renamed(sent)
         # The provider never got further ahead of the client than the stalled pipeline holds
         # (socket buffers, the node's pending bytes, the edge's window), although 12 MB went
         # through: nothing grows with the stream.
@@ -788,7 +827,7 @@ async def test_provider_breaking_off_mid_stream_ends_with_an_error_event(
         response = await client.post("/v1/chat/completions", json=chat_body(stream=True))
         assert response.status_code == 200
         events = sse_events(response.content)
-        assert events[:5] == sse_events(env.fake.sent().body)[:5]
+        assert events[:5] == sse_events(renamed(env.fake.sent().body))[:5]
         last = orjson.loads(events[-1].removeprefix(b"data: "))
         assert last["error"]["code"] == "tunnel_failed"
         assert "upstream_disconnected" in last["error"]["message"]
@@ -833,7 +872,7 @@ async def test_tunnel_only_routes_refuse_normalized_models(
         # The tunnel model still serves the chat route, through the relay.
         ok = await client.post("/v1/chat/completions", json=chat_body())
         assert ok.status_code == 200
-        assert ok.content == env.fake.sent().body
+        assert ok.content == renamed(env.fake.sent().body)
 
 
 # --------------------------------------------------------------------------- the openai client
@@ -911,6 +950,53 @@ async def test_sse_filter_passes_bytes_through_in_any_split() -> None:
         assert out + keep.finish() == raw
         assert keep.usage == (3, 2)
     await trio.lowlevel.checkpoint()
+
+
+def test_the_model_rewrite_renames_only_model_members_with_the_served_name() -> None:
+    rewrite = ModelRewrite("org/served-7b", 'asked "x"\\')
+    asked = orjson.dumps('asked "x"\\')
+    compact = b'{"id":"c","model":"org/served-7b","choices":[]}'
+    assert rewrite(compact) == b'{"id":"c","model":' + asked + b',"choices":[]}'
+    spaced = b'{\n  "model" :\t "org/served-7b",\n  "x": 1}'
+    assert orjson.loads(rewrite(spaced)) == {"model": 'asked "x"\\', "x": 1}
+    untouched = [
+        b'{"model":"org/served-7b-instruct"}',  # another name
+        b'{"model":"other"}',
+        # Inside a string every quote is escaped: content quoting the served name stays.
+        b'{"choices":[{"delta":{"content":"{\\"model\\":\\"org/served-7b\\"}"}}]}',
+        b'{"modelx":"org/served-7b"}',
+    ]
+    for body in untouched:
+        assert rewrite(body) == body
+    assert ModelRewrite.between("same", "same") is None
+    assert ModelRewrite.between("served", None) is None
+
+
+def test_the_model_rewrite_of_a_body_in_pieces_matches_at_every_split() -> None:
+    rewrite = ModelRewrite("served-name", "asked")
+    raw = b'{"data":[' + b"1," * 50 + b'0],"model" : "served-name","usage":{}}' * 3
+    expected = rewrite(raw)
+    assert expected.count(b'"asked"') == 3
+    for size in (1, 2, 3, 5, 17, 40, len(raw)):
+        stream = rewrite.stream()
+        out = b"".join(stream.feed(raw[i : i + size]) for i in range(0, len(raw), size))
+        assert out + stream.finish() == expected, size
+
+
+def test_the_sse_filter_renames_the_events_it_passes_on_and_reads_usage_as_sent() -> None:
+    events = [
+        b'data: {"model":"served","choices":[{"delta":{"content":"a"}}],"usage":null}\n\n',
+        b'data: {"model":"served","choices":[],"usage":{"prompt_tokens":3,'
+        b'"completion_tokens":2}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    raw = b"".join(events)
+    for size in (1, 4, len(raw)):
+        sse = SSEFilter(strip_usage_chunk=True, rewrite=ModelRewrite("served", "asked"))
+        out = b"".join(sse.feed(raw[i : i + size]) for i in range(0, len(raw), size))
+        out += sse.finish()
+        assert out == events[0].replace(b'"served"', b'"asked"') + events[2]
+        assert sse.usage == (3, 2)
 
 
 def tunnel_hello(node_id: str = "scripted") -> wire.Hello:
