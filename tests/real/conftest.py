@@ -24,6 +24,7 @@ from .stack import Stack, busy_slots, start_edge_and_node, start_engine
 
 ENGINE_ENV = "DISPATCHER_REAL_ENGINE"
 MODEL_ENV = "DISPATCHER_REAL_MODEL"
+TEMPLATE_ENV = "DISPATCHER_REAL_TEMPLATE"
 
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +72,7 @@ def stack(
     engine, model = real_engine
     running = Stack(tmp_path_factory.mktemp("real"))
     try:
-        start_engine(running, engine, model)
+        start_engine(running, engine, model, os.environ.get(TEMPLATE_ENV) or None)
         start_edge_and_node(running)
         yield running
     finally:

@@ -140,10 +140,11 @@ def _wait(what: str, stack: Stack, child: Child, probe: Any, timeout: float) -> 
     )
 
 
-def start_engine(stack: Stack, engine: str, model: str) -> None:
-    """``llama-server`` with the model, CPU only, greedy-friendly defaults: llama.cpp's own
-    ChatML template (``--chat-template chatml``; the model's own template drops tool
-    definitions), ``/slots`` and ``/metrics`` on."""
+def start_engine(stack: Stack, engine: str, model: str, template: str | None) -> None:
+    """``llama-server`` with the model, CPU only, ``/slots`` and ``/metrics`` on, and a ChatML
+    chat template: ``template`` (a file: the nox session gives one of llama.cpp's bundled
+    templates that renders tool definitions), else llama.cpp's built-in ``chatml``. (With the
+    model's own template llama-server silently drops tool definitions.)"""
     port = free_port()
     threads = os.environ.get("DISPATCHER_REAL_THREADS", "2")
     argv = [
@@ -154,8 +155,12 @@ def start_engine(stack: Stack, engine: str, model: str) -> None:
         "--ctx-size", str(CONTEXT * PARALLEL),
         "--parallel", str(PARALLEL),
         "--threads", threads,
-        "--chat-template", "chatml",
         "--jinja",
+        *(["--chat-template-file", template] if template else ["--chat-template", "chatml"]),
+        # Every prompt evaluated whole: a prompt served partly from the cache is evaluated
+        # in other batch shapes, whose last bits differ, and at temperature 0 one close call
+        # between two tokens then makes the direct and the edge's answers part ways.
+        "--no-cache-prompt",
         "--metrics",
         "--slots",
         "--no-webui",
