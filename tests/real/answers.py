@@ -161,6 +161,11 @@ NUMBERS: dict[str, dict[str, list[float]]] = {}
 them as a table at the end of the run)."""
 
 
+CANCELS: dict[str, tuple[float, int, int]] = {}
+"""The disconnect tests' findings: model -> (seconds from the client leaving to the engine's
+slot idle, tokens the engine decoded, tokens asked for)."""
+
+
 @attrs.frozen
 class Timing:
     ttft: float

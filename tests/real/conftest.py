@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from .answers import NUMBERS, client
+from .answers import CANCELS, NUMBERS, client
 from .stack import Stack, busy_slots, start_edge_and_node, start_engine
 
 ENGINE_ENV = "DISPATCHER_REAL_ENGINE"
@@ -105,8 +105,19 @@ def idle_engine(stack: Stack) -> Stack:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not NUMBERS:
+    if not NUMBERS and not CANCELS:
         return
+    terminalreporter.section("real engine: direct vs through the edge")
+    if NUMBERS:
+        _numbers(terminalreporter)
+    for model, (seconds, decoded, asked) in CANCELS.items():
+        terminalreporter.write_line(
+            f"client left mid-stream, {model}: the engine's slot idle {seconds:.2f} s later, "
+            f"{decoded} of {asked} tokens decoded"
+        )
+
+
+def _numbers(terminalreporter: pytest.TerminalReporter) -> None:
     measures = [
         ("ttft_ms", "TTFT p50 (ms)"),
         ("total_ms", "64 tokens p50 (ms)"),
@@ -124,7 +135,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         cells.append(str(count))
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    terminalreporter.section("real engine: direct vs through the edge")
     for index, row in enumerate(rows):
         line = "  ".join(
             cell.ljust(width) if i == 0 else cell.rjust(width)

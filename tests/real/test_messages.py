@@ -38,8 +38,10 @@ def _message(sdk: anthropic.Anthropic, *, stream: bool, **knobs: Any) -> tuple[s
         "model": NORMALIZED,
         "system": SYSTEM,
         "messages": [{"role": "user", "content": QUESTION}],
-        "temperature": 0,
         "max_tokens": 48,
+        # The Messages API takes a temperature; this SDK's create() no longer has it as an
+        # argument, so it goes as an extra field, which is how its users send it.
+        "extra_body": {"temperature": 0},
         **knobs,
     }
     if not stream:
