@@ -34,6 +34,7 @@ from .test_tunnel import (
     TunnelFake,
     chat_body,
     raw_post,
+    renamed,
     sse_events,
     without_usage_chunk,
 )
@@ -208,7 +209,7 @@ async def test_upstream_error_before_commit_is_recovered_on_another_node(
         assert response.status_code == 200
         assert response.headers["x-dispatcher-attempts"] == "2"
         assert response.headers["x-dispatcher-node"] == "node-b"
-        assert response.content == edge.b.sent().body  # byte for byte what B sent
+        assert response.content == renamed(edge.b.sent().body)  # byte for byte what B sent
         assert response.content.endswith(b"data: [DONE]\n\n")
         rows = await edge.rows(request_id, 2)
         assert [(r.attempt, r.node_id, r.path, r.outcome, r.billable_to) for r in rows] == [
@@ -233,7 +234,7 @@ async def test_stripped_usage_chunk_after_recovery(monkeypatch: pytest.MonkeyPat
         edge.a.status = 500
         response, request_id = await recovered(edge, chat_body(stream=True))
         assert response.status_code == 200
-        assert response.content == without_usage_chunk(edge.b.sent().body)
+        assert response.content == renamed(without_usage_chunk(edge.b.sent().body))
         rows = await edge.rows(request_id, 2)
         assert rows[1].usage_source == "reported"
 
@@ -282,7 +283,7 @@ async def test_a_body_broken_off_before_commit_is_recovered(
         response, request_id = await recovered(edge, chat_body())
         assert response.status_code == 200
         assert response.headers["x-dispatcher-attempts"] == "2"
-        assert response.content == edge.b.sent().body
+        assert response.content == renamed(edge.b.sent().body)
         assert int(response.headers["content-length"]) == len(response.content)
         rows = await edge.rows(request_id, 2)
         assert [(r.node_id, r.outcome, r.billable_to) for r in rows] == [
@@ -301,7 +302,7 @@ async def test_first_token_timeout_moves_the_tunnel_to_the_next_node(
         response, request_id = await recovered(edge, chat_body(stream=True))
         assert response.status_code == 200
         assert response.headers["x-dispatcher-attempts"] == "2"
-        assert response.content == without_usage_chunk(edge.b.sent().body)
+        assert response.content == renamed(without_usage_chunk(edge.b.sent().body))
         await edge.a.requests[-1].disconnected.wait()  # the node closed A's request
         rows = await edge.rows(request_id, 2)
         assert [(r.node_id, r.outcome) for r in rows] == [
@@ -325,7 +326,7 @@ async def test_completions_and_embeddings_are_recovered_too(
             response, request_id = await recovered(edge, body, path, prefix=path)
             assert response.status_code == 200
             assert response.headers["x-dispatcher-attempts"] == "2"
-            sent = edge.b.sent().body
+            sent = renamed(edge.b.sent().body)
             expected = without_usage_chunk(sent) if body.get("stream") else sent
             assert response.content == expected
             rows = await edge.rows(request_id, 2)
@@ -352,7 +353,7 @@ async def test_failure_after_commit_is_an_sse_error_without_retry(
         assert edge.requests() == 1  # no retry after the commit
         (fake,) = [f for f in edge.fakes.values() if f.requests]
         events = sse_events(response.content)
-        assert events[:5] == sse_events(fake.sent().body)[:5]
+        assert events[:5] == sse_events(renamed(fake.sent().body))[:5]
         last = orjson.loads(events[-1].removeprefix(b"data: "))
         assert last["error"]["code"] == "tunnel_failed"
         assert b"[DONE]" not in response.content
