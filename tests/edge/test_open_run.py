@@ -21,6 +21,7 @@ from dispatcher.admission import QueueTimeout
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import StaleGeneration
+from dispatcher.registry import SUBSCRIPTION_BUFFER, Subscription
 from dispatcher.runs import RunSpec
 from dispatcher.transport import memory_connection_pair
 
@@ -390,3 +391,70 @@ async def test_an_abandoned_run_leaves_no_reference_cycle(
         for _ in range(3):
             await one_run()
     assert_clean(dispatcher)
+
+
+def _delta(run_id: str, seq: int) -> wire.RunDelta:
+    return wire.RunDelta(run_id=run_id, seq=seq, text="x")
+
+
+async def test_a_subscription_that_overflows_ends_in_a_failure_after_its_buffer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    subscription = Subscription("r")
+    for seq in range(SUBSCRIPTION_BUFFER + 5):
+        subscription.deliver(_delta("r", seq))
+    assert subscription.overflowed
+    assert subscription.text_chars == SUBSCRIPTION_BUFFER + 5
+    received = [await subscription.receive() for _ in range(SUBSCRIPTION_BUFFER)]
+    assert [event.seq for event in received] == list(range(SUBSCRIPTION_BUFFER))
+    assert subscription.receive_nowait() is None
+    failure = await subscription.receive()
+    assert isinstance(failure, wire.RunFailed)
+    assert failure.code == "consumer_overflow"
+
+
+async def test_a_waiting_consumer_gets_the_event_then_the_end(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    subscription = Subscription("r")
+    got: list[wire.RunEvent] = []
+
+    async def consume() -> None:
+        while not got or not wire.is_terminal(got[-1]):
+            got.append(await subscription.receive())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume)
+        await trio.sleep(1)
+        subscription.deliver(_delta("r", 0))
+        await trio.sleep(1)
+        subscription.deliver(wire.RunCompleted(run_id="r", seq=1, finish_reason="stop"))
+    assert [type(event) for event in got] == [wire.RunDelta, wire.RunCompleted]
+    subscription.deliver(_delta("r", 2))  # after the terminal: dropped
+    assert subscription.receive_nowait() is None
+
+
+async def test_a_cancelled_wait_leaves_the_subscription_usable(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    subscription = Subscription("r")
+    with trio.move_on_after(1):
+        await subscription.receive()
+    subscription.deliver(_delta("r", 0))
+    assert (await subscription.receive()).seq == 0
+    subscription.close()
+    with pytest.raises(trio.ClosedResourceError):
+        await subscription.receive()
+
+
+async def test_closing_wakes_a_waiting_consumer(autojump_clock: trio.testing.MockClock) -> None:
+    subscription = Subscription("r")
+    async with trio.open_nursery() as nursery:
+
+        async def consume() -> None:
+            with pytest.raises(trio.ClosedResourceError):
+                await subscription.receive()
+
+        nursery.start_soon(consume)
+        await trio.sleep(1)
+        subscription.close()
