@@ -256,15 +256,16 @@ def check_edge_url(url: str) -> str | None:
 
 
 def default_node_config(node_id: str | None = None) -> NodeConfig:
-    """A node serving the built-in ``echo`` model (provider ``echo``, 8 slots, no capabilities:
-    echo honours no tools, JSON mode or images, so it announces none)."""
+    """A node serving the built-in ``echo`` model (provider ``echo``, 8 slots), announcing what
+    echo honours: ``tools`` (a forced tool call is answered with one) and ``json`` (JSON
+    mode and JSON schemas are answered with JSON); not images."""
     return NodeConfig(
         node_id=node_id or socket.gethostname(),
         providers=(
             ProviderConfig(
                 id="echo",
                 type="echo",
-                models=(ModelConfig(name="echo", slots=8),),
+                models=(ModelConfig(name="echo", slots=8, capabilities=("tools", "json")),),
             ),
         ),
     )

@@ -17,6 +17,17 @@ three tool-call deltas (``index`` 0 with ``id`` ``call_echo_0``, ``type`` and th
 arguments; then the arguments in two pieces), finish reason ``"tool_calls"``. ``token_delay``
 applies before each delta; the other fault knobs count text tokens only, except
 ``fail_before_first_token``. A request can turn it off with ``"echo": {"tool_call": null}``.
+
+Echo honours what it announces (``tools`` and ``json``, see
+:func:`nodes.config.default_node_config`), so clients that bind tools or ask for structured
+output work against it:
+
+* ``tools`` with a ``tool_choice`` that forces a call (``"required"``: the first tool; a named
+  function: that one) -> a call to it, its arguments an object filled from the function's
+  ``parameters`` schema (:func:`example_of`: each required property from its type, strings
+  with the echoed text); tools offered with ``"auto"`` are answered with text, as a model may;
+* ``response_format`` ``json_object`` -> ``{"echo": <the text>}``; ``json_schema`` -> an object
+  filled from its ``schema`` the same way. Streamed like any text.
 """
 
 from __future__ import annotations
@@ -166,7 +177,10 @@ class EchoAdapter:
                 raise AdapterError("invalid_request", "echo needs a user message to echo")
             text = message_text(users[-1])
 
-        tokens = split_tokens(text)
+        call = options.tool_call
+        if call is None and "tool_call" not in body.get("echo", {}):
+            call = forced_tool_call(body, text)
+        tokens = split_tokens(structured_reply(body, text) or text)
         finish = "stop"
         limit = _max_tokens(body)
         if limit is not None and len(tokens) > limit:
@@ -177,8 +191,8 @@ class EchoAdapter:
                 "echo_fault", "injected failure before the first token", retryable=True
             )
         out.usage(prompt_tokens, 0)
-        if options.tool_call is not None:
-            await _answer_tool_call(options.tool_call, options.token_delay, prompt_tokens, out)
+        if call is not None:
+            await _answer_tool_call(call, options.token_delay, prompt_tokens, out)
             return
         for emitted in range(len(tokens) + 1):
             if emitted == options.fail_after_tokens:
@@ -218,6 +232,83 @@ async def _answer_tool_call(
         await out.tool_calls([delta])
     out.usage(prompt_tokens, estimate_tokens(call.name + " " + call.arguments))
     out.finish("tool_calls")
+
+
+def forced_tool_call(body: wire.JSONObject, text: str) -> EchoToolCall | None:
+    """The call a request's ``tool_choice`` forces (``"required"``: the first tool; a named
+    function: that one), its arguments filled from the function's schema; None when no call
+    is forced."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    choice = body.get("tool_choice")
+    functions = [
+        t["function"]
+        for t in tools
+        if isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    ]
+    if isinstance(choice, dict):
+        wanted = choice.get("function")
+        name = wanted.get("name") if isinstance(wanted, dict) else None
+        functions = [f for f in functions if f["name"] == name]
+    elif choice != "required":
+        return None
+    if not functions:
+        return None
+    function = functions[0]
+    arguments = example_of(function.get("parameters"), text)
+    return EchoToolCall(function["name"], orjson.dumps(arguments).decode())
+
+
+def structured_reply(body: wire.JSONObject, text: str) -> str | None:
+    """The JSON text a ``response_format`` asks for, or None for plain text."""
+    response_format = body.get("response_format")
+    if not isinstance(response_format, dict):
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return orjson.dumps({"echo": text}).decode()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        return orjson.dumps(example_of(schema, text)).decode()
+    return None
+
+
+_MAX_DEPTH = 8
+
+
+def example_of(schema: Any, text: str, depth: int = 0) -> Any:
+    """A value that fits a JSON schema's shape, for a test double: objects with their required
+    properties (all of them when none are listed), strings as ``text`` (an enum's first
+    value), numbers 0, booleans false, arrays empty. Unknown or malformed schemas give an
+    object of nothing."""
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+        return {}
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum[0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if kind == "string":
+        return text
+    if kind in ("integer", "number"):
+        return 0
+    if kind == "boolean":
+        return False
+    if kind == "array":
+        return []
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        return {}
+    required = schema.get("required")
+    names = (
+        [n for n in required if n in properties] if isinstance(required, list) else list(properties)
+    )
+    return {name: example_of(properties[name], text, depth + 1) for name in names}
 
 
 def _max_tokens(body: wire.JSONObject) -> int | None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 import trio
 import trio.testing
@@ -265,3 +266,61 @@ def test_echo_tool_call_option_validation(value: Any, key: str) -> None:
     with pytest.raises(OptionsError) as info:
         EchoOptions.from_mapping({"tool_call": value})
     assert info.value.key == key
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "note": {"type": "string"},
+            },
+            "required": ["city", "days", "unit"],
+        },
+    },
+}
+
+
+def _arguments(rec: Recorder) -> tuple[str, Any]:
+    pieces = [c for e in rec.events("r1") if isinstance(e, wire.RunDelta) for c in e.tool_calls]
+    name = pieces[0]["function"]["name"]
+    return name, orjson.loads("".join(p["function"]["arguments"] for p in pieces))
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+async def test_echo_answers_a_forced_tool_call_from_the_schema(choice: Any) -> None:
+    other = {"type": "function", "function": {"name": "other", "parameters": {}}}
+    tools = [WEATHER, other] if choice == "required" else [other, WEATHER]
+    rec = await run_echo(request("r1", "Paris", tools=tools, tool_choice=choice))
+    assert _arguments(rec) == ("get_weather", {"city": "Paris", "days": 0, "unit": "celsius"})
+    assert rec.terminal("r1").finish_reason == "tool_calls"
+
+
+async def test_echo_answers_offered_tools_with_text() -> None:
+    rec = await run_echo(request("r1", "hello world", tools=[WEATHER], tool_choice="auto"))
+    assert "".join(e.text for e in rec.events("r1") if isinstance(e, wire.RunDelta)) == (
+        "hello world"
+    )
+    assert rec.terminal("r1").finish_reason == "stop"
+
+
+async def test_echo_json_mode_and_json_schema() -> None:
+    rec = await run_echo(request("r1", "hi there", response_format={"type": "json_object"}))
+    text = "".join(e.text for e in rec.events("r1") if isinstance(e, wire.RunDelta))
+    assert orjson.loads(text) == {"echo": "hi there"}
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}, "score": {"type": "number"}},
+        "required": ["answer", "score"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    rec = await run_echo(request("r1", "hi there", response_format=fmt))
+    text = "".join(e.text for e in rec.events("r1") if isinstance(e, wire.RunDelta))
+    assert orjson.loads(text) == {"answer": "hi there", "score": 0}
