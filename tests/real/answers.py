@@ -23,6 +23,15 @@ MESSAGES: list[dict[str, Any]] = [
 ]
 OVERFLOW = " ".join(["elephant"] * (CONTEXT * 2))
 """A user message of more tokens than the engine's context."""
+COUNTING_SYSTEM = "You are a helpful assistant."
+COUNTING = "Count from 1 to 300, one number per line."
+"""A request this model answers at length (~190 tokens) on its own, without ``ignore_eos``
+(which the Responses and Messages front ends rightly refuse): the disconnect tests of those
+routes leave after a few tokens."""
+COUNTING_MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": COUNTING_SYSTEM},
+    {"role": "user", "content": COUNTING},
+]
 PROMPT = "The three primary colors are"
 """The completions route's prompt."""
 

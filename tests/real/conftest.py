@@ -110,10 +110,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section("real engine: direct vs through the edge")
     if NUMBERS:
         _numbers(terminalreporter)
-    for model, (seconds, decoded, asked) in CANCELS.items():
+    for route, (seconds, decoded, asked) in CANCELS.items():
         terminalreporter.write_line(
-            f"client left mid-stream, {model}: the engine's slot idle {seconds:.2f} s later, "
-            f"{decoded} of {asked} tokens decoded"
+            f"client left mid-stream ({route}): the engine's slot idle {seconds:.2f} s later, "
+            f"{decoded} tokens decoded of {asked}"
         )
 
 

@@ -270,3 +270,29 @@ def slots(stack: Stack) -> list[dict[str, Any]]:
 
 def busy_slots(stack: Stack) -> list[int]:
     return [int(slot["id"]) for slot in slots(stack) if slot.get("is_processing")]
+
+
+def tokens_predicted(stack: Stack) -> int:
+    """The engine's ``llamacpp:tokens_predicted_total`` (a cancelled task counts its tokens)."""
+    metrics = httpx.get(f"{stack.engine_url}/metrics", timeout=5).text
+    for line in metrics.splitlines():
+        if line.startswith("llamacpp:tokens_predicted_total "):
+            return int(float(line.split()[1]))
+    raise AssertionError(f"no tokens_predicted_total in the engine's /metrics:\n{metrics}")
+
+
+CANCEL_BOUND = 20.0
+"""Seconds the engine gets to see the client gone and free its slot."""
+
+
+def seconds_until_idle(stack: Stack, since: float) -> float:
+    """Wait until no slot of the engine is busy; the seconds from ``since``
+    (``time.monotonic()``). Fails past :data:`CANCEL_BOUND`."""
+    while busy_slots(stack):
+        elapsed = time.monotonic() - since
+        assert elapsed < CANCEL_BOUND, (
+            f"the engine is still generating {elapsed:.1f} s after the client left\n"
+            + stack.diagnostics()
+        )
+        time.sleep(0.05)
+    return time.monotonic() - since

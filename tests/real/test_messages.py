@@ -4,6 +4,7 @@ stop reason its finish reason means, the engine's usage."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,8 +12,19 @@ import anthropic
 import openai
 import pytest
 
-from .answers import ENGINE_MODEL, OVERFLOW, QUESTION, SYSTEM, Answer, chat
-from .stack import NORMALIZED, TUNNEL, Stack
+from .answers import (
+    CANCELS,
+    COUNTING,
+    COUNTING_MESSAGES,
+    COUNTING_SYSTEM,
+    ENGINE_MODEL,
+    OVERFLOW,
+    QUESTION,
+    SYSTEM,
+    Answer,
+    chat,
+)
+from .stack import NORMALIZED, TUNNEL, Stack, busy_slots, seconds_until_idle, tokens_predicted
 
 STREAMED = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 
@@ -115,3 +127,29 @@ def test_the_tunnel_model_is_refused_before_any_attempt(claude: anthropic.Anthro
         claude.messages.create(
             model=TUNNEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
         )
+
+
+def test_a_client_leaving_mid_stream_stops_the_generation(
+    idle_engine: Stack, direct: openai.OpenAI, claude: anthropic.Anthropic
+) -> None:
+    stack = idle_engine
+    full = chat(direct, ENGINE_MODEL, stream=False, messages=COUNTING_MESSAGES, max_tokens=400)
+    assert (full.completion_tokens or 0) >= 100, f"a short answer: {full}"
+    before = tokens_predicted(stack)
+    pieces = 0
+    with claude.messages.stream(
+        model=NORMALIZED,
+        system=COUNTING_SYSTEM,
+        messages=[{"role": "user", "content": COUNTING}],
+        max_tokens=400,
+        extra_body={"temperature": 0},
+    ) as events:
+        for _ in events.text_stream:
+            pieces += 1
+            if pieces >= 5:
+                break
+        assert busy_slots(stack), "the engine is not generating"
+    idle_after = seconds_until_idle(stack, time.monotonic())
+    decoded = tokens_predicted(stack) - before
+    assert decoded < (full.completion_tokens or 0) / 2, f"the engine decoded {decoded} tokens"
+    CANCELS[f"messages, {NORMALIZED}"] = (idle_after, decoded, full.completion_tokens or 0)

@@ -4,13 +4,25 @@ the same text, the status its finish reason means, the engine's usage."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import openai
 import pytest
 
-from .answers import ENGINE_MODEL, OVERFLOW, QUESTION, SYSTEM, Answer, chat
-from .stack import NORMALIZED, TUNNEL
+from .answers import (
+    CANCELS,
+    COUNTING,
+    COUNTING_MESSAGES,
+    COUNTING_SYSTEM,
+    ENGINE_MODEL,
+    OVERFLOW,
+    QUESTION,
+    SYSTEM,
+    Answer,
+    chat,
+)
+from .stack import NORMALIZED, TUNNEL, Stack, busy_slots, seconds_until_idle, tokens_predicted
 
 STREAMED = pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 
@@ -103,3 +115,31 @@ def test_the_tunnel_model_is_refused_before_any_attempt(edge: openai.OpenAI) -> 
     with pytest.raises(openai.BadRequestError) as raised:
         edge.responses.create(model=TUNNEL, input="Hi", max_output_tokens=4)
     assert raised.value.code == "no_capable_candidate"
+
+
+def test_a_client_leaving_mid_stream_stops_the_generation(
+    idle_engine: Stack, direct: openai.OpenAI, edge: openai.OpenAI
+) -> None:
+    stack = idle_engine
+    full = chat(direct, ENGINE_MODEL, stream=False, messages=COUNTING_MESSAGES, max_tokens=400)
+    assert (full.completion_tokens or 0) >= 100, f"a short answer: {full}"
+    before = tokens_predicted(stack)
+    deltas = 0
+    with edge.responses.create(
+        model=NORMALIZED,
+        instructions=COUNTING_SYSTEM,
+        input=COUNTING,
+        temperature=0,
+        max_output_tokens=400,
+        stream=True,
+    ) as events:
+        for event in events:
+            if event.type == "response.output_text.delta":
+                deltas += 1
+                if deltas >= 5:
+                    break
+        assert busy_slots(stack), "the engine is not generating"
+    idle_after = seconds_until_idle(stack, time.monotonic())
+    decoded = tokens_predicted(stack) - before
+    assert decoded < (full.completion_tokens or 0) / 2, f"the engine decoded {decoded} tokens"
+    CANCELS[f"responses, {NORMALIZED}"] = (idle_after, decoded, full.completion_tokens or 0)
