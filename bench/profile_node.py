@@ -20,16 +20,22 @@ times per request in microseconds. ``--dump DIR`` also writes each cell's ``.pro
 
 ``--clients`` instead measures the node's upstream client alone, in this process, against the
 fake provider in a child process (64-token SSE answers, one keep-alive connection, ``--runs``
-requests per turn, 3 rounds taking turns): CPU per request of httpx (what the node used
-before), h11 over a Trio stream, and the node's own client (``nodes.adapters._client``), each
-body split by the same :class:`~nodes.adapters._http.SSEDecoder` and decoded by orjson.
+requests per turn, ``--rounds`` (3) rounds taking turns, then each one's min, median and max):
+CPU per request of httpx (what the node used before), h11 over a Trio stream, and the node's
+own client (``nodes.adapters._client``), each body split by the same
+:class:`~nodes.adapters._http.SSEDecoder` and decoded by orjson.
+``--baseline FILE...`` adds a turn for each other version of ``nodes/adapters/_client.py``
+(loaded from FILE, named by its stem), to compare a change in one process, e.g.
+``git show HEAD~1:nodes/adapters/_client.py > /tmp/before.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import pstats
+import statistics
 import subprocess
 import sys
 import time
@@ -174,11 +180,12 @@ async def _via_h11(port: int) -> Callable[[], Awaitable[int]]:
     return one
 
 
-async def _via_pool(port: int) -> Callable[[], Awaitable[int]]:
-    pool = Pool(
+async def _via_pool(port: int, module: Any = None) -> Callable[[], Awaitable[int]]:
+    pool_class, target_class = (Pool, Target) if module is None else (module.Pool, module.Target)
+    pool = pool_class(
         connect=10, read=60, write=10, max_connections=1, tls_context=tls_context(), proxies={}
     )
-    target = Target.from_url(httpx.URL(f"http://127.0.0.1:{port}/v1/chat/completions"))
+    target = target_class.from_url(httpx.URL(f"http://127.0.0.1:{port}/v1/chat/completions"))
 
     async def one() -> int:
         decoder, events = SSEDecoder(), 0
@@ -207,7 +214,19 @@ class _Forgetful(list[Any]):
         pass
 
 
-async def _clients(runs: int) -> None:
+def _load_client(path: str) -> Any:
+    """Another version of ``nodes.adapters._client``, from a file."""
+    name = f"bench._baseline_{Path(path).stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+async def _clients(runs: int, rounds: int, baselines: list[str]) -> None:
     command = [sys.executable, "-m", "bench.profile_node", "--serve-fake"]
     async with trio.open_nursery() as nursery:
         child: trio.Process = await nursery.start(
@@ -215,9 +234,17 @@ async def _clients(runs: int) -> None:
         )
         assert child.stdout is not None
         port = int((await _read_line(child.stdout)).split()[0])
-        makers = {"httpx": _via_httpx, "h11": _via_h11, "ours": _via_pool}
-        print(f"{'round':>5} {'client':8} {'client CPU ms/request':>22}")
-        for round_ in range(3):
+        makers: dict[str, Callable[[int], Awaitable[Callable[[], Awaitable[int]]]]] = {
+            "httpx": _via_httpx,
+            "h11": _via_h11,
+            "ours": _via_pool,
+        }
+        for path in baselines:
+            makers[Path(path).stem] = partial(_via_pool, module=_load_client(path))
+        width = max(8, *map(len, makers))
+        print(f"{'round':>5} {'client':{width}} {'client CPU ms/request':>22}")
+        results: dict[str, list[float]] = {name: [] for name in makers}
+        for round_ in range(rounds):
             for name, make in makers.items():
                 one = await make(port)
                 async with one.client:  # type: ignore[attr-defined]
@@ -227,7 +254,14 @@ async def _clients(runs: int) -> None:
                     for _ in range(runs):
                         await one()
                     cpu = time.process_time() - cpu
-                print(f"{round_:>5} {name:8} {cpu / runs * 1000:>22.3f}", flush=True)
+                results[name].append(cpu / runs * 1000)
+                print(f"{round_:>5} {name:{width}} {results[name][-1]:>22.3f}", flush=True)
+        print(f"{'':>5} {'client':{width}} {'min':>7} {'median':>7} {'max':>7}")
+        for name, times in results.items():
+            print(
+                f"{'':>5} {name:{width}} {min(times):>7.3f} {statistics.median(times):>7.3f}"
+                f" {max(times):>7.3f}"
+            )
         nursery.cancel_scope.cancel(reason="measured")
 
 
@@ -241,12 +275,20 @@ def main() -> None:
     parser.add_argument("--sort", nargs="+", default=["tottime"])
     parser.add_argument("--dump", help="a directory for each cell's .prof file")
     parser.add_argument("--clients", action="store_true", help="compare the upstream clients")
+    parser.add_argument("--rounds", type=int, default=3, help="with --clients: turns each")
+    parser.add_argument(
+        "--baseline",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="with --clients: other versions of nodes/adapters/_client.py to measure too",
+    )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake:
         trio.run(_serve_fake)
     elif args.clients:
-        trio.run(_clients, args.runs)
+        trio.run(_clients, args.runs, args.rounds, args.baseline)
     else:
         trio.run(partial(_main, args))
 
