@@ -3,11 +3,15 @@
 Why not httpx: the node's calls are the same few requests, over and over, on connections kept
 alive. httpx (over httpcore and h11) handled each piece of a streamed answer as an h11 event
 through httpcore's and httpx's iterators, and built each request through its URL, header and
-auth models: measured against the same fake provider, a 64-token SSE answer cost ~1.7-2.2 ms
-of the client's CPU through httpx, ~1.1-1.2 ms through h11 over a Trio stream, and ~0.9 ms
-with the body's chunks decoded a whole read at a time (this module's way). Errors are httpx's
-exception classes, so the callers' mapping (``nodes.adapters._http``, ``nodes.tunnel``) is
-the same table whatever the client.
+auth models: ~1.5-1.8 ms of the client's CPU per 64-token SSE answer against ~1.2 ms here
+(``python -m bench.profile_node --clients``). Reading answers -- the status line, headers,
+``Content-Length`` / chunked / until-close framing, ``1xx`` answers, keep-alive -- is h11's:
+one ``h11.Connection`` per connection, ``start_next_cycle()`` between requests, each read fed
+whole and its events drained at once into one piece of body (h11's ~5 us per chunk is most of
+what reading costs). The request's head is written here (:func:`_request`: one formatting
+pass, where h11's checks and writer cost ~60 us a request) and h11 told of it. Errors are
+httpx's exception classes, so the callers' mapping (``nodes.adapters._http``,
+``nodes.tunnel``) is the same table whatever the client.
 
 ::
 
@@ -29,6 +33,15 @@ a ``socks`` proxy is :class:`httpx.UnsupportedProtocol`, as httpx without ``sock
 bodies framed by ``Content-Length``, chunked, or the connection's end; ``1xx`` answers
 skipped. No redirects, no cookies, no HTTP/2 (httpx had neither enabled).
 
+What h11 refuses -- a malformed status line or header, a bad chunk, a head over
+:data:`MAX_HEAD` -- and an answer framed both by ``Content-Length`` and chunked (RFC 9112
+6.3: "ought to be handled as an error"; h11 would let chunked win) is
+:class:`httpx.DecodingError`: the provider's answer cannot be read (``upstream_bad_response``
+for the adapters). The provider closing the connection before the answer's end is
+:class:`httpx.RemoteProtocolError`, as httpx had it. A request header whose name is no token,
+or whose value holds a CR, LF or NUL, is :class:`httpx.LocalProtocolError`, before a
+connection is taken.
+
 Ownership: a request's connection belongs to its :meth:`Pool.stream` block. Left after the
 body was read to its end, on a connection both sides keep alive, the connection goes back
 to the pool; left any other way -- cancelled, an error, the body not read to its end -- it is
@@ -40,6 +53,8 @@ idle), or idle for more than :data:`KEEPALIVE_EXPIRY`, is dropped instead of reu
 from __future__ import annotations
 
 import base64
+import functools
+import re
 import ssl
 import urllib.parse
 import urllib.request
@@ -50,18 +65,19 @@ from types import TracebackType
 from typing import Final
 
 import attrs
+import h11
 import httpx  # noqa: ASYNC127  (its exception classes; see the module docstring)
 import trio
 
 MAX_HEAD: Final = 100 * 1024
-"""Bytes an answer's status line and headers may take (httpcore's bound)."""
+"""Bytes an answer's status line and headers (or a chunk's size line) may take: h11's
+``max_incomplete_event_size``, httpcore's bound."""
 READ_SIZE: Final = 64 * 1024
 KEEPALIVE_EXPIRY: Final = 5.0
 """Seconds an idle connection is reused within (httpcore's default): older, it is closed
 rather than raced against a provider closing it (uvicorn's default keep-alive is 5 s)."""
 USER_AGENT: Final = b"trio-dispatcher-node"
 
-_NO_BODY_STATUSES: Final = frozenset({204, 304})
 _REQUEST_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -170,11 +186,13 @@ class Headers:
 
 
 class _Connection:
-    __slots__ = ("buffer", "idle_since", "stream")
+    __slots__ = ("eof", "h11", "idle_since", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.buffer = bytearray()
+        self.h11 = _h11_client()
+        self.eof = False
+        """The provider closed its side (h11 was told)."""
         self.idle_since = 0.0
 
     def is_readable(self) -> bool:
@@ -185,6 +203,27 @@ class _Connection:
         if isinstance(stream, trio.SocketStream):
             return stream.socket.is_readable()
         return False
+
+    async def receive(self, timeouts: _Timeouts) -> None:
+        """One read, fed to h11 whole (its end too)."""
+        data = await _receive(self, timeouts)
+        if not data:
+            self.eof = True
+        self.h11.receive_data(data)
+
+    def refused(self, exc: h11.RemoteProtocolError) -> httpx.HTTPError:
+        """What h11 raised as the httpx error the callers map."""
+        if self.eof:  # the answer broke off: the provider closed the connection early
+            return httpx.RemoteProtocolError(str(exc))
+        return httpx.DecodingError(f"the provider's answer is not valid HTTP/1.1: {exc}")
+
+
+_DATA: Final = h11.Data
+_NEED_DATA: Final = h11.NEED_DATA
+
+
+def _h11_client() -> h11.Connection:
+    return h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
 
 
 class _Timeouts:
@@ -198,11 +237,8 @@ class Response:
     """One answer, its body read from the connection as the caller asks for it."""
 
     __slots__ = (
-        "_chunk_left",
-        "_chunked",
         "_conn",
-        "_left",
-        "_state",
+        "_pieces",
         "_timeouts",
         "closed",
         "complete",
@@ -212,130 +248,76 @@ class Response:
         "status_code",
     )
 
-    def __init__(
-        self,
-        conn: _Connection,
-        timeouts: _Timeouts,
-        status: int,
-        reason: str,
-        headers: Headers,
-        *,
-        method: str,
-        http11: bool,
-    ) -> None:
+    def __init__(self, conn: _Connection, timeouts: _Timeouts, event: h11.Response) -> None:
         self._conn = conn
         self._timeouts = timeouts
-        self.status_code = status
-        self.reason_phrase = reason
-        self.headers = headers
+        self.status_code = event.status_code
+        self.reason_phrase = event.reason.decode("latin-1")
+        self.headers = Headers(list(event.headers))
         self.closed = False
-        self.reusable = http11 and b"close" not in headers.tokens(b"connection")
-        self._chunked = False
-        self._left = -1
-        """Content-Length bytes still to read; -1: read to the connection's end."""
-        self._chunk_left = 0
-        self._state = 0
-        """Chunked: 0 a size line next, 1 in a chunk's data, 2 its CRLF, 3 trailers."""
         self.complete = False
-        if method == "HEAD" or status in _NO_BODY_STATUSES or status < 200:
-            self.complete = True
-        elif headers.tokens(b"transfer-encoding")[-1:] == [b"chunked"]:
-            self._chunked = True
-        else:
-            lengths = {value.strip() for key, value in headers.raw if key == b"content-length"}
-            if len(lengths) > 1:
-                raise httpx.RemoteProtocolError("conflicting Content-Length headers")
-            if lengths:
-                raw = lengths.pop()
-                if not raw.isdigit():
-                    raise httpx.RemoteProtocolError(f"bad Content-Length {raw!r}")
-                self._left = int(raw)
-                self.complete = self._left == 0
-            else:
-                self.reusable = False  # the body ends with the connection
+        """h11 gave the body's end."""
+        self.reusable = False
+        """Complete, both sides keep the connection alive and nothing followed the answer:
+        h11 is ready for the next request."""
+        self._pieces: list[bytes | bytearray] = []
+        """The body h11 gave from what was received and the caller has not read."""
+        framing = 0
+        for name, _ in self.headers.raw:
+            if name == b"transfer-encoding":
+                framing |= 1
+            elif name == b"content-length":
+                framing |= 2
+        if framing == 3:
+            raise httpx.DecodingError(
+                "the provider's answer is framed by both Content-Length and chunked"
+            )
 
     async def read(self) -> bytes:
-        """The next piece of the body as it is on the wire (chunked framing removed); b""
-        at its end, or once the response is closed."""
-        buffer = self._conn.buffer
+        """The next piece of the body as it is on the wire (chunked framing removed): what
+        one read of the connection brought; b"" at its end, or once the response is
+        closed."""
+        pieces = self._pieces
+        while not self.closed:
+            if pieces:
+                piece = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+                pieces.clear()
+                return piece
+            if self.complete:
+                break
+            await self._conn.receive(self._timeouts)
+            self._drain()
+        return b""
+
+    def _drain(self) -> None:
+        """Every event h11 makes of what was received: body pieces kept, the end noted."""
+        conn = self._conn
+        connection = conn.h11
+        next_event, append = connection.next_event, self._pieces.append
         while True:
-            if self.complete or self.closed:
-                return b""
-            if buffer:
-                piece = self._take_chunked() if self._chunked else self._take_plain()
-                if piece or self.complete:
-                    return piece
-            data = await _receive(self._conn, self._timeouts)
-            if not data:
-                if self._left < 0 and not self._chunked:
-                    self.complete = True
-                    return b""
-                raise httpx.RemoteProtocolError(
-                    "peer closed connection without sending complete message body"
-                )
-            buffer.extend(data)
-
-    def _take_plain(self) -> bytes:
-        buffer = self._conn.buffer
-        if self._left < 0:
-            piece = bytes(buffer)
-            buffer.clear()
-            return piece
-        size = min(self._left, len(buffer))
-        piece = bytes(buffer[:size])
-        del buffer[:size]
-        self._left -= size
-        if self._left == 0:
-            self.complete = True
-            if buffer:
-                self.reusable = False  # more than the answer: nothing to trust after it
-        return piece
-
-    def _take_chunked(self) -> bytes:
-        """Every chunk's data the buffer holds, at once."""
-        buffer = self._conn.buffer
-        pieces: list[bytes] = []
-        position, end = 0, len(buffer)
-        while position < end:
-            state = self._state
-            if state == 1:
-                size = min(self._chunk_left, end - position)
-                pieces.append(bytes(buffer[position : position + size]))
-                position += size
-                self._chunk_left -= size
-                if self._chunk_left == 0:
-                    self._state = 2
-                continue
-            newline = buffer.find(b"\n", position)
-            if newline < 0:
-                if end - position > MAX_HEAD:
-                    raise httpx.RemoteProtocolError("a chunk's size line is too long")
-                break
-            line = bytes(buffer[position:newline]).strip()
-            position = newline + 1
-            if state == 2:
-                if line:
-                    raise httpx.RemoteProtocolError("a chunk did not end with CRLF")
-                self._state = 0
-            elif state == 0:
-                size_text = line.split(b";", 1)[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise httpx.RemoteProtocolError(f"bad chunk size {size_text!r}") from None
-                if size < 0:
-                    raise httpx.RemoteProtocolError(f"bad chunk size {size_text!r}")
-                if size:
-                    self._chunk_left, self._state = size, 1
-                else:
-                    self._state = 3
-            elif not line:  # state 3: the blank line after the trailers ends the body
+            try:
+                event = next_event()
+            except h11.RemoteProtocolError as exc:
+                raise conn.refused(exc) from None
+            kind = type(event)
+            if kind is _DATA:
+                append(event.data)  # type: ignore[union-attr]
+            elif event is _NEED_DATA:
+                return
+            elif kind is h11.EndOfMessage:
                 self.complete = True
-                break
-        del buffer[:position]
-        if self.complete and buffer:
-            self.reusable = False
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                if (
+                    connection.our_state is h11.DONE
+                    and connection.their_state is h11.DONE
+                    and not conn.eof
+                    and not connection.trailing_data[0]  # more than the answer: untrusted
+                ):
+                    connection.start_next_cycle()
+                    self.reusable = True
+                return
+            else:  # PAUSED: a CONNECT's 2xx, the rest of the stream is no more HTTP
+                self.complete = True
+                return
 
     def aiter_raw(self) -> _Body:
         """The body's pieces as the provider encoded them."""
@@ -475,7 +457,7 @@ class Pool:
         if self._closed:
             raise RuntimeError("the pool is closed")
         proxy = _proxy_for(target, self._proxies)
-        request = _request_head(method, target, headers, content, proxy)
+        request, event = _request(method, target, headers, content, proxy)
         try:
             with trio.fail_after(self._timeouts.connect):
                 await self._slots.acquire()
@@ -487,8 +469,9 @@ class Pool:
                 conn = await self._connect(target, proxy)
             response: Response | None = None
             try:
+                _tell(conn.h11, event)
                 await self._send(conn, request)
-                response = await self._read_head(conn, method)
+                response = await self._read_head(conn)
                 yield response
             finally:
                 if (
@@ -566,14 +549,15 @@ class Pool:
     async def _tunnel_through(self, conn: _Connection, target: Target, proxy: _Proxy) -> None:
         """``CONNECT`` through an ``http`` proxy to an ``https`` target."""
         authority = f"{target.host}:{target.port}".encode("ascii")
-        head = b"CONNECT %s HTTP/1.1\r\nhost: %s\r\n" % (authority, authority)
+        headers = [(b"host", authority)]
         if proxy.authorization is not None:
-            head += b"proxy-authorization: " + proxy.authorization + b"\r\n"
-        await self._send(conn, head + b"\r\n")
-        response = await self._read_head(conn, "CONNECT")
+            headers.append((b"proxy-authorization", proxy.authorization))
+        request = h11.Request(method=b"CONNECT", target=authority, headers=headers)
+        await self._send(conn, conn.h11.send(request) + conn.h11.send(_END))
+        response = await self._read_head(conn)
         if not 200 <= response.status_code < 300:
             raise httpx.ProxyError(f"the proxy answered CONNECT with {response.status_code}")
-        conn.buffer.clear()
+        conn.h11 = _h11_client()  # what follows is the target's TLS, then its HTTP
 
     async def _send(self, conn: _Connection, data: bytes) -> None:
         try:
@@ -584,50 +568,26 @@ class Pool:
         except (trio.BrokenResourceError, OSError) as exc:
             raise httpx.WriteError(str(exc) or type(exc).__name__) from None
 
-    async def _read_head(self, conn: _Connection, method: str) -> Response:
-        """The answer's status line and headers (``1xx`` answers skipped)."""
-        buffer = conn.buffer
+    async def _read_head(self, conn: _Connection) -> Response:
+        """The answer's status line and headers (``1xx`` answers skipped), and what h11
+        made of the body's bytes that came with them."""
+        next_event = conn.h11.next_event
         while True:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD:
-                    raise httpx.RemoteProtocolError("the answer's headers are too long")
-                data = await _receive(conn, self._timeouts)
-                if not data:
+            try:
+                event = next_event()
+            except h11.RemoteProtocolError as exc:
+                if conn.eof:
                     raise httpx.RemoteProtocolError(
                         "Server disconnected without sending a response."
-                    )
-                buffer.extend(data)
-                continue
-            head = bytes(buffer[:end])
-            del buffer[: end + 4]
-            lines = head.split(b"\r\n")
-            status_line = lines[0].split(b" ", 2)
-            version = status_line[0]
-            if len(status_line) < 2 or not version.startswith(b"HTTP/1."):
-                raise httpx.RemoteProtocolError(f"not an HTTP/1 status line: {lines[0]!r}")
-            try:
-                status = int(status_line[1])
-            except ValueError:
-                raise httpx.RemoteProtocolError(f"bad status {status_line[1]!r}") from None
-            if 100 <= status < 200 and status != 101 and method != "CONNECT":
-                continue  # an interim answer (100 Continue, 103 Early Hints)
-            raw: list[tuple[bytes, bytes]] = []
-            for line in lines[1:]:
-                name, colon, value = line.partition(b":")
-                if not colon or not name or name != name.strip() or line[:1] in b" \t":
-                    raise httpx.RemoteProtocolError(f"malformed header line {line!r}")
-                raw.append((name.lower(), value.strip()))
-            reason = status_line[2].decode("latin-1") if len(status_line) > 2 else ""
-            return Response(
-                conn,
-                self._timeouts,
-                status,
-                reason,
-                Headers(raw),
-                method=method,
-                http11=version == b"HTTP/1.1",
-            )
+                    ) from None
+                raise conn.refused(exc) from None
+            if event is h11.NEED_DATA:
+                await conn.receive(self._timeouts)
+            elif type(event) is h11.Response:
+                response = Response(conn, self._timeouts, event)
+                response._drain()
+                return response
+            # else an interim answer (100 Continue, 103 Early Hints): skipped
 
     def _discard(self, conn: _Connection) -> None:
         """Close ``conn`` at once (nothing more is sent on it: no TLS close_notify)."""
@@ -656,25 +616,40 @@ def _close_now(conn: _Connection) -> None:
         stream.socket.close()
 
 
-def _request_head(
+def _request(
     method: str,
     target: Target,
     headers: Iterable[tuple[str, str]],
     content: bytes,
     proxy: _Proxy | None,
-) -> bytes:
-    """The request's bytes, head and body, for one write."""
+) -> tuple[bytes, h11.Request]:
+    """The request's bytes, head and body, for one write; and the event h11 is told.
+
+    The head is written here, not by h11: h11's ``Request`` checks each header with regular
+    expressions and its ``send`` runs the state machine three times, ~60 us a request
+    against ~5 us for one formatting pass (a name must be a token, a value has no CR, LF or
+    NUL: nothing can be smuggled into the head). h11 is told of the request by a ``Request``
+    holding what its state machine reads of one -- the method (a ``HEAD``'s answer has no
+    body), the target, ``Host``, and the caller's ``Connection``, ``Upgrade`` and
+    ``Expect`` -- without a body (it reads answers, it does not frame our body): the same
+    few events over and over, built once (:func:`_h11_request`).
+    """
     path = target.absolute if proxy is not None and target.scheme == "http" else target.path
     lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), path), b"host: " + target.host_header]
     seen: set[str] = set()
+    told: list[tuple[bytes, bytes]] | None = None
     for name, value in headers:
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
+        if not _TOKEN.fullmatch(name) or _NOT_IN_VALUE.search(value):
             raise httpx.LocalProtocolError(f"illegal header {name!r}")
         lowered = name.lower()
         if lowered in ("host", "content-length", "transfer-encoding"):
             continue  # the client frames the request itself
         seen.add(lowered)
-        lines.append(b"%s: %s" % (name.encode("ascii"), _header_value(value)))
+        raw = _header_value(value)
+        lines.append(b"%s: %s" % (name.encode("ascii"), raw))
+        if lowered in _TOLD:
+            told = [] if told is None else told
+            told.append((lowered.encode("ascii"), raw))
     if "accept" not in seen:
         lines.append(b"accept: */*")
     if "accept-encoding" not in seen:
@@ -689,7 +664,32 @@ def _request_head(
         lines.append(b"content-length: %d" % len(content))
     lines.append(b"")
     lines.append(content)
-    return b"\r\n".join(lines)
+    event = _h11_request(method, path, target.host_header, None if told is None else tuple(told))
+    return b"\r\n".join(lines), event
+
+
+_TOKEN: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_NOT_IN_VALUE: Final = re.compile(r"[\r\n\0]")
+_TOLD: Final = frozenset({"connection", "upgrade", "expect"})
+_END: Final = h11.EndOfMessage()
+
+
+@functools.lru_cache(maxsize=256)
+def _h11_request(
+    method: str, path: bytes, host: bytes, told: tuple[tuple[bytes, bytes], ...] | None
+) -> h11.Request:
+    try:
+        return h11.Request(
+            method=method.encode("ascii"), target=path, headers=[(b"host", host), *(told or ())]
+        )
+    except (h11.LocalProtocolError, UnicodeEncodeError) as exc:
+        raise httpx.LocalProtocolError(f"illegal request: {exc}") from None
+
+
+def _tell(connection: h11.Connection, request: h11.Request) -> None:
+    """Put h11 where it is once ``request`` was sent: waiting for the answer."""
+    connection.send(request)
+    connection.send(_END)
 
 
 def _header_value(value: str) -> bytes:

@@ -288,6 +288,122 @@ def test_no_proxy_bypasses_the_proxy() -> None:
         _proxy_for(Target.from_url(httpx.URL("http://a/")), {"all": "socks5://proxy:1080"})
 
 
+# --------------------------------------------------------------------------- what h11 refuses
+
+
+def sending(answer: bytes) -> Script:
+    """Answer one request with ``answer`` in one write, then wait for the client to close."""
+
+    async def script(stream: trio.SocketStream, server: Server) -> None:
+        buffer = bytearray()
+        if await server.read_head(stream, buffer) is not None:
+            await stream.send_all(answer)
+            await stream.receive_some(1)
+
+    return script
+
+
+OK_HEAD = b"HTTP/1.1 200 OK\r\n"
+
+REFUSED = {
+    "content-length and chunked": (
+        OK_HEAD + b"content-length: 6\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n"
+    ),
+    "bad chunk size": OK_HEAD + b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\nz1\r\nx\r\n",
+    "chunk without its CRLF": OK_HEAD + b"transfer-encoding: chunked\r\n\r\n1\r\nxy\r\n0\r\n\r\n",
+    "conflicting content-lengths": OK_HEAD + b"content-length: 2\r\ncontent-length: 3\r\n\r\nok",
+    "two transfer-encodings": (
+        OK_HEAD + b"transfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+    ),
+    "a coding other than chunked": OK_HEAD + b"transfer-encoding: gzip\r\n\r\nxx",
+    "head over MAX_HEAD": OK_HEAD + b"x-big: " + b"a" * 2 * _client.MAX_HEAD + b"\r\n\r\n",
+    "header line without a colon": OK_HEAD + b"content-length 2\r\n\r\nok",
+    "space before the colon": OK_HEAD + b"content-length : 2\r\n\r\nok",
+    "not a status line": b"HTTP/1.1 OK 200\r\ncontent-length: 2\r\n\r\nok",
+    "not HTTP": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("answer", REFUSED.values(), ids=REFUSED.keys())
+async def test_what_h11_refuses_is_a_decoding_error_and_the_connection_is_closed(
+    answer: bytes,
+) -> None:
+    async with serve(sending(answer)) as server, pool() as client:
+        with pytest.raises(httpx.DecodingError, match=r"HTTP/1\.1|Content-Length and chunked"):
+            async with client.stream("POST", target(server), [], b"x") as response:
+                await body(response)
+        assert client.connections == 0
+
+
+async def test_a_refused_answer_is_upstream_bad_response_for_the_adapters() -> None:
+    from nodes.adapters._http import post_chunks
+    from nodes.adapters.base import AdapterError
+
+    answer = REFUSED["bad chunk size"]
+    async with serve(sending(answer)) as server, pool() as client:
+        url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+
+        async def post() -> None:
+            async with post_chunks(client, url, {"model": "m"}, headers={}) as chunks:
+                async for _ in chunks:
+                    pass
+
+        with pytest.raises(AdapterError) as caught:
+            await post()
+    assert caught.value.code == "upstream_bad_response"
+    assert caught.value.retryable
+
+
+async def test_bytes_after_the_answer_or_connection_close_mean_no_reuse() -> None:
+    extra = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n"
+    closing = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"
+    for answer in (extra, closing):
+        async with serve(sending(answer)) as server, pool() as client:
+            async with client.stream("POST", target(server), [], b"x") as response:
+                assert await body(response) == b"ok"
+            assert client.connections == 0
+
+
+async def test_an_answer_without_a_body_is_complete_at_once_and_the_connection_reused() -> None:
+    answers = (
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n",  # a HEAD's: no body follows
+    )
+    async with serve(answering(*answers)) as server, pool() as client:
+        for method in ("POST", "GET", "HEAD"):
+            async with client.stream(method, target(server), []) as response:
+                assert response.complete  # nothing read
+        assert server.accepted == 1
+
+
+async def test_a_caller_saying_connection_close_gets_no_reuse() -> None:
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    async with serve(answering(answer)) as server, pool() as client:
+        for _ in range(2):
+            async with client.stream("GET", target(server), [("Connection", "close")]) as r:
+                assert await body(r) == b"ok"
+        assert server.accepted == 2
+    assert b"\r\nConnection: close\r\n" in server.heads[0]
+    assert b"keep-alive" not in server.heads[0]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [("x-a", "1\r\nx-b: 2"), ("x-a\r\nx-b", "2"), ("x a", "1"), ("", "1"), ("x-a", "1\x00")],
+    ids=["CRLF in a value", "CRLF in a name", "space in a name", "empty name", "NUL"],
+)
+async def test_an_illegal_request_header_is_refused_before_connecting(
+    header: tuple[str, str],
+) -> None:
+    async with serve(answering(b"HTTP/1.1 200 OK\r\n\r\n")) as server, pool() as client:
+        with pytest.raises(httpx.LocalProtocolError):
+            async with client.stream("POST", target(server), [header], b"x"):
+                pass
+        assert client.connections == 0
+    assert server.accepted == 0
+
+
 # --------------------------------------------------------------------------- splitters
 
 BODY = b'data: {"a": "x\xe2\x80\xa8y\x0cz"}\r\n\r\n: comment\ndata: 1\ndata: 2\n\ndata: [DONE]\n\n'
