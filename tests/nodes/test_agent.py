@@ -121,7 +121,9 @@ async def test_handshake_announces_the_node_without_leaking_the_token(
         "echo",
         "normalized",
     )
-    assert provider.models == (wire.ModelInfo(name="echo", served_name="echo", slots=8),)
+    assert provider.models == (
+        wire.ModelInfo(name="echo", served_name="echo", slots=8, capabilities=("tools", "json")),
+    )
     assert TOKEN not in repr(hello)
     assert TOKEN not in repr(config())
     # run something so the logs cover a whole session too

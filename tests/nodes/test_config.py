@@ -79,7 +79,9 @@ def test_default_config_serves_echo() -> None:
     (provider,) = config.providers
     assert (provider.id, provider.type, provider.path) == ("echo", "echo", "normalized")
     (model,) = provider.models
-    assert model == ModelConfig(name="echo", served_name="echo", slots=8, capabilities=())
+    assert model == ModelConfig(
+        name="echo", served_name="echo", slots=8, capabilities=("tools", "json")
+    )
     assert default_node_config().node_id  # the host name
 
 
