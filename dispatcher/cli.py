@@ -231,7 +231,7 @@ async def _serve(config: EdgeConfig) -> int:
     # Imported here, not at the top: ``dispatcher --help`` and ``dispatcher node`` do not
     # load the edge (HTTP server, gate, SQLite ledger, Prometheus client): about 0.3 s of
     # imports, which would double their startup. No import cycle is involved.
-    from .edge import open_dispatcher, tune_collector_for_serving
+    from .edge import collect_young_generation, open_dispatcher, tune_collector_for_serving
 
     status = 0
     # Signals are ours from the start: one that comes during startup drains once we serve.
@@ -256,6 +256,7 @@ async def _serve(config: EdgeConfig) -> int:
             # Start-up's objects are frozen out of the cycle collector's work, full
             # collections made rare: they took seconds, freeing nothing, under 10,000 streams.
             tune_collector_for_serving()
+            nursery.start_soon(collect_young_generation)
             address = server.address
             tls = config.http.tls_certificate is not None
             base = f"{'https' if tls else 'http'}://{address.host}:{address.port}"

@@ -39,7 +39,9 @@ from .http import Limits, Server, serve_http
 
 __all__ = [
     "SERVING_FULL_COLLECTION_THRESHOLD",
+    "YOUNG_COLLECTION_INTERVAL",
     "Dispatcher",
+    "collect_young_generation",
     "limits_from_config",
     "open_dispatcher",
     "serve_edge",
@@ -70,6 +72,27 @@ def tune_collector_for_serving() -> None:
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, SERVING_FULL_COLLECTION_THRESHOLD)
+
+
+YOUNG_COLLECTION_INTERVAL = 0.1
+"""Seconds between the serving daemon's own collections of the youngest generation."""
+
+
+async def collect_young_generation(interval: float = YOUNG_COLLECTION_INTERVAL) -> None:
+    """Collect the youngest generation every ``interval`` seconds, until cancelled (run it in
+    the daemon's nursery, beside :func:`tune_collector_for_serving`).
+
+    Why: CPython counts the young generation as allocations *minus* deallocations. With
+    thousands of streams held, each token frees the previous token's chain of coroutines and
+    scopes as it builds the next, so the count stays near zero and no collection triggers,
+    while the generation grows to every held stream's live chain (~12 objects each). When a
+    collection finally runs it walks all of them and frees nothing: 0.1-0.3 s at 2,000
+    streams, seconds at 10,000, a stall for every request. Collected by time instead, what
+    lives on is promoted out of the young generation at once, and each collection walks only
+    what the last 0.1 s allocated."""
+    while True:
+        await trio.sleep(interval)
+        gc.collect(0)
 
 
 _IS_LIMIT = attrs.filters.include(*(field.name for field in attrs.fields(Limits)))
