@@ -177,9 +177,10 @@ def test_a_client_leaving_mid_stream_stops_the_generation(
             if line.startswith("data: "):
                 chunks += 1
             if chunks >= 5:
+                assert busy_slots(stack), "the engine is not generating"
+                # Leaving the loop closes iter_lines' generator, which closes the
+                # response's connection: from here the client is gone.
                 break
-        assert busy_slots(stack), "the engine is not generating"
-    # The connection is closed: the client is gone.
     idle_after = seconds_until_idle(stack, time.monotonic())
     decoded = tokens_predicted(stack) - before
     assert decoded < LONG, f"the engine decoded all {decoded} tokens"
