@@ -107,23 +107,12 @@ async def _complete(
     """A non-streamed answer: the gate committed it complete (its head ends with
     ``run.completed``). Tool-call deltas are assembled into ``message.tool_calls``; the
     ``content`` is null when there was no text but tool calls, as OpenAI answers."""
-    parts: list[str] = []
-    calls = ToolCallAccumulator()
-    usage: wire.Usage | None = None
-    finish = "stop"
-    for event in answer.head:
-        if isinstance(event, wire.RunDelta):
-            parts.append(event.text)
-            calls.add(event.tool_calls)
-        elif isinstance(event, wire.RunUsage):
-            usage = event.usage
-        elif isinstance(event, wire.RunCompleted):
-            finish = event.finish_reason
-    text = "".join(parts)
+    answered = collect(answer.head)
+    usage, finish, text = answered.usage, answered.finish_reason, answered.text
     message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
+    if answered.tool_calls:
         message["content"] = text or None
-        message["tool_calls"] = calls.result()
+        message["tool_calls"] = answered.tool_calls
     body = {
         "id": f"chatcmpl-{answer.run.run_id}",
         "object": "chat.completion",
@@ -140,6 +129,35 @@ async def _complete(
         "usage": _usage_object(usage),
     }
     await responder.respond(200, (*JSON_HEADERS, *headers), orjson.dumps(body))
+
+
+@attrs.frozen
+class Collected:
+    """A complete run's answer, as a non-streamed response renders it."""
+
+    text: str
+    tool_calls: list[dict[str, Any]]
+    """Assembled, in OpenAI's ``message.tool_calls`` shape (:class:`ToolCallAccumulator`)."""
+    usage: wire.Usage | None
+    finish_reason: str
+
+
+def collect(head: Sequence[wire.RunEvent]) -> Collected:
+    """The events of a complete run (its head ends with ``run.completed``) as one answer: the
+    text, the tool calls assembled, the last usage reported, the finish reason."""
+    parts: list[str] = []
+    calls = ToolCallAccumulator()
+    usage: wire.Usage | None = None
+    finish = "stop"
+    for event in head:
+        if isinstance(event, wire.RunDelta):
+            parts.append(event.text)
+            calls.add(event.tool_calls)
+        elif isinstance(event, wire.RunUsage):
+            usage = event.usage
+        elif isinstance(event, wire.RunCompleted):
+            finish = event.finish_reason
+    return Collected("".join(parts), calls.result(), usage, finish)
 
 
 class ToolCallAccumulator:

@@ -94,6 +94,8 @@ def decode(frame: str | bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {tag!r}")
     try:
+        # cattrs types structure()'s target as type[T], which a Union is not; it structures
+        # unions at run time (the stubs are at fault, not the call).
         message: Message = converter.structure(raw, Message)  # type: ignore[arg-type]
     except Exception as exc:  # cattrs raises several kinds; all mean the same to a peer
         raise ProtocolError(f"invalid {tag!r} message: {_describe(exc)}") from None

@@ -21,8 +21,8 @@ from typing import Any, Final, Literal
 import orjson
 
 from ... import wire
-from ...protocol.tokens import TokenEstimator
-from ..openai import ToolCallAccumulator
+from ...protocol.tokens import TokenEstimator, estimate_tokens
+from ..openai import collect
 
 __all__ = [
     "EventWriter",
@@ -87,23 +87,10 @@ def message_body(
     *, message_id: str, model: str, head: Sequence[wire.RunEvent], input_estimate: int
 ) -> dict[str, Any]:
     """The ``message`` object of a complete run (``head`` ends with ``run.completed``)."""
-    parts: list[str] = []
-    calls = ToolCallAccumulator()
-    usage: wire.Usage | None = None
-    finish = "stop"
-    output = TokenEstimator()
-    for event in head:
-        if isinstance(event, wire.RunDelta):
-            parts.append(event.text)
-            output.add(event.text)
-            calls.add(event.tool_calls)
-        elif isinstance(event, wire.RunUsage):
-            usage = event.usage
-        elif isinstance(event, wire.RunCompleted):
-            finish = event.finish_reason
-    text = "".join(parts)
+    answered = collect(head)
+    usage, finish, text = answered.usage, answered.finish_reason, answered.text
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
-    for index, call in enumerate(calls.result()):
+    for index, call in enumerate(answered.tool_calls):
         function = call["function"]
         content.append(
             {
@@ -119,9 +106,9 @@ def message_body(
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(finish, tool_calls=bool(calls)),
+        "stop_reason": stop_reason(finish, tool_calls=bool(answered.tool_calls)),
         "stop_sequence": None,
-        "usage": _usage(usage, input_estimate, output.tokens),
+        "usage": _usage(usage, input_estimate, estimate_tokens(text)),
     }
 
 
