@@ -491,7 +491,7 @@ class _WelcomeStatus:
         self._on_welcome()
 
 
-async def serve_node(
+async def serve_node(  # noqa: ASYNC128 (task_status is passed on to _reconnect_loop)
     config: NodeConfig,
     *,
     dial: Dial | None = None,
