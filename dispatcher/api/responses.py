@@ -769,10 +769,11 @@ def _create_route(store_of: StoreOf) -> Route:
             assert isinstance(answer, Answer), "the predicate admits normalized candidates only"
             headers = (*call.ctx.headers, *dispatch_headers(answer.result, answer.attempts))
             try:
+                reply = _Reply(turn, answer, responder, headers, keep)
                 if request.stream:
-                    await _stream(call.edge, turn, answer, responder, headers, keep)
+                    await _stream(call.edge, reply)
                 else:
-                    await _complete(turn, answer, responder, headers, keep)
+                    await _complete(reply)
             except PeerGone:
                 answer.client_gone()  # a reset is a client leaving, like a cancellation
                 raise
@@ -781,68 +782,67 @@ def _create_route(store_of: StoreOf) -> Route:
     return create_response
 
 
-async def _complete(
-    turn: _Turn,
-    answer: Answer,
-    responder: Responder,
-    headers: Sequence[tuple[bytes, bytes]],
-    keep: Callable[[], Awaitable[None]],
-) -> None:
+@attrs.frozen
+class _Reply:
+    """What delivering one committed answer takes: the response being built, the gate's
+    answer, where it goes (with the attempt's headers), and how to store it once complete."""
+
+    turn: _Turn
+    answer: Answer
+    responder: Responder
+    headers: Sequence[tuple[bytes, bytes]]
+    keep: Callable[[], Awaitable[None]]
+
+
+async def _complete(reply: _Reply) -> None:
     """A non-streamed answer: the gate committed it complete."""
-    for event in answer.head:
-        if turn.feed(event):
+    for event in reply.answer.head:
+        if reply.turn.feed(event):
             break
-    await keep()
-    body = turn.response()
-    await responder.respond(200, (*JSON_HEADERS, *headers), orjson.dumps(body))
+    await reply.keep()
+    body = reply.turn.response()
+    await reply.responder.respond(200, (*JSON_HEADERS, *reply.headers), orjson.dumps(body))
 
 
-async def _stream(
-    edge: EdgeServices,
-    turn: _Turn,
-    answer: Answer,
-    responder: Responder,
-    headers: Sequence[tuple[bytes, bytes]],
-    keep: Callable[[], Awaitable[None]],
-) -> None:
+async def _stream(edge: EdgeServices, reply: _Reply) -> None:
     """A streamed answer: the gate committed at its first content; the preamble goes out with
     it. From here a failure is ``response.failed``."""
     events = _Events()
-    started = turn.response()
+    started = reply.turn.response()
     preamble: list[JSONObject] = [
         {"type": "response.created", "response": started},
         {"type": "response.in_progress", "response": started},
     ]
-    stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
+    stream = await reply.responder.start_stream(200, (*SSE_HEADERS, *reply.headers))
     ended = False
     with edge.stream_scope() as scope:
-        for event in answer.head:
-            if ended := turn.feed(event):
+        for event in reply.answer.head:
+            if ended := reply.turn.feed(event):
                 break
-        await stream.send(events.encode([*preamble, *turn.output.take_events()]))
+        await stream.send(events.encode([*preamble, *reply.turn.output.take_events()]))
         while not ended:
             try:
-                event = await answer.__anext__()
+                event = await reply.answer.__anext__()
             except StopAsyncIteration:
                 break
-            ended = turn.feed(event)
-            while not ended and (ready := answer.ready_events()):
+            ended = reply.turn.feed(event)
+            while not ended and (ready := reply.answer.ready_events()):
                 for event in ready:
-                    if ended := turn.feed(event):
+                    if ended := reply.turn.feed(event):
                         break
             if ended:
                 break
-            chunk = turn.output.take_events()
+            chunk = reply.turn.output.take_events()
             if chunk:
                 await stream.send(events.encode(chunk))
         if not ended:  # the run's events ended without a terminal one
-            turn.fail("server_error", "the model run ended without finishing")
-        await keep()
-        await stream.send(events.encode([*turn.output.take_events(), _final(turn)]))
+            reply.turn.fail("server_error", "the model run ended without finishing")
+        await reply.keep()
+        await stream.send(events.encode([*reply.turn.output.take_events(), _final(reply.turn)]))
     if scope.cancelled_caught:
-        turn.fail("server_error", "the dispatcher is shutting down")
+        reply.turn.fail("server_error", "the dispatcher is shutting down")
         with trio.move_on_after(1, shield=True):
-            await stream.send(events.encode([*turn.output.take_events(), _final(turn)]))
+            await stream.send(events.encode([*reply.turn.output.take_events(), _final(reply.turn)]))
 
 
 def _final(turn: _Turn) -> JSONObject:
