@@ -5,17 +5,12 @@ and one usage row per attempt on the route ``/v1/responses``.
 
 The SDK's async client streams with async generators Trio reports unclosed, so streams are
 read with the sync client in a worker thread (as ``test_http_api.py`` does).
-
-``GET`` / ``DELETE /v1/responses/{id}`` need ``api.app`` to match the pattern route
-``/v1/responses/{id}``: until that change is in the app, :func:`with_id_routes` stands in for
-it over the same ``make_handler`` (a table with the request's own path as an exact route), and
-``test_the_app_routes_the_id_pattern_itself`` is an expected failure.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,21 +23,18 @@ import trio
 from openai.types.responses import FunctionTool
 
 from dispatcher import wire
-from dispatcher.api.app import FRONT_ENDS, make_error_page, make_handler
-from dispatcher.api.common import openai_error
+from dispatcher.api.app import FRONT_ENDS
 from dispatcher.api.front import FrontEnd
 from dispatcher.api.responses import (
-    RESPONSE_ID_ROUTE,
     RESPONSES_PATH,
     chat_body,
     error_code,
     make_front_end,
     parse_responses_request,
 )
-from dispatcher.api.seam import ApiSettings
 from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings
-from dispatcher.edge import Dispatcher, limits_from_config, open_dispatcher
-from dispatcher.http import Handler, Request, Responder, Server, serve_http
+from dispatcher.edge import Dispatcher, open_dispatcher
+from dispatcher.http import Server
 from dispatcher.responses_store import ResponseStore, open_response_store
 from dispatcher.usage import UsageRow
 from nodes.agent import serve_node
@@ -57,25 +49,6 @@ WEATHER_TOOL: Any = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
 TOOL_KNOB = {"tool_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-
-
-def with_id_routes(inner: Handler, make: Callable[[FrontEnd], Handler], front: FrontEnd) -> Handler:
-    """The app's pattern route for ``/v1/responses/{id}``, until ``api.app`` matches it
-    itself: such a request is served by ``make_handler`` over the responses front end's
-    ``{id}`` route as an exact route for the request's own path (auth, methods and errors
-    as the app does them)."""
-    spec = front.routes[RESPONSE_ID_ROUTE]
-    prefix = RESPONSE_ID_ROUTE.removesuffix("{id}")
-
-    async def handler(request: Request, responder: Responder) -> None:
-        path = request.path
-        if path.startswith(prefix) and "/" not in path[len(prefix) :] and path != prefix:
-            own = FrontEnd("responses-id", {path: spec}, openai_error)
-            await make(own)(request, responder)
-            return
-        await inner(request, responder)
-
-    return handler
 
 
 def others() -> tuple[FrontEnd, ...]:
@@ -175,27 +148,9 @@ async def open_edge(
                 ),
             )
             await dispatcher.attach_local_node(node)
-        settings = ApiSettings.from_config(config)
-
-        def make(*extra: FrontEnd) -> Handler:
-            return make_handler(dispatcher, settings, (*front_ends, *extra))
-
-        async def drain() -> None:
-            await dispatcher.drain(config.http.shutdown_grace)
-
         server: Server = await nursery.start(
-            functools.partial(
-                serve_http,
-                with_id_routes(
-                    make(), lambda own: make_handler(dispatcher, settings, (own,)), responses
-                ),
-                limits=limits_from_config(config),
-                on_drain=drain,
-                on_shutdown=dispatcher.begin_shutdown,
-                error_page=make_error_page(front_ends),
-            )
+            functools.partial(dispatcher.serve, host="127.0.0.1", port=0, front_ends=front_ends)
         )
-        del make
         yield Edge(
             dispatcher, server, nursery, store if store is not None else dispatcher.response_store
         )
