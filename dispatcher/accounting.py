@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Final, Protocol
@@ -30,7 +29,7 @@ import trio
 
 from . import wire
 from .pool import DispatchRequest, DispatchResult
-from .protocol.tokens import estimate_prompt_tokens
+from .protocol.tokens import estimate_prompt_tokens, tokens_for_chars
 from .usage import ExecutionPath, Outcome, UsageRow, UsageSource
 
 log = logging.getLogger("dispatcher.gate")
@@ -141,7 +140,7 @@ def run_counts(request: Accounted, attempt: Attempted, run: RunCounts) -> Counts
         return Counts(usage.prompt_tokens, usage.completion_tokens, source)
     return Counts(
         estimate_prompt_tokens(request.dispatch.body),
-        _completion_estimate(run.text_chars),
+        tokens_for_chars(run.text_chars),  # the subscription counts characters only
         "estimated",
     )
 
@@ -153,12 +152,6 @@ def tunnel_counts(request: Accounted, tunnel: TunnelCounts) -> Counts:
         prompt, completion, reported = tunnel.usage
         return Counts(prompt, completion, "reported" if reported else "estimated")
     return Counts(estimate_prompt_tokens(request.dispatch.body), 0, "estimated")
-
-
-def _completion_estimate(chars: int) -> int:
-    # The character half of protocol.tokens.estimate_tokens: the subscription counts the
-    # run's text in characters only, so the word count is not known here.
-    return math.ceil(chars / 4)
 
 
 @attrs.define(eq=False, slots=True)

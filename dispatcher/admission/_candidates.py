@@ -16,6 +16,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
+from dispatcher.protocol.tokens import tokens_for_chars
 from dispatcher.wire import ExecutionPath, ModelInfo, ProviderInfo
 
 RequestClass: TypeAlias = Literal["short", "long"]
@@ -241,6 +242,6 @@ def needs_from_body(body: Mapping[str, Any], *, session_id: str | None = None) -
         tools=tools,
         json=json,
         vision=vision,
-        estimated_tokens=(chars + 3) // 4 + max_tokens,
+        estimated_tokens=tokens_for_chars(chars) + max_tokens,
         session_id=session_id,
     )

@@ -17,9 +17,15 @@ from typing import Any
 _WORD_START = re.compile(r"\s\S")
 
 
+def tokens_for_chars(chars: int) -> int:
+    """The character half of the estimate: a quarter of ``chars``, rounded up (what is left
+    when only a length is known)."""
+    return math.ceil(chars / 4)
+
+
 def estimate_tokens(text: str) -> int:
     """A rough token count of ``text`` (see the module docstring)."""
-    return max(len(text.split()), math.ceil(len(text) / 4))
+    return max(len(text.split()), tokens_for_chars(len(text)))
 
 
 class TokenEstimator:
@@ -42,7 +48,7 @@ class TokenEstimator:
 
     @property
     def tokens(self) -> int:
-        return max(self.words, math.ceil(self.chars / 4))
+        return max(self.words, tokens_for_chars(self.chars))
 
 
 def message_text(message: Any) -> str:
@@ -82,4 +88,10 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     return tokens
 
 
-__all__ = ["TokenEstimator", "estimate_prompt_tokens", "estimate_tokens", "message_text"]
+__all__ = [
+    "TokenEstimator",
+    "estimate_prompt_tokens",
+    "estimate_tokens",
+    "message_text",
+    "tokens_for_chars",
+]
