@@ -1,4 +1,5 @@
-"""The ``dispatcher`` command: ``dispatcher serve`` (the edge) and ``dispatcher node``.
+"""The ``dispatcher`` command: ``dispatcher serve`` (the edge), ``dispatcher node``, and
+``dispatcher check-config FILE...`` (the start-up checks of either, and what it would serve).
 
 A startup failure -- a bad config, a secret variable that is not set, a port in use, TLS
 files that cannot be loaded, an edge URL that is not one, a provider key that is missing --
@@ -11,6 +12,7 @@ is one line on stderr naming the thing and the reason, and exit status 2; no tra
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import ipaddress
 import logging
 import os
@@ -18,6 +20,7 @@ import re
 import signal
 import ssl
 import sys
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,10 +30,19 @@ import trio
 
 from nodes.adapters import build_adapters
 from nodes.agent import run_node
-from nodes.config import NodeConfigError, check_edge_url, default_node_config, load_node_config
+from nodes.config import (
+    NodeConfig,
+    NodeConfigError,
+    check_edge_url,
+    default_node_config,
+    load_node_config,
+)
+from nodes.dial import edge_ssl_context
 from nodes.tunnel import tunnel_providers
 
+from . import __version__
 from .config import ConfigError, EdgeConfig, NodeToken, load_edge_config
+from .config_summary import KINDS, ConfigKind, config_kind, describe_edge, describe_node
 from .protocol.excgroups import first_leaf
 
 if TYPE_CHECKING:
@@ -63,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="dispatcher", description="One OpenAI-compatible endpoint in front of your LLMs."
     )
     log_level(parser, "INFO")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the edge (the OpenAI-compatible HTTP endpoint)")
@@ -82,7 +95,30 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--config", help="node config file (TOML)")
     node.add_argument("--token", help="node token, if the edge requires one")
     node.add_argument("--id", dest="node_id", help="node id (default: from config or hostname)")
+    _check_config_parser(sub)
     return parser
+
+
+def _check_config_parser(sub: Any) -> None:
+    check = sub.add_parser(
+        "check-config",
+        help="check edge or node config files as the daemon would start, say what they serve",
+        description="Exit status 0 when every file is valid, 2 when one is not (on stderr).",
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="an edge or node config (TOML)")
+    check.add_argument(
+        "--kind", choices=KINDS, help="the kind of every FILE (default: from its content)"
+    )
+
+
+def version() -> str:
+    """``trio-dispatcher VERSION``, from the installed package's metadata (this checkout's
+    ``__version__`` when it is not installed)."""
+    try:
+        number = importlib.metadata.version("trio-dispatcher")
+    except importlib.metadata.PackageNotFoundError:
+        number = __version__
+    return f"trio-dispatcher {number}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -96,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve_command(args)
+        if args.command == "check-config":
+            return _check_config_command(args)
         return _node_command(args)
     except expected as exc:
         return _fail(exc)
@@ -161,10 +199,17 @@ def _check_tls(config: EdgeConfig) -> None:
         ) from None
 
 
-def _check_usage_db(path: str | None) -> None:
+def _check_usage_db(path: str | None, *, create: bool = True) -> None:
+    """The ledger's directory exists (made when ``create``) and is writable; without
+    ``create`` a missing one must be creatable (its nearest existing parent writable)."""
     if path is None or path == ":memory:":
         return
     directory = Path(path).expanduser().parent
+    if not create:
+        existing = next(d for d in (directory, *directory.parents) if d.exists())
+        if not os.access(existing, os.W_OK):
+            raise StartupError(f"usage_db: cannot write to the directory {existing}")
+        return
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -320,17 +365,7 @@ def _node_command(args: argparse.Namespace) -> int:
     if args.node_id:
         changes["node_id"] = args.node_id
     config = attrs.evolve(config, **changes)
-    # What the node reads when it starts (a provider's api_key_env, a cli command): fail
-    # now, in one line, rather than inside the daemon.
-    try:
-        build_adapters(config.providers)
-        tunnel_providers(config.providers)
-    except NodeConfigError as exc:
-        for index, provider in enumerate(config.providers):
-            if args.config and exc.source == f"provider {provider.id!r}":
-                key = f"providers[{index}].{exc.key}"
-                raise NodeConfigError(args.config, key, exc.reason) from None
-        raise
+    _check_node(config, args.config)
     print(
         f"trio-dispatcher node {config.node_id} dialling {config.edge_url}\n"
         f"  Ctrl-C or SIGTERM drains (in-flight runs get {config.drain_grace:g} s); "
@@ -338,3 +373,67 @@ def _node_command(args: argparse.Namespace) -> int:
         flush=True,
     )
     return run_node(config)
+
+
+def _check_node(config: NodeConfig, source: str | None) -> None:
+    """What the node reads when it starts (a provider's api_key_env, a cli command, the
+    edge's CA file): fail now, in one line, rather than inside the daemon."""
+    try:
+        build_adapters(config.providers)
+        tunnel_providers(config.providers)
+    except NodeConfigError as exc:
+        for index, provider in enumerate(config.providers):
+            if source and exc.source == f"provider {provider.id!r}":
+                key = f"providers[{index}].{exc.key}"
+                raise NodeConfigError(source, key, exc.reason) from None
+        raise
+    if config.edge_ca_file is not None and config.edge_url.lower().startswith("wss:"):
+        try:
+            edge_ssl_context(config)
+        except (OSError, ssl.SSLError) as exc:
+            where = f"{source}: node.edge_ca_file" if source else "edge_ca_file"
+            raise StartupError(
+                f"{where}: cannot load {config.edge_ca_file}: {_strerror(exc)}"
+            ) from None
+
+
+# --------------------------------------------------------------------------- check-config
+
+
+def _check_config_command(args: argparse.Namespace) -> int:
+    """Each file through the daemon's own loader and start-up checks: what it would serve on
+    stdout, or the one-line failure on stderr. 2 when any file failed."""
+    status = 0
+    for path in args.files:
+        try:
+            kind, lines = _check_config_file(path, args.kind)
+        except (ConfigError, NodeConfigError, StartupError) as exc:
+            status = _fail(exc)
+            continue
+        body = "".join(f"\n  {line}" for line in lines)
+        print(f"{path}: a valid {kind} config{body}", flush=True)
+    return status
+
+
+def _check_config_file(path: str, kind: ConfigKind | None) -> tuple[ConfigKind, list[str]]:
+    if kind is None:
+        kind = _detect_kind(path)
+    if kind == "node":
+        node = load_node_config(path)
+        _check_node(node, path)
+        return kind, describe_node(node)
+    config = load_edge_config(path)
+    usage_db = config.usage_db or str(config.default_data_dir() / "usage.sqlite3")
+    _check_tls(config)
+    _check_usage_db(usage_db, create=False)
+    return kind, describe_edge(config, auth=auth_summary(config), usage_db=usage_db)
+
+
+def _detect_kind(path: str) -> ConfigKind:
+    """From the file's content; a file that cannot be read or parsed is left to the edge's
+    loader, which says why in its words."""
+    try:
+        with open(path, "rb") as file:
+            return config_kind(tomllib.load(file))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return "edge"

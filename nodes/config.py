@@ -229,6 +229,12 @@ class NodeConfig:
     drain_grace: float = 30.0
     """On SIGTERM / Ctrl-C (or :class:`nodes.agent.Drain`), how long the node's in-flight runs
     and tunnels get to finish after it told the edge ``node.draining``, before it leaves."""
+    edge_ca_file: str | None = None
+    """For a ``wss://`` edge: a PEM file of the CA certificates to trust for it, instead of the
+    system's (an edge with a certificate of your own CA)."""
+    edge_tls_server_name: str | None = None
+    """For a ``wss://`` edge: the name its certificate must carry (and the SNI sent), when it
+    is not the URL's host (an edge dialled by IP address, say)."""
 
 
 def check_edge_url(url: str) -> str | None:
@@ -316,6 +322,8 @@ class _NodeTable:
     reconnect_max_backoff: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
     reconnect_reset_after: Annotated[float, _number(minimum=0.0)] | None = None
     drain_grace: Annotated[float, _number(minimum=0.0)] | None = None
+    edge_ca_file: str | None = None
+    edge_tls_server_name: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -503,6 +511,8 @@ _NODE_SETTINGS: Final = (
     "handshake_timeout",
     "reconnect_reset_after",
     "drain_grace",
+    "edge_ca_file",
+    "edge_tls_server_name",
 )
 """The ``[node]`` keys that are :class:`NodeConfig` fields of the same name."""
 

@@ -133,8 +133,17 @@ class _EdgeAddress:
         return cls(parts.hostname, parts.port or (443 if tls else 80), resource, tls)
 
 
+def edge_ssl_context(config: NodeConfig) -> ssl.SSLContext:
+    """The TLS context a ``wss://`` dial verifies the edge with: the system's CAs, or only
+    those of ``config.edge_ca_file``. Raises ``OSError`` or ``ssl.SSLError`` for a CA file
+    that cannot be read or holds no certificate."""
+    return ssl.create_default_context(cafile=config.edge_ca_file)
+
+
 @asynccontextmanager
-async def dial_edge(config: NodeConfig) -> AsyncIterator[Connection]:
+async def dial_edge(
+    config: NodeConfig, *, ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[Connection]:
     """The default dial: a websocket to ``config.edge_url`` (trio-websocket over a TCP or TLS
     stream this function owns), with explicit limits: frames up to ``wire.MAX_FRAME_SIZE``,
     :data:`WEBSOCKET_QUEUE_SIZE` queued messages, :data:`CONNECT_TIMEOUT` for TCP + upgrade,
@@ -147,21 +156,24 @@ async def dial_edge(config: NodeConfig) -> AsyncIterator[Connection]:
 
     Dial failures raise ``transport.ConnectionClosed``, or :class:`NodeRejected` when the
     upgrade is refused with 401 or 403.
+
+    For ``wss://`` the edge's certificate is verified with ``ssl_context`` (default
+    :func:`edge_ssl_context`) against ``config.edge_tls_server_name`` or the URL's host; a
+    certificate that does not verify fails the dial (``ConnectionClosed``, retried).
     """
     url = config.edge_url
     address = _EdgeAddress.parse(url)
     stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
     try:
         with trio.fail_after(CONNECT_TIMEOUT):
+            stream = await trio.open_tcp_stream(address.host, address.port)
             if address.tls:
-                stream = await trio.open_ssl_over_tcp_stream(
-                    address.host,
-                    address.port,
-                    ssl_context=ssl.create_default_context(),
+                stream = trio.SSLStream(
+                    stream,
+                    ssl_context or edge_ssl_context(config),
+                    server_hostname=config.edge_tls_server_name or address.host,
                     https_compatible=True,
                 )
-            else:
-                stream = await trio.open_tcp_stream(address.host, address.port)
     except trio.TooSlowError:
         raise ConnectionClosed(f"cannot connect to {url}: timed out") from None
     except (OSError, trio.BrokenResourceError) as exc:
@@ -245,6 +257,8 @@ def edge_dial(config: NodeConfig) -> Dial:
     """The default :data:`Dial` for ``config``: :func:`dial_edge` each time it is called.
 
     Raises ``ValueError`` at once when ``config.edge_url`` is not an edge's node endpoint (a
-    mistake no retry can fix)."""
-    _EdgeAddress.parse(config.edge_url)
+    mistake no retry can fix). A ``wss://`` URL's TLS context is made once, here (raising
+    as :func:`edge_ssl_context` does)."""
+    if _EdgeAddress.parse(config.edge_url).tls:
+        return partial(dial_edge, config, ssl_context=edge_ssl_context(config))
     return partial(dial_edge, config)

@@ -1,16 +1,20 @@
-"""The TOML examples in the docs are real: each fenced ``toml`` block is loaded through the
-real loader (the edge's for ``configuration.md`` and ``quickstart.md``, the node's for
-``node.md``). A block whose first line is ``# error: <message>`` must fail with exactly that
-message (the file named as in the docs); every other block must load."""
+"""The TOML examples in the docs are real: each fenced ``toml`` block of every page is loaded
+through the real loader (the edge's for ``configuration.md`` and ``quickstart.md``, the node's
+for ``node.md`` and ``tunnel.md``; elsewhere the kind ``dispatcher check-config`` detects). A
+block whose first line is ``# error: <message>`` must fail with exactly that message (the file
+named as in the docs); every other block must load. (``test_check_config.py`` runs the same
+blocks through ``dispatcher check-config``.)"""
 
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from dispatcher.config import ConfigError, load_edge_config
+from dispatcher.config_summary import ConfigKind, config_kind
 from nodes.config import NodeConfigError, load_node_config
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -26,17 +30,30 @@ ENVIRON = {
     "NODE_TOKEN": "node-secret",
 }
 
-LOADERS = {"configuration.md": "edge", "quickstart.md": "edge", "node.md": "node"}
+LOADERS: dict[str, ConfigKind] = {
+    "configuration.md": "edge",
+    "quickstart.md": "edge",
+    "node.md": "node",
+    "tunnel.md": "node",
+}
 
 
 def examples() -> list[tuple[str, int, str]]:
     found = []
-    for name in LOADERS:
-        text = (DOCS / name).read_text(encoding="utf-8")
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text(encoding="utf-8")
         for match in BLOCK.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
-            found.append((name, line, match.group(1)))
+            found.append((page.name, line, match.group(1)))
     return found
+
+
+def kind_of(doc: str, block: str) -> ConfigKind:
+    """The loader a block is for: its page's, else what check-config detects."""
+    try:
+        return LOADERS.get(doc) or config_kind(tomllib.loads(block))
+    except tomllib.TOMLDecodeError:
+        return "edge"
 
 
 EXAMPLES = examples()
@@ -53,7 +70,7 @@ def test_the_docs_have_examples() -> None:
     ("doc", "line", "block"), EXAMPLES, ids=[f"{doc}:{line}" for doc, line, _ in EXAMPLES]
 )
 def test_example(tmp_path: Path, doc: str, line: int, block: str) -> None:
-    kind = LOADERS[doc]
+    kind = kind_of(doc, block)
     path = tmp_path / f"{kind}.toml"
     path.write_text(block, encoding="utf-8")
     expected = block.splitlines()[0].removeprefix(ERROR) if block.startswith(ERROR) else None

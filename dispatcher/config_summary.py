@@ -1,0 +1,137 @@
+"""What a loaded config would serve, as the lines ``dispatcher check-config`` prints.
+
+Pure functions of a validated config (:class:`~dispatcher.config.EdgeConfig`,
+:class:`~nodes.config.NodeConfig`): no file is opened, nothing is started. Secrets are never
+shown -- not the client or admin keys, not the node tokens, not a password or query in a URL
+-- only how many there are and which variable a provider's key comes from.
+
+Which kind of file a TOML document is (:func:`config_kind`): a node's has a ``[node]`` table
+or ``[[providers]]``; anything else is read as an edge's (an empty file is a working edge).
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from nodes.config import ModelConfig, NodeConfig, ProviderConfig
+
+from .config import EdgeConfig, QueuePolicySettings
+
+__all__ = ["KINDS", "ConfigKind", "config_kind", "describe_edge", "describe_node"]
+
+ConfigKind = Literal["edge", "node"]
+KINDS: Final[tuple[ConfigKind, ...]] = ("edge", "node")
+_NODE_KEYS: Final = frozenset({"node", "providers"})
+
+
+def config_kind(document: Mapping[str, Any]) -> ConfigKind:
+    """``"node"`` for a document with a ``[node]`` table or ``[[providers]]``, else
+    ``"edge"``."""
+    return "node" if _NODE_KEYS & document.keys() else "edge"
+
+
+def public_url(url: str) -> str:
+    """``url`` without what may be a secret: its user and password, its query."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "..." if parts.query else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g} s"
+
+
+# --------------------------------------------------------------------------- the edge
+
+
+def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> list[str]:
+    """The edge's listen address, TLS, auth (``auth``: the start-up banner's lines), files,
+    the in-process node, and the per-model policies and aliases."""
+    http = config.http
+    tls = http.tls_certificate is not None
+    host = f"[{config.host}]" if ":" in config.host else config.host or "0.0.0.0"
+    where = f"{host}:{config.port}"
+    lines = [
+        f"listen: {'https' if tls else 'http'}://{where}/v1 "
+        f"(nodes dial {'wss' if tls else 'ws'}://{where}/v1/nodes/connect)",
+        (
+            f"TLS: on (certificate {http.tls_certificate}, key {http.tls_private_key})"
+            if tls
+            else "TLS: off (plain HTTP; put a TLS-terminating proxy in front off loopback)"
+        ),
+        *auth,
+        f"data dir: {config.default_data_dir()}",
+        f"usage ledger: {usage_db}",
+        f"in-process node: {'on (model echo)' if config.local_node else 'off'}",
+        f"drain: in-flight requests get {_seconds(http.shutdown_grace)} (http.shutdown_grace)",
+        f"node heartbeat: every {_seconds(config.nodes.heartbeat_interval)}, "
+        f"lost after {_seconds(config.nodes.heartbeat_timeout)}",
+        f"admission defaults: {_policy(config.admission) or 'built-in'}",
+    ]
+    if not config.models:
+        lines.append("models: whatever the nodes announce, each with the defaults")
+    for name, settings in sorted(config.models.items()):
+        policy = _policy(settings) or "the defaults"
+        aliases = f"; aliases {', '.join(settings.aliases)}" if settings.aliases else ""
+        lines.append(f"model {name}: {policy}{aliases}")
+    return lines
+
+
+def _policy(settings: QueuePolicySettings) -> str:
+    fields = {**settings.overrides(), **settings.gate_overrides()}
+    return ", ".join(f"{name} = {value:g}" for name, value in sorted(fields.items()))
+
+
+# --------------------------------------------------------------------------- a node
+
+
+def describe_node(config: NodeConfig) -> list[str]:
+    """The node's id, the edge it dials (and how it trusts it), and each provider with its
+    models and slots."""
+    label = f" ({config.label})" if config.label else ""
+    lines = [
+        f"node id: {config.node_id}{label}",
+        f"edge: {public_url(config.edge_url)}{_edge_trust(config)}",
+        "token: " + ("set (not shown)" if config.token else "none"),
+        f"drain: in-flight runs and tunnels get {_seconds(config.drain_grace)} (drain_grace)",
+    ]
+    for provider in config.providers:
+        lines.append(f"provider {provider.id}: {_provider(provider)}")
+        lines.extend(f"  model {_model(model)}" for model in provider.models)
+    return lines
+
+
+def _edge_trust(config: NodeConfig) -> str:
+    if not config.edge_url.lower().startswith("wss:"):
+        return ""
+    parts = [f"CA file {Path(config.edge_ca_file)}" if config.edge_ca_file else "system CAs"]
+    if config.edge_tls_server_name:
+        parts.append(f"certificate name {config.edge_tls_server_name}")
+    return f" (TLS: {', '.join(parts)})"
+
+
+def _provider(provider: ProviderConfig) -> str:
+    parts = [f"type {provider.type}", provider.path]
+    if provider.base_url is not None:
+        parts.append(public_url(provider.base_url))
+    if provider.command is not None:
+        parts.append(f"command {provider.command[0]}")
+    if provider.api_key_env is not None:
+        parts.append(f"key from ${provider.api_key_env}")
+    return ", ".join(parts)
+
+
+def _model(model: ModelConfig) -> str:
+    served = f" (served as {model.served_name})" if model.served_name != model.name else ""
+    parts = [f"{model.slots} slot{'' if model.slots == 1 else 's'}"]
+    if model.long_context_slots:
+        parts.append(f"{model.long_context_slots} long-context")
+    if model.context_window is not None:
+        parts.append(f"context window {model.context_window}")
+    if model.capabilities:
+        parts.append(f"capabilities {', '.join(model.capabilities)}")
+    return f"{model.name}{served}: {', '.join(parts)}"
