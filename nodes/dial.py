@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from functools import partial
 from typing import Final
 
@@ -164,25 +164,36 @@ async def dial_edge(
     url = config.edge_url
     address = _EdgeAddress.parse(url)
     stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
-    try:
+    with _connect_failures(url):
         with trio.fail_after(CONNECT_TIMEOUT):
             stream = await trio.open_tcp_stream(address.host, address.port)
-            if address.tls:
-                stream = trio.SSLStream(
-                    stream,
-                    ssl_context or edge_ssl_context(config),
-                    server_hostname=config.edge_tls_server_name or address.host,
-                    https_compatible=True,
-                )
-    except trio.TooSlowError:
-        raise ConnectionClosed(f"cannot connect to {url}: timed out") from None
-    except (OSError, trio.BrokenResourceError) as exc:
-        raise ConnectionClosed(f"cannot connect to {url}: {explain(exc)}") from None
     try:
+        if address.tls:
+            stream = trio.SSLStream(
+                stream,
+                ssl_context or edge_ssl_context(config),
+                server_hostname=config.edge_tls_server_name or address.host,
+                https_compatible=True,
+            )
+            # Here, not inside the websocket's reader (which would leave the upgrade to time
+            # out): a certificate that does not verify says so.
+            with _connect_failures(url), trio.fail_after(CONNECT_TIMEOUT):
+                await stream.do_handshake()
         async with _open_websocket(stream, address, url) as ws:
             yield WebSocketClientConnection(ws)
     finally:
         await trio.aclose_forcefully(stream)
+
+
+@contextmanager
+def _connect_failures(url: str) -> Iterator[None]:
+    """A failed or timed-out connect (TCP or TLS) as ``ConnectionClosed``."""
+    try:
+        yield
+    except trio.TooSlowError:
+        raise ConnectionClosed(f"cannot connect to {url}: timed out") from None
+    except (OSError, trio.BrokenResourceError) as exc:
+        raise ConnectionClosed(f"cannot connect to {url}: {explain(exc)}") from None
 
 
 @asynccontextmanager
@@ -249,7 +260,10 @@ def _upgrade_failure(group: BaseExceptionGroup[BaseException], url: str) -> Exce
 
 
 def explain(exc: BaseException) -> str:
-    """An error for a log line or a close reason: its message, or its type's name."""
+    """An error for a log line or a close reason: its message, its cause's when it has none
+    (``trio.BrokenResourceError`` from a failed TLS handshake), or its type's name."""
+    if not str(exc) and exc.__cause__ is not None:
+        return explain(exc.__cause__)
     return str(exc) or type(exc).__name__
 
 
