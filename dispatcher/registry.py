@@ -610,6 +610,17 @@ class Registry:
                     served.setdefault(model.name, []).append((session, provider, model))
         return served
 
+    def routable_models(self) -> set[str]:
+        """The model names a node that is not draining serves: what a request could be
+        routed to now."""
+        return {
+            model.name
+            for session in self.sessions.values()
+            if not session.draining
+            for provider in session.hello.providers
+            for model in provider.models
+        }
+
 
 _RUN_EVENTS = (
     wire.RunDelta,

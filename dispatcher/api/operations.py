@@ -75,17 +75,27 @@ async def _readyz(
     edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
 ) -> None:
     """Readiness (``/healthz`` is liveness): 200 while the edge takes requests -- not
-    draining, at least one model served -- else 503."""
-    models = sorted(edge.registry.models())
+    draining, at least one model served by a node that is not draining -- else 503, the body
+    saying why (``{"ready": false, "status": "no_models", "reason": "no node serves a
+    model", ...}``). ``models`` are those a request could be routed to now."""
+    sessions = edge.registry.sessions.values()
+    models = sorted(edge.registry.routable_models())
+    draining_nodes = sum(session.draining for session in sessions)
+    ready = not edge.draining and bool(models)
+    body: dict[str, object] = {"ready": ready}
     if edge.draining:
-        status = "draining"
+        body.update(status="draining", reason="the edge is draining")
     elif not models:
-        status = "no_models"
+        reason = "no node serves a model"
+        if draining_nodes:
+            reason += f" ({draining_nodes} node(s) draining)"
+        body.update(status="no_models", reason=reason)
     else:
-        status = "ready"
-    body = orjson.dumps({"status": status, "nodes": len(edge.registry.sessions), "models": models})
-    code = 200 if status == "ready" else 503
-    await responder.respond(code, (*JSON_HEADERS, *ctx.headers), body)
+        body.update(status="ready")
+    body.update(nodes=len(sessions), draining_nodes=draining_nodes, models=models)
+    await responder.respond(
+        200 if ready else 503, (*JSON_HEADERS, *ctx.headers), orjson.dumps(body)
+    )
 
 
 async def _metrics(

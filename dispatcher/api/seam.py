@@ -28,16 +28,29 @@ from ..usage import UsageLedger
 __all__ = ["ApiSettings", "EdgeServices", "RegistryView", "WorkTicket"]
 
 
+class NodeView(Protocol):
+    """What routes read of one connected node."""
+
+    @property
+    def draining(self) -> bool:
+        """The node said it is draining: nothing new is routed to it."""
+        ...
+
+
 class RegistryView(Protocol):
     """What routes read of the node registry: who is connected and which models are served."""
 
     @property
-    def sessions(self) -> Mapping[str, object]:
-        """Connected node sessions by node id (routes only count them)."""
+    def sessions(self) -> Mapping[str, NodeView]:
+        """Connected node sessions by node id (routes count them, and those draining)."""
         ...
 
     def models(self) -> Mapping[str, object]:
         """Served model names (the keys; routes never look at the values)."""
+        ...
+
+    def routable_models(self) -> set[str]:
+        """The model names a node that is not draining serves."""
         ...
 
 

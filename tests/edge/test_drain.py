@@ -195,7 +195,13 @@ async def test_readyz_and_healthz() -> None:
         nursery.cancel_scope.cancel()
     assert (empty.status_code, empty.json()["status"]) == (503, "no_models")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready", "nodes": 1, "models": ["echo"]}
+    assert ready.json() == {
+        "ready": True,
+        "status": "ready",
+        "nodes": 1,
+        "draining_nodes": 0,
+        "models": ["echo"],
+    }
     assert (draining.status_code, draining.json()["status"]) == (503, "draining")
     assert alive.status_code == 200  # liveness is not readiness
     assert node_upgrade.status_code == 503  # a node retries later, maybe elsewhere
