@@ -30,8 +30,10 @@ One session::
                      (nodes.tunnel);
       drain:         once :class:`Drain` is requested: node.draining -> the edge, new
                      run.request / tunnel.request answered with a retryable failure
-                     (``node_draining``), in-flight runs and tunnels get config.drain_grace,
-                     then close 1001 and serve_node returns.
+                     (``node_draining``), in-flight runs and tunnels get config.drain_grace;
+                     what still runs then is cancelled and reported (run.cancelled,
+                     tunnel.end), within :data:`CANCEL_REPORT_TIMEOUT`; then close 1000
+                     and serve_node returns.
 
 :func:`run_node` (``dispatcher node``) requests the drain on the first SIGINT or SIGTERM and
 stops at once on the second.
@@ -95,6 +97,10 @@ going away, restarting, timeouts -- is transient and retried with backoff."""
 
 NODE_DRAINING: Final = "node_draining"
 """The failure code of a run or tunnel the edge sent after the node said it is draining."""
+
+CANCEL_REPORT_TIMEOUT: Final = 5.0
+"""At the end of a drain's grace: how long the runs and tunnels still going get to report
+their cancellation to the edge (``run.cancelled``, ``tunnel.end``) before the node leaves."""
 
 
 class Drain:
@@ -321,7 +327,7 @@ async def _serve_welcomed(
             async def drain_when_asked(drain: Drain) -> None:
                 nonlocal end
                 await drain.wait()
-                end = await _drain(link, drain_grace)
+                end = await _drain(link, runner, tunnels, drain_grace)
                 nursery.cancel_scope.cancel(reason="node drained")
 
             nursery.start_soon(receive)
@@ -343,19 +349,28 @@ async def _serve_welcomed(
     return end
 
 
-async def _drain(link: _Link, grace: float) -> tuple[int, str]:
-    """Tell the edge, refuse new work, give what runs ``grace`` seconds; the close to send."""
+async def _drain(
+    link: _Link, runner: Runner, tunnels: TunnelRunner, grace: float
+) -> tuple[int, str]:
+    """Tell the edge, refuse new work, give what runs ``grace`` seconds, then cancel what is
+    left and let it report so; the close to send (a normal one: the node left on purpose)."""
     link.draining = True
     with trio.move_on_after(grace):
         log.info("draining: taking no new work; %s in flight get %.1f s", link.in_flight(), grace)
         await link.send(wire.NodeDraining(grace=grace))
         await link.wait_idle()
         log.info("drained: leaving the edge")
-        return CLOSE_GOING_AWAY, "node drained"
-    log.warning(
-        "drain grace of %.1f s is over: leaving with %s unfinished", grace, link.in_flight()
-    )
-    return CLOSE_GOING_AWAY, "node drain grace over"
+        return CLOSE_NORMAL, "node drained"
+    log.warning("drain grace of %.1f s is over: cancelling %s", grace, link.in_flight())
+    for run_id in link.protocol.running():
+        runner.cancel(run_id, "node drain grace over")
+    for tunnel_id in link.protocol.open_tunnels():
+        tunnels.cancel(tunnel_id)
+    with trio.move_on_after(CANCEL_REPORT_TIMEOUT) as reporting:
+        await link.wait_idle()
+    if reporting.cancelled_caught:
+        log.warning("leaving with %s that did not report their end", link.in_flight())
+    return CLOSE_NORMAL, "node drain grace over"
 
 
 async def _receive_loop(

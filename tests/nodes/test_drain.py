@@ -20,7 +20,13 @@ from dispatcher.transport import (
     MemoryConnection,
     memory_connection_pair,
 )
-from nodes.agent import NODE_DRAINING, Drain, serve_node, serve_node_session
+from nodes.agent import (
+    CANCEL_REPORT_TIMEOUT,
+    NODE_DRAINING,
+    Drain,
+    serve_node,
+    serve_node_session,
+)
 from nodes.config import NodeConfig, default_node_config, load_node_config
 
 
@@ -68,7 +74,9 @@ class Edge:
             return exc
 
 
-def run_request(run_id: str, words: int, delay: float) -> wire.RunRequest:
+def run_request(
+    run_id: str, words: int, delay: float, *, ignore_cancel: bool = False
+) -> wire.RunRequest:
     text = " ".join(f"w{i}" for i in range(words))
     return wire.RunRequest(
         run_id=run_id,
@@ -78,7 +86,7 @@ def run_request(run_id: str, words: int, delay: float) -> wire.RunRequest:
         body={
             "model": "echo",
             "messages": [{"role": "user", "content": text}],
-            "echo": {"token_delay": delay},
+            "echo": {"token_delay": delay, "ignore_cancel": ignore_cancel},
         },
     )
 
@@ -132,7 +140,7 @@ async def test_a_draining_node_finishes_its_runs_refuses_new_work_and_leaves(
             await trio.sleep(0.01)
     [done] = terminals(edge, "r1")
     assert isinstance(done, wire.RunCompleted)  # the run in flight finished normally
-    assert closed.code == 1001
+    assert closed.code == 1000  # a clean leave
     assert [t.TYPE for t in terminals(edge, "r2")] == ["run.failed"]
     assert 1.5 <= closed_at - start <= 2.5  # when the run ended, not after the grace
     assert returned[0] - closed_at < 0.1
@@ -144,17 +152,41 @@ async def test_the_drain_grace_bounds_the_wait(
     node_end, edge_end = memory_connection_pair()
     edge = Edge(edge_end)
     drain = Drain()
-    nursery.start_soon(partial_session, node_end, config(drain_grace=3), drain)
+    nursery.start_soon(partial_session, node_end, config(drain_grace=3.5), drain)
     await edge.welcome()
     await edge.send(run_request("r1", 100, 1.0))  # 100 s
     await edge.receive_until(wire.RunStarted, run_id="r1")
     start = trio.current_time()
     drain.request()
     closed = await edge.closed()
-    assert trio.current_time() - start == pytest.approx(3)
-    assert closed.code == 1001
+    assert trio.current_time() - start == pytest.approx(3.5)
+    assert closed.code == 1000
+    # Cancelled at the end of the grace, and reported so (with its partial usage) before
+    # the node left: the edge settles it at once instead of as a lost node's run.
+    [cancelled] = terminals(edge, "r1")
+    assert isinstance(cancelled, wire.RunCancelled)
+    assert cancelled.usage is not None
+    assert cancelled.usage.completion_tokens == 3
+    assert "grace of 3.5 s is over: cancelling 1 run(s) and 0 tunnel(s)" in caplog.text
+
+
+async def test_a_run_that_ignores_the_cancel_does_not_hold_the_node(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    node_end, edge_end = memory_connection_pair()
+    edge = Edge(edge_end)
+    drain = Drain()
+    nursery.start_soon(partial_session, node_end, config(drain_grace=3), drain)
+    await edge.welcome()
+    await edge.send(run_request("r1", 100, 1.0, ignore_cancel=True))  # 100 s
+    await edge.receive_until(wire.RunStarted, run_id="r1")
+    start = trio.current_time()
+    drain.request()
+    closed = await edge.closed()
+    assert trio.current_time() - start == pytest.approx(3 + CANCEL_REPORT_TIMEOUT)
+    assert closed.code == 1000
     assert terminals(edge, "r1") == []  # cut off: the edge fails it as a lost node's run
-    assert "grace of 3.0 s is over" in caplog.text
+    assert "leaving with 1 run(s) and 0 tunnel(s) that did not report their end" in caplog.text
 
 
 async def partial_session(conn: Connection, cfg: NodeConfig, drain: Drain) -> None:
