@@ -119,6 +119,8 @@ class HostileNode(RuleBasedStateMachine):
         self.tunnels: dict[str, ModelTunnel] = {}
         self.ended_tunnels = ModelEnded()
         self.failure: p.ProtocolError | None = None
+        self.draining = False
+        """The model: the node said node.draining (one way: nothing undoes it)."""
 
     @initialize(handshake=mostly(st.just(True), st.just(False)))
     def start(self, handshake: bool) -> None:
@@ -284,9 +286,16 @@ class HostileNode(RuleBasedStateMachine):
             elif not tunnel.started:
                 return p.ProtocolError
             return p.Accepted
-        if isinstance(message, p.Pong | p.Capacity | p.NodeDraining):
+        if isinstance(message, p.NodeDraining):
+            self.draining = True
+            return p.Accepted
+        if isinstance(message, p.Pong | p.Capacity):
             return p.Accepted
         return p.ProtocolError
+
+    @invariant()
+    def draining_is_what_the_node_said(self) -> None:
+        assert self.edge.node_draining == self.draining
 
     @invariant()
     def no_state_for_what_was_not_given(self) -> None:
@@ -325,6 +334,8 @@ class HostileEdge(RuleBasedStateMachine):
         self.tunnels: dict[str, bool] = {}
         """The model: tunnels open on the node, and whether they started."""
         self.failure: p.ProtocolError | None = None
+        self.edge_draining = False
+        """The model: the edge said edge.draining (one way)."""
 
     @initialize(steps=mostly(st.just(2), st.sampled_from([0, 1])))
     def start(self, steps: int) -> None:
@@ -476,9 +487,16 @@ class HostileEdge(RuleBasedStateMachine):
             return p.Accepted if message.run_id in self.runs else p.Tolerated
         if isinstance(message, p.TunnelCancel | p.TunnelCredit | p.TunnelData):
             return p.Accepted if message.tunnel_id in self.tunnels else p.Tolerated
-        if isinstance(message, p.Ping | p.EdgeDraining):
+        if isinstance(message, p.EdgeDraining):
+            self.edge_draining = True
+            return p.Accepted
+        if isinstance(message, p.Ping):
             return p.Accepted
         return p.ProtocolError  # a second welcome, or any node -> edge message
+
+    @invariant()
+    def draining_is_what_the_edge_said(self) -> None:
+        assert self.node.edge_draining == self.edge_draining
 
     @invariant()
     def no_state_for_what_was_not_given(self) -> None:
@@ -589,6 +607,7 @@ def test_two_halves_accept_legal_traffic(data: st.DataObject) -> None:
         "node-event",
         "node-tunnel",
         "node-capacity",
+        "node-drain",
         "to-node",
         "to-edge",
     ]
@@ -640,6 +659,11 @@ def test_two_halves_accept_legal_traffic(data: st.DataObject) -> None:
                 del pair.node_tunnels[tunnel_id]
         elif move == "node-capacity":
             pair.node_sends(p.Capacity(provider_id="p", model="m", slots=1))
+        elif move == "node-drain":
+            # From here the node refuses what it is given, but the edge's run.requests
+            # that cross the message are still legal: the node answers them (run.failed).
+            pair.node_sends(p.NodeDraining(grace=1.0))
+            assert pair.node.node_draining
         elif move == "to-node" and pair.to_node:
             pair.deliver_to_node()
         elif move == "to-edge" and pair.to_edge:
@@ -650,3 +674,4 @@ def test_two_halves_accept_legal_traffic(data: st.DataObject) -> None:
         if pair.to_edge:
             pair.deliver_to_edge()
     assert pair.edge.state is pair.node.state is p.State.OPEN
+    assert pair.edge.node_draining == pair.node.node_draining
