@@ -6,6 +6,7 @@ reason."""
 from __future__ import annotations
 
 import importlib.metadata
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -28,13 +29,35 @@ def test_version(tmp_path: Path) -> None:
     assert result.stdout == f"trio-dispatcher {importlib.metadata.version('trio-dispatcher')}\n"
 
 
+def named_files(block: str) -> tuple[list[str], list[str]]:
+    """The TLS files an example names: (certificates and keys, CA files)."""
+    try:
+        document = tomllib.loads(block)
+    except tomllib.TOMLDecodeError:
+        return [], []
+    http, node = document.get("http", {}), document.get("node", {})
+    own = [http[key] for key in ("tls_certificate", "tls_private_key") if key in http]
+    return own, [node["edge_ca_file"]] if "edge_ca_file" in node else []
+
+
 def write_examples(tmp_path: Path, *, errors: bool) -> list[tuple[str, str, str]]:
     """Each docs example (the error ones or the others) as ``NN/edge.toml`` or
-    ``NN/node.toml``: (its path, its kind, the error its page shows or "")."""
+    ``NN/node.toml``: (its path, its kind, the error its page shows or ""). The TLS files an
+    example names are made for it (relative to the directory check-config runs in), a
+    certificate and key from a test CA, and that CA's certificate."""
     written: list[tuple[str, str, str]] = []
+    ca = trustme.CA()
+    issued = ca.issue_cert("edge.internal")
     for index, (doc, _, block) in enumerate(EXAMPLES):
         if block.startswith(ERROR) != errors:
             continue
+        own, cas = named_files(block)
+        for name, pem in [(n, issued.private_key_and_cert_chain_pem) for n in own] + [
+            (n, ca.cert_pem) for n in cas
+        ]:
+            assert not Path(name).is_absolute(), f"{doc}: name TLS files relatively: {name}"
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            pem.write_to_path(str(tmp_path / name))
         kind = kind_of(doc, block)
         (tmp_path / f"{index:02}").mkdir()
         path = write(tmp_path, f"{index:02}/{kind}.toml", block)
@@ -45,7 +68,7 @@ def write_examples(tmp_path: Path, *, errors: bool) -> list[tuple[str, str, str]
 
 def test_every_docs_example_passes(tmp_path: Path) -> None:
     examples = write_examples(tmp_path, errors=False)
-    assert len(examples) >= 7
+    assert len(examples) >= 10
     assert {kind for _, kind, _ in examples} == {"edge", "node"}
     result = dispatcher(tmp_path, "check-config", *(p for p, _, _ in examples), env=EXAMPLE_ENVIRON)
     assert result.returncode == 0, result.stderr

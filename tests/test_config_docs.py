@@ -25,6 +25,7 @@ ENVIRON = {
     # The variables the examples name; the error examples name others, left unset.
     "NODE_A_TOKEN": "token-a",
     "NODE_B_TOKEN": "token-b",
+    "EDGE_API_KEYS": "sk-1,sk-2",
     "EDGE_ADMIN_KEYS": "admin-1",
     "EDGE_NODE_TOKENS": "node-1,node-2",
     "NODE_TOKEN": "node-secret",
@@ -61,8 +62,11 @@ EXAMPLES = examples()
 
 def test_the_docs_have_examples() -> None:
     by_doc = {name: sum(1 for doc, _, _ in EXAMPLES if doc == name) for name in LOADERS}
+    assert "operations.md" not in LOADERS  # both kinds: each block's is detected
     assert by_doc["configuration.md"] >= 8, by_doc
     assert by_doc["node.md"] >= 6, by_doc
+    operations = [kind_of(doc, block) for doc, _, block in EXAMPLES if doc == "operations.md"]
+    assert sorted(set(operations)) == ["edge", "node"], operations
     assert any(block.startswith(ERROR) for _, _, block in EXAMPLES)
 
 

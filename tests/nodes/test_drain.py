@@ -146,20 +146,29 @@ async def test_a_draining_node_finishes_its_runs_refuses_new_work_and_leaves(
     assert returned[0] - closed_at < 0.1
 
 
-async def test_the_drain_grace_bounds_the_wait(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
-) -> None:
+async def drain_mid_run(
+    nursery: trio.Nursery, grace: float, request: wire.RunRequest
+) -> tuple[Edge, ConnectionClosed, float]:
+    """A session with ``request`` running, drained: the scripted edge, how the node closed,
+    and how long after the drain request."""
     node_end, edge_end = memory_connection_pair()
     edge = Edge(edge_end)
     drain = Drain()
-    nursery.start_soon(partial_session, node_end, config(drain_grace=3.5), drain)
+    nursery.start_soon(partial_session, node_end, config(drain_grace=grace), drain)
     await edge.welcome()
-    await edge.send(run_request("r1", 100, 1.0))  # 100 s
-    await edge.receive_until(wire.RunStarted, run_id="r1")
+    await edge.send(request)
+    await edge.receive_until(wire.RunStarted, run_id=request.run_id)
     start = trio.current_time()
     drain.request()
     closed = await edge.closed()
-    assert trio.current_time() - start == pytest.approx(3.5)
+    return edge, closed, trio.current_time() - start
+
+
+async def test_the_drain_grace_bounds_the_wait(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    edge, closed, took = await drain_mid_run(nursery, 3.5, run_request("r1", 100, 1.0))  # 100 s
+    assert took == pytest.approx(3.5)
     assert closed.code == 1000
     # Cancelled at the end of the grace, and reported so (with its partial usage) before
     # the node left: the edge settles it at once instead of as a lost node's run.
@@ -173,17 +182,9 @@ async def test_the_drain_grace_bounds_the_wait(
 async def test_a_run_that_ignores_the_cancel_does_not_hold_the_node(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    node_end, edge_end = memory_connection_pair()
-    edge = Edge(edge_end)
-    drain = Drain()
-    nursery.start_soon(partial_session, node_end, config(drain_grace=3), drain)
-    await edge.welcome()
-    await edge.send(run_request("r1", 100, 1.0, ignore_cancel=True))  # 100 s
-    await edge.receive_until(wire.RunStarted, run_id="r1")
-    start = trio.current_time()
-    drain.request()
-    closed = await edge.closed()
-    assert trio.current_time() - start == pytest.approx(3 + CANCEL_REPORT_TIMEOUT)
+    request = run_request("r1", 100, 1.0, ignore_cancel=True)  # 100 s
+    edge, closed, took = await drain_mid_run(nursery, 3, request)
+    assert took == pytest.approx(3 + CANCEL_REPORT_TIMEOUT)
     assert closed.code == 1000
     assert terminals(edge, "r1") == []  # cut off: the edge fails it as a lost node's run
     assert "leaving with 1 run(s) and 0 tunnel(s) that did not report their end" in caplog.text
