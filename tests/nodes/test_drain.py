@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import orjson
 import pytest
 import trio
 import trio.testing
@@ -27,7 +28,14 @@ from nodes.agent import (
     serve_node,
     serve_node_session,
 )
-from nodes.config import NodeConfig, default_node_config, load_node_config
+from nodes.config import (
+    ModelConfig,
+    NodeConfig,
+    ProviderConfig,
+    default_node_config,
+    load_node_config,
+)
+from tests.nodes.fake_providers import FakeOpenAI, serve_fake_openai
 
 
 def config(**changes: Any) -> NodeConfig:
@@ -40,6 +48,7 @@ class Edge:
 
     conn: MemoryConnection
     seen: list[wire.Message] = attrs.Factory(list)
+    body_frames: int = 0
 
     async def welcome(self) -> None:
         assert isinstance(await self.receive(), wire.Hello)
@@ -51,8 +60,11 @@ class Edge:
         await self.conn.send(wire.encode(message))
 
     async def receive(self) -> wire.Message:
+        """The next message; tunnel body frames (binary) are counted and skipped."""
         frame = await self.conn.receive()
-        assert isinstance(frame, str)
+        while isinstance(frame, bytes):
+            self.body_frames += 1
+            frame = await self.conn.receive()
         message = wire.decode(frame)
         self.seen.append(message)
         return message
@@ -278,3 +290,47 @@ def test_drain_grace_is_configurable(tmp_path: Any) -> None:
     )
     assert load_node_config(path).drain_grace == 5.0
     assert default_node_config("n").drain_grace == 30.0
+
+
+async def test_a_tunnel_still_open_at_the_end_of_the_grace_is_cancelled_and_reported(
+    nursery: trio.Nursery,
+) -> None:
+    """Real time, a real upstream on 127.0.0.1 (a fake OpenAI server that stalls after its
+    first token), a scripted edge: the tunnel's end is on the wire before the close."""
+    fake: FakeOpenAI = await nursery.start(
+        serve_fake_openai, FakeOpenAI(reply="one two three", stall_after_chunks=1)
+    )
+    assert fake.server is not None
+    provider = ProviderConfig(
+        id="up",
+        type="openai",
+        path="tunnel",
+        base_url=f"http://127.0.0.1:{fake.server.address.port}",
+        models=(ModelConfig(name="m", served_name="fake-model"),),
+    )
+    node_end, edge_end = memory_connection_pair()
+    edge = Edge(edge_end)
+    drain = Drain()
+    cfg = attrs.evolve(config(drain_grace=0.5), providers=(provider,))
+    nursery.start_soon(partial_session, node_end, cfg, drain)
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with trio.fail_after(30):
+        await edge.welcome()
+        await edge.send(
+            wire.TunnelRequest(
+                tunnel_id="t1",
+                provider_id="up",
+                method="POST",
+                path="/v1/chat/completions",
+                body=orjson.dumps(body).decode(),
+                window=1 << 20,
+            )
+        )
+        await edge.receive_until(wire.TunnelStart, tunnel_id="t1")
+        drain.request()
+        closed = await edge.closed()
+    [end] = [m for m in edge.seen if isinstance(m, wire.TunnelEnd)]
+    assert end.tunnel_id == "t1"
+    assert end.error == "cancelled"
+    assert edge.body_frames >= 1  # it had started streaming
+    assert closed.code == 1000
