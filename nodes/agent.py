@@ -355,9 +355,12 @@ async def _drain(
     """Tell the edge, refuse new work, give what runs ``grace`` seconds, then cancel what is
     left and let it report so; the close to send (a normal one: the node left on purpose)."""
     link.draining = True
-    with trio.move_on_after(grace):
-        log.info("draining: taking no new work; %s in flight get %.1f s", link.in_flight(), grace)
+    grace_over = trio.current_time() + grace
+    log.info("draining: taking no new work; %s in flight get %.1f s", link.in_flight(), grace)
+    # The announcement has its own bound: with a grace of 0 the edge is still told.
+    with trio.move_on_after(CANCEL_REPORT_TIMEOUT):
         await link.send(wire.NodeDraining(grace=grace))
+    with trio.move_on_at(grace_over):
         await link.wait_idle()
         log.info("drained: leaving the edge")
         return CLOSE_NORMAL, "node drained"

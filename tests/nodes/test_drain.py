@@ -334,3 +334,13 @@ async def test_a_tunnel_still_open_at_the_end_of_the_grace_is_cancelled_and_repo
     assert end.error == "cancelled"
     assert edge.body_frames >= 1  # it had started streaming
     assert closed.code == 1000
+
+
+async def test_a_zero_grace_still_tells_the_edge_and_reports_the_cancel(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    edge, closed, took = await drain_mid_run(nursery, 0, run_request("r1", 100, 1.0))
+    assert took == 0
+    assert closed.code == 1000
+    assert wire.NodeDraining(grace=0) in edge.seen
+    assert [type(t) for t in terminals(edge, "r1")] == [wire.RunCancelled]
