@@ -97,7 +97,7 @@ class Counts:
     usage_source: UsageSource
 
 
-PLACE_COLUMNS: Final = ("model_group", "served_model", "provider_id", "node_id")
+_PLACE_COLUMNS: Final = ("model_group", "served_model", "provider_id", "node_id")
 """Where the attempt ran: the row's columns that its dispatch result has under the same
 names."""
 
@@ -108,7 +108,7 @@ def usage_row(request: Accounted, attempt: Attempted, counts: Counts) -> UsageRo
     return UsageRow(
         request_id=request.request_id,
         attempt=attempt.number,
-        **{column: getattr(result, column) for column in PLACE_COLUMNS},
+        **{column: getattr(result, column) for column in _PLACE_COLUMNS},
         path=attempt.path,
         attribution=request.attribution,
         **attrs.asdict(counts),
@@ -263,7 +263,6 @@ class Accounting:
 
 
 __all__ = [
-    "PLACE_COLUMNS",
     "SETTLE_TIMEOUT",
     "Accounted",
     "Accounting",

@@ -15,7 +15,7 @@ nothing else of ours.
 from __future__ import annotations
 
 import operator
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Never, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -40,6 +40,10 @@ class Forwarded(Generic[T]):
             return self
         value: T = self._get(instance)
         return value
+
+    def __set__(self, instance: object, value: Never) -> None:
+        """Refused: a forwarded attribute is read-only (set it where it lives)."""
+        raise AttributeError(f"{self.path} is forwarded: it is read-only here")
 
     def __repr__(self) -> str:
         return f"Forwarded({self.path!r})"
