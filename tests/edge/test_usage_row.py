@@ -14,6 +14,8 @@ from dispatcher.accounting import Attempted, Counts, usage_row
 from dispatcher.admission import Candidate
 from dispatcher.pool import DispatchRequest, DispatchResult
 
+from ..admission.helpers import cand
+
 
 @attrs.frozen
 class _Request:
@@ -23,16 +25,7 @@ class _Request:
     client_request_id: str | None = "client-7"
 
 
-CANDIDATE = Candidate(
-    node_id="n1",
-    generation=3,
-    provider_id="vllm-1",
-    provider_type="openai",
-    adapter="openai",
-    model="m",
-    served_model="llama-3-8b",
-    path="tunnel",
-)
+CANDIDATE = attrs.evolve(cand("n1", "vllm-1", generation=3), path="tunnel", node_label="")
 
 
 def _result(candidate: Candidate = CANDIDATE) -> DispatchResult:
@@ -66,7 +59,7 @@ async def test_every_column_comes_from_its_source(autojump_clock: trio.testing.M
         "request_id": "req-1",
         "attempt": 2,
         "model_group": "m",
-        "served_model": "llama-3-8b",
+        "served_model": "m:served",
         "provider_id": "vllm-1",
         "node_id": "n1",
         "path": "tunnel",
@@ -88,11 +81,11 @@ async def test_every_column_comes_from_its_source(autojump_clock: trio.testing.M
 
 def test_the_result_shows_the_chosen_candidates_facts() -> None:
     result = _result()
-    assert (result.node_id, result.model_group, result.served_model) == ("n1", "m", "llama-3-8b")
+    assert (result.node_id, result.model_group, result.served_model) == ("n1", "m", "m:served")
     assert (result.provider_id, result.provider_type, result.adapter) == (
         "vllm-1",
-        "openai",
-        "openai",
+        "ollama",
+        "ollama",
     )
     assert result.path == "tunnel"
     assert result.candidate == CANDIDATE.key
