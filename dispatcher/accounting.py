@@ -90,9 +90,16 @@ class Attempted:
 
 @attrs.frozen
 class Counts:
+    """An attempt's tokens: the row's columns of the same names."""
+
     prompt_tokens: int
     completion_tokens: int
-    source: UsageSource
+    usage_source: UsageSource
+
+
+_PLACE_COLUMNS: Final = ("model_group", "served_model", "provider_id", "node_id")
+"""Where the attempt ran: the row's columns that its dispatch result has under the same
+names."""
 
 
 def usage_row(request: Accounted, attempt: Attempted, counts: Counts) -> UsageRow:
@@ -101,15 +108,10 @@ def usage_row(request: Accounted, attempt: Attempted, counts: Counts) -> UsageRo
     return UsageRow(
         request_id=request.request_id,
         attempt=attempt.number,
-        model_group=result.model_group,
-        served_model=result.served_model,
-        provider_id=result.provider_id,
-        node_id=result.node_id,
+        **{column: getattr(result, column) for column in _PLACE_COLUMNS},
         path=attempt.path,
         attribution=request.attribution,
-        prompt_tokens=counts.prompt_tokens,
-        completion_tokens=counts.completion_tokens,
-        usage_source=counts.source,
+        **attrs.asdict(counts),
         outcome=attempt.outcome,
         billable_to="client" if attempt.committed else "operator",
         queue_wait_s=result.queue_wait,

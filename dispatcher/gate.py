@@ -47,7 +47,7 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Generic, TypedDict, TypeVar
 
 import attrs
 import trio
@@ -122,6 +122,12 @@ def _is_content(event: wire.RunEvent) -> bool:
     return isinstance(event, wire.RunDelta) and bool(event.text or event.tool_calls)
 
 
+class _Ending(TypedDict):
+    committed: bool
+    ended: rules.Ended
+    client_gone: bool
+
+
 @attrs.define(eq=False)
 class Attempt:
     """One attempt's bookkeeping, from dispatch to its usage row: what both paths share."""
@@ -144,6 +150,11 @@ class Attempt:
     def failure(self, code: str, message: str, *, retryable: bool) -> AttemptFailed:
         """This attempt failed before its commit: its candidate is excluded from the next."""
         return AttemptFailed(code, message, retryable=retryable, candidate=self.result.candidate)
+
+    def ending(self, ended: rules.Ended) -> _Ending:
+        """What both paths' end records (:class:`~dispatcher.gate_rules.RunEnd`,
+        :class:`~dispatcher.gate_rules.TunnelEnd`) take of the attempt, its scope ended so."""
+        return {"committed": self.committed, "ended": ended, "client_gone": self.client_gone}
 
     def attempted(self, path: ExecutionPath, outcome: Outcome) -> Attempted:
         ttft = None if self.output_at is None else self.output_at - self.dispatched_at
@@ -176,10 +187,8 @@ class RunAttempt(Attempt):
         outcome = rules.run_outcome(
             rules.RunEnd(
                 terminal=_terminal_kind(self.run.terminal),
-                committed=self.committed,
-                ended=ended,
-                client_gone=self.client_gone,
                 stalled=self.stalled,
+                **self.ending(ended),
             )
         )
         accounting.record_run(request, self.attempted("normalized", outcome), self.run)
@@ -201,9 +210,7 @@ class TunnelAttempt(Attempt):
         tunnel = self.tunnel
         outcome = rules.tunnel_outcome(
             rules.TunnelEnd(
-                committed=self.committed,
-                ended=ended,
-                client_gone=self.client_gone,
+                **self.ending(ended),
                 relay_failed=self.failed,
                 delivered=self.delivered,
                 finished=tunnel.finished,

@@ -25,8 +25,10 @@ import attrs
 from .admission import Admission, Candidate, CandidateKey, Predicate, Slot, needs_from_body
 from .admission._candidates import RequestClass
 from .errors import TunnelUnavailable
+from .forwarding import Forwarded
 from .runs import Run, Runs, RunSpec
 from .tunnel import Tunnel
+from .wire import ExecutionPath
 
 
 @attrs.frozen(kw_only=True)
@@ -51,22 +53,25 @@ class DispatchRequest:
 
 @attrs.frozen(kw_only=True)
 class DispatchResult:
-    """What the pool actually chose."""
+    """What the pool actually chose: the candidate (whose facts it shows under the names
+    below) and how admission placed the request on it."""
 
+    chosen: Candidate
     run_id: str | None
-    node_id: str
-    node_label: str
-    model_group: str
-    adapter: str
-    served_model: str
-    provider_id: str
-    provider_type: str
-    path: str
     session_id: str | None
     context_class: RequestClass
     queue_reason: str
     queue_wait: float
-    candidate: CandidateKey
+
+    node_id = Forwarded[str]("chosen.node_id")
+    model_group = Forwarded[str]("chosen.model")
+    adapter = Forwarded[str]("chosen.adapter")
+    served_model = Forwarded[str]("chosen.served_model")
+    provider_id = Forwarded[str]("chosen.provider_id")
+    provider_type = Forwarded[str]("chosen.provider_type")
+    path = Forwarded[ExecutionPath]("chosen.path")
+    node_label = Forwarded[str]("chosen.node_name")
+    candidate = Forwarded[CandidateKey]("chosen.key")
 
 
 @attrs.frozen
@@ -139,20 +144,11 @@ class Pool:
 
     @staticmethod
     def _result(request: DispatchRequest, slot: Slot, run_id: str | None) -> DispatchResult:
-        candidate = slot.candidate
         return DispatchResult(
+            chosen=slot.candidate,
             run_id=run_id,
-            node_id=candidate.node_id,
-            node_label=candidate.node_label or candidate.node_id,
-            model_group=candidate.model,
-            adapter=candidate.adapter,
-            served_model=candidate.served_model,
-            provider_id=candidate.provider_id,
-            provider_type=candidate.provider_type,
-            path=candidate.path,
             session_id=request.session_id,
             context_class=slot.request_class,
             queue_reason=slot.queue_reason,
             queue_wait=slot.queue_wait,
-            candidate=candidate.key,
         )

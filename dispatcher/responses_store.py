@@ -244,27 +244,21 @@ class _Database:
 # --------------------------------------------------------------------------- the store
 
 
+@attrs.define(eq=False)
 class ResponseStore:
     """Stored responses (see the module docstring). Create it with
     :func:`open_response_store`."""
 
-    def __init__(
-        self,
-        database: _Database,
-        *,
-        max_entries: int,
-        max_bytes: int,
-        max_age: float,
-        clock: Callable[[], float],
-    ) -> None:
-        self._db = database
-        self._limiter = trio.CapacityLimiter(1)
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.max_age = max_age
-        self._clock = clock
-        self._evicted = 0
-        self._closed = False
+    _db: _Database = attrs.field(alias="database")
+    max_entries: int
+    max_bytes: int
+    max_age: float
+    _clock: Callable[[], float]
+    _limiter: trio.CapacityLimiter = attrs.field(
+        init=False, factory=lambda: trio.CapacityLimiter(1)
+    )
+    _evicted: int = attrs.field(init=False, default=0)
+    _closed: bool = attrs.field(init=False, default=False)
 
     def __len__(self) -> int:
         return self._db.entries

@@ -41,6 +41,7 @@ from .admission import Admission, Candidate, PolicySnapshot
 from .catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
 from .config import EdgeConfig, NodeToken
 from .errors import ShuttingDown
+from .forwarding import Forwarded
 from .gate import Gate
 from .metrics import Metrics
 from .nodelink import LOCAL_CREDENTIAL, NodeCredential, NodeLinkSettings, serve_node_connection
@@ -71,7 +72,6 @@ class Dispatcher:
     config: EdgeConfig
     registry: Registry
     admission: Admission
-    runs: Runs
     pool: Pool
     tunnels: Tunnels
     gate: Gate
@@ -88,6 +88,9 @@ class Dispatcher:
     _drain_deadline: float | None = None
     shutting_down: bool = False
     """Set when what the drain left is ended (streams get their final event at once)."""
+
+    runs = Forwarded[Runs]("pool.runs")
+    """The pool's: the normalized runs (:meth:`open_run` opens one outside the pool)."""
 
     def __attrs_post_init__(self) -> None:
         self._idle.set()
@@ -389,7 +392,6 @@ async def open_dispatcher_of(
             config=config,
             registry=registry,
             admission=admission,
-            runs=runs,
             pool=pool,
             tunnels=tunnels,
             gate=Gate(pool, gate_policies(config), record_usage=ledger.record, nursery=nursery),

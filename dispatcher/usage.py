@@ -195,12 +195,12 @@ class UsageReport:
     until: float | None
     attribution: str | None
     model: str | None
+    client_request_id: str | None = None
     limit: int
     rows: tuple[UsageRow, ...]
     truncated: bool
     """More rows matched than ``limit``; the totals still cover all of them."""
     totals: UsageTotals
-    client_request_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Final
 
 import attrs
@@ -56,6 +56,7 @@ from nodes.adapters._http import (
     shown_url,
     split_timeouts,
 )
+from nodes.adapters.base import open_each
 from nodes.coalesce import take_body
 from nodes.config import NodeConfigError, ProviderConfig
 from nodes.runner import Send as SendMessage
@@ -168,21 +169,18 @@ AnyTunnelProvider = TunnelProvider | PooledTunnelProvider
 """A tunnel provider, its pool opened or not."""
 
 
-@asynccontextmanager
-async def open_tunnel_pools(
+def open_tunnel_pools(
     providers: Mapping[str, AnyTunnelProvider],
-) -> AsyncIterator[dict[str, PooledTunnelProvider]]:
+) -> AbstractAsyncContextManager[dict[str, PooledTunnelProvider]]:
     """``providers`` with every pool not yet open opened for this block (one client per
     provider) and closed, every connection with it, when the block is left; those already
     open as they are. So a caller that holds the pools for longer (the agent, for the
     node's life) keeps them open across the blocks of :func:`open_tunnels` inside."""
-    async with AsyncExitStack() as stack:
-        opened: dict[str, PooledTunnelProvider] = {}
-        for provider_id, provider in providers.items():
-            if isinstance(provider, TunnelProvider):
-                provider = await stack.enter_async_context(provider.open())
-            opened[provider_id] = provider
-        yield opened
+    return open_each(providers, _open_pool)
+
+
+def _open_pool(provider: AnyTunnelProvider) -> AbstractAsyncContextManager[PooledTunnelProvider]:
+    return provider.open() if isinstance(provider, TunnelProvider) else nullcontext(provider)
 
 
 def tunnel_providers(

@@ -90,6 +90,11 @@ class Candidate:
         """``node/provider``, the prefix of every reason about this candidate."""
         return f"{self.node_id}/{self.provider_id}"
 
+    @property
+    def node_name(self) -> str:
+        """What a person is shown of the node: its label, or its id when it has none."""
+        return self.node_label or self.node_id
+
     @classmethod
     def from_info(
         cls,
@@ -110,7 +115,7 @@ class Candidate:
             model=model.name,
             served_model=model.served_name,
             path=provider.path,
-            capabilities=frozenset(model.capabilities),
+            capabilities=model.capabilities,
             slots=model.slots,
             long_context_slots=model.long_context_slots,
             context_window=model.context_window,

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from ..forwarding import Forwarded
 from ._candidates import Candidate, CandidateKey, Needs, RequestClass
 from ._core import (
     AdmissionCore,
@@ -52,31 +53,17 @@ class Slot:
 
     _admission: Admission
     _admit: Admit
-    """The core's decision that admitted the request: what the properties below read."""
+    """The core's decision that admitted the request: what the attributes below read."""
     _drain: bool = attrs.field(default=False, init=False)
     _done: bool = attrs.field(default=False, init=False)
 
-    @property
-    def slot_id(self) -> SlotId:
-        return self._admit.slot_id
-
-    @property
-    def candidate(self) -> Candidate:
-        return self._admit.candidate
-
-    @property
-    def queue_reason(self) -> AdmitReason:
-        """``"immediate"``, ``"queued"`` or ``"requeued"``."""
-        return self._admit.reason
-
-    @property
-    def queue_wait(self) -> float:
-        """Seconds spent waiting in the queue."""
-        return self._admit.queued_for
-
-    @property
-    def request_class(self) -> RequestClass:
-        return self._admit.request_class
+    slot_id = Forwarded[SlotId]("_admit.slot_id")
+    candidate = Forwarded[Candidate]("_admit.candidate")
+    queue_reason = Forwarded[AdmitReason]("_admit.reason")
+    """``"immediate"``, ``"queued"`` or ``"requeued"``."""
+    queue_wait = Forwarded[float]("_admit.queued_for")
+    """Seconds spent waiting in the queue."""
+    request_class = Forwarded[RequestClass]("_admit.request_class")
 
     @property
     def released(self) -> bool:

@@ -1,7 +1,8 @@
 """What the API's front ends share: the model routes' call (:class:`ModelCall`, which
 builds the gate request from the HTTP request) and counting (:func:`model_route`), the
-request-outcome metric, the headers that describe the attempt which answered, and the OpenAI
-error shape (:func:`openai_error`), which the OpenAI routes and the edge's own routes answer in."""
+request-outcome metric, the headers that describe the attempt which answered, a committed
+answer's events as a stream sends them (:func:`relay_rest`), and the OpenAI error shape
+(:func:`openai_error`), which the OpenAI routes and the edge's own routes answer in."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 import attrs
 import trio
 
+from .. import wire
 from ..admission import AdmissionError, Predicate
 from ..errors import RunError, ShuttingDown, error_status_and_body
-from ..gate import GateRequest, RequestResult, TunnelCall
-from ..http import PeerGone, Request, Responder
+from ..gate import Answer, GateRequest, RequestResult, TunnelCall
+from ..http import HTTPStream, PeerGone, Request, Responder
 from ..pool import DispatchRequest, DispatchResult
 from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
@@ -108,6 +110,41 @@ def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes
         (b"x-dispatcher-provider", result.provider_id.encode()),
         (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
     )
+
+
+@attrs.define(eq=False)
+class Pending:
+    """What a stream's renderer appended to :attr:`out` since the last :meth:`send`."""
+
+    stream: HTTPStream
+    out: list[bytes] = attrs.field(factory=list)
+
+    async def send(self, ended: bool = False) -> None:
+        """Send what is pending, if anything (``ended`` is :func:`relay_rest`'s: whether
+        the answer ended, which changes nothing here)."""
+        if self.out:
+            await self.stream.send(b"".join(self.out))
+            self.out.clear()
+
+
+async def relay_rest(
+    answer: Answer,
+    render: Callable[[wire.RunEvent], bool],
+    send: Callable[[bool], Awaitable[None]],
+) -> bool:
+    """A committed answer after its head, as a stream sends it: the next event to arrive and
+    the events ready behind it go to ``render`` (True for the one that ends the answer: none
+    after it is rendered), then ``send(ended)`` sends what they rendered; again, until an event
+    ended the answer (True) or the events ran out without one (False)."""
+    while True:
+        try:
+            event = await answer.__anext__()
+        except StopAsyncIteration:
+            return False
+        ended = render(event) or any(render(ready) for ready in answer.ready_events())
+        await send(ended)
+        if ended:
+            return True
 
 
 @attrs.frozen

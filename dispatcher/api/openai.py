@@ -26,7 +26,15 @@ from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..runs import Run
 from . import schema
-from .common import JSON_HEADERS, ModelCall, dispatch_headers, model_route, openai_error
+from .common import (
+    JSON_HEADERS,
+    ModelCall,
+    Pending,
+    dispatch_headers,
+    model_route,
+    openai_error,
+    relay_rest,
+)
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
 from .tunnel_relay import relay, tunnel_route
@@ -239,26 +247,21 @@ async def _stream(
     writer = _ChunkWriter(chat, answer.run)
     usage: wire.Usage | None = None
     stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
+    pending = Pending(stream)
+
+    def render(event: wire.RunEvent) -> bool:
+        nonlocal usage
+        usage, ended = _render(writer, event, usage, pending.out)
+        return ended
+
     with edge.stream_scope() as scope:
-        out = [writer.choice({"role": "assistant", "content": ""})]
+        pending.out.append(writer.choice({"role": "assistant", "content": ""}))
         ended = False
         for event in answer.head:
-            usage, ended = _render(writer, event, usage, out)
-        await stream.send(b"".join(out))
-        while not ended:
-            try:
-                event = await answer.__anext__()
-            except StopAsyncIteration:
-                break
-            out = []
-            usage, ended = _render(writer, event, usage, out)
-            if not ended:
-                for ready in answer.ready_events():
-                    usage, ended = _render(writer, ready, usage, out)
-                    if ended:
-                        break
-            if out:
-                await stream.send(b"".join(out))
+            ended = render(event)
+        await pending.send()
+        if not ended:
+            await relay_rest(answer, render, pending.send)
         if isinstance(answer.terminal, wire.RunCompleted):
             tail = [writer.usage(usage)] if chat.include_usage else []
             tail.append(b"data: [DONE]\n\n")

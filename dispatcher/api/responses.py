@@ -39,7 +39,14 @@ from ..gate import Answer
 from ..http import PeerGone, Request, Responder
 from ..responses_store import ResponseStore, StoredResponse
 from . import schema
-from .common import JSON_HEADERS, ModelCall, dispatch_headers, model_route, openai_error
+from .common import (
+    JSON_HEADERS,
+    ModelCall,
+    dispatch_headers,
+    model_route,
+    openai_error,
+    relay_rest,
+)
 from .front import FrontEnd, Route, RouteContext, RouteSpec
 from .schema import Invalid, JSONObject
 from .seam import EdgeServices
@@ -814,27 +821,20 @@ async def _stream(edge: EdgeServices, reply: _Reply) -> None:
         {"type": "response.in_progress", "response": started},
     ]
     stream = await reply.responder.start_stream(200, (*SSE_HEADERS, *reply.headers))
+
+    async def send(ended: bool) -> None:
+        # the events of the batch that ended the answer go out with the final one, below
+        if not ended and (chunk := reply.turn.output.take_events()):
+            await stream.send(events.encode(chunk))
+
     ended = False
     with edge.stream_scope() as scope:
         for event in reply.answer.head:
             if ended := reply.turn.feed(event):
                 break
         await stream.send(events.encode([*preamble, *reply.turn.output.take_events()]))
-        while not ended:
-            try:
-                event = await reply.answer.__anext__()
-            except StopAsyncIteration:
-                break
-            ended = reply.turn.feed(event)
-            while not ended and (ready := reply.answer.ready_events()):
-                for event in ready:
-                    if ended := reply.turn.feed(event):
-                        break
-            if ended:
-                break
-            chunk = reply.turn.output.take_events()
-            if chunk:
-                await stream.send(events.encode(chunk))
+        if not ended:
+            ended = await relay_rest(reply.answer, reply.turn.feed, send)
         if not ended:  # the run's events ended without a terminal one
             reply.turn.fail("server_error", "the model run ended without finishing")
         await reply.keep()

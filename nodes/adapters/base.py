@@ -30,8 +30,13 @@ it around its runs); adapters without one (``echo``, ``cli``) are used as they a
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from contextlib import (
+    AbstractAsyncContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+    nullcontext,
+)
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -47,6 +52,10 @@ from dispatcher.protocol.tokens import message_text as message_text
 
 if TYPE_CHECKING:
     from nodes.config import ProviderConfig
+
+K = TypeVar("K")
+V = TypeVar("V")
+W = TypeVar("W")
 
 
 class AdapterError(Exception):
@@ -127,19 +136,30 @@ class HasLifetime(Protocol):
     def open(self) -> AbstractAsyncContextManager[Adapter]: ...
 
 
-@asynccontextmanager
-async def open_adapters(adapters: Mapping[str, Adapter]) -> AsyncIterator[dict[str, Adapter]]:
+def open_adapters(
+    adapters: Mapping[str, Adapter],
+) -> AbstractAsyncContextManager[dict[str, Adapter]]:
     """``adapters`` (provider id -> adapter) with every one that has a lifetime
     (:class:`HasLifetime`) opened for this block, in order, and closed in reverse order when
     it is left; the others as they are. The opened ones have no lifetime of their own, so
     opening the result again changes nothing."""
+    return open_each(adapters, _open_adapter)
+
+
+def _open_adapter(adapter: Adapter) -> AbstractAsyncContextManager[Adapter]:
+    return adapter.open() if isinstance(adapter, HasLifetime) else nullcontext(adapter)
+
+
+@asynccontextmanager
+async def open_each(
+    items: Mapping[K, V], open_one: Callable[[V], AbstractAsyncContextManager[W]]
+) -> AsyncIterator[dict[K, W]]:
+    """``items`` with each value replaced by what ``open_one`` opens for it, for this block:
+    opened in order, closed in reverse order when the block is left (or when a later one
+    fails to open). What :func:`open_adapters` and :func:`nodes.tunnel.open_tunnel_pools`
+    share."""
     async with AsyncExitStack() as stack:
-        opened: dict[str, Adapter] = {}
-        for provider_id, adapter in adapters.items():
-            if isinstance(adapter, HasLifetime):
-                adapter = await stack.enter_async_context(adapter.open())
-            opened[provider_id] = adapter
-        yield opened
+        yield {key: await stack.enter_async_context(open_one(item)) for key, item in items.items()}
 
 
 @attrs.frozen

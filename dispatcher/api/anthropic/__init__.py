@@ -28,7 +28,14 @@ from ...admission import Candidate, QueueTimeout
 from ...errors import DispatcherError, NotFound, RunError, ShuttingDown
 from ...gate import Answer
 from ...http import PeerGone, Request, Responder
-from ..common import JSON_HEADERS, ModelCall, dispatch_headers, model_route
+from ..common import (
+    JSON_HEADERS,
+    ModelCall,
+    Pending,
+    dispatch_headers,
+    model_route,
+    relay_rest,
+)
 from ..front import FrontEnd, RenderedError, RouteContext, RouteSpec
 from ..seam import EdgeServices
 from ._answer import SSE_HEADERS, EventWriter, error_event, message_body
@@ -152,26 +159,19 @@ async def _stream(
     ``error`` event, and the stream ends without ``message_stop``."""
     writer = EventWriter(message_id=message_id, model=parsed.model, input_estimate=estimate)
     stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
+    pending = Pending(stream)
+
+    def render(item: wire.RunEvent) -> bool:
+        return writer.render(item, pending.out)
+
     with edge.stream_scope() as scope:
-        out = [writer.start(answer.head)]
+        pending.out.append(writer.start(answer.head))
         ended = False
         for item in answer.head:
-            ended = ended or writer.render(item, out)
-        await stream.send(b"".join(out))
-        while not ended:
-            try:
-                item = await answer.__anext__()
-            except StopAsyncIteration:
-                break
-            out = []
-            ended = writer.render(item, out)
-            if not ended:
-                for ready in answer.ready_events():
-                    if writer.render(ready, out):
-                        ended = True
-                        break
-            if out:
-                await stream.send(b"".join(out))
+            ended = ended or render(item)
+        await pending.send()
+        if not ended:
+            await relay_rest(answer, render, pending.send)
     if scope.cancelled_caught:
         with trio.move_on_after(SHUTDOWN_SEND_TIMEOUT, shield=True):
             await stream.send(error_event("overloaded_error", "the dispatcher is shutting down"))
