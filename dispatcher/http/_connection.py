@@ -26,6 +26,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Final
 
+import attrs
 import h11
 import trio
 from wsproto.utilities import generate_accept_token
@@ -744,31 +745,31 @@ class Connection:
         return ws
 
 
+@attrs.define(init=False, eq=False, repr=False)
 class _Request:
-    """Implements the :class:`~dispatcher.http.Request` protocol."""
+    """Implements the :class:`~dispatcher.http.Request` protocol. (A slotted class whose
+    fields are declared with their types; built from the h11 event by ``__init__``.)"""
 
-    __slots__ = (
-        "_body",
-        "_conn",
-        "_done",
-        "_received",
-        "_started",
-        "client",
-        "declared_too_large",
-        "headers",
-        "http_version",
-        "method",
-        "target",
-    )
+    method: str
+    target: str
+    http_version: str
+    headers: Headers
+    client: Address | None
+    declared_too_large: bool
+    _conn: Connection
+    _body: bytes | None
+    _started: bool
+    _done: bool
+    _received: int
 
     def __init__(self, conn: Connection, event: h11.Request) -> None:
         self._conn = conn
         self.method = event.method.decode("ascii")
         self.target = event.target.decode("latin-1")
         self.http_version = event.http_version.decode("ascii")
-        self.headers: Headers = event.headers
+        self.headers = event.headers
         self.client = conn.client
-        self._body: bytes | None = None
+        self._body = None
         self._started = False
         self._done = False
         self._received = 0
