@@ -97,21 +97,21 @@ class Counts:
     usage_source: UsageSource
 
 
-_PLACE_COLUMNS: Final = ("model_group", "served_model", "provider_id", "node_id")
-"""Where the attempt ran: the row's columns that its dispatch result has under the same
-names."""
-
-
 def usage_row(request: Accounted, attempt: Attempted, counts: Counts) -> UsageRow:
     """The one row builder, for both paths; ``duration_s`` and ``ended_at`` are now."""
     result = attempt.result
     return UsageRow(
         request_id=request.request_id,
         attempt=attempt.number,
-        **{column: getattr(result, column) for column in _PLACE_COLUMNS},
+        model_group=result.model_group,
+        served_model=result.served_model,
+        provider_id=result.provider_id,
+        node_id=result.node_id,
         path=attempt.path,
         attribution=request.attribution,
-        **attrs.asdict(counts),
+        prompt_tokens=counts.prompt_tokens,
+        completion_tokens=counts.completion_tokens,
+        usage_source=counts.usage_source,
         outcome=attempt.outcome,
         billable_to="client" if attempt.committed else "operator",
         queue_wait_s=result.queue_wait,
