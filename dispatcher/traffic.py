@@ -1,0 +1,470 @@
+"""The per-request record: one :class:`RequestRecord` per HTTP request, from the handler's
+first line to its last, and what its end produces -- the access-log line, the request
+metrics, the recent-failures ring.
+
+Ownership is lexical: the HTTP handler (``api.app``) enters :meth:`Traffic.open`, and leaving
+that block, however it is left, ends the record exactly once. While it is open the record is
+in :attr:`Traffic.in_flight` (what ``GET /admin/status`` lists); the route and the gate fill
+it in as they learn more:
+
+* the handler: the route (the route table's path, so a bounded value), the key id, the HTTP
+  status the answer started with, the error it answered;
+* a model route (``api.common``): the gate request it built -- its model, stream flag, and the
+  gate's :class:`~dispatcher.gate.RequestResult` (attempts, the latest attempt with its node,
+  queue wait and first output, the admission wait under way) -- and the outcome it counted.
+
+Nothing is counted twice: the tokens are what the attempt's usage row says (read with the
+accounting's own :func:`~dispatcher.accounting.counts_so_far` /
+:func:`~dispatcher.accounting.tunnel_counts`, live while the request runs), the time to first
+output is the attempt's ``output_at``, the outcome is the one ``dispatcher_requests_total``
+counts.
+
+The access log is the logger ``dispatcher.access``: one record per request, at INFO (at DEBUG
+for a successful probe, scrape or status poll: :data:`QUIET_ROUTES`), its message
+``METHOD PATH STATUS`` and its fields (:meth:`RequestRecord.access_fields`) under
+:data:`dispatcher.logs.FIELDS`, which both log formats render escaped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Final, Literal
+
+import attrs
+import trio
+
+from . import wire
+from .accounting import Counts, counts_so_far, tunnel_counts
+from .gate import GateRequest, RunAttempt, TunnelAttempt
+from .logs import FIELDS
+from .metrics import UNKNOWN_MODEL, Metrics, RequestObservation
+from .protocol.excgroups import holds
+
+__all__ = [
+    "QUIET_ROUTES",
+    "RECENT_FAILURES",
+    "InFlight",
+    "RecentFailure",
+    "Refusals",
+    "RequestRecord",
+    "State",
+    "Traffic",
+]
+
+access_log = logging.getLogger("dispatcher.access")
+log = logging.getLogger("dispatcher.traffic")
+
+RECENT_FAILURES: Final = 50
+"""How many failed requests :attr:`Traffic.failures` keeps (the newest first)."""
+REFUSAL_WINDOW: Final = 300.0
+"""Seconds of 429 / 503 answers the status page counts per queue."""
+MAX_REFUSALS: Final = 1000
+"""Refusals remembered per model label (the window's count saturates there)."""
+MAX_TEXT: Final = 300
+"""Characters kept of a client's or node's text (a model name, a path, an error message)."""
+
+QUIET_ROUTES: Final = frozenset({"/healthz", "/readyz", "/metrics", "/admin/status"})
+"""Routes polled by machines: their access line is DEBUG unless the request failed."""
+
+FAILED_OUTCOMES: Final = frozenset({"failed", "rejected", "shutting_down"})
+"""Outcomes :attr:`Traffic.failures` keeps (and any answer of status 500 or above)."""
+
+State = Literal["received", "queued", "running", "answering"]
+"""Where an in-flight request is: its body being read and checked, waiting for admission,
+admitted and waiting for its first output, answering."""
+
+
+def _clip(text: str | None) -> str | None:
+    if text is None or len(text) <= MAX_TEXT:
+        return text
+    return text[: MAX_TEXT - 3] + "..."
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _s(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
+
+
+def _outcome_of_status(status: int | None) -> str:
+    """The outcome of a request on a route that counts none itself (not a model route)."""
+    if status is None:
+        return "client_gone"
+    if status >= 500:
+        return "failed"
+    if status >= 400:
+        return "bad_request"
+    return "completed"
+
+
+@attrs.frozen(kw_only=True)
+class InFlight:
+    """One request in flight, as ``GET /admin/status`` lists it (``_s``: seconds)."""
+
+    request_id: str
+    client_request_id: str | None
+    route: str | None
+    model: str | None
+    key_id: str | None
+    stream: bool | None
+    state: State
+    node: str | None
+    provider: str | None
+    attempt: int
+    age_s: float
+    queue_wait_s: float | None
+    """The admitted attempt's wait, or how long the request has been waiting now."""
+    ttft_s: float | None
+    input_tokens: int | None
+    output_tokens: int | None
+
+
+@attrs.frozen(kw_only=True)
+class RecentFailure:
+    """One failed request (see :data:`FAILED_OUTCOMES`), as the status page lists it."""
+
+    at: float
+    """Unix time it ended."""
+    request_id: str
+    client_request_id: str | None
+    route: str | None
+    model: str | None
+    key_id: str | None
+    node: str | None
+    status: int | None
+    outcome: str
+    error_code: str | None
+    error: str | None
+    """The cause, as the client was told it (a node's or provider's message included)."""
+    attempts: int
+    duration_s: float
+
+
+@attrs.define(eq=False)
+class RequestRecord:
+    """One HTTP request, from the handler's start to its end (see the module docstring).
+    Times are ``trio.current_time()`` unless named ``_wall``."""
+
+    request_id: str
+    client_request_id: str | None
+    method: str
+    path: str
+    started_at: float
+    started_wall: float
+    route: str | None = None
+    """The route table's path (``/v1/responses/{id}`` for a pattern); None: no route."""
+    work: bool = False
+    """The route runs a model (what the status page lists in flight)."""
+    key_id: str | None = None
+    gated: GateRequest | None = None
+    """The gate request a model route built (model, stream, the gate's result)."""
+    model_label: str | None = None
+    """The bounded ``model`` label of the request's metrics."""
+    status: int | None = None
+    """The status the answer started with (None: no answer started)."""
+    outcome: str | None = None
+    """A model route's counted outcome (``dispatcher_requests_total``); at the end, every
+    request's (from the status for the other routes)."""
+    error_code: str | None = None
+    error: str | None = None
+    left: bool = False
+    """The client left before the end (see :meth:`client_gone`)."""
+    ended_at: float | None = None
+
+    # -- filled in by the API ----------------------------------------------------------
+
+    def routed(self, route: str, *, work: bool) -> None:
+        self.route, self.work = route, work
+
+    def dispatching(self, gated: GateRequest, model_label: str) -> None:
+        """A model route built its gate request (the gate fills ``gated.result``)."""
+        self.gated, self.model_label = gated, model_label
+
+    def answered(self, status: int) -> None:
+        if self.status is None:
+            self.status = status
+
+    def client_gone(self) -> None:
+        """The request was cancelled or the client's connection reset: ``client_gone``
+        unless the route counted an outcome or an answer was already given."""
+        self.left = True
+        if self.outcome is None and self.status is None:
+            self.outcome = "client_gone"
+
+    def failed(self, code: str | None, message: str) -> None:
+        """The request's error (the first one named stands)."""
+        if self.error is None:
+            self.error_code, self.error = code, _clip(message)
+
+    # -- read --------------------------------------------------------------------------
+
+    @property
+    def model(self) -> str | None:
+        """The model as the client asked for it (clipped)."""
+        return None if self.gated is None else _clip(str(self.gated.dispatch.model))
+
+    @property
+    def attempt(self) -> RunAttempt | TunnelAttempt | None:
+        return None if self.gated is None else self.gated.result.attempt
+
+    def state(self) -> State:
+        gated = self.gated
+        if gated is None:
+            return "received"
+        attempt = gated.result.attempt
+        if gated.result.waiting_since is not None or attempt is None:
+            return "queued"
+        return "answering" if attempt.committed else "running"
+
+    def queue_wait(self, now: float) -> float | None:
+        if self.gated is None:
+            return None
+        waiting = self.gated.result.waiting_since
+        if waiting is not None:
+            return now - waiting
+        attempt = self.attempt
+        return None if attempt is None else attempt.result.queue_wait
+
+    def ttft(self) -> float | None:
+        """From the request's start to the answering attempt's first output."""
+        attempt = self.attempt
+        if attempt is None or not attempt.committed or attempt.output_at is None:
+            return None
+        return max(0.0, attempt.output_at - self.started_at)
+
+    def counts(self) -> Counts | None:
+        """The latest attempt's tokens, as its usage row says them (so far, while it runs)."""
+        gated, attempt = self.gated, self.attempt
+        if gated is None or attempt is None:
+            return None
+        if isinstance(attempt, RunAttempt):
+            return counts_so_far(gated, attempt.run)
+        return tunnel_counts(gated, attempt.tunnel)
+
+    def _cause(self) -> tuple[str | None, str | None]:
+        """The error, or what ended a committed answer badly (a node's failure, a stall)."""
+        if self.error is not None or self.outcome != "failed":
+            return self.error_code, self.error
+        attempt = self.attempt
+        if isinstance(attempt, RunAttempt):
+            if attempt.stalled:
+                return "stall_timeout", "no output from the model within the stall timeout"
+            terminal = attempt.run.terminal
+            if isinstance(terminal, wire.RunFailed):
+                return terminal.code, _clip(f"the model run failed: {terminal.message}")
+            if isinstance(terminal, wire.RunCancelled):
+                return "cancelled", "the node cancelled the run"
+        if isinstance(attempt, TunnelAttempt) and attempt.failed:
+            return "tunnel_failed", "the tunnelled answer broke off"
+        return None, None
+
+    def access_fields(self, now: float) -> dict[str, object]:
+        """The access-log line's fields (stable keys, None when unknown; ``_ms``:
+        milliseconds)."""
+        attempt, counts = self.attempt, self.counts()
+        code, error = self._cause()
+        return {
+            "request_id": self.request_id,
+            "client_request_id": self.client_request_id,
+            "method": self.method,
+            "path": _clip(self.path),
+            "route": self.route,
+            "model": self.model,
+            "key_id": self.key_id,
+            "node": None if attempt is None else attempt.result.node_id,
+            "provider": None if attempt is None else attempt.result.provider_id,
+            "stream": None if self.gated is None else self.gated.stream,
+            "status": self.status,
+            "outcome": self.outcome,
+            "error_code": code,
+            "error": error,
+            "queue_wait_ms": _ms(self.queue_wait(now)),
+            "ttft_ms": _ms(self.ttft()),
+            "duration_ms": _ms(now - self.started_at),
+            "input_tokens": None if counts is None else counts.prompt_tokens,
+            "output_tokens": None if counts is None else counts.completion_tokens,
+            "tokens_source": None if counts is None else counts.source,
+            "attempts": 0 if self.gated is None else self.gated.result.attempts,
+        }
+
+    def in_flight(self, now: float) -> InFlight:
+        attempt, counts = self.attempt, self.counts()
+        return InFlight(
+            request_id=self.request_id,
+            client_request_id=self.client_request_id,
+            route=self.route,
+            model=self.model,
+            key_id=self.key_id,
+            stream=None if self.gated is None else self.gated.stream,
+            state=self.state(),
+            node=None if attempt is None else attempt.result.node_id,
+            provider=None if attempt is None else attempt.result.provider_id,
+            attempt=0 if self.gated is None else self.gated.result.attempts,
+            age_s=round(now - self.started_at, 4),
+            queue_wait_s=_s(self.queue_wait(now)),
+            ttft_s=_s(self.ttft()),
+            input_tokens=None if counts is None else counts.prompt_tokens,
+            output_tokens=None if counts is None else counts.completion_tokens,
+        )
+
+    def failure(self, now: float, wall: float) -> RecentFailure:
+        attempt = self.attempt
+        code, error = self._cause()
+        return RecentFailure(
+            at=round(wall, 3),
+            request_id=self.request_id,
+            client_request_id=self.client_request_id,
+            route=self.route,
+            model=self.model,
+            key_id=self.key_id,
+            node=None if attempt is None else attempt.result.node_id,
+            status=self.status,
+            outcome=self.outcome or "failed",
+            error_code=code,
+            error=error,
+            attempts=0 if self.gated is None else self.gated.result.attempts,
+            duration_s=round(now - self.started_at, 4),
+        )
+
+    @property
+    def is_failure(self) -> bool:
+        return self.outcome in FAILED_OUTCOMES or (self.status is not None and self.status >= 500)
+
+
+@attrs.frozen(kw_only=True)
+class Refusals:
+    """A queue's recent 429 and 503 answers (within :data:`REFUSAL_WINDOW`)."""
+
+    too_many_requests: int
+    unavailable: int
+    last_at: float | None
+    """Unix time of the latest one."""
+
+
+class Traffic:
+    """The requests in flight and what ended ones leave behind (see the module docstring).
+    ``metrics``: where a model route's ended request is observed."""
+
+    def __init__(self, metrics: Metrics | None = None, *, recent_failures: int = RECENT_FAILURES):
+        self.metrics = metrics
+        self.in_flight: dict[str, RequestRecord] = {}
+        """Open records by request id, oldest first."""
+        self.failures: collections.deque[RecentFailure] = collections.deque(maxlen=recent_failures)
+        """The latest failed requests, newest first."""
+        self._refusals: dict[str, collections.deque[tuple[float, float, int]]] = {}
+        """model label -> (trio time, unix time, status) of its recent 429 / 503 answers."""
+
+    @contextmanager
+    def open(
+        self, request_id: str, client_request_id: str | None, method: str, path: str
+    ) -> Iterator[RequestRecord]:
+        """The record of one request, in flight until the block is left; leaving ends it
+        once (the access line, the metrics, the failure ring)."""
+        record = RequestRecord(
+            request_id=request_id,
+            client_request_id=client_request_id,
+            method=method,
+            path=path,
+            started_at=trio.current_time(),
+            started_wall=time.time(),
+        )
+        self.in_flight[request_id] = record
+        try:
+            yield record
+        except BaseException as exc:
+            if holds(exc, trio.Cancelled):
+                record.client_gone()
+            elif not record.left:
+                record.failed("internal_error", f"{type(exc).__name__}: {exc}")
+                if record.outcome is None:
+                    record.outcome = "failed"
+            raise
+        finally:
+            del self.in_flight[request_id]
+            self._end(record)
+
+    def _end(self, record: RequestRecord) -> None:
+        """Everything an ended request leaves, once; never raises (a request's exit path
+        must not break on its bookkeeping)."""
+        try:
+            now, wall = trio.current_time(), time.time()
+            counted = record.outcome is not None
+            record.ended_at = now
+            if record.outcome is None:
+                record.outcome = _outcome_of_status(record.status)
+            quiet = record.route in QUIET_ROUTES and record.outcome == "completed"
+            access_log.log(
+                logging.DEBUG if quiet else logging.INFO,
+                "%s %s %s",
+                record.method,
+                _clip(record.path),
+                record.status if record.status is not None else "-",
+                extra={FIELDS: record.access_fields(now)},
+            )
+            if record.is_failure:
+                self.failures.appendleft(record.failure(now, wall))
+            if record.status in (429, 503) and record.model_label is not None:
+                self._refused(record.model_label, now, wall, record.status)
+            if counted and self.metrics is not None and record.route is not None:
+                self._observe(self.metrics, record, now)
+        except Exception:
+            log.exception("could not account for request %s", record.request_id)
+
+    @staticmethod
+    def _observe(metrics: Metrics, record: RequestRecord, now: float) -> None:
+        counts = record.counts()
+        metrics.observe_request(
+            RequestObservation(
+                model=record.model_label or UNKNOWN_MODEL,
+                route=record.route or "",
+                outcome=record.outcome or "failed",
+                duration=now - record.started_at,
+                ttft=record.ttft(),
+                input_tokens=None if counts is None else counts.prompt_tokens,
+                output_tokens=None if counts is None else counts.completion_tokens,
+                attempts=0 if record.gated is None else record.gated.result.attempts,
+            )
+        )
+
+    def _refused(self, model: str, now: float, wall: float, status: int) -> None:
+        seen = self._refusals.get(model)
+        if seen is None:
+            seen = self._refusals[model] = collections.deque(maxlen=MAX_REFUSALS)
+        seen.append((now, wall, status))
+
+    def refusals(self, now: float) -> Mapping[str, Refusals]:
+        """Per model label, its 429 / 503 answers within :data:`REFUSAL_WINDOW` (those
+        older are forgotten here, and a label with none left)."""
+        since = now - REFUSAL_WINDOW
+        result: dict[str, Refusals] = {}
+        for model in list(self._refusals):
+            seen = self._refusals[model]
+            while seen and seen[0][0] < since:
+                seen.popleft()
+            if not seen:
+                del self._refusals[model]
+                continue
+            result[model] = Refusals(
+                too_many_requests=sum(1 for _, _, status in seen if status == 429),
+                unavailable=sum(1 for _, _, status in seen if status == 503),
+                last_at=round(seen[-1][1], 3),
+            )
+        return result
+
+    def waiting(self, now: float) -> Mapping[str, tuple[int, float]]:
+        """Per model label, the requests waiting for admission now and the oldest wait."""
+        result: dict[str, tuple[int, float]] = {}
+        for record in self.in_flight.values():
+            gated = record.gated
+            if gated is None or gated.result.waiting_since is None:
+                continue
+            label = record.model_label or UNKNOWN_MODEL
+            count, oldest = result.get(label, (0, 0.0))
+            result[label] = (count + 1, max(oldest, now - gated.result.waiting_since))
+        return result
