@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol, TypeVar
 
-import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
@@ -183,22 +182,6 @@ class _InFlightCollector(Collector):
         )
 
 
-@attrs.frozen(kw_only=True)
-class RequestObservation:
-    """What one ended request on a model route adds to the recorded series (see
-    :meth:`Metrics.observe_request`); ``model`` is a bounded label (``metric_model_label``)."""
-
-    model: str
-    route: str
-    outcome: str
-    duration: float
-    ttft: float | None = None
-    """From the request's start to its answer's first output; None when there was none."""
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    attempts: int = 0
-
-
 class Metrics:
     """The dispatcher's metrics registry.
 
@@ -219,72 +202,59 @@ class Metrics:
         """Requests inside a route's counted block now (``api.common.counted_request``)."""
         self.inflight_source: InFlightSource | None = None
         self.registry.register(_InFlightCollector(self))
-        self.queue_wait = self._recorded(
-            Histogram(
-                "dispatcher_queue_wait_seconds",
-                "Time admitted requests waited for their slot, per model group and class.",
-                ["model", "class"],
-                buckets=QUEUE_WAIT_BUCKETS,
-                registry=self.registry,
-            )
+        self.queue_wait = self._histogram(
+            "dispatcher_queue_wait_seconds",
+            "Time admitted requests waited for their slot, per model group and class.",
+            ["model", "class"],
+            QUEUE_WAIT_BUCKETS,
         )
-        self.requests = self._recorded(
-            Counter(
-                "dispatcher_requests",
-                "Client requests by model and outcome.",
-                ["model", "outcome"],
-                registry=self.registry,
-            )
+        self.requests = self._counter(
+            "dispatcher_requests", "Client requests by model and outcome.", ["model", "outcome"]
         )
         genai = ["gen_ai_request_model", "gen_ai_operation_name", "route"]
-        self.request_duration = self._recorded(
-            Histogram(
-                "gen_ai_server_request_duration_seconds",
-                "Model-route requests from their start to their end, by model, operation, "
-                "route and outcome.",
-                [*genai, "outcome"],
-                buckets=REQUEST_DURATION_BUCKETS,
-                registry=self.registry,
-            )
+        self.request_duration = self._histogram(
+            "gen_ai_server_request_duration_seconds",
+            "Model-route requests from their start to their end, by model, operation, route "
+            "and outcome.",
+            [*genai, "outcome"],
+            REQUEST_DURATION_BUCKETS,
         )
-        self.time_to_first_token = self._recorded(
-            Histogram(
-                "gen_ai_server_time_to_first_token_seconds",
-                "From a model-route request's start (queue wait included) to its answer's "
-                "first output.",
-                genai,
-                buckets=TTFT_BUCKETS,
-                registry=self.registry,
-            )
+        self.time_to_first_token = self._histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "From a model-route request's start (queue wait included) to its answer's first "
+            "output.",
+            genai,
+            TTFT_BUCKETS,
         )
-        self.token_usage = self._recorded(
-            Histogram(
-                "gen_ai_client_token_usage",
-                "Tokens per model-route request, input and output (as reported by the "
-                "node or provider, else the edge's estimate).",
-                [*genai, "gen_ai_token_type"],
-                buckets=TOKEN_BUCKETS,
-                registry=self.registry,
-            )
+        self.token_usage = self._histogram(
+            "gen_ai_client_token_usage",
+            "Tokens per model-route request, input and output (as reported by the node or "
+            "provider, else the edge's estimate).",
+            [*genai, "gen_ai_token_type"],
+            TOKEN_BUCKETS,
         )
-        self.attempts = self._recorded(
-            Counter(
-                "dispatcher_attempts",
-                "Attempts admitted for model-route requests (the first and every recovery).",
-                ["model"],
-                registry=self.registry,
-            )
+        self.attempts = self._counter(
+            "dispatcher_attempts",
+            "Attempts admitted for model-route requests (the first and every recovery).",
+            ["model"],
         )
-        self.recoveries = self._recorded(
-            Counter(
-                "dispatcher_recoveries",
-                "Attempts after a request's first: each a recovery from a failed attempt.",
-                ["model"],
-                registry=self.registry,
-            )
+        self.recoveries = self._counter(
+            "dispatcher_recoveries",
+            "Attempts after a request's first: each a recovery from a failed attempt.",
+            ["model"],
         )
 
-    def _recorded(self, metric: M) -> M:
+    def _histogram(
+        self, name: str, documentation: str, labels: list[str], buckets: tuple[float, ...]
+    ) -> Histogram:
+        """A recorded histogram (its first label is ``model``'s, pruned by :meth:`prune`)."""
+        metric = Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+        self._tracked[metric] = {}
+        return metric
+
+    def _counter(self, name: str, documentation: str, labels: list[str]) -> Counter:
+        """A recorded counter (as :meth:`_histogram`)."""
+        metric = Counter(name, documentation, labels, registry=self.registry)
         self._tracked[metric] = {}
         return metric
 
@@ -294,20 +264,30 @@ class Metrics:
     def count_request(self, model: str, outcome: str) -> None:
         self._series(self.requests, model, outcome).inc()
 
-    def observe_request(self, seen: RequestObservation) -> None:
-        """An ended model-route request: its duration, time to first output, tokens and
-        attempts."""
-        operation = OPERATIONS.get(seen.route, "chat")
-        where = (seen.model, operation, seen.route)
-        self._series(self.request_duration, *where, seen.outcome).observe(seen.duration)
-        if seen.ttft is not None:
-            self._series(self.time_to_first_token, *where).observe(seen.ttft)
-        for kind, tokens in (("input", seen.input_tokens), ("output", seen.output_tokens)):
-            if tokens is not None:
-                self._series(self.token_usage, *where, kind).observe(tokens)
-        if seen.attempts:
-            self._series(self.attempts, seen.model).inc(seen.attempts)
-            self._series(self.recoveries, seen.model).inc(seen.attempts - 1)
+    def observe_request(
+        self,
+        model: str,
+        route: str,
+        outcome: str,
+        duration: float,
+        *,
+        ttft: float | None,
+        tokens: tuple[int, int] | None,
+        attempts: int,
+    ) -> None:
+        """An ended model-route request (``model``: a bounded label, ``metric_model_label``):
+        its duration, time to first output (None: there was none), input and output tokens
+        and attempts admitted."""
+        where = (model, OPERATIONS.get(route, "chat"), route)
+        self._series(self.request_duration, *where, outcome).observe(duration)
+        if ttft is not None:
+            self._series(self.time_to_first_token, *where).observe(ttft)
+        if tokens is not None:
+            self._series(self.token_usage, *where, "input").observe(tokens[0])
+            self._series(self.token_usage, *where, "output").observe(tokens[1])
+        if attempts:
+            self._series(self.attempts, model).inc(attempts)
+            self._series(self.recoveries, model).inc(attempts - 1)
 
     def prune(self) -> None:
         """Remove the recorded series of every model admission does not know any more

@@ -20,7 +20,7 @@ import orjson
 from .admission import AdmissionStatistics
 from .catalog import candidates_for_session
 from .registry import NodeSession
-from .traffic import REFUSAL_WINDOW, InFlight, RecentFailure, Traffic
+from .traffic import REFUSAL_WINDOW, RequestSummary, Traffic
 
 __all__ = [
     "MAX_IN_FLIGHT",
@@ -101,8 +101,8 @@ class EdgeStatus:
     nodes: list[NodeStatus]
     queues: list[QueueStatus]
     in_flight_total: int
-    in_flight: list[InFlight]
-    recent_failures: list[RecentFailure]
+    in_flight: list[RequestSummary]
+    recent_failures: list[RequestSummary]
 
 
 def _node(session: NodeSession, stats: AdmissionStatistics, now: float) -> NodeStatus:
@@ -188,7 +188,7 @@ def edge_status(
         nodes=[_node(session, stats, now) for session in sorted(sessions, key=_by_id)],
         queues=_queues(stats, traffic, now),
         in_flight_total=len(working),
-        in_flight=[record.in_flight(now) for record in working[:MAX_IN_FLIGHT]],
+        in_flight=[record.summary(now) for record in working[:MAX_IN_FLIGHT]],
         recent_failures=list(traffic.failures),
     )
 

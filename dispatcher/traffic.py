@@ -41,16 +41,15 @@ from . import wire
 from .accounting import Counts, counts_so_far, tunnel_counts
 from .gate import GateRequest, RunAttempt, TunnelAttempt
 from .logs import FIELDS
-from .metrics import UNKNOWN_MODEL, Metrics, RequestObservation
+from .metrics import UNKNOWN_MODEL, Metrics
 from .protocol.excgroups import holds
 
 __all__ = [
     "QUIET_ROUTES",
     "RECENT_FAILURES",
-    "InFlight",
-    "RecentFailure",
     "Refusals",
     "RequestRecord",
+    "RequestSummary",
     "State",
     "Traffic",
 ]
@@ -84,10 +83,6 @@ def _clip(text: str | None) -> str | None:
     return text[: MAX_TEXT - 3] + "..."
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
-
-
 def _s(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 4)
 
@@ -104,46 +99,47 @@ def _outcome_of_status(status: int | None) -> str:
 
 
 @attrs.frozen(kw_only=True)
-class InFlight:
-    """One request in flight, as ``GET /admin/status`` lists it (``_s``: seconds)."""
+class RequestSummary:
+    """One request as the access log writes it and ``GET /admin/status`` lists it (in flight
+    and among the recent failures): the same fields, in this order, always all of them (None
+    when unknown). Durations in seconds, ``started_at`` in unix seconds."""
 
     request_id: str
     client_request_id: str | None
+    method: str
+    path: str
+    """As sent, clipped to :data:`MAX_TEXT` characters."""
     route: str | None
     model: str | None
+    """As the client asked for it (clipped)."""
     key_id: str | None
     stream: bool | None
     state: State
+    """Where the request is (or was when it ended)."""
     node: str | None
     provider: str | None
-    attempt: int
-    age_s: float
-    queue_wait_s: float | None
-    """The admitted attempt's wait, or how long the request has been waiting now."""
-    ttft_s: float | None
-    input_tokens: int | None
-    output_tokens: int | None
-
-
-@attrs.frozen(kw_only=True)
-class RecentFailure:
-    """One failed request (see :data:`FAILED_OUTCOMES`), as the status page lists it."""
-
-    at: float
-    """Unix time it ended."""
-    request_id: str
-    client_request_id: str | None
-    route: str | None
-    model: str | None
-    key_id: str | None
-    node: str | None
     status: int | None
-    outcome: str
+    outcome: str | None
     error_code: str | None
     error: str | None
     """The cause, as the client was told it (a node's or provider's message included)."""
     attempts: int
+    """Attempts admitted (the one under way included)."""
+    queue_wait_s: float | None
+    """The admitted attempt's wait, or how long the request has been waiting now."""
+    ttft_s: float | None
     duration_s: float
+    """Until now while in flight."""
+    input_tokens: int | None
+    output_tokens: int | None
+    tokens_source: str | None
+    started_at: float
+
+
+_COPIED = attrs.filters.include(
+    "request_id", "client_request_id", "method", "route", "key_id", "status", "outcome"
+)
+"""What a summary takes from the record as it is."""
 
 
 @attrs.define(eq=False)
@@ -152,16 +148,23 @@ class RequestRecord:
     Times are ``trio.current_time()`` unless named ``_wall``."""
 
     request_id: str
+    """The edge's id (``x-dispatcher-request-id``, the usage ledger's key)."""
     client_request_id: str | None
+    """The client's own ``x-request-id`` when it is one to keep."""
     method: str
+    """The request's method, as h11 parsed it."""
     path: str
+    """As the request line has it (its query left out)."""
     started_at: float
+    """When the handler began."""
     started_wall: float
+    """Unix time of ``started_at``."""
     route: str | None = None
     """The route table's path (``/v1/responses/{id}`` for a pattern); None: no route."""
+    key_id: str | None = None
+    """The id of the client's API key (``app.key_id``), once authorized."""
     work: bool = False
     """The route runs a model (what the status page lists in flight)."""
-    key_id: str | None = None
     gated: GateRequest | None = None
     """The gate request a model route built (model, stream, the gate's result)."""
     model_label: str | None = None
@@ -172,7 +175,9 @@ class RequestRecord:
     """A model route's counted outcome (``dispatcher_requests_total``); at the end, every
     request's (from the status for the other routes)."""
     error_code: str | None = None
+    """The ``code`` of the error the client was answered."""
     error: str | None = None
+    """Its message (clipped)."""
     left: bool = False
     """The client left before the end (see :meth:`client_gone`)."""
     ended_at: float | None = None
@@ -264,72 +269,33 @@ class RequestRecord:
             return "tunnel_failed", "the tunnelled answer broke off"
         return None, None
 
-    def access_fields(self, now: float) -> dict[str, object]:
-        """The access-log line's fields (stable keys, None when unknown; ``_ms``:
-        milliseconds)."""
-        attempt, counts = self.attempt, self.counts()
+    def summary(self, now: float) -> RequestSummary:
+        gated, attempt, counts = self.gated, self.attempt, self.counts()
         code, error = self._cause()
-        return {
-            "request_id": self.request_id,
-            "client_request_id": self.client_request_id,
-            "method": self.method,
-            "path": _clip(self.path),
-            "route": self.route,
-            "model": self.model,
-            "key_id": self.key_id,
-            "node": None if attempt is None else attempt.result.node_id,
-            "provider": None if attempt is None else attempt.result.provider_id,
-            "stream": None if self.gated is None else self.gated.stream,
-            "status": self.status,
-            "outcome": self.outcome,
-            "error_code": code,
-            "error": error,
-            "queue_wait_ms": _ms(self.queue_wait(now)),
-            "ttft_ms": _ms(self.ttft()),
-            "duration_ms": _ms(now - self.started_at),
-            "input_tokens": None if counts is None else counts.prompt_tokens,
-            "output_tokens": None if counts is None else counts.completion_tokens,
-            "tokens_source": None if counts is None else counts.source,
-            "attempts": 0 if self.gated is None else self.gated.result.attempts,
-        }
-
-    def in_flight(self, now: float) -> InFlight:
-        attempt, counts = self.attempt, self.counts()
-        return InFlight(
-            request_id=self.request_id,
-            client_request_id=self.client_request_id,
-            route=self.route,
-            model=self.model,
-            key_id=self.key_id,
-            stream=None if self.gated is None else self.gated.stream,
-            state=self.state(),
-            node=None if attempt is None else attempt.result.node_id,
-            provider=None if attempt is None else attempt.result.provider_id,
-            attempt=0 if self.gated is None else self.gated.result.attempts,
-            age_s=round(now - self.started_at, 4),
-            queue_wait_s=_s(self.queue_wait(now)),
-            ttft_s=_s(self.ttft()),
-            input_tokens=None if counts is None else counts.prompt_tokens,
-            output_tokens=None if counts is None else counts.completion_tokens,
+        tokens = (None, None, None) if counts is None else attrs.astuple(counts)
+        served = (
+            (None, None)
+            if attempt is None
+            else (attempt.result.node_id, attempt.result.provider_id)
         )
-
-    def failure(self, now: float, wall: float) -> RecentFailure:
-        attempt = self.attempt
-        code, error = self._cause()
-        return RecentFailure(
-            at=round(wall, 3),
-            request_id=self.request_id,
-            client_request_id=self.client_request_id,
-            route=self.route,
+        return RequestSummary(
+            **attrs.asdict(self, recurse=False, filter=_COPIED),
+            path=_clip(self.path) or "",
             model=self.model,
-            key_id=self.key_id,
-            node=None if attempt is None else attempt.result.node_id,
-            status=self.status,
-            outcome=self.outcome or "failed",
+            stream=None if gated is None else gated.stream,
+            state=self.state(),
+            node=served[0],
+            provider=served[1],
             error_code=code,
             error=error,
-            attempts=0 if self.gated is None else self.gated.result.attempts,
+            attempts=0 if gated is None else gated.result.attempts,
+            queue_wait_s=_s(self.queue_wait(now)),
+            ttft_s=_s(self.ttft()),
             duration_s=round(now - self.started_at, 4),
+            input_tokens=tokens[0],
+            output_tokens=tokens[1],
+            tokens_source=tokens[2],
+            started_at=round(self.started_wall, 3),
         )
 
     @property
@@ -355,7 +321,7 @@ class Traffic:
         self.metrics = metrics
         self.in_flight: dict[str, RequestRecord] = {}
         """Open records by request id, oldest first."""
-        self.failures: collections.deque[RecentFailure] = collections.deque(maxlen=recent_failures)
+        self.failures: collections.deque[RequestSummary] = collections.deque(maxlen=recent_failures)
         """The latest failed requests, newest first."""
         self._refusals: dict[str, collections.deque[tuple[float, float, int]]] = {}
         """model label -> (trio time, unix time, status) of its recent 429 / 503 answers."""
@@ -399,16 +365,17 @@ class Traffic:
             if record.outcome is None:
                 record.outcome = _outcome_of_status(record.status)
             quiet = record.route in QUIET_ROUTES and record.outcome == "completed"
+            summary = record.summary(now)
             access_log.log(
                 logging.DEBUG if quiet else logging.INFO,
                 "%s %s %s",
-                record.method,
-                _clip(record.path),
-                record.status if record.status is not None else "-",
-                extra={FIELDS: record.access_fields(now)},
+                summary.method,
+                summary.path,
+                summary.status if summary.status is not None else "-",
+                extra={FIELDS: attrs.asdict(summary)},
             )
             if record.is_failure:
-                self.failures.appendleft(record.failure(now, wall))
+                self.failures.appendleft(summary)
             if record.status in (429, 503) and record.model_label is not None:
                 self._refused(record.model_label, now, wall, record.status)
             if counted and self.metrics is not None and record.route is not None:
@@ -420,16 +387,13 @@ class Traffic:
     def _observe(metrics: Metrics, record: RequestRecord, now: float) -> None:
         counts = record.counts()
         metrics.observe_request(
-            RequestObservation(
-                model=record.model_label or UNKNOWN_MODEL,
-                route=record.route or "",
-                outcome=record.outcome or "failed",
-                duration=now - record.started_at,
-                ttft=record.ttft(),
-                input_tokens=None if counts is None else counts.prompt_tokens,
-                output_tokens=None if counts is None else counts.completion_tokens,
-                attempts=0 if record.gated is None else record.gated.result.attempts,
-            )
+            record.model_label or UNKNOWN_MODEL,
+            record.route or "",
+            record.outcome or "failed",
+            now - record.started_at,
+            ttft=record.ttft(),
+            tokens=None if counts is None else (counts.prompt_tokens, counts.completion_tokens),
+            attempts=0 if record.gated is None else record.gated.result.attempts,
         )
 
     def _refused(self, model: str, now: float, wall: float, status: int) -> None:

@@ -78,12 +78,16 @@ def test_text_line_escapes_fields_and_message() -> None:
     assert ' INFO    dispatcher.access: node node "a"\\r\\n2026' in line
 
 
-def test_text_traceback_still_follows_on_its_own_lines() -> None:
+def raised(error: Exception) -> logging.LogRecord:
+    """A record logged while handling ``error`` (its traceback attached)."""
     try:
-        raise ValueError("boom")
-    except ValueError:
-        made = record("failed", exc_info=True)
-    text = TextFormatter().format(made)
+        raise error
+    except type(error):
+        return record("failed", exc_info=True)
+
+
+def test_text_traceback_still_follows_on_its_own_lines() -> None:
+    text = TextFormatter().format(raised(ValueError("boom")))
     first, *rest = text.splitlines()
     assert first.endswith("dispatcher.access: failed")
     assert rest[0] == "Traceback (most recent call last):"
@@ -110,11 +114,7 @@ def test_json_line_is_one_object_with_stable_keys() -> None:
 
 
 def test_json_exception() -> None:
-    try:
-        raise ValueError("boom\r\nforged")
-    except ValueError:
-        made = record("failed", exc_info=True)
-    line = JsonFormatter().format(made)
+    line = JsonFormatter().format(raised(ValueError("boom\r\nforged")))
     assert "\n" not in line
     document = json.loads(line)
     assert document["exception"].startswith("Traceback (most recent call last):")

@@ -10,26 +10,26 @@ __all__ = ["RecordingResponder"]
 
 
 class RecordingResponder:
-    """``inner``, with the status of the answer written into ``record``."""
+    """``inner``, with the status of the answer written into ``record`` as it starts (101
+    for an accepted websocket)."""
 
     def __init__(self, inner: Responder, record: RequestRecord) -> None:
-        self._inner = inner
-        self._record = record
-
-    @property
-    def shutting_down(self) -> bool:
-        return self._inner.shutting_down
+        self._inner, self._answered = inner, record.answered
 
     async def respond(self, status: int, headers: Headers = (), body: bytes = b"") -> None:
-        self._record.answered(status)
+        self._answered(status)
         await self._inner.respond(status, headers, body)
 
     async def start_stream(self, status: int, headers: Headers = ()) -> HTTPStream:
-        self._record.answered(status)
+        self._answered(status)
         return await self._inner.start_stream(status, headers)
 
     async def accept_websocket(
         self, subprotocol: str | None = None, headers: Headers = ()
     ) -> WebSocket:
-        self._record.answered(101)
+        self._answered(101)
         return await self._inner.accept_websocket(subprotocol, headers)
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._inner.shutting_down

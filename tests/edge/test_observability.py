@@ -26,12 +26,13 @@ from prometheus_client.samples import Sample
 from dispatcher import wire
 from dispatcher.api.app import key_id
 from dispatcher.config import EdgeConfig, QueuePolicySettings
-from dispatcher.edge import Dispatcher, open_dispatcher
+from dispatcher.edge import open_dispatcher
 from dispatcher.http import Server
 from dispatcher.logs import FIELDS, JsonFormatter, TextFormatter
 from dispatcher.status import MAX_IN_FLIGHT
 from dispatcher.traffic import RECENT_FAILURES
 
+from . import test_admission_http
 from .fakes import ScriptedNode, connect, hello, wait_until
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -48,20 +49,22 @@ ACCESS_FIELDS = (
     "route",
     "model",
     "key_id",
+    "stream",
+    "state",
     "node",
     "provider",
-    "stream",
     "status",
     "outcome",
     "error_code",
     "error",
-    "queue_wait_ms",
-    "ttft_ms",
-    "duration_ms",
+    "attempts",
+    "queue_wait_s",
+    "ttft_s",
+    "duration_s",
     "input_tokens",
     "output_tokens",
     "tokens_source",
-    "attempts",
+    "started_at",
 )
 
 
@@ -98,14 +101,7 @@ def logs() -> Iterator[Captured]:
 
 
 @attrs.frozen
-class Edge:
-    dispatcher: Dispatcher
-    server: Server
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.address.port}"
-
+class Edge(test_admission_http.Edge):
     def client(self, key: str | None = ADMIN_KEY) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {key}"} if key else {}
         return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30)
@@ -213,7 +209,8 @@ async def test_access_log_one_line_per_request_with_its_fields(logs: Captured) -
         usage.completion_tokens,
     )
     assert line["tokens_source"] == "reported"
-    assert 0 <= line["queue_wait_ms"] <= line["ttft_ms"] <= line["duration_ms"]
+    assert 0 <= line["queue_wait_s"] <= line["ttft_s"] <= line["duration_s"]
+    assert line["state"] == "answering"
 
     streamed = logs.line_of(streamed_id)
     assert (streamed["client_request_id"], streamed["stream"]) == ("client-2", True)
@@ -223,7 +220,7 @@ async def test_access_log_one_line_per_request_with_its_fields(logs: Captured) -
         "local",
     )
     assert streamed["output_tokens"] == 5
-    assert streamed["ttft_ms"] is not None
+    assert streamed["ttft_s"] is not None
 
     listing = logs.line_of(models.headers["x-dispatcher-request-id"])
     assert (listing["route"], listing["status"], listing["outcome"]) == (
@@ -425,6 +422,7 @@ async def test_attempts_and_recoveries(logs: Captured) -> None:
             while True:
                 run = await node.receive_run()
                 action = script.pop(0)
+                events: list[tuple[str, dict[str, object]]]
                 if action == "answer":
                     events = [("run.delta", {"text": "ok"}), ("run.completed", {})]
                 else:
@@ -514,16 +512,17 @@ async def test_status_shows_a_stream_in_flight_and_a_queued_request_then_neither
             "m",
             True,
         )
-        assert (streaming["node"], streaming["provider"], streaming["attempt"]) == (
+        assert (streaming["node"], streaming["provider"], streaming["attempts"]) == (
             "node-a",
             "p1",
             1,
         )
         assert streaming["key_id"] == key_id(CLIENT_KEY.encode())
         assert (streaming["input_tokens"], streaming["output_tokens"]) == (11, 2)
-        assert streaming["age_s"] >= streaming["ttft_s"] >= 0
+        assert streaming["duration_s"] >= streaming["ttft_s"] >= 0
+        assert (streaming["status"], streaming["outcome"]) == (200, None)
         assert waiting["state"] == "queued"
-        assert (waiting["node"], waiting["attempt"], waiting["stream"]) == (None, 0, False)
+        assert (waiting["node"], waiting["attempts"], waiting["stream"]) == (None, 0, False)
         assert waiting["queue_wait_s"] >= 0
         [queue] = [q for q in during["queues"] if q["model"] == "m"]
         assert queue["depth"] == 1
