@@ -4,10 +4,11 @@ Gauges and counters that admission already keeps (queue depth, slots, candidate 
 admissions by reason, rejections by cause, ejections) are read from
 ``Admission.statistics()`` at scrape time, so nothing is counted twice and a departed
 candidate or dropped group has no series left; only what has no other home -- the queue-wait
-histogram and request outcomes -- is recorded as it happens, and those series of a model
-admission no longer knows (no node serves it, no config names it) are removed (see
-:meth:`Metrics.prune`). Each dispatcher has its own registry (no process-global state), so
-several dispatchers in one process, as in the tests, do not mix.
+histogram, request outcomes, and each ended request's duration, time to first token, tokens
+and attempts (observed by its record, :mod:`dispatcher.traffic`) -- is recorded as it
+happens, and those series of a model admission no longer knows (no node serves it, no config
+names it) are removed (see :meth:`Metrics.prune`). Each dispatcher has its own registry (no
+process-global state), so several dispatchers in one process, as in the tests, do not mix.
 """
 
 from __future__ import annotations

@@ -180,7 +180,6 @@ class RequestRecord:
     """Its message (clipped)."""
     left: bool = False
     """The client left before the end (see :meth:`client_gone`)."""
-    ended_at: float | None = None
 
     # -- filled in by the API ----------------------------------------------------------
 
@@ -361,21 +360,23 @@ class Traffic:
         try:
             now, wall = trio.current_time(), time.time()
             counted = record.outcome is not None
-            record.ended_at = now
             if record.outcome is None:
                 record.outcome = _outcome_of_status(record.status)
             quiet = record.route in QUIET_ROUTES and record.outcome == "completed"
-            summary = record.summary(now)
-            access_log.log(
-                logging.DEBUG if quiet else logging.INFO,
-                "%s %s %s",
-                summary.method,
-                summary.path,
-                summary.status if summary.status is not None else "-",
-                extra={FIELDS: attrs.asdict(summary)},
-            )
-            if record.is_failure:
-                self.failures.appendleft(summary)
+            level = logging.DEBUG if quiet else logging.INFO
+            failure = record.is_failure
+            if failure or access_log.isEnabledFor(level):
+                summary = record.summary(now)
+                access_log.log(
+                    level,
+                    "%s %s %s",
+                    summary.method,
+                    summary.path,
+                    summary.status if summary.status is not None else "-",
+                    extra={FIELDS: attrs.asdict(summary)},
+                )
+                if failure:
+                    self.failures.appendleft(summary)
             if record.status in (429, 503) and record.model_label is not None:
                 self._refused(record.model_label, now, wall, record.status)
             if counted and self.metrics is not None and record.route is not None:

@@ -32,7 +32,7 @@ from dispatcher.logs import FIELDS, JsonFormatter, TextFormatter
 from dispatcher.status import MAX_IN_FLIGHT
 from dispatcher.traffic import RECENT_FAILURES
 
-from . import test_admission_http
+from . import test_admission_http, test_tunnel
 from .fakes import ScriptedNode, connect, hello, wait_until
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -698,3 +698,45 @@ def test_grafana_dashboard_names_only_documented_series() -> None:
         "dispatcher_recoveries",
     ):
         assert family in used
+
+
+async def test_tunnelled_requests_are_recorded(
+    logs: Captured, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with test_tunnel.open_env(monkeypatch) as env, env.client() as client:
+        model = test_tunnel.MODEL
+        completed = await client.post(
+            "/v1/completions", json={"model": model, "prompt": "once upon", "stream": True}
+        )
+        embedded = await client.post("/v1/embeddings", json={"model": model, "input": ["a b"]})
+        scraped = await client.get("/metrics")
+        usage = embedded.json()["usage"]
+    assert (completed.status_code, embedded.status_code) == (200, 200)
+    streamed = logs.line_of(completed.headers["x-dispatcher-request-id"])
+    assert (streamed["route"], streamed["stream"], streamed["state"]) == (
+        "/v1/completions",
+        True,
+        "answering",
+    )
+    assert (streamed["outcome"], streamed["attempts"], streamed["tokens_source"]) == (
+        "completed",
+        1,
+        "reported",
+    )
+    assert streamed["ttft_s"] is not None
+    line = logs.line_of(embedded.headers["x-dispatcher-request-id"])
+    assert line["node"] == streamed["node"] is not None
+    assert line["input_tokens"] == usage["prompt_tokens"]
+    samples = scrape(scraped.text)
+    tokens = "gen_ai_client_token_usage"
+    for route, operation in (
+        ("/v1/completions", "text_completion"),
+        ("/v1/embeddings", "embeddings"),
+    ):
+        labels = {"gen_ai_request_model": model, "gen_ai_operation_name": operation, "route": route}
+        assert value(samples, tokens, f"{tokens}_count", **labels, gen_ai_token_type="input") == 1
+    embeddings = {"gen_ai_request_model": model, "gen_ai_operation_name": "embeddings"}
+    assert (
+        value(samples, tokens, f"{tokens}_sum", **embeddings, gen_ai_token_type="input")
+        == usage["prompt_tokens"]
+    )
