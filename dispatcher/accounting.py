@@ -127,7 +127,7 @@ def run_counts(request: Accounted, attempt: Attempted, run: RunCounts) -> Counts
     """The run's usage as the node reported it (or as its adapter estimated it); the edge's
     estimate when there is none, or when the node's counts are negative (logged)."""
     usage = run.usage
-    if usage is not None and (usage.prompt_tokens < 0 or usage.completion_tokens < 0):
+    if usage is not None and _negative(usage):
         log.warning(
             "request %s attempt %d: node %s reported negative usage (%d, %d); estimating",
             request.request_id,
@@ -136,8 +136,18 @@ def run_counts(request: Accounted, attempt: Attempted, run: RunCounts) -> Counts
             usage.prompt_tokens,
             usage.completion_tokens,
         )
-        usage = None
-    if usage is not None:
+    return counts_so_far(request, run)
+
+
+def _negative(usage: wire.Usage) -> bool:
+    return usage.prompt_tokens < 0 or usage.completion_tokens < 0
+
+
+def counts_so_far(request: Accounted, run: RunCounts) -> Counts:
+    """:func:`run_counts` without its log line: what the run's row would say now (the
+    request record reads a live run's counts with it)."""
+    usage = run.usage
+    if usage is not None and not _negative(usage):
         source: UsageSource = "estimated" if usage.estimated else "reported"
         return Counts(usage.prompt_tokens, usage.completion_tokens, source)
     return Counts(
@@ -271,6 +281,7 @@ __all__ = [
     "RunCounts",
     "TunnelCounts",
     "UsageSink",
+    "counts_so_far",
     "run_counts",
     "tunnel_counts",
     "usage_row",

@@ -43,6 +43,7 @@ from nodes.tunnel import tunnel_providers
 from . import __version__
 from .config import ConfigError, EdgeConfig, NodeToken, load_edge_config
 from .config_summary import KINDS, ConfigKind, config_kind, describe_edge, describe_node
+from .logs import LOG_FORMATS, configure_logging
 from .protocol.excgroups import first_leaf
 
 if TYPE_CHECKING:
@@ -69,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
             type=str.upper,
             choices=LOG_LEVELS,
             help="log level (default INFO)",
+        )
+        parser.add_argument(
+            "--log-format",
+            default="text" if default != argparse.SUPPRESS else default,
+            choices=LOG_FORMATS,
+            help="text (readable, key=value fields; the default) or json (one object a line)",
         )
 
     parser = argparse.ArgumentParser(
@@ -123,11 +130,7 @@ def version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format, sys.stderr)
     expected = (ConfigError, NodeConfigError, StartupError)
     try:
         if args.command == "serve":

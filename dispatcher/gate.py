@@ -78,6 +78,14 @@ class RequestResult:
     metric derives from it, so the ledger and the metric agree for every request."""
 
     outcome: Outcome | None = None
+    attempts: int = 0
+    """Attempts admitted so far (the committed one included)."""
+    attempt: RunAttempt | TunnelAttempt | None = None
+    """The latest admitted attempt: the one answering once the request committed (its node,
+    queue wait, first output and counts so far are what the request record reports)."""
+    waiting_since: float | None = None
+    """``trio.current_time()`` when the request began waiting for admission, while it waits
+    (its first attempt's or a recovery's); None once admitted."""
 
 
 @attrs.frozen(kw_only=True)
@@ -436,11 +444,13 @@ class Gate:
         dispatch_request = attrs.evolve(
             request.dispatch, exclude=frozenset(excluded), requeue=number > 1
         )
-        started = trio.current_time()
+        started = request.result.waiting_since = trio.current_time()
         dispatch = await scopes.enter_async_context(
             self.pool.open(dispatch_request, prepare_run=self._prepare(request, number))
         )
+        request.result.waiting_since = None
         attempt = self._new_attempt(request, number, dispatch, started)
+        request.result.attempts, request.result.attempt = number, attempt
         scopes.push(self._row_when_ended(request, attempt, deadline_scope))
         try:
             answer = await self._commit(request, attempt, number, policy)

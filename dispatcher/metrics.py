@@ -4,19 +4,21 @@ Gauges and counters that admission already keeps (queue depth, slots, candidate 
 admissions by reason, rejections by cause, ejections) are read from
 ``Admission.statistics()`` at scrape time, so nothing is counted twice and a departed
 candidate or dropped group has no series left; only what has no other home -- the queue-wait
-histogram and request outcomes -- is recorded as it happens, and those series of a model
-admission no longer knows (no node serves it, no config names it) are removed (see
-:meth:`Metrics.prune`). Each dispatcher has its own registry (no process-global state), so
-several dispatchers in one process, as in the tests, do not mix.
+histogram, request outcomes, and each ended request's duration, time to first token, tokens
+and attempts (observed by its record, :mod:`dispatcher.traffic`) -- is recorded as it
+happens, and those series of a model admission no longer knows (no node serves it, no config
+names it) are removed (see :meth:`Metrics.prune`). Each dispatcher has its own registry (no
+process-global state), so several dispatchers in one process, as in the tests, do not mix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from .admission import ADMIT_REASONS, HEALTH_STATES, REJECT_CAUSES, Admission
@@ -33,6 +35,32 @@ OUTCOMES = (
     "bad_request",  # the request itself was invalid
     "shutting_down",  # refused or cut off by the edge's drain
 )
+
+REQUEST_DURATION_BUCKETS = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+"""The OpenTelemetry GenAI semantic conventions' boundaries for ``gen_ai.server.request
+.duration``."""
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+"""The conventions' boundaries for ``gen_ai.server.time_to_first_token``."""
+TOKEN_BUCKETS = (
+    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
+)  # fmt: skip
+"""The conventions' boundaries for ``gen_ai.client.token.usage``."""
+
+OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/messages": "chat",
+    "/v1/responses": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+}
+"""``gen_ai_operation_name`` of each model route (the conventions' well-known values); another
+route's is ``chat``."""
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 UNKNOWN_MODEL = "unknown"
 """The ``model`` label of a request for a model nobody serves or configures
@@ -124,6 +152,7 @@ class InFlightSource(Protocol):
 
     def inflight_runs(self) -> int: ...
     def inflight_tunnels(self) -> int: ...
+    def connected_nodes(self) -> int: ...
 
 
 class _InFlightCollector(Collector):
@@ -147,62 +176,127 @@ class _InFlightCollector(Collector):
             "Tunnels whose owning block is open now.",
             value=source.inflight_tunnels() if source is not None else 0,
         )
+        yield GaugeMetricFamily(
+            "dispatcher_connected_nodes",
+            "Node sessions connected now (the in-process node included).",
+            value=source.connected_nodes() if source is not None else 0,
+        )
 
 
 class Metrics:
     """The dispatcher's metrics registry.
 
-    The ``model`` label of the recorded series (queue wait, requests) is bounded: a series
-    is removed once admission no longer knows its model (``Admission.knows_model``: no
-    candidate, no waiter, no config), at each scrape and whenever a new model label
-    appears, so the series held at any time are those of models known now plus the few that
-    went away since then. A model that comes back starts its series again from 0 (a counter
-    reset, which ``rate()`` and ``increase()`` handle)."""
+    The ``model`` label of the recorded series (queue wait, requests, durations, tokens,
+    attempts) is bounded: a series is removed once admission no longer knows its model
+    (``Admission.knows_model``: no candidate, no waiter, no config), at each scrape and
+    whenever a new model label appears, so the series held at any time are those of models
+    known now plus the few that went away since then. A model that comes back starts its
+    series again from 0 (a counter reset, which ``rate()`` and ``increase()`` handle)."""
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
-        self._wait_labels: dict[str, set[str]] = {}
-        """model -> the classes it has queue-wait series for."""
-        self._request_labels: dict[str, set[str]] = {}
-        """model -> the outcomes it has request series for."""
+        self._tracked: dict[MetricWrapperBase, dict[str, set[tuple[str, ...]]]] = {}
+        """Per recorded metric: model -> the other label values it has series for."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_AdmissionCollector(admission))
         self.inflight_requests = 0
         """Requests inside a route's counted block now (``api.common.counted_request``)."""
         self.inflight_source: InFlightSource | None = None
         self.registry.register(_InFlightCollector(self))
-        self.queue_wait = Histogram(
+        self.queue_wait = self._histogram(
             "dispatcher_queue_wait_seconds",
             "Time admitted requests waited for their slot, per model group and class.",
             ["model", "class"],
-            buckets=QUEUE_WAIT_BUCKETS,
-            registry=self.registry,
+            QUEUE_WAIT_BUCKETS,
         )
-        self.requests = Counter(
-            "dispatcher_requests",
-            "Client requests by model and outcome.",
-            ["model", "outcome"],
-            registry=self.registry,
+        self.requests = self._counter(
+            "dispatcher_requests", "Client requests by model and outcome.", ["model", "outcome"]
         )
+        genai = ["gen_ai_request_model", "gen_ai_operation_name", "route"]
+        self.request_duration = self._histogram(
+            "gen_ai_server_request_duration_seconds",
+            "Model-route requests from their start to their end, by model, operation, route "
+            "and outcome.",
+            [*genai, "outcome"],
+            REQUEST_DURATION_BUCKETS,
+        )
+        self.time_to_first_token = self._histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "From a model-route request's start (queue wait included) to its answer's first "
+            "output.",
+            genai,
+            TTFT_BUCKETS,
+        )
+        self.token_usage = self._histogram(
+            "gen_ai_client_token_usage",
+            "Tokens per model-route request, input and output (as reported by the node or "
+            "provider, else the edge's estimate).",
+            [*genai, "gen_ai_token_type"],
+            TOKEN_BUCKETS,
+        )
+        self.attempts = self._counter(
+            "dispatcher_attempts",
+            "Attempts admitted for model-route requests (the first and every recovery).",
+            ["model"],
+        )
+        self.recoveries = self._counter(
+            "dispatcher_recoveries",
+            "Attempts after a request's first: each a recovery from a failed attempt.",
+            ["model"],
+        )
+
+    def _histogram(
+        self, name: str, documentation: str, labels: list[str], buckets: tuple[float, ...]
+    ) -> Histogram:
+        """A recorded histogram (its first label is ``model``'s, pruned by :meth:`prune`)."""
+        metric = Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+        self._tracked[metric] = {}
+        return metric
+
+    def _counter(self, name: str, documentation: str, labels: list[str]) -> Counter:
+        """A recorded counter (as :meth:`_histogram`)."""
+        metric = Counter(name, documentation, labels, registry=self.registry)
+        self._tracked[metric] = {}
+        return metric
 
     def observe_admission(self, model: str, request_class: str, queue_wait: float) -> None:
-        self._track(self._wait_labels, model, request_class)
-        self.queue_wait.labels(model, request_class).observe(queue_wait)
+        self._series(self.queue_wait, model, request_class).observe(queue_wait)
 
     def count_request(self, model: str, outcome: str) -> None:
-        self._track(self._request_labels, model, outcome)
-        self.requests.labels(model, outcome).inc()
+        self._series(self.requests, model, outcome).inc()
+
+    def observe_request(
+        self,
+        model: str,
+        route: str,
+        outcome: str,
+        duration: float,
+        *,
+        ttft: float | None,
+        tokens: tuple[int, int] | None,
+        attempts: int,
+    ) -> None:
+        """An ended model-route request (``model``: a bounded label, ``metric_model_label``):
+        its duration, time to first output (None: there was none), input and output tokens
+        and attempts admitted."""
+        where = (model, OPERATIONS.get(route, "chat"), route)
+        self._series(self.request_duration, *where, outcome).observe(duration)
+        if ttft is not None:
+            self._series(self.time_to_first_token, *where).observe(ttft)
+        if tokens is not None:
+            self._series(self.token_usage, *where, "input").observe(tokens[0])
+            self._series(self.token_usage, *where, "output").observe(tokens[1])
+        if attempts:
+            self._series(self.attempts, model).inc(attempts)
+            self._series(self.recoveries, model).inc(attempts - 1)
 
     def prune(self) -> None:
-        """Remove the queue-wait and request series of every model admission does not know
-        any more (O(models with series))."""
-        for tracked, metric in (
-            (self._wait_labels, self.queue_wait),
-            (self._request_labels, self.requests),
-        ):
+        """Remove the recorded series of every model admission does not know any more
+        (O(models with series))."""
+        for metric, tracked in self._tracked.items():
             for model in [m for m in tracked if not self._known(m)]:
-                for value in tracked.pop(model):
-                    metric.remove(model, value)
+                for values in tracked.pop(model):
+                    metric.remove(model, *values)
 
     def render(self) -> bytes:
         self.prune()
@@ -211,9 +305,12 @@ class Metrics:
     def _known(self, model: str) -> bool:
         return model == UNKNOWN_MODEL or self._admission.knows_model(model)
 
-    def _track(self, tracked: dict[str, set[str]], model: str, value: str) -> None:
-        values = tracked.get(model)
-        if values is None:  # a new model label: first let go of those that went away
+    def _series(self, metric: M, model: str, *values: str) -> M:
+        """``metric``'s child for ``model`` and ``values``, tracked for :meth:`prune`."""
+        tracked = self._tracked[metric]
+        known = tracked.get(model)
+        if known is None:  # a new model label: first let go of those that went away
             self.prune()
-            values = tracked[model] = set()
-        values.add(value)
+            known = tracked[model] = set()
+        known.add(values)
+        return metric.labels(model, *values)

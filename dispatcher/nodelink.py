@@ -344,7 +344,7 @@ async def _serve_session(
 ) -> _Closing:
     """Run the session until the connection ends or it must be closed; return how it
     ended (the close code to send and the reason to log)."""
-    last_seen = trio.current_time()
+    last_seen = session.last_heard = trio.current_time()
     closing: _Closing | None = None
 
     def end(reason: _Closing) -> None:
@@ -389,7 +389,7 @@ async def _serve_session(
         nonlocal last_seen
         while True:
             frame = await conn.receive()
-            last_seen = trio.current_time()
+            last_seen = session.last_heard = trio.current_time()
             try:
                 message = (
                     wire.decode_binary(frame) if isinstance(frame, bytes) else wire.decode(frame)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal, Protocol
@@ -314,6 +315,11 @@ class NodeSession:
     frames_written: int = 0
     overflowed: bool = False
     """The outbox went over :data:`MAX_OUTBOX`: the writer ends the session."""
+    connected_at: float = attrs.field(factory=time.time)
+    """Unix time the session registered."""
+    last_heard: float | None = None
+    """``trio.current_time()`` of the node's latest frame (a pong, an event ...), kept by
+    the connection's receive loop (``nodelink``); None before the first."""
     _stopping: bool = False
 
     @property

@@ -49,6 +49,8 @@ from .pool import Dispatch, DispatchRequest, Pool
 from .registry import NodeSession, Registry
 from .responses_store import ResponseStore, beside_ledger, open_response_store
 from .runs import Run, Runs, RunSpec
+from .status import EdgeStatus, edge_status
+from .traffic import Traffic
 from .transport import Connection, memory_connection_pair
 from .tunnel import Tunnels
 from .usage import UsageLedger, open_usage_ledger
@@ -79,6 +81,8 @@ class Dispatcher:
     response_store: ResponseStore
     """The Responses API's stored responses, beside the ledger (``dispatcher.responses_store``)."""
     metrics: Metrics
+    traffic: Traffic
+    """The requests in flight and what ended ones left (``dispatcher.traffic``)."""
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
     started_at: float = attrs.field(factory=time.time)
@@ -233,6 +237,21 @@ class Dispatcher:
 
     def inflight_tunnels(self) -> int:
         return self.tunnels.statistics().open_tunnels
+
+    def connected_nodes(self) -> int:
+        return len(self.registry.sessions)
+
+    def status(self) -> EdgeStatus:
+        """The edge at a glance (``GET /admin/status``; see ``dispatcher.status``)."""
+        return edge_status(
+            sessions=self.registry.sessions.values(),
+            stats=self.admission.statistics(),
+            traffic=self.traffic,
+            now=trio.current_time(),
+            wall=time.time(),
+            started_at=self.started_at,
+            draining=self.draining,
+        )
 
     def candidates(self) -> list[Candidate]:
         return [c for s in self.registry.sessions.values() for c in candidates_for_session(s)]
@@ -398,6 +417,7 @@ async def open_dispatcher_of(
             ledger=ledger,
             response_store=response_store,
             metrics=metrics,
+            traffic=Traffic(metrics),
             nodelink_settings=settings,
             nursery=nursery,
         )

@@ -20,9 +20,20 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ..admission import AdmissionError
 from ..errors import DispatcherError, NotFound, PayloadTooLarge, ShuttingDown, Unauthorized
-from ..http import BodyTooLarge, Handler, Headers, HTTPStream, Request, Responder, WebSocket
-from . import anthropic, openai, operations, responses
+from ..http import (
+    BodyTooLarge,
+    Handler,
+    Headers,
+    HTTPStream,
+    PeerGone,
+    Request,
+    Responder,
+    WebSocket,
+)
+from ..traffic import RequestRecord
+from . import admin, anthropic, openai, operations, responses
 from .front import Access, ErrorRenderer, FrontEnd, RenderedError, RouteContext, RouteSpec
+from .recorded import RecordingResponder
 from .seam import ApiSettings, EdgeServices, WorkTicket
 
 __all__ = [
@@ -44,6 +55,7 @@ FRONT_ENDS: tuple[FrontEnd, ...] = (
     operations.FRONT_END,
     responses.FRONT_END,
     anthropic.FRONT_END,
+    admin.FRONT_END,
 )
 """The edge's front ends, one line each; the first one's error shape is the default."""
 
@@ -185,8 +197,16 @@ def make_handler(
         return key_id(token)
 
     async def handler(request: Request, responder: Responder) -> None:
-        request_id = new_request_id()
-        client_id = client_request_id(request)
+        ids = new_request_id(), client_request_id(request)
+        with edge.traffic.open(*ids, request.method, request.path) as record:
+            try:
+                await answer(request, RecordingResponder(responder, record), record)
+            except PeerGone:
+                record.client_gone()
+                raise
+
+    async def answer(request: Request, responder: Responder, record: RequestRecord) -> None:
+        request_id, client_id = record.request_id, record.client_request_id
         headers = request_headers(request_id, client_id)
         render = default
         try:
@@ -194,15 +214,16 @@ def make_handler(
             if method == "OPTIONS" and request.target == "*":
                 await responder.respond(204, ((b"allow", allow_any), *headers))
                 return
-            found = routes.get(path)
-            if found is None:
+            key = path
+            if key not in routes:
                 # A pattern route: its last segment is "{id}" (``/v1/responses/{id}``).
                 parent, _, last = path.rpartition("/")
-                if last:
-                    found = routes.get(parent + "/{id}")
+                key = parent + "/{id}" if last else path
+            found = routes.get(key)
             if found is None:
                 raise NotFound(f"no route for {method} {_shorten(path)}", code="unknown_url")
             route, render = found
+            record.routed(key, work=route.work)
             if method == "OPTIONS":
                 await responder.respond(204, ((b"allow", route.allow.encode()), *headers))
                 return
@@ -216,7 +237,9 @@ def make_handler(
                 client_request_id=client_id,
                 headers=headers,
                 attribution=authorize(route.access, request),
+                record=record,
             )
+            record.key_id = ctx.attribution
             if not route.work:
                 await route.func(edge, request, responder, ctx)
                 return
@@ -229,8 +252,10 @@ def make_handler(
                 raise ShuttingDown("the dispatcher shut down before answering; retry the request")
         except BodyTooLarge:
             error = PayloadTooLarge("request body is over the size limit")
+            record.failed(error.code, str(error))
             await _respond_error(responder, error, render(error), headers)
         except (DispatcherError, AdmissionError) as exc:
+            record.failed(exc.code, str(exc))
             await _respond_error(responder, exc, render(exc), headers)
 
     return handler

@@ -20,6 +20,7 @@ from ..errors import RunError, ShuttingDown, error_status_and_body
 from ..gate import Answer, GateRequest, RequestResult, TunnelCall
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..pool import DispatchRequest, DispatchResult
+from ..traffic import RequestRecord
 from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
 
@@ -70,9 +71,11 @@ _METRIC_OUTCOME: dict[str, str] = {
 
 
 @contextmanager
-def counted_request(edge: EdgeServices) -> Iterator[RequestOutcome]:
+def counted_request(
+    edge: EdgeServices, record: RequestRecord | None = None
+) -> Iterator[RequestOutcome]:
     """Count the request under ``dispatcher_requests_total`` once, however it ends: what the
-    route set, or what the exception leaving it says."""
+    route set, or what the exception leaving it says (and tell ``record`` that outcome)."""
     result = RequestOutcome()
     edge.metrics.inflight_requests += 1
     try:
@@ -97,7 +100,10 @@ def counted_request(edge: EdgeServices) -> Iterator[RequestOutcome]:
         raise
     finally:
         edge.metrics.inflight_requests -= 1
-        edge.metrics.count_request(result.model, result.final())
+        outcome = result.final()
+        edge.metrics.count_request(result.model, outcome)
+        if record is not None:
+            record.outcome = outcome
 
 
 def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes, bytes], ...]:
@@ -188,6 +194,8 @@ class ModelCall:
             ),
         )
         self.counted.gate = gated.result
+        if ctx.record is not None:
+            ctx.record.dispatching(gated, self.counted.model)
         return gated
 
 
@@ -204,7 +212,7 @@ def model_route(serve: ServeModel) -> Route:
     async def route(
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
-        with counted_request(edge) as counted:
+        with counted_request(edge, ctx.record) as counted:
             counted.outcome = await serve(ModelCall(edge, request, ctx, counted), responder)
 
     return route

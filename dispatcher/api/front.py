@@ -21,6 +21,7 @@ from typing import Literal
 import attrs
 
 from ..http import Request, Responder
+from ..traffic import RequestRecord
 from .seam import EdgeServices
 
 __all__ = [
@@ -46,6 +47,8 @@ class RouteContext:
     """Response headers every answer carries (``app.request_headers``)."""
     attribution: str | None
     """Who the request's usage is attributed to: the id of the client's API key."""
+    record: RequestRecord | None = None
+    """The request's record (``dispatcher.traffic``), which a model route fills in."""
 
 
 Route = Callable[[EdgeServices, Request, Responder, RouteContext], Awaitable[None]]

@@ -22,6 +22,8 @@ from ..config import EdgeConfig
 from ..gate import Gate
 from ..metrics import Metrics
 from ..responses_store import ResponseStore
+from ..status import EdgeStatus
+from ..traffic import Traffic
 from ..transport import Connection
 from ..usage import UsageLedger
 
@@ -82,6 +84,11 @@ class EdgeServices(Protocol):
         ...
 
     @property
+    def traffic(self) -> Traffic:
+        """The request records: the handler opens one per request (``dispatcher.traffic``)."""
+        ...
+
+    @property
     def ledger(self) -> UsageLedger:
         """The usage ledger (routes only query it; the gate records)."""
         ...
@@ -121,6 +128,10 @@ class EdgeServices(Protocol):
 
     def metric_model_label(self, model: str) -> str:
         """A model name safe as a metric label (served or configured, else "unknown")."""
+        ...
+
+    def status(self) -> EdgeStatus:
+        """The edge at a glance: nodes, queues, requests in flight, recent failures."""
         ...
 
 
