@@ -262,7 +262,7 @@ def auth_summary(config: EdgeConfig) -> list[str]:
     elif client:
         lines.append("admin auth: on (no admin key configured: GET /v1/usage refuses everyone)")
     else:
-        lines.append("admin auth: OFF — anyone can read GET /v1/usage")
+        lines.append("admin auth: OFF — anyone can read GET /v1/usage and /admin/status")
     if tokens:
         bound = sum(isinstance(token, NodeToken) for token in tokens)
         parts = [f"{len(tokens) - bound} for any node id"] if bound < len(tokens) else []

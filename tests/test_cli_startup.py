@@ -327,7 +327,7 @@ def test_open_edge_banner_and_warning_off_loopback(tmp_path: Path) -> None:
     edge = start_edge(tmp_path, "serve", "--host", "0.0.0.0", "--port", "0", "--no-local-node")
     try:
         assert "  client auth: OFF — anyone can use this edge" in edge.banner
-        assert "  admin auth: OFF — anyone can read GET /v1/usage" in edge.banner
+        assert "  admin auth: OFF — anyone can read GET /v1/usage and /admin/status" in edge.banner
     finally:
         status, stderr = edge.stop()
     assert status == 0, stderr
