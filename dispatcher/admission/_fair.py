@@ -233,7 +233,8 @@ class Lanes(Generic[W]):
                 fresh = self._entry(lane)
                 if fresh[:3] != entry[:3]:
                     heapq.heapreplace(heap, fresh)
-                    continue
+                    if heap[0] is not fresh:
+                        continue
                 if bound is not None and fresh[:3] >= bound:
                     break
                 for waiter in lane.waiters:
