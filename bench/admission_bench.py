@@ -32,6 +32,7 @@ import trio
 
 from bench import Table, render
 from dispatcher.admission import (
+    DEFAULT_SHARE,
     AdmissionCore,
     Admit,
     Candidate,
@@ -95,36 +96,13 @@ def _other_group(waiting: int) -> Callable[[int], None]:
     return cycles
 
 
-def _same_group(waiting: int) -> Callable[[int], None]:
-    """N parked in the group; each cycle joins the tail and a release admits the head."""
+def _steady_state(waiting: int, shares: Sequence[Share]) -> Callable[[int], None]:
+    """N parked in the group, their shares taken from ``shares`` in turn; each cycle joins
+    the queue (with the next share) and a release admits the first in queue order, so the
+    queue stays at N."""
     core = _core()
     core.node_joined([_candidate("a", "busy", 1)], 0.0)
     slot = [_admitted(core.submit("holder", "busy", Needs(), 0.0)).slot_id]
-    for i in range(waiting):
-        assert core.submit(("w", i), "busy", Needs(), 0.0) == []  # type: ignore[arg-type]
-    needs = Needs()
-
-    ids = itertools.count()
-
-    def cycles(count: int) -> None:
-        submit, release = core.submit, core.release
-        current = slot[0]
-        for i in itertools.islice(ids, count):
-            assert submit(i, "busy", needs, 1.0) == []
-            current = _admitted(release(current, 1.0)).slot_id
-        slot[0] = current
-
-    return cycles
-
-
-def _fair_tenants(waiting: int) -> Callable[[int], None]:
-    """N parked across min(N, 1,000) tenants; each cycle, the next tenant submits and a
-    release admits the fairest waiter (so the queue stays at N)."""
-    core = _core()
-    core.node_joined([_candidate("a", "busy", 1)], 0.0)
-    slot = [_admitted(core.submit("holder", "busy", Needs(), 0.0)).slot_id]
-    count = min(waiting, TENANTS)
-    shares = [Share(tenant=f"t{i}", weight=1 + i % 3) for i in range(count)]
     turn = itertools.cycle(shares)
     for i in range(waiting):
         assert core.submit(f"w{i}", "busy", Needs(), 0.0, share=next(turn)) == []
@@ -140,6 +118,18 @@ def _fair_tenants(waiting: int) -> Callable[[int], None]:
         slot[0] = current
 
     return cycles
+
+
+def _same_group(waiting: int) -> Callable[[int], None]:
+    """One tenant (the default share): each cycle joins the tail, a release admits the head."""
+    return _steady_state(waiting, [DEFAULT_SHARE])
+
+
+def _fair_tenants(waiting: int) -> Callable[[int], None]:
+    """Spread over min(N, 1,000) tenants of weights 1, 2, 3; each cycle from the next tenant,
+    each release admits the fairest waiter."""
+    count = min(waiting, TENANTS)
+    return _steady_state(waiting, [Share(tenant=f"t{i}", weight=1 + i % 3) for i in range(count)])
 
 
 def _other_capability(waiting: int) -> Callable[[int], None]:

@@ -21,6 +21,7 @@ nothing behind.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import attrs
 from hypothesis import event, settings
@@ -30,9 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from dispatcher.admission import (
     AdmissionCore,
     Admit,
-    Candidate,
     CandidateKey,
-    Decision,
     Needs,
     Policy,
     PolicySnapshot,
@@ -78,7 +77,8 @@ class FairMachine(RuleBasedStateMachine):
         self.seqs = itertools.count()
         self.weights: dict[str, float] = {}
         self.homogeneous = True
-        self.candidates: dict[CandidateKey, Candidate] = {}
+        self.candidates: dict[CandidateKey, int] = {}
+        """Each candidate's slots (n1 has vision; n2 too, in the homogeneous world)."""
         self.queued: dict[int, MWaiter] = {}
         self.slots: dict[int, CandidateKey] = {}
         self.ended: set[int] = set()
@@ -90,10 +90,10 @@ class FairMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ model helpers
 
     def fits(self, waiter: MWaiter, key: CandidateKey) -> bool:
-        return waiter.needs.unfit(self.candidates[key], "short") is None
+        return not waiter.needs.vision or key.node_id == "n1" or self.homogeneous
 
     def free(self, key: CandidateKey) -> int:
-        return self.candidates[key].slots - sum(1 for k in self.slots.values() if k == key)
+        return self.candidates[key] - sum(1 for k in self.slots.values() if k == key)
 
     def backlogged(self, band: int, tenant: str) -> bool:
         return any(
@@ -121,7 +121,7 @@ class FairMachine(RuleBasedStateMachine):
             if tail and abs(lag) > max(1 / wa, 1 / wb) - EPSILON:
                 event("fair: a pair at its full lag")
 
-    def apply(self, decisions: list[Decision], new: MWaiter | None = None) -> None:
+    def apply(self, decisions: Sequence[Admit | Reject], new: MWaiter | None = None) -> None:
         for decision in decisions:
             assert isinstance(decision.waiter_id, int)
             waiter = self.queued.get(decision.waiter_id)
@@ -172,7 +172,7 @@ class FairMachine(RuleBasedStateMachine):
             cand("n1", slots=slots[0], caps=("vision",)),
             cand("n2", slots=slots[1], caps=() if not homogeneous else ("vision",)),
         ]
-        self.candidates = {c.key: c for c in joined}
+        self.candidates = {c.key: c.slots for c in joined}
         assert self.core.node_joined(joined, self.now) == []
 
     @rule(
@@ -224,7 +224,7 @@ class FairMachine(RuleBasedStateMachine):
     @rule(node=st.sampled_from(["n1", "n2"]), slots=st.integers(0, 3))
     def capacity(self, node: str, slots: int) -> None:
         [key] = [k for k in self.candidates if k.node_id == node]
-        self.candidates[key] = attrs.evolve(self.candidates[key], slots=slots)
+        self.candidates[key] = slots
         self.apply(self.core.capacity_changed(key, slots, 0, self.now))
 
     @rule(dt=st.sampled_from([0.5, 1.0, 2.5]))
