@@ -1025,7 +1025,8 @@ class AdmissionCore:
         states: Sequence[_CandidateState],
         classes: Sequence[int] = (_SHORT, _LONG),
     ) -> None:
-        """Give free slots of ``states`` to the oldest waiters that can use them."""
+        """Give free slots of ``states`` to the first waiters in queue order that can use
+        them."""
         states = [s for s in states if group.candidates.get(s.key) is s]
         while True:
             oldest: _Waiter | None = None
