@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -163,6 +164,38 @@ def test_a_slot_only_some_can_use_goes_to_the_fairest_of_those() -> None:
     admit = only_admit(core.release(vision_slot, 2.0))
     assert admit.waiter_id == "a-vision"
     assert admit.candidate.node_id == "v"
+
+
+def test_a_reclassification_keeps_the_fair_order() -> None:
+    """A policy change of ``long_context_tokens`` rebuilds the queues: each tenant keeps its
+    FIFO and its virtual start."""
+    core, [slot] = busy_core()
+    ids = itertools.count()
+    heavy = queue(core, A, 4, ids)
+    light = queue(core, B, 4, ids)
+    assert drain(core, slot, 3) == [heavy[0], light[0], heavy[1]]
+    core.set_policy(PolicySnapshot(default=attrs.evolve(POLICY, long_context_tokens=10**6)), 2.0)
+    assert drain(core, held(core), 4) == [light[1], heavy[2], light[2], heavy[3]]
+
+
+def test_waiters_rejected_on_re_resolution_leave_their_tenant_behind() -> None:
+    """The only vision candidate leaves: ``a``'s vision waiters are rejected, and ``a``'s
+    plain ones still alternate with ``b``'s."""
+    core = AdmissionCore(PolicySnapshot(default=POLICY))
+    core.node_joined([cand("v", caps=("vision",)), cand("p")], 0.0)
+    only_admit(core.submit("hv", "m", Needs(vision=True), 0.0))
+    plain = only_admit(core.submit("hp", "m", Needs(), 0.0)).slot_id
+    for waiter_id in ["av1", "av2"]:
+        assert core.submit(waiter_id, "m", Needs(vision=True), 0.0, share=A) == []
+    for waiter_id, share in [("a1", A), ("b1", B), ("a2", A), ("b2", B)]:
+        assert core.submit(waiter_id, "m", Needs(), 0.0, share=share) == []
+    rejected = core.node_left("v", 1, 1.0)
+    assert [(r.waiter_id, getattr(r, "cause", None)) for r in rejected] == [
+        ("av1", "no_capable_candidate"),
+        ("av2", "no_capable_candidate"),
+    ]
+    assert drain(core, plain, 4) == ["a1", "b1", "a2", "b2"]
+    assert core.statistics().waiting == 0
 
 
 def test_statistics_and_depth_count_every_tenant() -> None:
