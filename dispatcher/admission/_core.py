@@ -25,7 +25,8 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
 * queue order (fair queueing, :mod:`._fair`): requeued waiters first, FIFO; then by
   priority band, highest first; within a band, the tenant with the smallest virtual start
   (each admission from the queue advances it by ``1 / weight``; a tenant with nothing
-  queued is forgotten and re-enters at the band's smallest start); FIFO within a tenant.
+  queued is forgotten and re-enters at the smallest start of the band's tenants queued
+  where it joins); FIFO within a tenant.
   So a queue is a FIFO *lane* per (band, tenant) and a heap of lanes by
   ``(-priority, start, head's arrival)``, fixed lazily (keys only grow): O(log lanes) per
   decision. With the default share (one tenant, one band) it is exactly FIFO.
@@ -915,7 +916,13 @@ class AdmissionCore:
     def _enqueue(self, waiter: _Waiter) -> None:
         group = waiter.group
         if not waiter.retry:
-            waiter.tenant = group.tenants.enter(waiter.share)
+            queue = group.queues.get(waiter.queue_key)
+            priority = waiter.share.priority
+
+            def floor() -> float | None:
+                return queue.floor(priority) if queue is not None else None
+
+            waiter.tenant = group.tenants.enter(waiter.share, floor)
         self._place(waiter)
         self._waiters[waiter.id] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, waiter))

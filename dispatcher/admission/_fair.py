@@ -8,8 +8,10 @@ tenant's start by ``1 / weight``); FIFO within a tenant.
 
 * :class:`Tenants` (one per model group) keeps the virtual start of each (band, tenant) with
   queued waiters. A tenant that has none is forgotten; when it queues again it starts at the
-  band's *floor*, the smallest start among the band's queued tenants: it banks no credit
-  while idle (and gets back at most the one admission of debt it was charged last).
+  *floor*: the smallest start among the band's tenants queued where it joins (the same
+  class and capabilities: those it competes with), else among all the band's tenants. So it
+  banks no credit while idle, and a tenant stuck elsewhere (waiting for a rare capability or
+  a long-context slot) does not drag a newcomer's start down.
 * :class:`Lanes` (one per queue key of the core: class, requeued?, capability mask) holds a
   FIFO deque per tenant and a heap of those lanes by ``(-priority, virtual start, arrival of
   the head)``. Keys only grow (a start only advances, a head only moves back), so the heap
@@ -86,25 +88,48 @@ charged: a recovery's first admission was)."""
 
 
 @attrs.define(eq=False)
-class _Band:
-    tenants: dict[str, Tenant] = attrs.Factory(dict)
-    heap: list[tuple[float, int, Tenant]] = attrs.Factory(list)
-    """One entry per tenant (or stale: a forgotten tenant's), by start; lazily fixed."""
-    stale: int = 0
+class Starts:
+    """A set of tenants, the smallest virtual start first: a heap with one entry per member,
+    fixed lazily when it surfaces (starts only grow); a member that leaves leaves a stale
+    entry behind, dropped when it surfaces or at compaction."""
 
-    def floor(self) -> float:
-        """The smallest start among the band's tenants (0 when it has none)."""
+    members: dict[Tenant, int] = attrs.Factory(dict)
+    """Member -> the sequence number of its live entry."""
+    heap: list[tuple[float, int, Tenant]] = attrs.Factory(list)
+    stale: int = 0
+    _seqs: Iterator[int] = attrs.Factory(itertools.count)
+
+    def add(self, tenant: Tenant) -> None:
+        seq = self.members[tenant] = next(self._seqs)
+        heapq.heappush(self.heap, (tenant.start, seq, tenant))
+
+    def discard(self, tenant: Tenant) -> None:
+        del self.members[tenant]
+        self.stale += 1
+        if self.stale > _COMPACT_MIN and self.stale > len(self.members):
+            self.heap = [(t.start, seq, t) for t, seq in self.members.items()]
+            heapq.heapify(self.heap)
+            self.stale = 0
+
+    def least(self) -> float | None:
+        """The smallest start among the members (None when there is none)."""
         heap = self.heap
         while heap:
-            start, uid, tenant = heap[0]
-            if self.tenants.get(tenant.name) is not tenant:
+            start, seq, tenant = heap[0]
+            if self.members.get(tenant) != seq:
                 heapq.heappop(heap)
                 self.stale -= 1
             elif start != tenant.start:
-                heapq.heapreplace(heap, (tenant.start, uid, tenant))
+                heapq.heapreplace(heap, (tenant.start, seq, tenant))
             else:
                 return start
-        return 0.0
+        return None
+
+
+@attrs.define(eq=False)
+class _Band:
+    tenants: dict[str, Tenant] = attrs.Factory(dict)
+    starts: Starts = attrs.Factory(Starts)
 
 
 @attrs.define(eq=False)
@@ -114,17 +139,22 @@ class Tenants:
     bands: dict[int, _Band] = attrs.Factory(dict)
     _uids: Iterator[int] = attrs.Factory(itertools.count)
 
-    def enter(self, share: Share) -> Tenant:
-        """A waiter of ``share`` is queued: its tenant's record (made at the band's floor if
-        the tenant had no queued waiter in the band)."""
+    def enter(self, share: Share, floor: Callable[[], float | None]) -> Tenant:
+        """A waiter of ``share`` is queued: its tenant's record. A tenant that had no queued
+        waiter in the band is made at ``floor()`` (the smallest start among the band's
+        tenants in the queue the waiter joins), or, if that is None, at the smallest start
+        among all the band's tenants (0 when there is none)."""
         band = self.bands.get(share.priority)
         if band is None:
             band = self.bands[share.priority] = _Band()
         tenant = band.tenants.get(share.tenant)
         if tenant is None:
-            tenant = Tenant(share.tenant, share.priority, band.floor(), uid=next(self._uids))
+            start = floor()
+            if start is None:
+                start = band.starts.least() or 0.0
+            tenant = Tenant(share.tenant, share.priority, start, uid=next(self._uids))
             band.tenants[share.tenant] = tenant
-            heapq.heappush(band.heap, (tenant.start, tenant.uid, tenant))
+            band.starts.add(tenant)
         tenant.queued += 1
         return tenant
 
@@ -135,14 +165,10 @@ class Tenants:
             return
         band = self.bands[tenant.priority]
         del band.tenants[tenant.name]
-        if not band.tenants:
+        if band.tenants:
+            band.starts.discard(tenant)
+        else:
             del self.bands[tenant.priority]
-            return
-        band.stale += 1
-        if band.stale > _COMPACT_MIN and band.stale > len(band.tenants):
-            band.heap = [(t.start, t.uid, t) for t in band.tenants.values()]
-            heapq.heapify(band.heap)
-            band.stale = 0
 
     @staticmethod
     def charge(tenant: Tenant, weight: float) -> None:
@@ -173,6 +199,8 @@ class Lanes(Generic[W]):
 
     lanes: dict[Tenant, Lane[W]] = attrs.Factory(dict)
     heap: list[_Entry[W]] = attrs.Factory(list)
+    starts: dict[int, Starts] = attrs.Factory(dict)
+    """Per priority band, the tenants with a lane here (for :meth:`floor`)."""
     live: int = 0
     """Queued waiters (the ended ones still in lanes are ``garbage``)."""
     garbage: int = 0
@@ -185,6 +213,10 @@ class Lanes(Generic[W]):
         if lane is None:
             lane = self.lanes[tenant] = Lane(tenant, next(self._uids))
             heapq.heappush(self.heap, (*lane.key(waiter), lane.uid, lane))
+            starts = self.starts.get(tenant.priority)
+            if starts is None:
+                starts = self.starts[tenant.priority] = Starts()
+            starts.add(tenant)
         lane.waiters.append(waiter)
         lane.live += 1
         self.live += 1
@@ -198,8 +230,14 @@ class Lanes(Generic[W]):
         self.live -= 1
         self.garbage += 1
         if not lane.live:
-            del self.lanes[lane.tenant]
+            tenant = lane.tenant
+            del self.lanes[tenant]
             self.garbage -= len(lane.waiters)
+            starts = self.starts[tenant.priority]
+            if len(starts.members) > 1:
+                starts.discard(tenant)
+            else:
+                del self.starts[tenant.priority]
             self.stale += 1
             if self.stale > _COMPACT_MIN and self.stale > len(self.lanes):
                 self.heap = [self._entry(kept) for kept in self.lanes.values()]
@@ -209,6 +247,11 @@ class Lanes(Generic[W]):
             for kept in self.lanes.values():
                 kept.waiters = deque(w for w in kept.waiters if w.live)
             self.garbage = 0
+
+    def floor(self, priority: int) -> float | None:
+        """The smallest start among the tenants of band ``priority`` with a lane here."""
+        starts = self.starts.get(priority)
+        return starts.least() if starts is not None else None
 
     def waiters(self) -> Iterator[W]:
         """Every live waiter (in no particular order across lanes)."""

@@ -56,9 +56,9 @@ def drain(core: AdmissionCore, slot: int, count: int) -> list[object]:
     return order
 
 
-def held(core: AdmissionCore) -> int:
-    """The one slot in use."""
-    [slot] = [s for s in range(1, 1000) if core.slot_state(s) == "in_use"]
+def held(core: AdmissionCore, besides: Iterable[int] = ()) -> int:
+    """The one slot in use (but for ``besides``)."""
+    [slot] = [s for s in range(1, 1000) if core.slot_state(s) == "in_use" and s not in set(besides)]
     return slot
 
 
@@ -121,6 +121,31 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     order = drain(core, held(core), 4)
     assert Counter(w in light for w in order) == Counter({True: 2, False: 2})
     assert order[0] == heavy[5]  # a tie at the floor goes to the older head
+
+
+def test_a_tenant_stuck_elsewhere_does_not_lower_a_newcomers_start() -> None:
+    """``s`` waits for the busy vision candidate (its start stays 0) while ``a`` and ``b``
+    take turns on the plain one; newcomer ``c`` starts level with ``a`` and ``b`` (the floor
+    of the queue it joins), not at ``s``'s 0: it gets one admission in three, not three in
+    a row."""
+    core = AdmissionCore(PolicySnapshot(default=POLICY))
+    core.node_joined([cand("v", caps=("vision",)), cand("p")], 0.0)
+    vision = only_admit(core.submit("hv", "m", Needs(vision=True), 0.0)).slot_id
+    plain = only_admit(core.submit("hp", "m", Needs(), 0.0)).slot_id
+    assert core.submit("s1", "m", Needs(vision=True), 0.0, share=Share(tenant="s")) == []
+    ids = itertools.count()
+    heavy = queue(core, A, 6, ids)
+    light = queue(core, B, 6, ids)
+    assert drain(core, plain, 6) == [heavy[0], light[0], heavy[1], light[1], heavy[2], light[2]]
+    newcomer = queue(core, C, 3, ids)
+    assert drain(core, held(core, besides=[vision]), 6) == [
+        heavy[3],
+        light[3],
+        newcomer[0],
+        heavy[4],
+        light[4],
+        newcomer[1],
+    ]
 
 
 def test_requeued_first_and_not_charged() -> None:
