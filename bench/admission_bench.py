@@ -3,11 +3,14 @@
 ``python bench/admission_bench.py`` (or ``python -m bench admission``) prints:
 
 * the sans-IO core's cost of one submit + admit + release cycle with 10, 1,000 and 100,000
-  requests waiting, three ways: the waiting requests parked in *another* group whose candidate
+  requests waiting, four ways: the waiting requests parked in *another* group whose candidate
   is full; the steady state of the *same* group (each cycle's submit joins the tail, the
-  release admits the head, so the queue stays at N); and the same group where the waiting
-  requests need a capability the cycling requests' candidate lacks. The target: the cost at
-  100,000 is at most 2x the cost at 10.
+  release admits the head, so the queue stays at N); the same group where the waiting
+  requests need a capability the cycling requests' candidate lacks; and the fair core's
+  steady state, the N waiting requests spread over 1,000 tenants of weights 1, 2 and 3 (over
+  N tenants when N < 1,000), each cycle's submit from the next tenant in turn and each
+  release admitting the fairest waiter. The target: the cost at 100,000 is at most 2x the
+  cost at 10.
 * the Trio layer's timeout accuracy with the real clock: requests that can never be admitted,
   ``queue_timeout_s = 0.05``; how late ``QueueTimeout`` arrives (mean, p50, p99, max).
 """
@@ -29,6 +32,7 @@ import trio
 
 from bench import Table, render
 from dispatcher.admission import (
+    DEFAULT_SHARE,
     AdmissionCore,
     Admit,
     Candidate,
@@ -36,11 +40,13 @@ from dispatcher.admission import (
     Policy,
     PolicySnapshot,
     QueueTimeout,
+    Share,
     open_admission,
 )
 
 TIME_LIMIT = 60.0
 SIZES = (10, 1_000, 100_000)
+TENANTS = 1_000
 CYCLES = 20_000
 REPEATS = 5
 TIMEOUT = 0.05
@@ -90,26 +96,40 @@ def _other_group(waiting: int) -> Callable[[int], None]:
     return cycles
 
 
-def _same_group(waiting: int) -> Callable[[int], None]:
-    """N parked in the group; each cycle joins the tail and a release admits the head."""
+def _steady_state(waiting: int, shares: Sequence[Share]) -> Callable[[int], None]:
+    """N parked in the group, their shares taken from ``shares`` in turn; each cycle joins
+    the queue (with the next share) and a release admits the first in queue order, so the
+    queue stays at N."""
     core = _core()
     core.node_joined([_candidate("a", "busy", 1)], 0.0)
     slot = [_admitted(core.submit("holder", "busy", Needs(), 0.0)).slot_id]
+    turn = itertools.cycle(shares)
     for i in range(waiting):
-        assert core.submit(("w", i), "busy", Needs(), 0.0) == []  # type: ignore[arg-type]
+        assert core.submit(f"w{i}", "busy", Needs(), 0.0, share=next(turn)) == []
     needs = Needs()
-
     ids = itertools.count()
 
     def cycles(count: int) -> None:
         submit, release = core.submit, core.release
         current = slot[0]
         for i in itertools.islice(ids, count):
-            assert submit(i, "busy", needs, 1.0) == []
+            assert submit(i, "busy", needs, 1.0, share=next(turn)) == []
             current = _admitted(release(current, 1.0)).slot_id
         slot[0] = current
 
     return cycles
+
+
+def _same_group(waiting: int) -> Callable[[int], None]:
+    """One tenant (the default share): each cycle joins the tail, a release admits the head."""
+    return _steady_state(waiting, [DEFAULT_SHARE])
+
+
+def _fair_tenants(waiting: int) -> Callable[[int], None]:
+    """Spread over min(N, 1,000) tenants of weights 1, 2, 3; each cycle from the next tenant,
+    each release admits the fairest waiter."""
+    count = min(waiting, TENANTS)
+    return _steady_state(waiting, [Share(tenant=f"t{i}", weight=1 + i % 3) for i in range(count)])
 
 
 def _other_capability(waiting: int) -> Callable[[int], None]:
@@ -156,6 +176,7 @@ def core_table() -> Table:
         "other group, ns": _other_group,
         "same group (steady state), ns": _same_group,
         "same group, other capability, ns": _other_capability,
+        f"fair: same group, {TENANTS:,} tenants, ns": _fair_tenants,
     }
     worst = 0.0
     for name, setup in setups.items():

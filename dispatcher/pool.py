@@ -22,7 +22,16 @@ from typing import Any
 
 import attrs
 
-from .admission import Admission, Candidate, CandidateKey, Predicate, Slot, needs_from_body
+from .admission import (
+    DEFAULT_SHARE,
+    Admission,
+    Candidate,
+    CandidateKey,
+    Predicate,
+    Share,
+    Slot,
+    needs_from_body,
+)
 from .admission._candidates import RequestClass
 from .errors import TunnelUnavailable
 from .forwarding import Forwarded
@@ -49,6 +58,9 @@ class DispatchRequest:
     requeue: bool = False
     """A recovery of a request that held a slot before: queued ahead of new arrivals and
     admitted with reason ``requeued``."""
+    share: Share = DEFAULT_SHARE
+    """Whose request it is (tenant, priority band, weight), for admission's fair queueing;
+    a retry keeps it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -115,7 +127,9 @@ class Pool:
             predicate=request.predicate,
             exclude=request.exclude,
         )
-        async with self.admission.open_slot(request.model, needs, requeue=request.requeue) as slot:
+        async with self.admission.open_slot(
+            request.model, needs, requeue=request.requeue, share=request.share
+        ) as slot:
             candidate = slot.candidate
             if self.on_admitted is not None:
                 self.on_admitted(candidate.model, slot.request_class, slot.queue_wait)

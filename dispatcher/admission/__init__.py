@@ -10,7 +10,9 @@ Two layers (see ``docs/admission.md``):
 
 The gate reports each attempt's outcome (``report_success`` / ``report_failure``): a
 candidate that keeps failing is ejected for a growing cool-down, then probed with one
-request (see "Failure-aware selection" in ``docs/admission.md``).
+request (see "Failure-aware selection" in ``docs/admission.md``). Each request may carry a
+:class:`Share` (tenant, priority band, weight): queued requests are served by band, then
+weighted fair between tenants, then FIFO (see "Fairness").
 """
 
 from ._candidates import CAPABILITIES as CAPABILITIES
@@ -42,6 +44,8 @@ from ._errors import QueueFull as QueueFull
 from ._errors import QueueTimeout as QueueTimeout
 from ._errors import UnknownModel as UnknownModel
 from ._errors import error_for as error_for
+from ._fair import DEFAULT_SHARE as DEFAULT_SHARE
+from ._fair import Share as Share
 from ._policy import Policy as Policy
 from ._policy import PolicySnapshot as PolicySnapshot
 from ._queue import Admission as Admission

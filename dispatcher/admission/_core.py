@@ -18,18 +18,27 @@ it is healthy or probing (the fallback: a group is never stranded by its own eje
 
 Data layout (what keeps an operation O(1) in the common case, whatever the queue length):
 
-* per group, one FIFO deque per (class, requeued?, needed-capability bitmask): at most 16
-  per class. A freed slot on candidate ``c`` only looks at the deques whose capabilities
-  ``c`` has, and takes the oldest head among them; a waiter is skipped only when something
-  rarer fails (context window, predicate, exclusion).
+* per group, one queue per (class, requeued?, needed-capability bitmask): at most 16 per
+  class. A freed slot on candidate ``c`` only looks at the queues whose capabilities ``c``
+  has, and takes the first waiter in queue order among their heads; a waiter is skipped
+  only when something rarer fails (context window, predicate, exclusion).
+* queue order (fair queueing, :mod:`._fair`): requeued waiters first, FIFO; then by
+  priority band, highest first; within a band, the tenant with the smallest virtual start
+  (each admission from the queue advances it by ``1 / weight``; a tenant with nothing
+  queued is forgotten and re-enters at the smallest start of the band's tenants queued
+  where it joins); FIFO within a tenant.
+  So a queue is a FIFO *lane* per (band, tenant) and a heap of lanes by
+  ``(-priority, start, head's arrival)``, fixed lazily (keys only grow): O(log lanes) per
+  decision. With the default share (one tenant, one band) it is exactly FIFO.
 * ended waiters (cancelled, admitted from the middle, timed out) are marked and dropped
-  lazily from deque heads; deques are compacted when the garbage outgrows the live entries.
+  lazily from lane heads; a lane with no live waiter is dropped at once; a queue's lanes
+  are compacted when the garbage outgrows the live entries.
 * queue deadlines, drain deadlines and cool-down ends live in heaps with lazy deletion
   (and compaction).
 * a queued waiter carries a *fallback* flag: set when none of its capable candidates may be
   healthy or probing (it is exact after every event that could make it true, and may be
-  stale-true afterwards: it is checked again before use). Each deque counts its flagged
-  waiters, so a freed slot on an ejected candidate skips every deque without one.
+  stale-true afterwards: it is checked again before use). Each queue counts its flagged
+  waiters, so a freed slot on an ejected candidate skips every queue without one.
 * invariant: no queued waiter could use a candidate that has a free slot in its class (with
   health taken into account: an ejected candidate only for a fallback waiter, a probing one
   only while its probe is not in flight). So a release only has to look for waiters when it
@@ -52,7 +61,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal, TypeAlias
 
@@ -66,6 +75,7 @@ from ._candidates import (
     Needs,
     RequestClass,
 )
+from ._fair import DEFAULT_SHARE, REQUEUED, Lane, Lanes, Share, Tenant, Tenants
 from ._policy import Policy, PolicySnapshot
 
 WaiterId: TypeAlias = int | str
@@ -198,6 +208,8 @@ _SHORT: Final = 0
 _LONG: Final = 1
 _CLASSES: Final[tuple[RequestClass, RequestClass]] = ("short", "long")
 _COMPACT_MIN: Final = 256
+_Order: TypeAlias = tuple[int, int, float, int]
+"""``_Waiter.order``: (requeued first, -priority, tenant's virtual start, arrival)."""
 _SHRINK_MIN: Final = 8
 """A table is rebuilt when it shrank to a quarter of a peak above this."""
 _NOT_EJECTED: Final = float("-inf")
@@ -228,15 +240,22 @@ class _Waiter:
     seq: int
     submitted: float
     deadline: float
+    share: Share = DEFAULT_SHARE
     live: bool = True
     fallback: bool = False
     """None of its capable candidates may be healthy or probing (see the module docstring;
     counted in ``group.fallbacks`` while queued)."""
+    tenant: Tenant = REQUEUED
+    """While queued: its tenant's record in its band (``REQUEUED`` for a requeued one)."""
+    lane: Lane[_Waiter] | None = None
+    """While queued: its tenant's lane in its queue."""
 
     @property
-    def order(self) -> tuple[int, int]:
-        """Queue order: requeued waiters first, then by arrival."""
-        return (0 if self.retry else 1, self.seq)
+    def order(self) -> tuple[int, int, float, int]:
+        """Queue order (as of now): requeued waiters first, by arrival; then the higher
+        priority band, the tenant with the smaller virtual start, the earlier arrival."""
+        tenant = self.tenant
+        return (0 if self.retry else 1, -tenant.priority, tenant.start, self.seq)
 
     @property
     def queue_key(self) -> tuple[int, bool, int]:
@@ -347,16 +366,17 @@ class _Group:
     name: str
     policy: Policy
     candidates: dict[CandidateKey, _CandidateState] = attrs.Factory(dict)
-    queues: dict[tuple[int, bool, int], deque[_Waiter]] = attrs.Factory(dict)
+    queues: dict[tuple[int, bool, int], Lanes[_Waiter]] = attrs.Factory(dict)
+    """Per queue key, its live waiters' lanes (a key with none is dropped)."""
+    tenants: Tenants = attrs.Factory(Tenants)
+    """The virtual start of each (band, tenant) with a first-time waiter queued."""
     depth: list[int] = attrs.Factory(lambda: [0, 0])
-    garbage: int = 0
-    """Ended waiters still sitting in ``queues``."""
     fallbacks: dict[tuple[int, bool, int], int] = attrs.Factory(dict)
     """Per queue key, how many of its live waiters are flagged ``fallback`` (no zeros)."""
 
     def waiters(self) -> list[_Waiter]:
         """Live waiters in queue order (O(n); for rare operations only)."""
-        found = [w for queue in self.queues.values() for w in queue if w.live]
+        found = [w for queue in self.queues.values() for w in queue.waiters()]
         found.sort(key=lambda w: w.order)
         return found
 
@@ -417,12 +437,16 @@ class AdmissionCore:
         now: float,
         *,
         requeue: bool = False,
+        share: Share = DEFAULT_SHARE,
     ) -> list[Decision]:
         """A request for a slot of ``model`` (a group name or an alias).
 
         ``requeue=True`` is for a request that was admitted before and failed (recovery): it
         goes ahead of first-time waiters, is not refused for a full queue, and its admission
-        reason is ``"requeued"``. Raises ``ValueError`` if ``waiter_id`` is still queued.
+        reason is ``"requeued"``. ``share`` says whose request it is: queued first-time
+        waiters are served by priority band, then weighted fair between tenants, then FIFO
+        (see "Fairness" in ``docs/admission.md``). Raises ``ValueError`` if ``waiter_id`` is
+        still queued.
         """
         if waiter_id in self._waiters:
             raise ValueError(f"waiter {waiter_id!r} is already queued")
@@ -451,6 +475,7 @@ class AdmissionCore:
             seq=next(self._seq),
             submitted=self._now,
             deadline=self._now + policy.queue_timeout_s,
+            share=share,
         )
         if group.candidates:
             fit: list[_CandidateState] = []
@@ -783,7 +808,6 @@ class AdmissionCore:
         del self._groups[name]
         group.queues.clear()  # only ended waiters are left in them
         group.fallbacks.clear()
-        group.garbage = 0
         if self._groups_peak > _SHRINK_MIN and len(self._groups) * 4 < self._groups_peak:
             self._groups = dict(self._groups)
             self._groups_peak = len(self._groups)
@@ -831,6 +855,8 @@ class AdmissionCore:
         reason: AdmitReason,
     ) -> None:
         if self._waiters.get(waiter.id) is waiter:
+            if not waiter.retry:
+                Tenants.charge(waiter.tenant, waiter.share.weight)
             self._end(waiter)
         slot = _Slot(id=next(self._slot_ids), state=state, klass=waiter.klass)
         self._slots[slot.id] = slot
@@ -889,18 +915,20 @@ class AdmissionCore:
 
     def _enqueue(self, waiter: _Waiter) -> None:
         group = waiter.group
-        queue = group.queues.get(waiter.queue_key)
-        if queue is None:
-            queue = group.queues[waiter.queue_key] = deque()
-        queue.append(waiter)
-        group.depth[waiter.klass] += 1
-        if waiter.fallback:
-            group.fallbacks[waiter.queue_key] = group.fallbacks.get(waiter.queue_key, 0) + 1
+        if not waiter.retry:
+            queue = group.queues.get(waiter.queue_key)
+            priority = waiter.share.priority
+
+            def floor() -> float | None:
+                return queue.floor(priority) if queue is not None else None
+
+            waiter.tenant = group.tenants.enter(waiter.share, floor)
+        self._place(waiter)
         self._waiters[waiter.id] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, waiter))
 
     def _end(self, waiter: _Waiter, *, popped: bool = False) -> None:
-        """Take a queued waiter out (lazily: it stays in its deque and, unless ``popped``,
+        """Take a queued waiter out (lazily: it stays in its lane and, unless ``popped``,
         in the deadline heap, marked as ended)."""
         if waiter.fallback:
             self._flag(waiter, False)
@@ -908,39 +936,43 @@ class AdmissionCore:
         del self._waiters[waiter.id]
         group = waiter.group
         group.depth[waiter.klass] -= 1
-        group.garbage += 1
+        key = waiter.queue_key
+        queue = group.queues[key]
+        assert waiter.lane is not None
+        queue.remove(waiter.lane)
+        waiter.lane = None
+        if not queue.live:
+            del group.queues[key]
+        if not waiter.retry:
+            group.tenants.leave(waiter.tenant)
         if not popped:
             self._deadlines_dead += 1
-        if group.garbage > _COMPACT_MIN and group.garbage > group.depth[0] + group.depth[1]:
-            self._compact(group)
         if self._deadlines_dead > _COMPACT_MIN and self._deadlines_dead > len(self._waiters):
             self._deadlines = [entry for entry in self._deadlines if entry[2].live]
             heapq.heapify(self._deadlines)
             self._deadlines_dead = 0
 
-    def _compact(self, group: _Group) -> None:
-        for key in list(group.queues):
-            live = deque(w for w in group.queues[key] if w.live)
-            if live:
-                group.queues[key] = live
-            else:
-                del group.queues[key]
-        group.garbage = 0
+    def _place(self, waiter: _Waiter) -> None:
+        """Put a queued waiter in its queue's lane (its tenant record already set)."""
+        group = waiter.group
+        key = waiter.queue_key
+        queue = group.queues.get(key)
+        if queue is None:
+            queue = group.queues[key] = Lanes()
+        waiter.lane = queue.append(waiter, waiter.tenant)
+        group.depth[waiter.klass] += 1
+        if waiter.fallback:
+            group.fallbacks[key] = group.fallbacks.get(key, 0) + 1
 
     def _reclassify(self, group: _Group) -> None:
         waiters = group.waiters()
         group.queues.clear()
         group.depth[:] = [0, 0]
-        group.garbage = 0
         group.fallbacks.clear()
-        for waiter in waiters:
+        for waiter in waiters:  # in queue order, so each lane keeps its FIFO
             long = waiter.needs.request_class(group.policy.long_context_tokens) == "long"
             waiter.klass = _LONG if long else _SHORT
-            group.queues.setdefault(waiter.queue_key, deque()).append(waiter)
-            group.depth[waiter.klass] += 1
-            if waiter.fallback:
-                key = waiter.queue_key
-                group.fallbacks[key] = group.fallbacks.get(key, 0) + 1
+            self._place(waiter)
 
     def _free_slot(self, decisions: list[Decision], slot: _Slot) -> None:
         del self._slots[slot.id]
@@ -962,39 +994,35 @@ class AdmissionCore:
             self._fill(decisions, state.group, [state], opened)
 
     def _oldest_for(
-        self, group: _Group, klass: int, state: _CandidateState, bound: tuple[int, int] | None
+        self, group: _Group, klass: int, state: _CandidateState, bound: _Order | None
     ) -> _Waiter | None:
-        """The oldest queued waiter of ``klass`` that ``state`` can serve (older than
-        ``bound``, if given). An ejected ``state`` serves fallback waiters only."""
+        """The first queued waiter of ``klass`` in queue order (``_Waiter.order``) that
+        ``state`` can serve (before ``bound``, if given). An ejected ``state`` serves
+        fallback waiters only."""
         best: _Waiter | None = None
-        empty: list[tuple[int, bool, int]] = []
         ejected = self._unhealthy and state.ejected
+
+        def fits(waiter: _Waiter) -> bool:
+            if ejected and not waiter.fallback:
+                return False
+            if self._unfit(state, waiter) is not None:
+                return False
+            if ejected and self._healthy_fit(waiter):
+                self._flag(waiter, False)  # stale: a candidate recovered meanwhile
+                return False
+            return True
+
         for key, queue in group.queues.items():
             if key[0] != klass or key[2] & ~state.capmask:
                 continue
             if ejected and key not in group.fallbacks:
                 continue
-            while queue and not queue[0].live:
-                queue.popleft()
-                group.garbage -= 1
-            if not queue:
-                empty.append(key)
+            rank = 0 if key[1] else 1
+            if bound is not None and rank > bound[0]:
                 continue
-            for waiter in queue:
-                if not waiter.live:
-                    continue
-                if bound is not None and waiter.order >= bound:
-                    break
-                if ejected and not waiter.fallback:
-                    continue
-                if self._unfit(state, waiter) is None:
-                    if ejected and self._healthy_fit(waiter):
-                        self._flag(waiter, False)  # stale: a candidate recovered meanwhile
-                        continue
-                    best, bound = waiter, waiter.order
-                    break
-        for key in empty:
-            del group.queues[key]
+            found = queue.first(fits, bound[1:] if bound is not None and rank == bound[0] else None)
+            if found is not None:
+                best, bound = found, found.order
         return best
 
     def _fill(
@@ -1004,7 +1032,8 @@ class AdmissionCore:
         states: Sequence[_CandidateState],
         classes: Sequence[int] = (_SHORT, _LONG),
     ) -> None:
-        """Give free slots of ``states`` to the oldest waiters that can use them."""
+        """Give free slots of ``states`` to the first waiters in queue order that can use
+        them."""
         states = [s for s in states if group.candidates.get(s.key) is s]
         while True:
             oldest: _Waiter | None = None
@@ -1124,7 +1153,7 @@ class AdmissionCore:
             self._health_peak = len(self._health)
 
     def _flag(self, waiter: _Waiter, fallback: bool) -> None:
-        """Set a queued waiter's fallback flag, keeping its deque's count."""
+        """Set a queued waiter's fallback flag, keeping its queue's count."""
         if waiter.fallback == fallback:
             return
         waiter.fallback = fallback

@@ -32,6 +32,7 @@ from ._core import (
     WaiterId,
 )
 from ._errors import error_for
+from ._fair import DEFAULT_SHARE, Share
 from ._policy import PolicySnapshot
 
 
@@ -139,13 +140,14 @@ class Admission:
 
     @asynccontextmanager
     async def open_slot(
-        self, model: str, needs: Needs, *, requeue: bool = False
+        self, model: str, needs: Needs, *, requeue: bool = False, share: Share = DEFAULT_SHARE
     ) -> AsyncIterator[Slot]:
         """Wait for a slot of ``model`` (a group or an alias) that meets ``needs``.
 
         Raises an :class:`~._errors.AdmissionError` subclass when rejected. Cancelled while
         waiting, the waiter leaves the queue at once and never holds a slot. ``requeue`` is
-        for a retry of a request that already held a slot (see ``AdmissionCore.submit``).
+        for a retry of a request that already held a slot, ``share`` says whose request it
+        is for fair queueing (see ``AdmissionCore.submit``).
         """
         if not self._running:
             raise RuntimeError("Admission.run() must be running to open slots")
@@ -154,7 +156,9 @@ class Admission:
         parked = self._parked[waiter_id] = _Parked()
         try:
             self._carry_out(
-                self._core.submit(waiter_id, model, needs, trio.current_time(), requeue=requeue)
+                self._core.submit(
+                    waiter_id, model, needs, trio.current_time(), requeue=requeue, share=share
+                )
             )
             if parked.decision is None:
                 await parked.event.wait()

@@ -7,6 +7,7 @@ import dispatcher.admission
 PUBLIC = {
     "ADMIT_REASONS",
     "CAPABILITIES",
+    "DEFAULT_SHARE",
     "HEALTH_STATES",
     "REJECT_CAUSES",
     "Admission",
@@ -32,6 +33,7 @@ PUBLIC = {
     "Reject",
     "RejectCause",
     "RequestClass",
+    "Share",
     "Slot",
     "SlotId",
     "UnknownModel",

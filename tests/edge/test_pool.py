@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 from dispatcher import wire
+from dispatcher.admission import Share
 from dispatcher.config import EdgeConfig, QueuePolicySettings
 from dispatcher.edge import open_dispatcher
 from dispatcher.pool import DispatchRequest
@@ -136,3 +137,29 @@ async def test_an_error_in_prepare_tunnel_releases_the_slot(
                 pytest.fail("a tunnel was opened although the hook failed")
         stats = d.admission.statistics()
         assert (stats.in_use, stats.draining, stats.waiting) == (0, 0, 0)
+
+
+async def test_the_request_share_reaches_admission(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``DispatchRequest.share`` places a queued request: with the one slot held, a band-1
+    request queued after a band-0 one gets the slot first."""
+    async with open_dispatcher(EdgeConfig(local_node=False)) as d:
+        node = await connect(d, hello("n1", slots=1))
+        order: list[str] = []
+
+        async def dispatch(name: str, share: Share) -> None:
+            async with d.open_dispatch(DispatchRequest(model="m", body=BODY, share=share)):
+                order.append(name)  # leaving cancels the run: the slot drains, then frees
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.answer_pings)  # reads (and drops) what the edge sends
+            async with d.open_dispatch(DispatchRequest(model="m", body=BODY)):
+                nursery.start_soon(dispatch, "low", Share(tenant="a", priority=0))
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(dispatch, "high", Share(tenant="b", priority=1))
+                await trio.testing.wait_all_tasks_blocked()
+                assert d.admission.statistics().waiting == 2
+            await trio.sleep(30)
+            assert order == ["high", "low"]
+            nursery.cancel_scope.cancel()
