@@ -606,7 +606,8 @@ def _usage_logs(caplog: pytest.LogCaptureFixture) -> None:
 
 async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
     path = tmp_path / USAGE_DB_NAME
-    v1_columns = [c for c in attrs.fields_dict(UsageRow) if c not in ("client_request_id", "route")]
+    later = ("client_request_id", "route", "cost_usd")  # versions 2 and 3 added them
+    v1_columns = [c for c in attrs.fields_dict(UsageRow) if c not in later]
     with closing(sqlite3.connect(path)) as conn:
         conn.executescript(
             "CREATE TABLE usage (request_id TEXT NOT NULL, attempt INTEGER NOT NULL, "
@@ -632,7 +633,7 @@ async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path)
     (new,) = [r for r in report.rows if r.request_id == "new-1"]
     assert (new.client_request_id, new.route) == ("mine", "/v1/chat/completions")
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
 
 
 async def test_rows_are_searchable_by_the_clients_request_id() -> None:

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import attrs
 import trio
 
 from ..admission import AdmissionError, Predicate
-from ..errors import RunError, ShuttingDown, error_status_and_body
+from ..errors import RateLimited, RunError, ShuttingDown, error_status_and_body
 from ..gate import GateRequest, RequestResult, TunnelCall
-from ..http import PeerGone, Request, Responder
+from ..http import Headers, HTTPStream, PeerGone, Request, Responder, WebSocket
 from ..pool import DispatchRequest, DispatchResult
+from ..tenants import Ticket
 from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
 
@@ -87,7 +88,7 @@ def counted_request(edge: EdgeServices) -> Iterator[RequestOutcome]:
     except PeerGone:
         result.outcome = "client_gone"
         raise
-    except AdmissionError:
+    except (AdmissionError, RateLimited):
         result.outcome = "rejected"
         raise
     except RunError:
@@ -120,15 +121,25 @@ class ModelCall:
     request: Request
     ctx: RouteContext
     counted: RequestOutcome
+    tenancy: Tenancy
 
     def gate_request(
         self, body: dict[str, Any], *, stream: bool, predicate: Predicate | None = None
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
         tunnel attempt relays as the client sent it; the counted request learns its model
-        label and then follows the gate's result."""
+        label and then follows the gate's result.
+
+        The one check of the client's tenant, before the gate (so a recovery attempt is
+        never a second request): a model it may not use is a 404, a limit it is over a 429;
+        else its ticket is held until the route is left (:func:`model_route`)."""
         request, ctx = self.request, self.ctx
         self.counted.model = self.edge.metric_model_label(body["model"])
+        if self.tenancy.ticket is not None:
+            raise RuntimeError("gate_request is called once per client request")
+        self.tenancy.ticket = self.tenancy.held.enter_context(
+            self.edge.tenants.admitted(ctx.request_id, ctx.tenant, body["model"], body)
+        )
         session = request.header(b"x-session-id")
         gated = GateRequest(
             request_id=ctx.request_id,
@@ -159,15 +170,60 @@ ServeModel = Callable[[ModelCall, Responder], Awaitable[str]]
 metric counts when no attempt was dispatched (otherwise the gate's row outcome counts)."""
 
 
+@attrs.define(eq=False)
+class Tenancy:
+    """A model request's tenant admission: its ticket (None until
+    :meth:`ModelCall.gate_request`, and when client auth is off), held on ``held``, which
+    :func:`model_route`'s block leaves however the route ends."""
+
+    held: ExitStack
+    ticket: Ticket | None = None
+
+
+class _RateLimitHeaders:
+    """The responder of a model route: its answer carries the tenant's ``x-ratelimit-*``
+    headers (when a rate limit is set, as OpenAI's answers do), and the ticket learns that
+    the answer started (a billable usage row is on its way)."""
+
+    def __init__(self, inner: Responder, tenancy: Tenancy) -> None:
+        self._inner = inner
+        self._tenancy = tenancy
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._inner.shutting_down
+
+    def _answer(self, headers: Headers) -> Headers:
+        ticket = self._tenancy.ticket
+        if ticket is None:
+            return headers
+        ticket.answered = True
+        return [*headers, *ticket.headers]
+
+    async def respond(self, status: int, headers: Headers = (), body: bytes = b"") -> None:
+        await self._inner.respond(status, self._answer(headers), body)
+
+    async def start_stream(self, status: int, headers: Headers = ()) -> HTTPStream:
+        return await self._inner.start_stream(status, self._answer(headers))
+
+    async def accept_websocket(
+        self, subprotocol: str | None = None, headers: Headers = ()
+    ) -> WebSocket:
+        return await self._inner.accept_websocket(subprotocol, self._answer(headers))
+
+
 def model_route(serve: ServeModel) -> Route:
     """The route that answers with ``serve``, its request counted under
-    ``dispatcher_requests_total`` however it ends (:func:`counted_request`)."""
+    ``dispatcher_requests_total`` however it ends (:func:`counted_request`), its tenant's
+    ticket held until it ends (:class:`Tenancy`)."""
 
     @functools.wraps(serve)
     async def route(
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
-        with counted_request(edge) as counted:
-            counted.outcome = await serve(ModelCall(edge, request, ctx, counted), responder)
+        with counted_request(edge) as counted, ExitStack() as held:
+            tenancy = Tenancy(held)
+            call = ModelCall(edge, request, ctx, counted, tenancy)
+            counted.outcome = await serve(call, _RateLimitHeaders(responder, tenancy))
 
     return route

@@ -21,6 +21,7 @@ from typing import Literal
 import attrs
 
 from ..http import Request, Responder
+from ..tenants import Tenant
 from .seam import EdgeServices
 
 __all__ = [
@@ -46,11 +47,16 @@ class RouteContext:
     """Response headers every answer carries (``app.request_headers``)."""
     attribution: str | None
     """Who the request's usage is attributed to: the id of the client's API key."""
+    tenant: Tenant | None = None
+    """The client key's tenant (its limits, priority and weight); None on routes that take
+    no client key, and when client auth is off."""
+    admin: bool = False
+    """The caller presented an admin key (or admin routes are open)."""
 
 
 Route = Callable[[EdgeServices, Request, Responder, RouteContext], Awaitable[None]]
 
-Access = Literal["open", "client", "admin", "metrics"]
+Access = Literal["open", "client", "admin", "metrics", "usage"]
 """Who may call a route (see ``app.make_handler``)."""
 
 
