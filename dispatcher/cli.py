@@ -247,6 +247,7 @@ async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = N
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
             dispatcher.config_source = source
+
             # task_status is passed on to serve_http, which calls started().
             async def serve(task_status: trio.TaskStatus[Server]) -> None:  # noqa: ASYNC128
                 await dispatcher.serve(task_status=task_status)

@@ -114,13 +114,45 @@ class ResponsesSettings:
     """A response older than this is forgotten."""
 
 
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise Invalid("must be > 0 (leave it out for no limit)", at=attribute.name)
+
+
+def _limit() -> Any:
+    """A limit's field: None (no limit) or > 0."""
+    return attrs.field(default=None, validator=_positive)
+
+
 @attrs.frozen(kw_only=True)
-class KeySettings:
-    """A client key as a tenant: one ``[[keys]]`` table (``docs/tenants.md``).
+class Limits:
+    """A tenant's limits (``docs/tenants.md``); None is no limit, else each is > 0."""
+
+    rpm: int | None = _limit()
+    """Requests per minute (a sliding 60 s window)."""
+    tpm: int | None = _limit()
+    """Tokens per minute, input + output (estimated at admission, corrected from usage)."""
+    max_concurrent: int | None = _limit()
+    """Requests in flight at once."""
+    budget_tokens_day: int | None = _limit()
+    """Tokens billed to the tenant per UTC day (what its requests in flight are expected to
+    use counts too)."""
+    budget_tokens_month: int | None = _limit()
+    """Tokens billed per UTC month."""
+    budget_usd_day: float | None = _limit()
+    """USD billed per UTC day, at the ``[prices]`` its requests were admitted under."""
+    budget_usd_month: float | None = _limit()
+    """USD billed per UTC month."""
+
+
+@attrs.frozen(kw_only=True)
+class KeySettings(Limits):
+    """A client key as a tenant: one ``[[keys]]`` table (``docs/tenants.md``), with its
+    :class:`Limits` beside the fields below.
 
     The secret is exactly one of ``key_env`` (an environment variable holding the key),
     ``key_sha256`` (the key's SHA-256, 64 hex digits: the file then holds no secret) or
-    ``key`` (the key itself: discouraged). Every limit is optional (None: no limit)."""
+    ``key`` (the key itself: discouraged)."""
 
     id: str
     """The tenant's id: what the usage ledger attributes its requests to."""
@@ -135,16 +167,13 @@ class KeySettings:
     """The priority band of its requests in the admission queue (higher first)."""
     weight: float = 1.0
     """Its weight among the tenants of one band (fair queueing)."""
-    rpm: int | None = None
-    """Requests per minute (a sliding 60 s window)."""
-    tpm: int | None = None
-    """Tokens per minute, input + output (estimated at admission, corrected from usage)."""
-    max_concurrent: int | None = None
-    """Requests in flight at once."""
-    budget_tokens_day: int | None = None
-    budget_tokens_month: int | None = None
-    budget_usd_day: float | None = None
-    budget_usd_month: float | None = None
+
+    def limits(self) -> Limits:
+        """Its limits alone."""
+        return Limits(**{field.name: getattr(self, field.name) for field in _LIMIT_FIELDS})
+
+
+_LIMIT_FIELDS: Final = attrs.fields(Limits)
 
 
 @attrs.frozen(kw_only=True)
@@ -582,15 +611,6 @@ def _validate(config: EdgeConfig, source: str) -> None:
 
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}\Z")
 _TENANT_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}\Z")
-_LIMITS: Final = (
-    "rpm",
-    "tpm",
-    "max_concurrent",
-    "budget_tokens_day",
-    "budget_tokens_month",
-    "budget_usd_day",
-    "budget_usd_month",
-)
 
 
 def _validate_tenants(
@@ -624,10 +644,6 @@ def _validate_tenants(
             )
         check(bool(tenant.models), f"{at}.models", 'expected at least one pattern (["*"]: any)')
         check(tenant.weight > 0, f"{at}.weight", "must be > 0")
-        for limit in _LIMITS:
-            value = getattr(tenant, limit)
-            if value is not None:
-                check(value > 0, f"{at}.{limit}", "must be > 0 (leave it out for no limit)")
     for model, price in config.prices.items():
         at = toml_key("prices", model)
         check(price.input_per_mtok >= 0, f"{at}.input_per_mtok", "must be >= 0")

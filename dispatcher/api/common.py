@@ -16,7 +16,7 @@ import trio
 from ..admission import AdmissionError, Predicate
 from ..errors import RateLimited, RunError, ShuttingDown, error_status_and_body
 from ..gate import GateRequest, RequestResult, TunnelCall
-from ..http import Headers, HTTPStream, PeerGone, Request, Responder, WebSocket
+from ..http import PeerGone, Request, Responder
 from ..pool import DispatchRequest, DispatchResult
 from ..tenants import Ticket
 from .front import RenderedError, Route, RouteContext
@@ -111,11 +111,12 @@ def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes
     )
 
 
-@attrs.frozen
+@attrs.define
 class ModelCall:
     """One request to a route that runs a model, counted from its start (see
     :func:`model_route`): the edge, the HTTP request, its context, and what the request
-    metric will count."""
+    metric will count. :meth:`gate_request` adds the tenant's ``x-ratelimit-*`` headers to
+    ``ctx.headers``, which every answer of the route carries (as OpenAI's answers do)."""
 
     edge: EdgeServices
     request: Request
@@ -135,9 +136,10 @@ class ModelCall:
         else its ticket is held until the route is left (:func:`model_route`)."""
         request, ctx = self.request, self.ctx
         self.counted.model = self.edge.metric_model_label(body["model"])
-        if self.tenancy.ticket is not None:
+        tenancy = self.tenancy
+        if tenancy.ticket is not None:
             raise RuntimeError("gate_request is called once per client request")
-        self.tenancy.ticket = self.tenancy.held.enter_context(
+        tenancy.ticket = ticket = tenancy.held.enter_context(
             self.edge.tenants.admitted(ctx.request_id, ctx.tenant, body["model"], body)
         )
         session = request.header(b"x-session-id")
@@ -162,12 +164,22 @@ class ModelCall:
             ),
         )
         self.counted.gate = gated.result
+        if ticket is not None:
+            self.ctx = attrs.evolve(ctx, headers=(*ctx.headers, *ticket.headers))
+            tenancy.held.callback(_answered, ticket, gated.result)  # before the release
         return gated
 
 
 ServeModel = Callable[[ModelCall, Responder], Awaitable[str]]
 """What a model route does with its call: answer it, and return the outcome the request
 metric counts when no attempt was dispatched (otherwise the gate's row outcome counts)."""
+
+
+def _answered(ticket: Ticket, result: RequestResult) -> None:
+    """The request is over: did an attempt commit (a billable usage row is then on its way,
+    maybe after the request, as a cancelled stream's)? ``aborted`` is an attempt that failed
+    before the commit; None, no attempt was dispatched."""
+    ticket.answered = result.outcome not in (None, "aborted")
 
 
 @attrs.define(eq=False)
@@ -180,38 +192,6 @@ class Tenancy:
     ticket: Ticket | None = None
 
 
-class _RateLimitHeaders:
-    """The responder of a model route: its answer carries the tenant's ``x-ratelimit-*``
-    headers (when a rate limit is set, as OpenAI's answers do), and the ticket learns that
-    the answer started (a billable usage row is on its way)."""
-
-    def __init__(self, inner: Responder, tenancy: Tenancy) -> None:
-        self._inner = inner
-        self._tenancy = tenancy
-
-    @property
-    def shutting_down(self) -> bool:
-        return self._inner.shutting_down
-
-    def _answer(self, headers: Headers) -> Headers:
-        ticket = self._tenancy.ticket
-        if ticket is None:
-            return headers
-        ticket.answered = True
-        return [*headers, *ticket.headers]
-
-    async def respond(self, status: int, headers: Headers = (), body: bytes = b"") -> None:
-        await self._inner.respond(status, self._answer(headers), body)
-
-    async def start_stream(self, status: int, headers: Headers = ()) -> HTTPStream:
-        return await self._inner.start_stream(status, self._answer(headers))
-
-    async def accept_websocket(
-        self, subprotocol: str | None = None, headers: Headers = ()
-    ) -> WebSocket:
-        return await self._inner.accept_websocket(subprotocol, self._answer(headers))
-
-
 def model_route(serve: ServeModel) -> Route:
     """The route that answers with ``serve``, its request counted under
     ``dispatcher_requests_total`` however it ends (:func:`counted_request`), its tenant's
@@ -222,8 +202,7 @@ def model_route(serve: ServeModel) -> Route:
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
         with counted_request(edge) as counted, ExitStack() as held:
-            tenancy = Tenancy(held)
-            call = ModelCall(edge, request, ctx, counted, tenancy)
-            counted.outcome = await serve(call, _RateLimitHeaders(responder, tenancy))
+            call = ModelCall(edge, request, ctx, counted, Tenancy(held))
+            counted.outcome = await serve(call, responder)
 
     return route

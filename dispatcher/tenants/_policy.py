@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from ..config import EdgeConfig, KeySettings, key_digest, tenant_digest
+from ..config import EdgeConfig, KeySettings, Limits, key_digest, tenant_digest
 
 __all__ = [
     "UNLIMITED",
@@ -30,25 +30,6 @@ def legacy_key_id(key: bytes) -> str:
     """The id of an ``api_keys`` entry: ``key-`` and 12 hex digits of its SHA-256 (what the
     usage ledger has always recorded for it)."""
     return "key-" + hashlib.sha256(key).hexdigest()[:12]
-
-
-@attrs.frozen(kw_only=True)
-class Limits:
-    """A tenant's limits; None is no limit."""
-
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrent: int | None = None
-    budget_tokens_day: int | None = None
-    budget_tokens_month: int | None = None
-    budget_usd_day: float | None = None
-    budget_usd_month: float | None = None
-
-    @property
-    def rated(self) -> bool:
-        """Some rate limit (requests or tokens per minute) is set: answers carry the
-        ``x-ratelimit-*`` headers."""
-        return self.rpm is not None or self.tpm is not None
 
 
 UNLIMITED = Limits()
@@ -147,15 +128,7 @@ def _tenant(settings: KeySettings) -> Tenant:
         models=settings.models,
         priority=settings.priority,
         weight=settings.weight,
-        limits=Limits(
-            rpm=settings.rpm,
-            tpm=settings.tpm,
-            max_concurrent=settings.max_concurrent,
-            budget_tokens_day=settings.budget_tokens_day,
-            budget_tokens_month=settings.budget_tokens_month,
-            budget_usd_day=settings.budget_usd_day,
-            budget_usd_month=settings.budget_usd_month,
-        ),
+        limits=settings.limits(),
     )
 
 

@@ -358,7 +358,7 @@ async def test_a_model_outside_the_keys_patterns_does_not_exist_for_it() -> None
 
         error, listed, bobs, one = await in_thread(calls)
     assert error.code == "model_not_found"
-    assert error.body["message"] == "model 'echo' does not exist"  # type: ignore[index]  # as for a model nobody serves
+    assert error.body["message"] == "model 'echo' does not exist"  # as for a model nobody serves
     assert listed == []
     assert bobs == ["echo"]
     assert one.code == "model_not_found"
