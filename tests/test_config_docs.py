@@ -24,9 +24,16 @@ ENVIRON = {
     "EDGE_ADMIN_KEYS": "admin-1",
     "EDGE_NODE_TOKENS": "node-1,node-2",
     "NODE_TOKEN": "node-secret",
+    "TEAM_SEARCH_KEY": "sk-search",
+    "BATCH_KEY": "sk-batch",
 }
 
-LOADERS = {"configuration.md": "edge", "quickstart.md": "edge", "node.md": "node"}
+LOADERS = {
+    "configuration.md": "edge",
+    "quickstart.md": "edge",
+    "node.md": "node",
+    "tenants.md": "edge",
+}
 
 
 def examples() -> list[tuple[str, int, str]]:
