@@ -11,9 +11,10 @@ time, every answer a decision.
   estimate in the window becomes the tokens used, the spend is added to the budgets.
 * :meth:`TenantLimiter.release` ends the request: its concurrency place and its reservation
   go; if it never answered and no row billed it, its estimate leaves the window (a request
-  that failed before its answer costs its tenant nothing). Its billable row may still come
-  (a cancelled stream's row waits for the node's confirmation): the ticket is remembered for
-  :data:`TICKET_MEMORY` seconds, :meth:`TenantLimiter.ticket` finds it.
+  that failed before its answer costs its tenant nothing). An answered request's billable
+  row may still come (a cancelled stream's row waits for the node's confirmation): its
+  ticket is remembered until then, at most :data:`TICKET_MEMORY` seconds
+  (:meth:`TenantLimiter.ticket` finds it); any other ticket is forgotten when released.
 
 Windows are sliding logs over :data:`WINDOW` seconds: one timestamp per request, one
 :class:`_Charge` per request's tokens (corrected in place when its row comes). Counters are
@@ -167,7 +168,7 @@ class _Counters:
         charge.tokens = tokens
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, slots=True)
 class Ticket:
     """An admitted request (see the module docstring)."""
 
@@ -288,6 +289,8 @@ class TenantLimiter:
         counters.recharge(ticket.charge, tokens + (ticket.charge.tokens if ticket.billed else 0))
         ticket.billed = True
         self._unreserve(counters, ticket)
+        if ticket.released:
+            self._tickets.pop(ticket.request_id, None)
         cost = ticket.prices.cost(names, prompt_tokens, completion_tokens)
         self._spend(counters, tokens, cost, wall)
         return cost
@@ -300,9 +303,14 @@ class TenantLimiter:
         counters = self._of(ticket.tenant.id, now, wall)
         counters.in_flight -= 1
         self._unreserve(counters, ticket)
-        if not ticket.billed and not ticket.answered:
-            counters.recharge(ticket.charge, 0)
-        self._forget.append((now + TICKET_MEMORY, ticket.request_id))
+        if ticket.billed or not ticket.answered:
+            # Billed, or nothing committed: no row is to come for it (a row that comes all
+            # the same is spent without a ticket, at the prices in force).
+            if not ticket.billed:
+                counters.recharge(ticket.charge, 0)
+            self._tickets.pop(ticket.request_id, None)
+        else:
+            self._forget.append((now + TICKET_MEMORY, ticket.request_id))
 
     def spend(self, tenant_id: str, tokens: int, usd: float, *, now: float, wall: float) -> None:
         """Spend without a ticket: rows recorded before a restart (seeding the budgets from
@@ -312,9 +320,6 @@ class TenantLimiter:
     def ticket(self, request_id: str) -> Ticket | None:
         """The ticket of a request in flight or recently ended."""
         return self._tickets.get(request_id)
-
-    def headers(self, tenant: Tenant, *, now: float, wall: float) -> Headers:
-        return _headers(self._of(tenant.id, now, wall), tenant.limits, now)
 
     def in_flight(self, tenant_id: str) -> int:
         counters = self._counters.get(tenant_id)

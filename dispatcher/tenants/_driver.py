@@ -107,12 +107,14 @@ class Tenants:
         if tenant is None:
             yield None
             return
+        policy = self.policy  # one snapshot: the tenant and the prices of the same config
+        tenant = policy.current(tenant)
         if not tenant.allows(model):
             raise UnknownModel(f"model {model!r} does not exist")
         decision = self.limiter.admit(
             request_id,
             tenant,
-            self.policy.prices,
+            policy.prices,
             model,
             request_estimate(body),
             now=self.clock(),

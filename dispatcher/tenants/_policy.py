@@ -101,6 +101,12 @@ class KeyDirectory:
     """Client key digests (hex) -> tenant."""
     admins: frozenset[str] = attrs.field(default=frozenset(), repr=False)
     """Admin key digests (hex)."""
+    tenants: Mapping[str, Tenant] = attrs.field(init=False, repr=False)
+    """The tenants by id."""
+
+    @tenants.default
+    def _by_id(self) -> Mapping[str, Tenant]:
+        return {tenant.id: tenant for tenant in self.clients.values()}
 
     def client(self, key: bytes) -> Tenant | None:
         return self.clients.get(key_digest(key))
@@ -119,6 +125,12 @@ class TenantPolicy:
 
     keys: KeyDirectory = KeyDirectory()
     prices: PriceTable = PriceTable()
+
+    def current(self, tenant: Tenant) -> Tenant:
+        """The tenant as this policy has it: a request authenticated before a reload and
+        admitted after it is admitted as the reload made it, with the reload's prices (a
+        tenant the reload removed keeps what it was)."""
+        return self.keys.tenants.get(tenant.id, tenant)
 
 
 def _tenant(settings: KeySettings) -> Tenant:

@@ -146,15 +146,28 @@ def test_an_answered_request_keeps_its_estimate_until_its_row_comes() -> None:
     assert header(after.headers, "x-ratelimit-remaining-tokens") == "10"
 
 
-def test_a_released_ticket_is_forgotten_after_its_memory() -> None:
+def test_only_a_ticket_whose_row_may_still_come_is_remembered() -> None:
     limiter = TenantLimiter()
     who = tenant()
-    done = ticket(admit(limiter, who, 0.0))
-    limiter.release(done, now=1.0, wall=NOON)
+    waiting = ticket(admit(limiter, who, 0.0))
+    waiting.answered = True  # and not billed yet: its row is on its way
+    limiter.release(waiting, now=1.0, wall=NOON)
+    failed = ticket(admit(limiter, who, 1.0))
+    limiter.release(failed, now=1.0, wall=NOON)  # nothing committed: no row is to come
+    billed = ticket(admit(limiter, who, 1.0))
+    billed.answered = True
+    limiter.bill(billed, 1, 1, ("m",), now=1.0, wall=NOON)
+    limiter.release(billed, now=1.0, wall=NOON)
+    assert limiter.tickets() == 1
     admit(limiter, who, 1.0 + TICKET_MEMORY - 0.5)
-    assert limiter.ticket(done.request_id) is done
+    assert limiter.ticket(waiting.request_id) is waiting
     admit(limiter, who, 1.0 + TICKET_MEMORY)
-    assert limiter.ticket(done.request_id) is None
+    assert limiter.ticket(waiting.request_id) is None
+    late = ticket(admit(limiter, who, 200.0))
+    late.answered = True
+    limiter.release(late, now=201.0, wall=NOON)
+    limiter.bill(late, 1, 1, ("m",), now=202.0, wall=NOON)  # its row came: forgotten
+    assert limiter.ticket(late.request_id) is None
 
 
 # ------------------------------------------------------------------ concurrency

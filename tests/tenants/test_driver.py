@@ -14,6 +14,7 @@ import trio.testing
 from dispatcher.admission import UnknownModel
 from dispatcher.errors import QuotaExceeded, RateLimited, TokenRateLimited
 from dispatcher.tenants import (
+    KeyDirectory,
     Limits,
     Price,
     PriceTable,
@@ -182,3 +183,21 @@ async def test_tpm_refusal_is_the_tokens_error(autojump_clock: trio.testing.Mock
         pass
     assert info.value.error_type == "tokens"
     assert info.value.status == 429
+
+
+async def test_a_request_authenticated_before_a_reload_is_admitted_as_the_reload_made_it() -> None:
+    """The tenant and the prices of one config, never the old limits with the new prices:
+    the key was looked up before the reload (its body was still arriving), the request is
+    admitted after it."""
+    old = Tenant(id="t1", name="t1", limits=Limits(rpm=10))
+    new = Tenant(id="t1", name="t1", limits=Limits(rpm=5))
+    driver = Tenants(TenantPolicy(KeyDirectory({"digest": old}), PriceTable({"m": Price(1, 1)})))
+    driver.swap(TenantPolicy(KeyDirectory({"digest": new}), PriceTable({"m": Price(3, 3)})))
+    with driver.admitted("r1", old, "m", BODY) as ticket:
+        assert ticket is not None
+        assert ticket.tenant is new
+        assert ticket.prices.price("m") == Price(3, 3)
+    gone = Tenant(id="removed", name="removed")
+    with driver.admitted("r2", gone, "m", BODY) as ticket:
+        assert ticket is not None
+        assert ticket.tenant is gone  # removed meanwhile: it keeps what it was
