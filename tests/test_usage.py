@@ -636,6 +636,37 @@ async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path)
         assert conn.execute("PRAGMA user_version").fetchone() == (3,)
 
 
+async def test_a_version_2_ledger_gains_the_cost_column(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    v2_columns = [c for c in attrs.fields_dict(UsageRow) if c != "cost_usd"]
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(
+            "CREATE TABLE usage (request_id TEXT NOT NULL, attempt INTEGER NOT NULL, "
+            "model_group TEXT NOT NULL, served_model TEXT NOT NULL, provider_id TEXT NOT NULL, "
+            "node_id TEXT NOT NULL, path TEXT NOT NULL, attribution TEXT, "
+            "prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
+            "usage_source TEXT NOT NULL, outcome TEXT NOT NULL, billable_to TEXT NOT NULL, "
+            "queue_wait_s REAL NOT NULL, ttft_s REAL, duration_s REAL NOT NULL, "
+            "ended_at REAL NOT NULL, client_request_id TEXT, route TEXT, "
+            "PRIMARY KEY (request_id, attempt)); PRAGMA user_version=2;"
+        )
+        old = make_row("old-1")
+        marks = ", ".join("?" * len(v2_columns))
+        conn.execute(
+            f"INSERT INTO usage ({', '.join(v2_columns)}) VALUES ({marks})",
+            [getattr(old, c) for c in v2_columns],
+        )
+        conn.commit()
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(attrs.evolve(make_row("new-1"), cost_usd=0.25))
+        report = await ledger.query()
+    costs = {row.request_id: row.cost_usd for row in report.rows}
+    assert costs == {"old-1": None, "new-1": 0.25}
+    assert report.totals.cost_usd == pytest.approx(0.25 if old.billable_to == "client" else 0.0)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
+
+
 async def test_rows_are_searchable_by_the_clients_request_id() -> None:
     async with open_usage_ledger(":memory:") as ledger:
         ledger.record(make_row("edge-1", client_request_id="reused"))
