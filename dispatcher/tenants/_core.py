@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 from typing import Final, Literal
 
 import attrs
@@ -85,7 +86,12 @@ def format_reset(seconds: float) -> str:
 
 def periods(wall: float) -> tuple[str, str]:
     """The UTC day (``2026-12-01``) and month (``2026-12``) of a Unix time."""
-    moment = datetime.datetime.fromtimestamp(wall, datetime.UTC)
+    return _periods_of_day(int(wall // 86400))
+
+
+@functools.lru_cache(maxsize=8)
+def _periods_of_day(day: int) -> tuple[str, str]:
+    moment = datetime.datetime.fromtimestamp(day * 86400, datetime.UTC)
     return moment.strftime("%Y-%m-%d"), moment.strftime("%Y-%m")
 
 
