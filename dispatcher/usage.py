@@ -440,9 +440,10 @@ class _Database:
         until: float | None,
         attribution: str | None,
         model: str | None,
+        client_request_id: str | None,
         billable: bool,
     ) -> list[UsageGroup]:
-        where, params = _where(since, until, attribution, model, None)
+        where, params = _where(since, until, attribution, model, client_request_id)
         if billable:
             where = (
                 f"{where} AND billable_to = 'client'" if where else ("WHERE billable_to = 'client'")
@@ -678,10 +679,12 @@ class UsageLedger:
         until: float | None = None,
         attribution: str | None = None,
         model: str | None = None,
+        client_request_id: str | None = None,
         billable: bool = False,
     ) -> list[UsageGroup]:
-        """Sums of the rows whose attempt ended in ``[since, until)``, for ``attribution``
-        and ``model`` when given (only rows billable to the client with ``billable``),
+        """Sums of the rows whose attempt ended in ``[since, until)``, for ``attribution``,
+        ``model`` and ``client_request_id`` when given (only rows billable to the client
+        with ``billable``),
         grouped by ``group_by`` (any of :data:`GROUP_BY`, none: one group of every row),
         ordered by the groups' values. Everything recorded before the call is included."""
         unknown = [name for name in group_by if name not in GROUP_BY]
@@ -695,6 +698,7 @@ class UsageLedger:
             until,
             attribution,
             model,
+            client_request_id,
             billable,
             limiter=self._limiter,
         )

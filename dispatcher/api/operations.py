@@ -117,6 +117,7 @@ async def _usage(
         until=query.get("until"),
         attribution=query.get("attribution"),
         model=query.get("model"),
+        client_request_id=query.get("client_request_id"),
     )
     body = usage_report_json(report, groups, group_by)
     await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)

@@ -29,6 +29,8 @@ ADMIN = "sk-admin"
 ALICE = "sk-alice"
 BOB = "sk-bob"
 MESSAGES: list[Any] = [{"role": "user", "content": "one two three four"}]
+BODY = {"model": "echo", "messages": MESSAGES}
+CLIENT_ID = "client-chosen-1"
 
 
 @attrs.frozen
@@ -369,8 +371,10 @@ async def test_usage_a_key_sees_its_own_and_the_admin_key_everything() -> None:
     async with open_edge(alice(), KeySettings(id="bob", key=BOB), prices=prices) as edge:
         await in_thread(chat, edge, ALICE)
         await in_thread(chat, edge, BOB)
-        await in_thread(chat, edge, BOB)
         async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            mine = {"authorization": f"Bearer {BOB}", "x-request-id": CLIENT_ID}
+            answered = await client.post("/v1/chat/completions", json=BODY, headers=mine)
+            assert answered.status_code == 200
 
             async def usage(key: str, query: str = "") -> httpx.Response:
                 return await client.get(f"/v1/usage{query}", headers={"x-api-key": key})
@@ -379,6 +383,7 @@ async def test_usage_a_key_sees_its_own_and_the_admin_key_everything() -> None:
             other = await usage(ALICE, "?attribution=bob")
             everything = (await usage(ADMIN)).json()
             by_day = (await usage(ADMIN, "?group_by=day,key")).json()
+            one = (await usage(ADMIN, f"?client_request_id={CLIENT_ID}&group_by=key")).json()
             bad = await usage(ADMIN, "?group_by=colour")
     assert {row["attribution"] for row in own["rows"]} == {"alice"}
     assert [group["key"] for group in own["groups"]] == ["alice"]
@@ -396,5 +401,6 @@ async def test_usage_a_key_sees_its_own_and_the_admin_key_everything() -> None:
     assert by_day["group_by"] == ["day", "key"]
     fields = ("requests", "attempts", "prompt_tokens", "completion_tokens", "total_tokens")
     assert {tuple(g) for g in by_day["groups"]} == {("day", "key", *fields, "billable", "cost_usd")}
+    assert [(g["key"], g["requests"]) for g in one["groups"]] == [("bob", 1)]
     assert bad.status_code == 400
     assert "group_by" in bad.json()["error"]["message"]
