@@ -12,6 +12,8 @@ is one line on stderr naming the thing and the reason, and exit status 2; no tra
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.metadata
 import ipaddress
 import logging
@@ -21,7 +23,7 @@ import signal
 import ssl
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +161,16 @@ def _fail(exc: BaseException) -> int:
 
 
 def _serve_command(args: argparse.Namespace) -> int:
+    config = _edge_config(args)
+    _check_tls(config)
+    _check_usage_db(config.usage_db)
+    log.debug("edge config: %r", config)  # secrets have repr=False
+    return trio.run(_serve, config, functools.partial(_edge_config, args))
+
+
+def _edge_config(args: argparse.Namespace) -> EdgeConfig:
+    """The config file with the command line's overrides: at start-up, and again for each
+    reload (SIGHUP, ``POST /admin/reload``)."""
     config = load_edge_config(args.config)
     if args.no_local_node:
         config = attrs.evolve(config, local_node=False)
@@ -171,10 +183,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     if config.usage_db is None:
         data_dir = config.default_data_dir()
         config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
-    _check_tls(config)
-    _check_usage_db(config.usage_db)
-    log.debug("edge config: %r", config)  # secrets have repr=False
-    return trio.run(_serve, config)
+    return config
 
 
 def _check_tls(config: EdgeConfig) -> None:
@@ -250,11 +259,11 @@ def _plural(count: int, noun: str) -> str:
 
 def auth_summary(config: EdgeConfig) -> list[str]:
     """The banner's auth lines: who may use the edge, read its usage, join it as a node."""
-    client = set(config.client_api_keys())
+    client = len(set(config.client_api_keys())) + len(config.keys)
     admin = set(config.admin_api_keys())
     tokens = config.node_tokens()
     if client:
-        lines = [f"client auth: on ({_plural(len(client), 'key')})"]
+        lines = [f"client auth: on ({_plural(client, 'key')})"]
     else:
         lines = ["client auth: OFF — anyone can use this edge"]
     if admin:
@@ -273,9 +282,9 @@ def auth_summary(config: EdgeConfig) -> list[str]:
     return lines
 
 
-async def _serve(config: EdgeConfig) -> int:
+async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = None) -> int:
     """The edge until it has drained (exit status 0) or a second signal stopped it at once
-    (128 + the signal number)."""
+    (128 + the signal number). SIGHUP reloads the config from ``source``."""
     # Imported here, not at the top: ``dispatcher --help`` and ``dispatcher node`` do not
     # load the edge (HTTP server, gate, SQLite ledger, Prometheus client): about 0.3 s of
     # imports, which would double their startup. No import cycle is involved.
@@ -283,8 +292,10 @@ async def _serve(config: EdgeConfig) -> int:
 
     status = 0
     # Signals are ours from the start: one that comes during startup drains once we serve.
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
+            dispatcher.config_source = source
+
             # task_status is passed on to serve_http, which calls started().
             async def serve(task_status: trio.TaskStatus[Server]) -> None:  # noqa: ASYNC128
                 await dispatcher.serve(task_status=task_status)
@@ -323,7 +334,7 @@ async def _serve(config: EdgeConfig) -> int:
                 flush=True,
             )
             if not _is_loopback(config.host):
-                if not config.client_api_keys():
+                if not config.client_api_keys() and not config.keys:
                     log.warning(
                         "serving %s (not loopback) with NO client API key: anyone who can "
                         "reach this port can use it; set api_keys or DISPATCHER_API_KEYS",
@@ -337,6 +348,11 @@ async def _serve(config: EdgeConfig) -> int:
                         config.host or "all interfaces",
                     )
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    # Logged either way; a file that cannot be used changes nothing.
+                    with contextlib.suppress(ConfigError, LookupError):
+                        await dispatcher.reload_config()
+                    continue
                 name = signal.Signals(signum).name
                 if server.shutting_down:
                     log.warning("%s again: stopping now", name)

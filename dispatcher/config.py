@@ -29,6 +29,7 @@ asked for (:meth:`EdgeConfig.client_api_keys` and friends), with the same strict
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tomllib
@@ -113,6 +114,77 @@ class ResponsesSettings:
     """A response older than this is forgotten."""
 
 
+def _positive(_: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise Invalid("must be > 0 (leave it out for no limit)", at=attribute.name)
+
+
+def _limit() -> Any:
+    """A limit's field: None (no limit) or > 0."""
+    return attrs.field(default=None, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """A tenant's limits (``docs/tenants.md``); None is no limit, else each is > 0."""
+
+    rpm: int | None = _limit()
+    """Requests per minute (a sliding 60 s window)."""
+    tpm: int | None = _limit()
+    """Tokens per minute, input + output (estimated at admission, corrected from usage)."""
+    max_concurrent: int | None = _limit()
+    """Requests in flight at once."""
+    budget_tokens_day: int | None = _limit()
+    """Tokens billed to the tenant per UTC day (what its requests in flight are expected to
+    use counts too)."""
+    budget_tokens_month: int | None = _limit()
+    """Tokens billed per UTC month."""
+    budget_usd_day: float | None = _limit()
+    """USD billed per UTC day, at the ``[prices]`` its requests were admitted under."""
+    budget_usd_month: float | None = _limit()
+    """USD billed per UTC month."""
+
+
+@attrs.frozen(kw_only=True)
+class KeySettings(Limits):
+    """A client key as a tenant: one ``[[keys]]`` table (``docs/tenants.md``), with its
+    :class:`Limits` beside the fields below.
+
+    The secret is exactly one of ``key_env`` (an environment variable holding the key),
+    ``key_sha256`` (the key's SHA-256, 64 hex digits: the file then holds no secret) or
+    ``key`` (the key itself: discouraged)."""
+
+    id: str
+    """The tenant's id: what the usage ledger attributes its requests to."""
+    name: str | None = None
+    """A human name (default: the id)."""
+    key: str | None = attrs.field(default=None, repr=False)
+    key_env: str | None = None
+    key_sha256: str | None = attrs.field(default=None, repr=False)
+    models: tuple[str, ...] = ("*",)
+    """The model names (glob patterns, as the client asks for them) the key may use."""
+    priority: int = 0
+    """The priority band of its requests in the admission queue (higher first)."""
+    weight: float = 1.0
+    """Its weight among the tenants of one band (fair queueing)."""
+
+    def limits(self) -> Limits:
+        """Its limits alone."""
+        return Limits(**{field.name: getattr(self, field.name) for field in _LIMIT_FIELDS})
+
+
+_LIMIT_FIELDS: Final = attrs.fields(Limits)
+
+
+@attrs.frozen(kw_only=True)
+class PriceSettings:
+    """A model's price: one ``[prices."MODEL"]`` table (USD per million tokens; the name may
+    be a glob pattern)."""
+
+    input_per_mtok: float = 0.0
+    output_per_mtok: float = 0.0
+
+
 _GATE_FIELDS = frozenset(
     {"max_attempts", "request_timeout_s", "first_token_timeout_s", "stall_timeout_s"}
 )
@@ -187,6 +259,11 @@ class EdgeConfig:
     responses: ResponsesSettings = ResponsesSettings()
     admission: QueuePolicySettings = QueuePolicySettings()
     models: dict[str, QueuePolicySettings] = attrs.field(factory=dict)
+    keys: tuple[KeySettings, ...] = attrs.field(default=(), repr=False)
+    """Client keys as tenants, with limits and budgets (``docs/tenants.md``)."""
+    prices: dict[str, PriceSettings] = attrs.field(factory=dict)
+    """Per-model prices (USD per million tokens): the cost in ``GET /v1/usage`` and the
+    money budgets."""
 
     def node_tokens(self) -> tuple[str | NodeToken, ...]:
         """The accepted node tokens, with every ``*_env`` resolved (each
@@ -201,6 +278,11 @@ class EdgeConfig:
     def admin_api_keys(self) -> tuple[str, ...]:
         """The admin keys, ``admin_keys_env`` resolved (see :meth:`node_tokens`)."""
         return resolve_secrets(self).admin_keys
+
+    def resolved_keys(self) -> tuple[KeySettings, ...]:
+        """The ``[[keys]]`` tenants, each ``key_env`` resolved into ``key`` (see
+        :meth:`node_tokens`)."""
+        return resolve_secrets(self).keys
 
     def default_data_dir(self) -> Path:
         if self.data_dir:
@@ -243,8 +325,16 @@ def resolve_secrets(
             token = attrs.evolve(token, value=value, value_env=None)
         tokens.append(token)
     tokens.extend(values("nodes.tokens_env", config.nodes.tokens_env, DEFAULT_NODE_TOKENS_ENV))
+    keys: list[KeySettings] = []
+    for index, tenant in enumerate(config.keys):
+        if tenant.key_env is not None:
+            at = f"keys[{index}].key_env"
+            (value,) = _env_values(env, tenant.key_env, source=source, key=at, split=False)
+            tenant = attrs.evolve(tenant, key=value, key_env=None)
+        keys.append(tenant)
     return attrs.evolve(
         config,
+        keys=tuple(keys),
         api_keys=config.api_keys
         + values("api_keys_env", config.api_keys_env, DEFAULT_API_KEYS_ENV),
         api_keys_env=None,
@@ -354,16 +444,31 @@ def _tokens(value: Any, _: Any) -> tuple[str | NodeToken, ...]:
     return tuple(tokens)
 
 
-def _models(value: Any, _: Any) -> dict[str, QueuePolicySettings]:
-    if not isinstance(value, dict):
-        raise Invalid(f"expected a table, got {show(value)}")
-    models = {}
-    for name, item in value.items():
+def _named_tables(cls: type[Any]) -> Callable[[Any, Any], dict[str, Any]]:
+    """A table of ``cls`` tables by name (``[models.NAME]``, ``[prices.NAME]``)."""
+
+    def structure(value: Any, _: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise Invalid(f"expected a table, got {show(value)}")
+        tables = {}
+        for name, item in value.items():
+            try:
+                tables[name] = _converter.structure(item, cls)
+            except Exception as exc:
+                raise Invalid(at=toml_key("", name), inner=exc) from None
+        return tables
+
+    return structure
+
+
+def _key_tables(value: Any, _: Any) -> tuple[KeySettings, ...]:
+    keys: list[KeySettings] = []
+    for index, item in enumerate(_array(value, "tables ([[keys]])")):
         try:
-            models[name] = _converter.structure(item, QueuePolicySettings)
+            keys.append(_converter.structure(item, KeySettings))
         except Exception as exc:
-            raise Invalid(at=toml_key("", name), inner=exc) from None
-    return models
+            raise Invalid(at=f"[{index}]", inner=exc) from None
+    return tuple(keys)
 
 
 def _table_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:
@@ -380,7 +485,9 @@ def _table_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:
 _GENERIC_HOOKS: Final[dict[object, Callable[[Any, Any], Any]]] = {
     tuple[str, ...]: _strings,
     tuple[str | NodeToken, ...]: _tokens,
-    dict[str, QueuePolicySettings]: _models,
+    dict[str, QueuePolicySettings]: _named_tables(QueuePolicySettings),
+    dict[str, PriceSettings]: _named_tables(PriceSettings),
+    tuple[KeySettings, ...]: _key_tables,
 }
 # Generic aliases are not classes: dispatch on equality.
 _converter.register_structure_hook_func(
@@ -404,7 +511,38 @@ def parse_edge_config(
         key, reason = first_problem(exc)
         raise ConfigError(source, key, reason) from None
     _validate(config, source)
-    return resolve_secrets(config, environ=environ, default_env=True, source=source)
+    resolved = resolve_secrets(config, environ=environ, default_env=True, source=source)
+    _check_distinct_keys(resolved, source)
+    return resolved
+
+
+def key_digest(key: str | bytes) -> str:
+    """A key's SHA-256 in hex: how keys are compared (``[[keys]]`` may give only this)."""
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).hexdigest()
+
+
+def tenant_digest(tenant: KeySettings) -> str:
+    """The SHA-256 of a ``[[keys]]`` key (its ``key_sha256``, or its resolved ``key``)."""
+    if tenant.key_sha256 is not None:
+        return tenant.key_sha256.lower()
+    if tenant.key is None:  # resolve_secrets moves key_env into key; this is a bug
+        raise ValueError(f"key {tenant.id!r} has no resolved secret")
+    return key_digest(tenant.key)
+
+
+def _check_distinct_keys(config: EdgeConfig, source: str) -> None:
+    """A ``[[keys]]`` key may be nothing else: not another tenant's, not in ``api_keys``
+    or ``admin_keys`` (it would be unclear whose limits and rights apply)."""
+    owner: dict[str, str] = {}
+    named = [
+        *((f"keys[{index}]", tenant_digest(tenant)) for index, tenant in enumerate(config.keys)),
+        *(("api_keys", key_digest(key)) for key in config.api_keys),
+        *(("admin_keys", key_digest(key)) for key in config.admin_keys),
+    ]
+    for where, digest in named:
+        other = owner.setdefault(digest, where)
+        if other != where and (where.startswith("keys[") or other.startswith("keys[")):
+            raise ConfigError(source, where, f"the same key is also in {other}")
 
 
 def _validate(config: EdgeConfig, source: str) -> None:
@@ -468,6 +606,48 @@ def _validate(config: EdgeConfig, source: str) -> None:
             check(policy.max_queue >= 0, f"{name}.max_queue", "must be >= 0")
         if policy.queue_timeout_s is not None:
             check(policy.queue_timeout_s > 0, f"{name}.queue_timeout_s", "must be > 0")
+    _validate_tenants(config, check, env_name)
+
+
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}\Z")
+_TENANT_ID = re.compile(r"[A-Za-z0-9._:@-]{1,64}\Z")
+
+
+def _validate_tenants(
+    config: EdgeConfig,
+    check: Callable[[bool, str, str], None],
+    env_name: Callable[[str, str | None], None],
+) -> None:
+    seen: dict[str, int] = {}
+    for index, tenant in enumerate(config.keys):
+        at = f"keys[{index}]"
+        check(
+            _TENANT_ID.match(tenant.id) is not None,
+            f"{at}.id",
+            "expected 1 to 64 of A-Z a-z 0-9 . _ : @ -, got " + repr(tenant.id),
+        )
+        other = seen.get(tenant.id)
+        check(other is None, f"{at}.id", f"{tenant.id!r} is also the id of keys[{other}]")
+        seen[tenant.id] = index
+        env_name(f"{at}.key_env", tenant.key_env)
+        given = [tenant.key, tenant.key_env, tenant.key_sha256]
+        check(
+            sum(value is not None for value in given) == 1,
+            at,
+            "give exactly one of key_env, key_sha256 or key",
+        )
+        if tenant.key_sha256 is not None:
+            check(
+                _SHA256.match(tenant.key_sha256) is not None,
+                f"{at}.key_sha256",
+                "expected the key's SHA-256 as 64 hex digits",
+            )
+        check(bool(tenant.models), f"{at}.models", 'expected at least one pattern (["*"]: any)')
+        check(tenant.weight > 0, f"{at}.weight", "must be > 0")
+    for model, price in config.prices.items():
+        at = toml_key("prices", model)
+        check(price.input_per_mtok >= 0, f"{at}.input_per_mtok", "must be >= 0")
+        check(price.output_per_mtok >= 0, f"{at}.output_per_mtok", "must be >= 0")
 
 
 def load_edge_config(

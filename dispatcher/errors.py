@@ -4,13 +4,19 @@ it maps to; :func:`error_status_and_body` is the one place they become a respons
 
 ::
 
-    DispatcherError           .status .error_type .code .param .retry_after .retryable
+    DispatcherError           .status .error_type .code .param .retry_after .retryable .headers
     ├── BadRequest            400 invalid_request_error
     ├── PayloadTooLarge       413 invalid_request_error
     ├── Unauthorized          401 authentication_error
+    ├── Forbidden             403 permission_error (a tenant's key naming another's usage)
     ├── NotFound              404 invalid_request_error
+    ├── NoConfigFile          409 no_config_file: a reload with no file to read
     ├── UpstreamRejected      4xx the upstream's own status: the client's mistake, not retried
     ├── ShuttingDown          503 the edge is draining: nothing new is admitted
+    ├── RateLimited           429 requests rate_limit_exceeded: a tenant over its RPM or
+    │   │                         concurrency (.headers: x-ratelimit-*)
+    │   ├── TokenRateLimited  429 tokens rate_limit_exceeded: over its TPM
+    │   └── QuotaExceeded     429 insufficient_quota: a tenant's budget is spent
     ├── TunnelUnavailable     501 a tunnel candidate and no tunnel transport installed
     ├── MethodNotAllowed      405 (dispatcher.api.app, with the Allow header)
     ├── AdmissionError        the request got no slot (dispatcher.admission)
@@ -49,6 +55,8 @@ class DispatcherError(Exception):
     default_code: str = "internal_error"
     retryable: bool = False
     r"""Whether another candidate may succeed where this failed (the :class:`RunError`\ s)."""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """Response headers the error's answer carries (the rate limits' ``x-ratelimit-*``)."""
 
     def __init_subclass__(
         cls,
@@ -103,8 +111,16 @@ class Unauthorized(
     """No API key, or a wrong one (the response says ``WWW-Authenticate: Bearer``)."""
 
 
+class Forbidden(DispatcherError, status=403, error_type="permission_error", code="forbidden"):
+    """The key is valid and may not do this."""
+
+
 class NotFound(DispatcherError, status=404, error_type=_CLIENT, code="not_found"):
     """No such route or object."""
+
+
+class NoConfigFile(DispatcherError, status=409, error_type=_CLIENT, code="no_config_file"):
+    """``POST /admin/reload`` on an edge that was not started from a config file."""
 
 
 class UpstreamRejected(DispatcherError, status=400, error_type=_CLIENT, code="invalid_request"):
@@ -129,6 +145,27 @@ class ShuttingDown(DispatcherError, status=503, code="shutting_down"):
         self, message: str, *, code: str | None = None, retry_after: float = DRAIN_RETRY_AFTER
     ) -> None:
         super().__init__(message, code=code, retry_after=retry_after)
+
+
+class RateLimited(DispatcherError, status=429, error_type="requests", code="rate_limit_exceeded"):
+    """A tenant is over a rate limit (requests per minute, or requests in flight), checked
+    once per client request before admission: 429 with ``Retry-After`` and OpenAI's
+    ``x-ratelimit-*`` headers (``dispatcher.tenants``)."""
+
+    def __init__(
+        self, message: str, *, retry_after: float, headers: tuple[tuple[bytes, bytes], ...] = ()
+    ) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.headers = headers
+
+
+class TokenRateLimited(RateLimited, error_type="tokens"):
+    """A tenant is over its tokens per minute."""
+
+
+class QuotaExceeded(RateLimited, error_type="insufficient_quota", code="insufficient_quota"):
+    """A tenant's budget (tokens or USD, per UTC day or month) is spent: 429
+    ``insufficient_quota``, ``Retry-After`` the start of the next period."""
 
 
 class RunError(DispatcherError, status=502, code="upstream_error", retryable=True):

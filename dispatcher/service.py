@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import attrs
 import trio
@@ -39,7 +39,7 @@ from nodes.config import NodeConfig, default_node_config
 from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
 from .catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
-from .config import EdgeConfig, NodeToken
+from .config import ConfigError, EdgeConfig, NodeToken
 from .errors import ShuttingDown
 from .forwarding import Forwarded
 from .gate import Gate
@@ -50,12 +50,30 @@ from .registry import NodeSession, Registry
 from .responses_store import ResponseStore, beside_ledger, open_response_store
 from .runs import Run, Runs, RunSpec
 from .status import EdgeStatus, edge_status
+from .tenants import Tenants, tenant_policy_from_config
 from .traffic import Traffic
 from .transport import Connection, memory_connection_pair
 from .tunnel import Tunnels
 from .usage import UsageLedger, open_usage_ledger
 
 log = logging.getLogger("dispatcher")
+
+RESTART_ONLY: Final = (
+    "host",
+    "port",
+    "local_node",
+    "data_dir",
+    "usage_db",
+    "expose_node_ids",
+    "http",
+    "nodes",
+    "responses",
+)
+"""Settings a reload does not change (the listening socket and its TLS, the server limits,
+the files, the node link, the in-process node): a restart applies them."""
+
+ConfigSource = Callable[[], EdgeConfig]
+"""Reads the edge's config again (its file, with the command line's overrides)."""
 
 
 @attrs.define(eq=False)
@@ -85,6 +103,11 @@ class Dispatcher:
     """The requests in flight and what ended ones left (``dispatcher.traffic``)."""
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
+    tenants: Tenants = attrs.Factory(Tenants)
+    """The client keys as tenants: their limits, budgets and prices (``dispatcher.tenants``)."""
+    config_source: ConfigSource | None = None
+    """Where :meth:`reload_config` reads the config again (``dispatcher serve``: its file);
+    None: this dispatcher cannot reload by itself (:meth:`reload` still applies a config)."""
     started_at: float = attrs.field(factory=time.time)
     _stream_scopes: set[trio.CancelScope] = attrs.field(factory=set)
     _work: set[Work] = attrs.field(factory=set)
@@ -351,6 +374,53 @@ class Dispatcher:
     def set_policy(self, snapshot: PolicySnapshot) -> None:
         self.admission.set_policy(snapshot)
 
+    # -- reloading --------------------------------------------------------------------
+
+    def reload(self, config: EdgeConfig) -> tuple[str, ...]:
+        """Apply ``config``'s keys, limits, prices and per-model policy (admission and gate)
+        at once: everything is built first (a :class:`ConfigError` changes nothing), then
+        swapped without a checkpoint between. Requests in flight keep the limits and the
+        policy they were admitted under. Returns the :data:`RESTART_ONLY` settings that
+        differ, which are not applied."""
+        admission = policy_snapshot_from_config(config)
+        gate = gate_policies(config)
+        tenants = tenant_policy_from_config(config)
+        kept = tuple(
+            name for name in RESTART_ONLY if getattr(config, name) != getattr(self.config, name)
+        )
+        self.admission.set_policy(admission)
+        self.gate.policy_for = gate
+        self.tenants.swap(tenants)
+        self.config = attrs.evolve(config, **{name: getattr(self.config, name) for name in kept})
+        return kept
+
+    async def reload_config(self) -> tuple[str, ...]:
+        """Read the config again from :attr:`config_source` and :meth:`reload` it; logged
+        either way. Raises :class:`ConfigError` (the old config keeps serving) for a file
+        that cannot be used, ``LookupError`` when there is no source."""
+        source = self.config_source
+        if source is None:
+            raise LookupError("this edge was not started from a config file: nothing to reload")
+        refused: ConfigError | None = None
+        try:
+            config = await trio.to_thread.run_sync(source)
+            kept = self.reload(config)
+        except ConfigError as exc:
+            refused = exc
+        if refused is not None:
+            # One line, no traceback: the message names the file, the key and the reason.
+            log.error("reload refused, the old config keeps serving: %s", refused)
+            raise refused
+        log.info(
+            "reloaded the config: %d tenant key(s), %d price(s), %d model polic(ies)",
+            len(self.tenants.keys.clients),
+            len(config.prices),
+            len(config.models),
+        )
+        if kept:
+            log.warning("reload: %s changed but need a restart: not applied", ", ".join(kept))
+        return kept
+
 
 def _raise_if_cut_off(work: Work) -> None:
     if work.scope.cancelled_caught:
@@ -397,6 +467,7 @@ async def open_dispatcher_of(
     pool = Pool(
         runs, admission, open_tunnel=tunnels.open_tunnel, on_admitted=metrics.observe_admission
     )
+    tenants = Tenants(tenant_policy_from_config(config))
     async with (
         open_usage_ledger(config.usage_db or ":memory:") as ledger,
         open_response_store(
@@ -413,18 +484,25 @@ async def open_dispatcher_of(
             admission=admission,
             pool=pool,
             tunnels=tunnels,
-            gate=Gate(pool, gate_policies(config), record_usage=ledger.record, nursery=nursery),
+            gate=Gate(
+                pool,
+                gate_policies(config),
+                record_usage=tenants.recorder(ledger.record),
+                nursery=nursery,
+            ),
             ledger=ledger,
             response_store=response_store,
             metrics=metrics,
             traffic=Traffic(metrics),
             nodelink_settings=settings,
             nursery=nursery,
+            tenants=tenants,
         )
         metrics.inflight_source = dispatcher
         registry.on_join(dispatcher._node_joined)
         registry.on_leave(dispatcher._node_left)
         await nursery.start(admission.run)
+        await tenants.seed(ledger)
         try:
             yield dispatcher
         finally:

@@ -45,6 +45,7 @@ import trio
 __all__ = [
     "BILLABLE_TO",
     "FLUSH_TIMEOUT",
+    "GROUP_BY",
     "MAX_PENDING",
     "MAX_QUERY_LIMIT",
     "OUTCOMES",
@@ -53,8 +54,10 @@ __all__ = [
     "BillableTo",
     "DuplicateUsageRow",
     "ExecutionPath",
+    "GroupBy",
     "Outcome",
     "TokenTotals",
+    "UsageGroup",
     "UsageLedger",
     "UsageLedgerStatistics",
     "UsageQuery",
@@ -83,7 +86,7 @@ WRITE_ATTEMPTS: Final = 5
 """Tries of one batch's transaction before its rows are given up."""
 RETRY_DELAY: Final = 0.1
 """Seconds before the first retry of a failed transaction; doubles each time."""
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 ExecutionPath = Literal["normalized", "tunnel"]
 UsageSource = Literal["reported", "estimated"]
@@ -142,6 +145,9 @@ class UsageRow:
     edge generates ``request_id``, so reusing an id cannot hide a request from the ledger)."""
     route: str | None = None
     """The API route the request came in on (``/v1/chat/completions``, ...)."""
+    cost_usd: float | None = None
+    """What its tokens cost at the price table its request was admitted under
+    (``dispatcher.tenants``); None when nothing priced it (rows of older versions)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -185,6 +191,39 @@ class UsageTotals:
     """Tokens, of either kind, the edge estimated because the upstream reported none."""
     outcomes: Mapping[Outcome, int]
     """Attempts by outcome; every outcome is present."""
+    cost_usd: float = 0.0
+    """The cost of the tokens billable to the client."""
+
+
+GroupBy = Literal["key", "model", "route", "day"]
+GROUP_BY: Final[tuple[GroupBy, ...]] = get_args(GroupBy)
+_GROUP_COLUMNS: Final[Mapping[GroupBy, str]] = {
+    "key": "attribution",
+    "model": "model_group",
+    "route": "route",
+    "day": "date(ended_at, 'unixepoch')",
+}
+
+
+@attrs.frozen(kw_only=True)
+class UsageGroup:
+    """Sums over the rows of one group of :meth:`UsageLedger.query_groups`: the group's
+    values for the dimensions grouped by (the others None), then the sums."""
+
+    key: str | None = None
+    """The attribution (the tenant's id)."""
+    model: str | None = None
+    route: str | None = None
+    day: str | None = None
+    """The UTC day the attempts ended, ``YYYY-MM-DD``."""
+    requests: int
+    attempts: int
+    prompt_tokens: int
+    completion_tokens: int
+    client: TokenTotals
+    """Tokens billable to the client."""
+    cost_usd: float
+    """The cost of the tokens billable to the client."""
 
 
 @attrs.frozen(kw_only=True)
@@ -260,6 +299,7 @@ CREATE TABLE IF NOT EXISTS usage (
     ended_at REAL NOT NULL,
     client_request_id TEXT,
     route TEXT,
+    cost_usd REAL,
     PRIMARY KEY (request_id, attempt)
 );
 CREATE INDEX IF NOT EXISTS usage_ended_at ON usage (ended_at);
@@ -324,6 +364,9 @@ class _Database:
                 "ALTER TABLE usage ADD COLUMN client_request_id TEXT; "
                 "ALTER TABLE usage ADD COLUMN route TEXT;"
             )
+        if version in (1, 2):
+            # Version 3 added the cost.
+            migrate += "ALTER TABLE usage ADD COLUMN cost_usd REAL;"
         conn.executescript(
             f"BEGIN; {migrate} {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;"
         )
@@ -366,19 +409,7 @@ class _Database:
         limit: int,
         client_request_id: str | None = None,
     ) -> tuple[list[UsageRow], bool, UsageTotals]:
-        clauses: list[str] = []
-        params: list[object] = []
-        for clause, value in (
-            ("ended_at >= ?", since),
-            ("ended_at < ?", until),
-            ("attribution = ?", attribution),
-            ("model_group = ?", model),
-            ("client_request_id = ?", client_request_id),
-        ):
-            if value is not None:
-                clauses.append(clause)
-                params.append(value)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        where, params = _where(since, until, attribution, model, client_request_id)
         conn = self._conn
         conn.execute("BEGIN")  # one snapshot for the rows and the totals
         try:
@@ -392,7 +423,8 @@ class _Database:
             ).fetchone()
             groups = conn.execute(
                 "SELECT billable_to, outcome, usage_source, COUNT(*), "
-                f"SUM(prompt_tokens), SUM(completion_tokens) FROM usage {where} "
+                "SUM(prompt_tokens), SUM(completion_tokens), SUM(COALESCE(cost_usd, 0)) "
+                f"FROM usage {where} "
                 "GROUP BY billable_to, outcome, usage_source",
                 params,
             ).fetchall()
@@ -401,8 +433,76 @@ class _Database:
         rows = [UsageRow(**dict(zip(_COLUMNS, values, strict=True))) for values in found[:limit]]
         return rows, len(found) > limit, _fold_totals(requests, groups)
 
+    def query_groups(
+        self,
+        group_by: Sequence[GroupBy],
+        since: float | None,
+        until: float | None,
+        attribution: str | None,
+        model: str | None,
+        client_request_id: str | None,
+        billable: bool,
+    ) -> list[UsageGroup]:
+        where, params = _where(since, until, attribution, model, client_request_id)
+        if billable:
+            where = (
+                f"{where} AND billable_to = 'client'" if where else ("WHERE billable_to = 'client'")
+            )
+        dimensions = [_GROUP_COLUMNS[name] for name in group_by]
+        selected = "".join(f"{column}, " for column in dimensions)
+        grouping = f"GROUP BY {', '.join(dimensions)} ORDER BY {', '.join(dimensions)}"
+        found = self._conn.execute(
+            f"SELECT {selected}COUNT(DISTINCT request_id), COUNT(*), "
+            "SUM(prompt_tokens), SUM(completion_tokens), "
+            "SUM(CASE WHEN billable_to = 'client' THEN prompt_tokens ELSE 0 END), "
+            "SUM(CASE WHEN billable_to = 'client' THEN completion_tokens ELSE 0 END), "
+            "SUM(CASE WHEN billable_to = 'client' THEN COALESCE(cost_usd, 0) ELSE 0 END) "
+            f"FROM usage {where} {grouping if dimensions else ''}",
+            params,
+        ).fetchall()
+        groups = []
+        for values in found:
+            named = dict(zip(group_by, values, strict=False))
+            rest = values[len(group_by) :]
+            if not rest[1]:
+                continue  # no row matched (an aggregate without GROUP BY has one row)
+            groups.append(
+                UsageGroup(
+                    **named,
+                    requests=rest[0],
+                    attempts=rest[1],
+                    prompt_tokens=rest[2],
+                    completion_tokens=rest[3],
+                    client=TokenTotals(rest[4], rest[5]),
+                    cost_usd=rest[6],
+                )
+            )
+        return groups
+
     def close(self) -> None:
         self._conn.close()
+
+
+def _where(
+    since: float | None,
+    until: float | None,
+    attribution: str | None,
+    model: str | None,
+    client_request_id: str | None,
+) -> tuple[str, list[object]]:
+    clauses: list[str] = []
+    params: list[object] = []
+    for clause, value in (
+        ("ended_at >= ?", since),
+        ("ended_at < ?", until),
+        ("attribution = ?", attribution),
+        ("model_group = ?", model),
+        ("client_request_id = ?", client_request_id),
+    ):
+        if value is not None:
+            clauses.append(clause)
+            params.append(value)
+    return (f"WHERE {' AND '.join(clauses)}" if clauses else ""), params
 
 
 def _fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
@@ -410,10 +510,13 @@ def _fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
     billable = {who: TokenTotals() for who in BILLABLE_TO}
     estimated = TokenTotals()
     outcomes: dict[Outcome, int] = dict.fromkeys(OUTCOMES, 0)
-    for billable_to, outcome, source, count, prompt, completion in groups:
+    cost = 0.0
+    for billable_to, outcome, source, count, prompt, completion, row_cost in groups:
         tokens = TokenTotals(prompt, completion)
         attempts += count
         billable[billable_to] += tokens
+        if billable_to == "client":
+            cost += row_cost
         if source == "estimated":
             estimated += tokens
         outcomes[outcome] = outcomes.get(outcome, 0) + count
@@ -427,6 +530,7 @@ def _fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
         operator=billable["operator"],
         estimated=estimated,
         outcomes=outcomes,
+        cost_usd=cost,
     )
 
 
@@ -565,6 +669,38 @@ class UsageLedger:
             rows=tuple(rows),
             truncated=truncated,
             totals=totals,
+        )
+
+    async def query_groups(
+        self,
+        *,
+        group_by: Sequence[GroupBy] = GROUP_BY,
+        since: float | None = None,
+        until: float | None = None,
+        attribution: str | None = None,
+        model: str | None = None,
+        client_request_id: str | None = None,
+        billable: bool = False,
+    ) -> list[UsageGroup]:
+        """Sums of the rows whose attempt ended in ``[since, until)``, for ``attribution``,
+        ``model`` and ``client_request_id`` when given (only rows billable to the client
+        with ``billable``),
+        grouped by ``group_by`` (any of :data:`GROUP_BY`, none: one group of every row),
+        ordered by the groups' values. Everything recorded before the call is included."""
+        unknown = [name for name in group_by if name not in GROUP_BY]
+        if unknown or len(set(group_by)) != len(group_by):
+            raise ValueError(f"group_by: expected distinct names of {GROUP_BY}, got {group_by}")
+        await self.flush()
+        return await trio.to_thread.run_sync(
+            self._db.query_groups,
+            tuple(group_by),
+            since,
+            until,
+            attribution,
+            model,
+            client_request_id,
+            billable,
+            limiter=self._limiter,
         )
 
     def statistics(self) -> UsageLedgerStatistics:

@@ -29,6 +29,8 @@ ENVIRON = {
     "EDGE_ADMIN_KEYS": "admin-1",
     "EDGE_NODE_TOKENS": "node-1,node-2",
     "NODE_TOKEN": "node-secret",
+    "TEAM_SEARCH_KEY": "sk-search",
+    "BATCH_KEY": "sk-batch",
 }
 
 LOADERS: dict[str, ConfigKind] = {
@@ -36,6 +38,7 @@ LOADERS: dict[str, ConfigKind] = {
     "quickstart.md": "edge",
     "node.md": "node",
     "tunnel.md": "node",
+    "tenants.md": "edge",
 }
 
 

@@ -604,9 +604,11 @@ def _usage_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="dispatcher.usage")
 
 
-async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
-    path = tmp_path / USAGE_DB_NAME
-    v1_columns = [c for c in attrs.fields_dict(UsageRow) if c not in ("client_request_id", "route")]
+def write_old_ledger(path: Path, version: int, row: UsageRow) -> None:
+    """A ledger file of schema ``version`` (1 or 2) holding ``row``."""
+    later = ("client_request_id", "route", "cost_usd")  # versions 2 and 3 added them
+    added = later[: 2 * (version - 1)]
+    columns = [c for c in attrs.fields_dict(UsageRow) if c not in later or c in added]
     with closing(sqlite3.connect(path)) as conn:
         conn.executescript(
             "CREATE TABLE usage (request_id TEXT NOT NULL, attempt INTEGER NOT NULL, "
@@ -615,16 +617,21 @@ async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path)
             "prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, "
             "usage_source TEXT NOT NULL, outcome TEXT NOT NULL, billable_to TEXT NOT NULL, "
             "queue_wait_s REAL NOT NULL, ttft_s REAL, duration_s REAL NOT NULL, "
-            "ended_at REAL NOT NULL, PRIMARY KEY (request_id, attempt)); "
-            "PRAGMA user_version=1;"
+            "ended_at REAL NOT NULL, "
+            + "".join(f"{column} TEXT, " for column in added)
+            + f"PRIMARY KEY (request_id, attempt)); PRAGMA user_version={version};"
         )
-        old = make_row("old-1")
-        marks = ", ".join("?" * len(v1_columns))
+        marks = ", ".join("?" * len(columns))
         conn.execute(
-            f"INSERT INTO usage ({', '.join(v1_columns)}) VALUES ({marks})",
-            [getattr(old, c) for c in v1_columns],
+            f"INSERT INTO usage ({', '.join(columns)}) VALUES ({marks})",
+            [getattr(row, c) for c in columns],
         )
         conn.commit()
+
+
+async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    write_old_ledger(path, 1, make_row("old-1"))
     async with open_usage_ledger(path) as ledger:
         ledger.record(make_row("new-1", client_request_id="mine", route="/v1/chat/completions"))
         report = await ledger.query()
@@ -632,7 +639,21 @@ async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path)
     (new,) = [r for r in report.rows if r.request_id == "new-1"]
     assert (new.client_request_id, new.route) == ("mine", "/v1/chat/completions")
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
+
+
+async def test_a_version_2_ledger_gains_the_cost_column(tmp_path: Path) -> None:
+    path = tmp_path / USAGE_DB_NAME
+    old = make_row("old-1")
+    write_old_ledger(path, 2, old)
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(attrs.evolve(make_row("new-1"), cost_usd=0.25))
+        report = await ledger.query()
+    costs = {row.request_id: row.cost_usd for row in report.rows}
+    assert costs == {"old-1": None, "new-1": 0.25}
+    assert report.totals.cost_usd == pytest.approx(0.25 if old.billable_to == "client" else 0.0)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
 
 
 async def test_rows_are_searchable_by_the_clients_request_id() -> None:

@@ -11,12 +11,12 @@ a client's own ``x-request-id`` is kept beside it, never used in its place.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import re
 import secrets
 from collections.abc import Callable, Iterable, Sequence
+
+import attrs
 
 from ..admission import AdmissionError
 from ..errors import DispatcherError, NotFound, PayloadTooLarge, ShuttingDown, Unauthorized
@@ -30,6 +30,8 @@ from ..http import (
     Responder,
     WebSocket,
 )
+from ..tenants import Tenant
+from ..tenants import legacy_key_id as key_id
 from ..traffic import RequestRecord
 from . import admin, anthropic, openai, operations, responses
 from .front import Access, ErrorRenderer, FrontEnd, RenderedError, RouteContext, RouteSpec
@@ -98,9 +100,13 @@ def presented_key(request: Request) -> bytes | None:
     return (request.header(b"x-api-key") or b"").strip() or None
 
 
-def key_id(key: bytes) -> str:
-    """A stable, non-secret id for an API key (what the usage ledger records)."""
-    return "key-" + hashlib.sha256(key).hexdigest()[:12]
+@attrs.frozen
+class _Caller:
+    """Who called, as :func:`make_handler`'s ``authorize`` found it."""
+
+    attribution: str | None = None
+    tenant: Tenant | None = None
+    admin: bool = False
 
 
 class _WorkResponder:
@@ -166,35 +172,43 @@ def make_handler(
     * ``admin`` routes need an admin key when any is configured; with none, they are open
       only if the client routes are open too;
     * ``metrics`` (``/metrics``, whose series name nodes and providers) needs an admin key
-      when any is configured, else a client key when any is configured, else nothing.
+      when any is configured, else a client key when any is configured, else nothing;
+    * ``usage`` (``GET /v1/usage``) is an admin route that a ``[[keys]]`` tenant's key may
+      call too, for its own rows (``RouteContext.admin`` False, ``tenant`` set).
+
+    The keys are read per request from ``edge.tenants.keys``, which a reload swaps.
     """
     routes = _route_table(front_ends)
     default = front_ends[0].render_error
     allow_any = _allow_any(spec for spec, _ in routes.values())
-    api_keys = settings.client_keys
-    admin_keys = settings.admin_keys
     expose_node_ids = settings.expose_node_ids
 
-    def authorize(access: Access, request: Request) -> str | None:
+    def authorize(access: Access, request: Request) -> _Caller:
         if access == "open":
-            return None
-        admin = access == "admin" or (access == "metrics" and bool(admin_keys))
-        keys = admin_keys if admin else api_keys
-        if not keys:
-            if admin and api_keys:
-                raise Unauthorized("admin routes need an admin key (configure admin_keys)")
-            return None
+            return _Caller()
+        keys = edge.tenants.keys
         token = presented_key(request)
+        if access == "usage" and token is not None:
+            tenant = keys.client(token)
+            if tenant is not None and tenant.own_usage:
+                return _Caller(tenant.id, tenant)
+        admin = access in ("admin", "usage") or (access == "metrics" and bool(keys.admins))
+        if not (keys.admins if admin else keys.clients):
+            if admin and keys.clients:
+                raise Unauthorized("admin routes need an admin key (configure admin_keys)")
+            return _Caller(admin=admin)
         if token is None:
             raise Unauthorized(
                 "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
             )
-        ok = False
-        for key in keys:  # no early exit: constant time over the configured keys
-            ok |= hmac.compare_digest(token, key)
-        if not ok:
-            raise Unauthorized("invalid admin key" if admin else "invalid API key")
-        return key_id(token)
+        if admin:
+            if not keys.admin(token):
+                raise Unauthorized("invalid admin key")
+            return _Caller(key_id(token), admin=True)
+        tenant = keys.client(token)
+        if tenant is None:
+            raise Unauthorized("invalid API key")
+        return _Caller(tenant.id, tenant)
 
     async def handler(request: Request, responder: Responder) -> None:
         ids = new_request_id(), client_request_id(request)
@@ -232,11 +246,14 @@ def make_handler(
                     f"{method} is not allowed on {path}; use {' or '.join(route.methods)}",
                     allow=route.allow,
                 )
+            caller = authorize(route.access, request)
             ctx = RouteContext(
                 request_id=request_id,
                 client_request_id=client_id,
                 headers=headers,
-                attribution=authorize(route.access, request),
+                attribution=caller.attribution,
+                tenant=caller.tenant,
+                admin=caller.admin,
                 record=record,
             )
             record.key_id = ctx.attribution
@@ -329,6 +346,8 @@ async def _respond_error(
     headers: tuple[tuple[bytes, bytes], ...],
 ) -> None:
     extra = [(b"content-type", rendered.content_type), *headers]
+    if isinstance(exc, DispatcherError):
+        extra.extend(exc.headers)
     if rendered.retry_after is not None:
         extra.append((b"retry-after", str(max(1, round(rendered.retry_after))).encode()))
     if isinstance(exc, MethodNotAllowed):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import attrs
@@ -16,10 +16,11 @@ import trio
 
 from .. import wire
 from ..admission import AdmissionError, Predicate
-from ..errors import RunError, ShuttingDown, error_status_and_body
+from ..errors import RateLimited, RunError, ShuttingDown, error_status_and_body
 from ..gate import Answer, GateRequest, RequestResult, TunnelCall
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..pool import DispatchRequest, DispatchResult
+from ..tenants import Ticket
 from ..traffic import RequestRecord
 from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
@@ -92,7 +93,7 @@ def counted_request(
     except PeerGone:
         result.outcome = "client_gone"
         raise
-    except AdmissionError:
+    except (AdmissionError, RateLimited):
         result.outcome = "rejected"
         raise
     except RunError:
@@ -153,25 +154,37 @@ async def relay_rest(
             return True
 
 
-@attrs.frozen
+@attrs.define
 class ModelCall:
     """One request to a route that runs a model, counted from its start (see
     :func:`model_route`): the edge, the HTTP request, its context, and what the request
-    metric will count."""
+    metric will count. :meth:`gate_request` adds the tenant's ``x-ratelimit-*`` headers to
+    ``ctx.headers``, which every answer of the route carries (as OpenAI's answers do)."""
 
     edge: EdgeServices
     request: Request
     ctx: RouteContext
     counted: RequestOutcome
+    tenancy: Tenancy
 
     def gate_request(
         self, body: dict[str, Any], *, stream: bool, predicate: Predicate | None = None
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
         tunnel attempt relays as the client sent it; the counted request learns its model
-        label and then follows the gate's result."""
+        label and then follows the gate's result.
+
+        The one check of the client's tenant, before the gate (so a recovery attempt is
+        never a second request): a model it may not use is a 404, a limit it is over a 429;
+        else its ticket is held until the route is left (:func:`model_route`)."""
         request, ctx = self.request, self.ctx
         self.counted.model = self.edge.metric_model_label(body["model"])
+        tenancy = self.tenancy
+        if tenancy.ticket is not None:
+            raise RuntimeError("gate_request is called once per client request")
+        tenancy.ticket = ticket = tenancy.held.enter_context(
+            self.edge.tenants.admitted(ctx.request_id, ctx.tenant, body["model"], body)
+        )
         session = request.header(b"x-session-id")
         gated = GateRequest(
             request_id=ctx.request_id,
@@ -196,6 +209,9 @@ class ModelCall:
         self.counted.gate = gated.result
         if ctx.record is not None:
             ctx.record.dispatching(gated, self.counted.model)
+        if ticket is not None:
+            self.ctx = attrs.evolve(ctx, headers=(*ctx.headers, *ticket.headers))
+            tenancy.held.callback(_answered, ticket, gated.result)  # before the release
         return gated
 
 
@@ -204,15 +220,34 @@ ServeModel = Callable[[ModelCall, Responder], Awaitable[str]]
 metric counts when no attempt was dispatched (otherwise the gate's row outcome counts)."""
 
 
+def _answered(ticket: Ticket, result: RequestResult) -> None:
+    """The request is over: did an attempt commit (a billable usage row is then on its way,
+    maybe after the request, as a cancelled stream's)? ``aborted`` is an attempt that failed
+    before the commit; None, no attempt was dispatched."""
+    ticket.answered = result.outcome not in (None, "aborted")
+
+
+@attrs.define(eq=False)
+class Tenancy:
+    """A model request's tenant admission: its ticket (None until
+    :meth:`ModelCall.gate_request`, and when client auth is off), held on ``held``, which
+    :func:`model_route`'s block leaves however the route ends."""
+
+    held: ExitStack
+    ticket: Ticket | None = None
+
+
 def model_route(serve: ServeModel) -> Route:
     """The route that answers with ``serve``, its request counted under
-    ``dispatcher_requests_total`` however it ends (:func:`counted_request`)."""
+    ``dispatcher_requests_total`` however it ends (:func:`counted_request`), its tenant's
+    ticket held until it ends (:class:`Tenancy`)."""
 
     @functools.wraps(serve)
     async def route(
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
-        with counted_request(edge, ctx.record) as counted:
-            counted.outcome = await serve(ModelCall(edge, request, ctx, counted), responder)
+        with counted_request(edge, ctx.record) as counted, ExitStack() as held:
+            call = ModelCall(edge, request, ctx, counted, Tenancy(held))
+            counted.outcome = await serve(call, responder)
 
     return route

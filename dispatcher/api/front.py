@@ -21,6 +21,7 @@ from typing import Literal
 import attrs
 
 from ..http import Request, Responder
+from ..tenants import Tenant
 from ..traffic import RequestRecord
 from .seam import EdgeServices
 
@@ -49,11 +50,16 @@ class RouteContext:
     """Who the request's usage is attributed to: the id of the client's API key."""
     record: RequestRecord | None = None
     """The request's record (``dispatcher.traffic``), which a model route fills in."""
+    tenant: Tenant | None = None
+    """The client key's tenant (its limits, priority and weight); None on routes that take
+    no client key, and when client auth is off."""
+    admin: bool = False
+    """The caller presented an admin key (or admin routes are open)."""
 
 
 Route = Callable[[EdgeServices, Request, Responder, RouteContext], Awaitable[None]]
 
-Access = Literal["open", "client", "admin", "metrics"]
+Access = Literal["open", "client", "admin", "metrics", "usage"]
 """Who may call a route (see ``app.make_handler``)."""
 
 

@@ -25,6 +25,7 @@ from ..errors import BadRequest, NotFound, openai_error_object
 from ..gate import Answer, GateRequest, TunnelAnswer
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..runs import Run
+from ..tenants import Tenant
 from . import schema
 from .common import (
     JSON_HEADERS,
@@ -296,13 +297,13 @@ def _render(
     return usage, False
 
 
-def served_models(edge: EdgeServices) -> list[str]:
+def served_models(edge: EdgeServices, tenant: Tenant | None = None) -> list[str]:
     """The model names a client may ask for now, sorted: every served model group and every
-    configured alias of a served group."""
+    configured alias of a served group (those ``tenant``'s key may use)."""
     served = edge.registry.models()
     names = set(served)
     names.update(alias for alias, group in edge.model_aliases().items() if group in served)
-    return sorted(names)
+    return sorted(name for name in names if tenant is None or tenant.allows(name))
 
 
 def _model_object(edge: EdgeServices, name: str) -> dict[str, Any]:
@@ -315,9 +316,12 @@ def _model_object(edge: EdgeServices, name: str) -> dict[str, Any]:
 
 
 async def list_models(
-    edge: EdgeServices, responder: Responder, headers: Sequence[tuple[bytes, bytes]]
+    edge: EdgeServices,
+    responder: Responder,
+    headers: Sequence[tuple[bytes, bytes]],
+    tenant: Tenant | None = None,
 ) -> None:
-    data = [_model_object(edge, name) for name in served_models(edge)]
+    data = [_model_object(edge, name) for name in served_models(edge, tenant)]
     body = orjson.dumps({"object": "list", "data": data})
     await responder.respond(200, (*JSON_HEADERS, *headers), body)
 
@@ -325,7 +329,7 @@ async def list_models(
 async def _models(
     edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
 ) -> None:
-    await list_models(edge, responder, ctx.headers)
+    await list_models(edge, responder, ctx.headers, ctx.tenant)
 
 
 MODEL_ID_ROUTE = "/v1/models/{id}"
@@ -342,7 +346,8 @@ async def _model(
             "query parameters are not supported on /v1/models/{id}", code="unsupported_parameter"
         )
     served = edge.registry.models()
-    if name not in served and edge.model_aliases().get(name) not in served:
+    allowed = ctx.tenant is None or ctx.tenant.allows(name)
+    if not allowed or (name not in served and edge.model_aliases().get(name) not in served):
         raise NotFound(
             f"The model {name!r} does not exist or is not served here", code="model_not_found"
         )

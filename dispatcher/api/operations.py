@@ -1,19 +1,20 @@
 """The edge's own routes, a front end like any other: liveness and readiness, the usage
-report, Prometheus metrics, and the websocket nodes dial. They answer errors in the OpenAI
-shape, like the OpenAI routes beside them."""
+report, Prometheus metrics, the config reload, and the websocket nodes dial. They answer
+errors in the OpenAI shape, like the OpenAI routes beside them."""
 
 from __future__ import annotations
 
 import orjson
 
-from ..errors import BadRequest, ShuttingDown
+from ..config import ConfigError
+from ..errors import BadRequest, Forbidden, NoConfigFile, ShuttingDown
 from ..http import PeerGone, Request, Responder, WebSocket, WebSocketClosed
 from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..transport import ConnectionClosed
 from .common import JSON_HEADERS, openai_error
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
-from .usage_report import parse_usage_query, usage_report_json
+from .usage_report import parse_usage_request, usage_report_json
 
 __all__ = ["FRONT_END", "NODE_CONNECT_PATH", "ServerWebSocketConnection"]
 
@@ -109,12 +110,42 @@ async def _metrics(
 async def _usage(
     edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
 ) -> None:
+    """The usage report: an admin key reads every row, a tenant's key its own (its id is
+    the ``attribution`` filter, and naming another one is refused)."""
     try:
-        query = parse_usage_query(request.query)
+        query, group_by = parse_usage_request(request.query)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_query") from None
+    if not ctx.admin:
+        own = ctx.attribution
+        if query.setdefault("attribution", own or "") != own:
+            raise Forbidden("a key may read only its own usage", param="attribution")
     report = await edge.ledger.query(**query)
-    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), usage_report_json(report))
+    groups = await edge.ledger.query_groups(
+        group_by=group_by,
+        since=query.get("since"),
+        until=query.get("until"),
+        attribution=query.get("attribution"),
+        model=query.get("model"),
+        client_request_id=query.get("client_request_id"),
+    )
+    body = usage_report_json(report, groups, group_by)
+    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)
+
+
+async def _reload(
+    edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+) -> None:
+    """``POST /admin/reload``: what SIGHUP does. A file that cannot be used is a 400 with
+    the loader's message (the old config keeps serving)."""
+    try:
+        kept = await edge.reload_config()
+    except ConfigError as exc:
+        raise BadRequest(f"reload refused: {exc}", code="invalid_config") from None
+    except LookupError as exc:
+        raise NoConfigFile(str(exc)) from None
+    body = orjson.dumps({"status": "reloaded", "restart_required": list(kept)})
+    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)
 
 
 _GET = ("GET", "HEAD")
@@ -125,7 +156,8 @@ FRONT_END = FrontEnd(
         NODE_CONNECT_PATH: RouteSpec(("GET",), _node_connect, "open"),
         "/healthz": RouteSpec(_GET, _healthz, "open"),
         "/readyz": RouteSpec(_GET, _readyz, "open"),
-        "/v1/usage": RouteSpec(_GET, _usage, "admin"),
+        "/v1/usage": RouteSpec(_GET, _usage, "usage"),
+        "/admin/reload": RouteSpec(("POST",), _reload, "admin"),
         "/metrics": RouteSpec(_GET, _metrics, "metrics"),
     },
     openai_error,

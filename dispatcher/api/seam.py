@@ -23,6 +23,7 @@ from ..gate import Gate
 from ..metrics import Metrics
 from ..responses_store import ResponseStore
 from ..status import EdgeStatus
+from ..tenants import Tenants
 from ..traffic import Traffic
 from ..transport import Connection
 from ..usage import UsageLedger
@@ -122,6 +123,17 @@ class EdgeServices(Protocol):
         """Serve one node's connection (hello, session, events) until it closes."""
         ...
 
+    @property
+    def tenants(self) -> Tenants:
+        """Who the keys are (``tenants.keys``, swapped by a reload) and their limits."""
+        ...
+
+    async def reload_config(self) -> tuple[str, ...]:
+        """Read the edge's config again and apply what may change without a restart;
+        returns what changed and was not applied. Raises ``ConfigError`` (nothing changed)
+        or ``LookupError`` (no config file to read)."""
+        ...
+
     def model_aliases(self) -> Mapping[str, str]:
         """The configured aliases: public name -> the model group it means."""
         ...
@@ -137,17 +149,12 @@ class EdgeServices(Protocol):
 
 @attrs.frozen(kw_only=True)
 class ApiSettings:
-    """The HTTP surface's own settings (see ``make_handler`` for who may call what)."""
+    """The HTTP surface's own settings. Who may call what is not one of them: the keys are
+    the edge's (``EdgeServices.tenants``), which a reload swaps (see ``make_handler``)."""
 
-    client_keys: tuple[bytes, ...] = ()
-    admin_keys: tuple[bytes, ...] = ()
     expose_node_ids: bool = False
     """``x-dispatcher-node`` / ``-provider`` reach clients only when set."""
 
     @classmethod
     def from_config(cls, config: EdgeConfig) -> ApiSettings:
-        return cls(
-            client_keys=tuple(key.encode() for key in config.client_api_keys()),
-            admin_keys=tuple(key.encode() for key in config.admin_api_keys()),
-            expose_node_ids=config.expose_node_ids,
-        )
+        return cls(expose_node_ids=config.expose_node_ids)

@@ -1,21 +1,30 @@
-"""``GET /v1/usage`` on the HTTP side: its query string parsed into the ledger's query
-(:func:`parse_usage_query`) and the report rendered as the response body
-(:func:`usage_report_json`). The ledger itself (rows, SQLite, queries) is
-:mod:`dispatcher.usage`."""
+"""``GET /v1/usage`` on the HTTP side: its query string parsed into the ledger's query and
+grouping (:func:`parse_usage_request`; :func:`parse_usage_query` is the query alone) and the
+report rendered as the response body (:func:`usage_report_json`). The ledger itself (rows,
+SQLite, queries) is :mod:`dispatcher.usage`."""
 
 from __future__ import annotations
 
 import datetime
 import math
 import urllib.parse
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, cast
 
 import attrs
 import orjson
 
-from ..usage import MAX_QUERY_LIMIT, TokenTotals, UsageQuery, UsageReport
+from ..usage import (
+    GROUP_BY,
+    MAX_QUERY_LIMIT,
+    GroupBy,
+    TokenTotals,
+    UsageGroup,
+    UsageQuery,
+    UsageReport,
+)
 
-__all__ = ["parse_usage_query", "usage_report_json"]
+__all__ = ["parse_usage_query", "parse_usage_request", "usage_report_json"]
 
 _QUERY_PARAMETERS: Final = (
     "since",
@@ -24,6 +33,7 @@ _QUERY_PARAMETERS: Final = (
     "model",
     "client_request_id",
     "limit",
+    "group_by",
 )
 
 
@@ -50,7 +60,24 @@ def parse_usage_query(query_string: str) -> UsageQuery:
     string: ``since`` and ``until`` (unix seconds, or ISO-8601; without a zone it is UTC),
     ``attribution``, ``model``, ``limit``. A ValueError names the bad parameter; unknown and
     repeated parameters are errors too (a misspelt filter must not widen the totals)."""
+    return parse_usage_request(query_string)[0]
+
+
+def _group_by(value: str) -> tuple[GroupBy, ...]:
+    names = tuple(name.strip() for name in value.split(","))
+    if any(name not in GROUP_BY for name in names) or len(set(names)) != len(names):
+        raise ValueError(
+            f"group_by: expected distinct names of {', '.join(GROUP_BY)}, comma-separated, "
+            f"got {value!r}"
+        )
+    return cast(tuple[GroupBy, ...], names)
+
+
+def parse_usage_request(query_string: str) -> tuple[UsageQuery, tuple[GroupBy, ...]]:
+    """:func:`parse_usage_query`, and ``group_by``: the dimensions of the report's groups
+    (comma-separated ``key``, ``model``, ``route``, ``day``; default all four)."""
     query: UsageQuery = {}
+    group_by: tuple[GroupBy, ...] = GROUP_BY
     seen: set[str] = set()
     for name, value in urllib.parse.parse_qsl(query_string.removeprefix("?"), True):
         if name not in _QUERY_PARAMETERS:
@@ -70,6 +97,8 @@ def parse_usage_query(query_string: str) -> UsageQuery:
             query["model"] = value
         elif name == "client_request_id":
             query["client_request_id"] = value
+        elif name == "group_by":
+            group_by = _group_by(value)
         else:
             if not value.isdigit() or not value.isascii():
                 raise ValueError(f"limit: expected a whole number, got {value!r}")
@@ -79,7 +108,7 @@ def parse_usage_query(query_string: str) -> UsageQuery:
             query["limit"] = limit
     if "since" in query and "until" in query and query["since"] > query["until"]:
         raise ValueError("until: before since")
-    return query
+    return query, group_by
 
 
 def _tokens_json(tokens: TokenTotals) -> dict[str, int]:
@@ -90,9 +119,33 @@ def _tokens_json(tokens: TokenTotals) -> dict[str, int]:
     }
 
 
-def usage_report_json(report: UsageReport) -> bytes:
-    """The body of ``GET /v1/usage``."""
+def _group_json(group: UsageGroup, group_by: Sequence[GroupBy]) -> dict[str, object]:
+    return {
+        **{name: getattr(group, name) for name in group_by},
+        "requests": group.requests,
+        "attempts": group.attempts,
+        "prompt_tokens": group.prompt_tokens,
+        "completion_tokens": group.completion_tokens,
+        "total_tokens": group.prompt_tokens + group.completion_tokens,
+        "billable": _tokens_json(group.client),
+        "cost_usd": group.cost_usd,
+    }
+
+
+def usage_report_json(
+    report: UsageReport,
+    groups: Sequence[UsageGroup] | None = None,
+    group_by: Sequence[GroupBy] = GROUP_BY,
+) -> bytes:
+    """The body of ``GET /v1/usage``: the query, the totals, the cost of the usage billable
+    to the client, the groups (when given) and the rows."""
     totals = report.totals
+    grouped = {}
+    if groups is not None:
+        grouped = {
+            "group_by": list(group_by),
+            "groups": [_group_json(group, group_by) for group in groups],
+        }
     return orjson.dumps(
         {
             "object": "usage.report",
@@ -117,6 +170,8 @@ def usage_report_json(report: UsageReport) -> bytes:
                 "estimated": _tokens_json(totals.estimated),
                 "outcomes": dict(totals.outcomes),
             },
+            "cost_usd": totals.cost_usd,
+            **grouped,
             "truncated": report.truncated,
             "rows": [attrs.asdict(row, recurse=False) for row in report.rows],
         }
