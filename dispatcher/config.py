@@ -30,6 +30,7 @@ asked for (:meth:`EdgeConfig.client_api_keys` and friends), with the same strict
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import tomllib
@@ -643,7 +644,7 @@ def _validate_tenants(
                 "expected the key's SHA-256 as 64 hex digits",
             )
         check(bool(tenant.models), f"{at}.models", 'expected at least one pattern (["*"]: any)')
-        check(tenant.weight > 0, f"{at}.weight", "must be > 0")
+        check(0 < tenant.weight < math.inf, f"{at}.weight", "must be a number > 0")
     for model, price in config.prices.items():
         at = toml_key("prices", model)
         check(price.input_per_mtok >= 0, f"{at}.input_per_mtok", "must be >= 0")

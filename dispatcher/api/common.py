@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from .. import wire
-from ..admission import AdmissionError, Predicate
+from ..admission import DEFAULT_SHARE, AdmissionError, Predicate
 from ..errors import RateLimited, RunError, ShuttingDown, error_status_and_body
 from ..gate import Answer, GateRequest, RequestResult, TunnelCall
 from ..http import HTTPStream, PeerGone, Request, Responder
@@ -195,6 +195,9 @@ class ModelCall:
                 route=request.path,
                 session_id=session.decode("latin-1") if session else None,
                 predicate=predicate,
+                # fair queueing between tenants: the tenant as admitted (a reload since the
+                # request was authenticated does not change it)
+                share=DEFAULT_SHARE if ticket is None else ticket.tenant.share,
             ),
             stream=stream,
             attribution=ctx.attribution,

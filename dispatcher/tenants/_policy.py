@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from ..admission import Share
 from ..config import EdgeConfig, KeySettings, Limits, key_digest, tenant_digest
 
 __all__ = [
@@ -53,6 +54,11 @@ class Tenant:
 
     def allows(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+    @property
+    def share(self) -> Share:
+        """Its place in admission's fair queueing: its own flow, its band and weight."""
+        return Share(tenant=self.id, priority=self.priority, weight=self.weight)
 
 
 @attrs.frozen
