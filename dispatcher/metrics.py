@@ -14,7 +14,7 @@ process-global state), so several dispatchers in one process, as in the tests, d
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -195,7 +195,11 @@ class Metrics:
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
-        self._tracked: dict[MetricWrapperBase, dict[str, set[tuple[str, ...]]]] = {}
+        self._tracked: dict[
+            MetricWrapperBase, dict[str, dict[tuple[str, ...], MetricWrapperBase]]
+        ] = {}
+        """Per recorded metric, per model label: its children by their other labels (kept, so a
+        request's observations look a child up in a dict, not through ``labels()``)."""
         """Per recorded metric: model -> the other label values it has series for."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_AdmissionCollector(admission))
@@ -311,6 +315,8 @@ class Metrics:
         known = tracked.get(model)
         if known is None:  # a new model label: first let go of those that went away
             self.prune()
-            known = tracked[model] = set()
-        known.add(values)
-        return metric.labels(model, *values)
+            known = tracked[model] = {}
+        child = known.get(values)
+        if child is None:
+            child = known[values] = metric.labels(model, *values)
+        return cast(M, child)
