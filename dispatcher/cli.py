@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from nodes import load_node_config
 from nodes.adapters import build_adapters
 from nodes.agent import run_node
 from nodes.config import (
@@ -37,7 +38,6 @@ from nodes.config import (
     NodeConfigError,
     check_edge_url,
     default_node_config,
-    load_node_config,
 )
 from nodes.dial import edge_ssl_context
 from nodes.tunnel import tunnel_providers

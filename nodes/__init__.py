@@ -7,18 +7,36 @@ See ``docs/node.md``. Public API::
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
+from nodes import config as _config
+from nodes.adapters import ADAPTERS
 from nodes.agent import run_node, serve_node, serve_node_session
 from nodes.config import (
+    AdapterKind,
     ModelConfig,
     NodeConfig,
     NodeConfigError,
     ProviderConfig,
     default_node_config,
     hello_from_config,
-    load_node_config,
 )
 from nodes.dial import NodeRejected, dial_edge
 from nodes.runner import Runner, RunnerStatistics, open_runner
+
+
+def load_node_config(
+    path: str | os.PathLike[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    adapters: Mapping[str, AdapterKind] = ADAPTERS,
+) -> NodeConfig:
+    """Load and validate a node configuration file (``docs/node.md``), its provider types
+    checked against ``adapters`` (the built-in registry unless given). Raises
+    :class:`NodeConfigError`."""
+    return _config.load_node_config(path, environ=environ, adapters=adapters)
+
 
 __all__ = [
     "ModelConfig",

@@ -412,14 +412,14 @@ def load_node_config(
     path: str | os.PathLike[str],
     *,
     environ: Mapping[str, str] | None = None,
-    adapters: Mapping[str, AdapterKind] | None = None,
+    adapters: Mapping[str, AdapterKind],
 ) -> NodeConfig:
     """Load and validate a node configuration file; see ``docs/node.md`` for the format.
 
     ``environ`` (default ``os.environ``) resolves ``node.token_env``. ``adapters`` is the
-    adapter registry that provider types are checked against (default
-    ``nodes.adapters.ADAPTERS``; a registry with more types makes them loadable).
-    Raises :class:`NodeConfigError`.
+    adapter registry that provider types are checked against (``nodes.load_node_config``
+    passes the built-in ``nodes.adapters.ADAPTERS``: the adapters import this module, so it
+    names none of them). Raises :class:`NodeConfigError`.
     """
     source = str(path)
     try:
@@ -432,12 +432,6 @@ def load_node_config(
         raise NodeConfigError(source, "", "the file is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise NodeConfigError(source, "", f"invalid TOML: {exc}") from None
-    if adapters is None:
-        # The built-in registry, looked up only for this default: the adapters import this
-        # module (for ProviderConfig), so it cannot import them at the top.
-        from nodes.adapters import ADAPTERS
-
-        adapters = ADAPTERS
     return parse_node_config(
         data,
         source=source,

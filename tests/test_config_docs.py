@@ -15,7 +15,8 @@ import pytest
 
 from dispatcher.config import ConfigError, load_edge_config
 from dispatcher.config_summary import ConfigKind, config_kind
-from nodes.config import NodeConfigError, load_node_config
+from nodes import load_node_config
+from nodes.config import NodeConfigError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```toml\n(.*?)^```", re.DOTALL | re.MULTILINE)

@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from dispatcher import wire
+from nodes import load_node_config
 from nodes.agent import serve_node
 from nodes.config import (
     DEFAULT_EDGE_URL,
@@ -18,7 +19,6 @@ from nodes.config import (
     check_edge_url,
     default_node_config,
     hello_from_config,
-    load_node_config,
 )
 
 VALID = """

@@ -21,6 +21,7 @@ from dispatcher.transport import (
     MemoryConnection,
     memory_connection_pair,
 )
+from nodes import load_node_config
 from nodes.agent import (
     CANCEL_REPORT_TIMEOUT,
     NODE_DRAINING,
@@ -33,7 +34,6 @@ from nodes.config import (
     NodeConfig,
     ProviderConfig,
     default_node_config,
-    load_node_config,
 )
 from tests.nodes.fake_providers import FakeOpenAI, serve_fake_openai
 

@@ -11,13 +11,13 @@ import attrs
 import pytest
 
 from dispatcher import wire
+from nodes import load_node_config
 from nodes.adapters import ADAPTERS, AdapterSpec, RunOutput, build_adapters, validate_options
 from nodes.config import (
     NodeConfigError,
     OptionsError,
     ProviderConfig,
     hello_from_config,
-    load_node_config,
 )
 from nodes.runner import open_runner
 from tests.nodes._helpers import Recorder, assert_well_formed, request
