@@ -6,7 +6,7 @@
         ...
         ledger.record(row)        # synchronous, never blocks: safe in `finally:` blocks
         ...
-        report = await ledger.query(since=t0, attribution="key-1")
+        report = await ledger.query(UsageFilter(since=t0, attribution="key-1"))
     # leaving the block, however it is left, writes what is pending (shielded, with a
     # deadline) and closes the database
 
@@ -37,13 +37,15 @@ import sqlite3
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, Literal, TypedDict, get_args
+from typing import Any, Final, Literal, get_args
 
 import attrs
 import trio
 
 __all__ = [
     "BILLABLE_TO",
+    "DEFAULT_QUERY_LIMIT",
+    "EVERY_ROW",
     "FLUSH_TIMEOUT",
     "GROUP_BY",
     "MAX_PENDING",
@@ -57,6 +59,7 @@ __all__ = [
     "GroupBy",
     "Outcome",
     "TokenTotals",
+    "UsageFilter",
     "UsageGroup",
     "UsageLedger",
     "UsageLedgerStatistics",
@@ -82,6 +85,8 @@ MAX_PENDING: Final = 100_000
 """Default bound on rows waiting to be written."""
 MAX_QUERY_LIMIT: Final = 10_000
 """The most rows one query returns (totals always cover every matching row)."""
+DEFAULT_QUERY_LIMIT: Final = 1000
+"""The rows a query returns when it does not say."""
 WRITE_ATTEMPTS: Final = 5
 """Tries of one batch's transaction before its rows are given up."""
 RETRY_DELAY: Final = 0.1
@@ -226,20 +231,57 @@ class UsageGroup:
     """The cost of the tokens billable to the client."""
 
 
+def _not_before_since(
+    instance: UsageFilter, _: attrs.Attribute[float | None], until: float | None
+) -> None:
+    if until is not None and instance.since is not None and until < instance.since:
+        raise ValueError(f"until: before since ({until} < {instance.since})")
+
+
+@attrs.frozen(kw_only=True)
+class UsageFilter:
+    """Which rows a query covers: attempts that ended in ``[since, until)`` (unix seconds),
+    for one ``attribution``, one model group ``model`` (``model_group``, the name clients
+    use) and the client's own request id ``client_request_id``; a filter left None matches
+    every row."""
+
+    since: float | None = None
+    until: float | None = attrs.field(default=None, validator=_not_before_since)
+    attribution: str | None = None
+    model: str | None = None
+    client_request_id: str | None = None
+
+
+EVERY_ROW: Final = UsageFilter()
+"""The filter that matches every row."""
+
+
+@attrs.frozen(kw_only=True)
+class UsageQuery:
+    """A question to the ledger, as ``GET /v1/usage`` asks it
+    (``dispatcher.api.usage_report.parse_usage_query``): the rows ``filter`` covers, at most
+    ``limit`` of them (:meth:`UsageLedger.query`), and their sums grouped by ``group_by``
+    (:meth:`UsageLedger.query_groups`)."""
+
+    filter: UsageFilter = EVERY_ROW
+    limit: int = DEFAULT_QUERY_LIMIT
+    group_by: tuple[GroupBy, ...] = GROUP_BY
+
+
 @attrs.frozen(kw_only=True)
 class UsageReport:
-    """What :meth:`UsageLedger.query` found: the filters, the rows (newest first), totals."""
+    """What :meth:`UsageLedger.query` found: the filter and limit it was asked, the totals
+    over every matching row, and the rows (newest first), as ``GET /v1/usage`` shows them."""
 
-    since: float | None
-    until: float | None
-    attribution: str | None
-    model: str | None
-    client_request_id: str | None = None
+    filter: UsageFilter
     limit: int
-    rows: tuple[UsageRow, ...]
-    truncated: bool
-    """More rows matched than ``limit``; the totals still cover all of them."""
     totals: UsageTotals
+    rows: tuple[UsageRow, ...]
+
+    @property
+    def truncated(self) -> bool:
+        """More rows matched than ``limit``; the totals still cover all of them."""
+        return self.totals.attempts > len(self.rows)
 
 
 @attrs.frozen(kw_only=True)
@@ -261,18 +303,6 @@ class UsageLedgerStatistics:
     """Rows that met an existing row's primary key at write time and were dropped."""
     write_errors: int
     """Failed transactions (each retry counts) and rows the database refused."""
-
-
-class UsageQuery(TypedDict, total=False):
-    """The keyword arguments of :meth:`UsageLedger.query`, as :func:`parse_usage_query`
-    returns them."""
-
-    since: float
-    until: float
-    attribution: str
-    model: str
-    limit: int
-    client_request_id: str
 
 
 # --------------------------------------------------------------------------- the database
@@ -400,23 +430,15 @@ class _Database:
             cursor.close()
         return _WriteResult(inserted, duplicates, refused)
 
-    def query(
-        self,
-        since: float | None,
-        until: float | None,
-        attribution: str | None,
-        model: str | None,
-        limit: int,
-        client_request_id: str | None = None,
-    ) -> tuple[list[UsageRow], bool, UsageTotals]:
-        where, params = _where(since, until, attribution, model, client_request_id)
+    def query(self, matching: UsageFilter, limit: int) -> UsageReport:
+        where, params = _where(matching)
         conn = self._conn
         conn.execute("BEGIN")  # one snapshot for the rows and the totals
         try:
             found = conn.execute(
                 f"SELECT {', '.join(_COLUMNS)} FROM usage {where} "
                 "ORDER BY ended_at DESC, request_id DESC, attempt DESC LIMIT ?",
-                [*params, limit + 1],
+                [*params, limit],
             ).fetchall()
             (requests,) = conn.execute(
                 f"SELECT COUNT(DISTINCT request_id) FROM usage {where}", params
@@ -430,20 +452,17 @@ class _Database:
             ).fetchall()
         finally:
             conn.execute("COMMIT")
-        rows = [UsageRow(**dict(zip(_COLUMNS, values, strict=True))) for values in found[:limit]]
-        return rows, len(found) > limit, _fold_totals(requests, groups)
+        return UsageReport(
+            filter=matching,
+            limit=limit,
+            totals=_fold_totals(requests, groups),
+            rows=tuple(UsageRow(**dict(zip(_COLUMNS, values, strict=True))) for values in found),
+        )
 
     def query_groups(
-        self,
-        group_by: Sequence[GroupBy],
-        since: float | None,
-        until: float | None,
-        attribution: str | None,
-        model: str | None,
-        client_request_id: str | None,
-        billable: bool,
+        self, matching: UsageFilter, group_by: Sequence[GroupBy], billable: bool
     ) -> list[UsageGroup]:
-        where, params = _where(since, until, attribution, model, client_request_id)
+        where, params = _where(matching)
         if billable:
             where = (
                 f"{where} AND billable_to = 'client'" if where else ("WHERE billable_to = 'client'")
@@ -483,21 +502,15 @@ class _Database:
         self._conn.close()
 
 
-def _where(
-    since: float | None,
-    until: float | None,
-    attribution: str | None,
-    model: str | None,
-    client_request_id: str | None,
-) -> tuple[str, list[object]]:
+def _where(matching: UsageFilter) -> tuple[str, list[object]]:
     clauses: list[str] = []
     params: list[object] = []
     for clause, value in (
-        ("ended_at >= ?", since),
-        ("ended_at < ?", until),
-        ("attribution = ?", attribution),
-        ("model_group = ?", model),
-        ("client_request_id = ?", client_request_id),
+        ("ended_at >= ?", matching.since),
+        ("ended_at < ?", matching.until),
+        ("attribution = ?", matching.attribution),
+        ("model_group = ?", matching.model),
+        ("client_request_id = ?", matching.client_request_id),
     ):
         if value is not None:
             clauses.append(clause)
@@ -630,77 +643,44 @@ class UsageLedger:
 
     async def query(
         self,
+        where: UsageFilter = EVERY_ROW,
+        /,
         *,
-        since: float | None = None,
-        until: float | None = None,
-        attribution: str | None = None,
-        model: str | None = None,
-        limit: int = 1000,
-        client_request_id: str | None = None,
+        limit: int = DEFAULT_QUERY_LIMIT,
+        **filters: Any,
     ) -> UsageReport:
-        """Rows whose attempt ended in ``[since, until)`` (unix seconds), for
-        ``attribution``, model group ``model`` and the client's own request id
-        ``client_request_id`` when given, newest first, at most ``limit`` of them; totals
-        over every matching row. Everything recorded before the call is included."""
+        """The rows ``where`` covers, newest first, at most ``limit`` of them; totals over
+        every matching row. ``filters`` are :class:`UsageFilter`'s fields by name, over
+        ``where``'s (``query(since=t0, model="llama")``). Everything recorded before the call
+        is included."""
         if isinstance(limit, bool) or not isinstance(limit, int):
             raise TypeError(f"limit must be an int, got {limit!r}")
         if not 0 <= limit <= MAX_QUERY_LIMIT:
             raise ValueError(f"limit must be between 0 and {MAX_QUERY_LIMIT}, got {limit}")
-        if since is not None and until is not None and since > until:
-            raise ValueError(f"since ({since}) is after until ({until})")
+        where = attrs.evolve(where, **filters)
         await self.flush()
-        rows, truncated, totals = await trio.to_thread.run_sync(
-            self._db.query,
-            since,
-            until,
-            attribution,
-            model,
-            limit,
-            client_request_id,
-            limiter=self._limiter,
-        )
-        return UsageReport(
-            since=since,
-            until=until,
-            attribution=attribution,
-            model=model,
-            client_request_id=client_request_id,
-            limit=limit,
-            rows=tuple(rows),
-            truncated=truncated,
-            totals=totals,
-        )
+        return await trio.to_thread.run_sync(self._db.query, where, limit, limiter=self._limiter)
 
     async def query_groups(
         self,
+        where: UsageFilter = EVERY_ROW,
+        /,
         *,
         group_by: Sequence[GroupBy] = GROUP_BY,
-        since: float | None = None,
-        until: float | None = None,
-        attribution: str | None = None,
-        model: str | None = None,
-        client_request_id: str | None = None,
         billable: bool = False,
+        **filters: Any,
     ) -> list[UsageGroup]:
-        """Sums of the rows whose attempt ended in ``[since, until)``, for ``attribution``,
-        ``model`` and ``client_request_id`` when given (only rows billable to the client
-        with ``billable``),
-        grouped by ``group_by`` (any of :data:`GROUP_BY`, none: one group of every row),
-        ordered by the groups' values. Everything recorded before the call is included."""
+        """Sums of the rows ``where`` (and ``filters``, as :meth:`query` takes them) covers
+        (only rows billable to the client with ``billable``), grouped by ``group_by`` (any
+        of :data:`GROUP_BY`, none: one group of every row), ordered by the groups' values.
+        Everything recorded before the call is included."""
         unknown = [name for name in group_by if name not in GROUP_BY]
         if unknown or len(set(group_by)) != len(group_by):
             raise ValueError(f"group_by: expected distinct names of {GROUP_BY}, got {group_by}")
+        where = attrs.evolve(where, **filters)
         await self.flush()
         return await trio.to_thread.run_sync(
-            self._db.query_groups,
-            tuple(group_by),
-            since,
-            until,
-            attribution,
-            model,
-            client_request_id,
-            billable,
-            limiter=self._limiter,
+            self._db.query_groups, where, tuple(group_by), billable, limiter=self._limiter
         )
 
     def statistics(self) -> UsageLedgerStatistics:

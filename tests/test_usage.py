@@ -19,12 +19,15 @@ from hypothesis import strategies as st
 
 from dispatcher.api.usage_report import parse_usage_query, usage_report_json
 from dispatcher.usage import (
+    GROUP_BY,
     MAX_QUERY_LIMIT,
     RECENT_KEYS,
     USAGE_DB_NAME,
     DuplicateUsageRow,
     TokenTotals,
+    UsageFilter,
     UsageLedger,
+    UsageQuery,
     UsageRow,
     open_usage_ledger,
 )
@@ -447,6 +450,25 @@ async def test_query_arguments_are_checked(filled: UsageLedger) -> None:
         await filled.query(limit=MAX_QUERY_LIMIT + 1)
     with pytest.raises(ValueError, match="since"):
         await filled.query(since=T0 + 1, until=T0)
+    with pytest.raises(ValueError, match=r"^until: before since"):
+        UsageFilter(since=T0 + 1, until=T0)
+    with pytest.raises(TypeError, match="modle"):
+        await filled.query(modle="llama")
+    with pytest.raises(TypeError, match="modle"):
+        await filled.query_groups(modle="llama")
+
+
+async def test_a_filter_and_filters_by_name_combine(filled: UsageLedger) -> None:
+    key2 = UsageFilter(attribution="key-2")
+    by_name = await filled.query(attribution="key-2", model="llama", since=T0 + 35)
+    combined = await filled.query(key2, model="llama", since=T0 + 35)
+    assert combined == by_name
+    assert combined.filter == UsageFilter(attribution="key-2", model="llama", since=T0 + 35)
+    assert combined.rows
+    assert {row.attribution for row in combined.rows} == {"key-2"}
+    assert (await filled.query(key2)).totals != combined.totals
+    (group,) = await filled.query_groups(key2, group_by=(), model="llama", since=T0 + 35)
+    assert group.attempts == combined.totals.attempts
 
 
 async def test_report_json(filled: UsageLedger) -> None:
@@ -483,20 +505,32 @@ async def test_report_json(filled: UsageLedger) -> None:
 @pytest.mark.parametrize(
     ("query_string", "expected"),
     [
-        ("", {}),
-        ("?", {}),
-        ("since=1700000000&until=1700000060.5", {"since": T0, "until": T0 + 60.5}),
-        ("since=2023-11-14T22:13:20Z", {"since": T0}),
-        ("since=2023-11-14T22:13:20", {"since": T0}),  # no zone: UTC
-        ("since=2023-11-15T00:13:20%2B02:00", {"since": T0}),
-        ("since=2023-11-14", {"since": T0 - 22 * 3600 - 13 * 60 - 20}),
-        ("attribution=key%201&model=llama", {"attribution": "key 1", "model": "llama"}),
-        ("limit=0", {"limit": 0}),
-        (f"limit={MAX_QUERY_LIMIT}", {"limit": MAX_QUERY_LIMIT}),
+        ("", UsageQuery()),
+        ("?", UsageQuery()),
+        (
+            "since=1700000000&until=1700000060.5",
+            UsageQuery(filter=UsageFilter(since=T0, until=T0 + 60.5)),
+        ),
+        ("since=2023-11-14T22:13:20Z", UsageQuery(filter=UsageFilter(since=T0))),
+        ("since=2023-11-14T22:13:20", UsageQuery(filter=UsageFilter(since=T0))),  # no zone: UTC
+        ("since=2023-11-15T00:13:20%2B02:00", UsageQuery(filter=UsageFilter(since=T0))),
+        (
+            "since=2023-11-14",
+            UsageQuery(filter=UsageFilter(since=T0 - 22 * 3600 - 13 * 60 - 20)),
+        ),
+        (
+            "attribution=key%201&model=llama",
+            UsageQuery(filter=UsageFilter(attribution="key 1", model="llama")),
+        ),
+        ("client_request_id=mine-1", UsageQuery(filter=UsageFilter(client_request_id="mine-1"))),
+        ("limit=0", UsageQuery(limit=0)),
+        (f"limit={MAX_QUERY_LIMIT}", UsageQuery(limit=MAX_QUERY_LIMIT)),
+        ("group_by=day,key", UsageQuery(group_by=("day", "key"))),
     ],
 )
-def test_parse_usage_query(query_string: str, expected: dict[str, Any]) -> None:
+def test_parse_usage_query(query_string: str, expected: UsageQuery) -> None:
     assert parse_usage_query(query_string) == expected
+    assert UsageQuery() == UsageQuery(filter=UsageFilter(), limit=1000, group_by=GROUP_BY)
 
 
 @pytest.mark.parametrize(
@@ -522,7 +556,8 @@ def test_parse_usage_query_names_the_bad_parameter(query_string: str, bad: str) 
 
 async def test_parsed_query_feeds_the_ledger(filled: UsageLedger) -> None:
     query = parse_usage_query("model=llama&since=2023-11-14T22:13:40Z&limit=1")
-    report = await filled.query(**query)
+    report = await filled.query(query.filter, limit=query.limit)
+    assert report.filter == UsageFilter(model="llama", since=T0 + 20)
     assert report.totals.attempts == 3
     assert [row.key for row in report.rows] == [("r2", 2)]
 
@@ -661,6 +696,6 @@ async def test_rows_are_searchable_by_the_clients_request_id() -> None:
         ledger.record(make_row("edge-1", client_request_id="reused"))
         ledger.record(make_row("edge-2", client_request_id="reused"))
         ledger.record(make_row("edge-3", client_request_id="other"))
-        report = await ledger.query(**parse_usage_query("client_request_id=reused"))
+        report = await ledger.query(parse_usage_query("client_request_id=reused").filter)
     assert sorted(r.request_id for r in report.rows) == ["edge-1", "edge-2"]
     assert report.totals.requests == 2

@@ -4,6 +4,7 @@ errors in the OpenAI shape, like the OpenAI routes beside them."""
 
 from __future__ import annotations
 
+import attrs
 import orjson
 
 from ..config import ConfigError
@@ -14,7 +15,7 @@ from ..transport import ConnectionClosed
 from .common import JSON_HEADERS, openai_error
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
-from .usage_report import parse_usage_request, usage_report_json
+from .usage_report import parse_usage_query, usage_report_json
 
 __all__ = ["FRONT_END", "NODE_CONNECT_PATH", "ServerWebSocketConnection"]
 
@@ -113,23 +114,19 @@ async def _usage(
     """The usage report: an admin key reads every row, a tenant's key its own (its id is
     the ``attribution`` filter, and naming another one is refused)."""
     try:
-        query, group_by = parse_usage_request(request.query)
+        query = parse_usage_query(request.query)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_query") from None
+    rows = query.filter
     if not ctx.admin:
         own = ctx.attribution
-        if query.setdefault("attribution", own or "") != own:
+        if rows.attribution is None:
+            rows = attrs.evolve(rows, attribution=own or "")
+        if rows.attribution != own:
             raise Forbidden("a key may read only its own usage", param="attribution")
-    report = await edge.ledger.query(**query)
-    groups = await edge.ledger.query_groups(
-        group_by=group_by,
-        since=query.get("since"),
-        until=query.get("until"),
-        attribution=query.get("attribution"),
-        model=query.get("model"),
-        client_request_id=query.get("client_request_id"),
-    )
-    body = usage_report_json(report, groups, group_by)
+    report = await edge.ledger.query(rows, limit=query.limit)
+    groups = await edge.ledger.query_groups(rows, group_by=query.group_by)
+    body = usage_report_json(report, groups, query.group_by)
     await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)
 
 

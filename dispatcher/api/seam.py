@@ -67,42 +67,33 @@ class WorkTicket(Protocol):
 
 
 class EdgeServices(Protocol):
-    """What the API routes use of the edge."""
+    """What the API routes use of the edge.
 
-    @property
-    def gate(self) -> Gate:
-        """Where every model request goes: attempts, recovery, the commit point."""
-        ...
+    The parts the dispatcher holds as fields are plain attributes here, of exactly the
+    fields' types; routes only read them (mypy would not refuse an assignment: a Protocol
+    makes a member read-only only as a property). The two properties are the members that
+    need one: ``registry``, a narrower view than the dispatcher's, and ``draining``, a
+    computed state."""
+
+    gate: Gate
+    """Where every model request goes: attempts, recovery, the commit point."""
+    metrics: Metrics
+    """The edge's metrics: every route's request is counted in them."""
+    traffic: Traffic
+    """The request records: the handler opens one per request (``dispatcher.traffic``)."""
+    ledger: UsageLedger
+    """The usage ledger (routes only query it; the gate records)."""
+    response_store: ResponseStore
+    """The Responses API's stored responses (owned by ``open_dispatcher``, beside the
+    ledger)."""
+    tenants: Tenants
+    """Who the keys are (``tenants.keys``, swapped by a reload) and their limits."""
+    started_at: float
+    """Unix time the edge started (``/v1/models``' ``created``)."""
 
     @property
     def registry(self) -> RegistryView:
         """The node registry, read only: who is connected, which models are served."""
-        ...
-
-    @property
-    def metrics(self) -> Metrics:
-        """The edge's metrics: every route's request is counted in them."""
-        ...
-
-    @property
-    def traffic(self) -> Traffic:
-        """The request records: the handler opens one per request (``dispatcher.traffic``)."""
-        ...
-
-    @property
-    def ledger(self) -> UsageLedger:
-        """The usage ledger (routes only query it; the gate records)."""
-        ...
-
-    @property
-    def response_store(self) -> ResponseStore:
-        """The Responses API's stored responses (owned by ``open_dispatcher``, beside the
-        ledger)."""
-        ...
-
-    @property
-    def started_at(self) -> float:
-        """Unix time the edge started (``/v1/models``' ``created``)."""
         ...
 
     @property
@@ -121,11 +112,6 @@ class EdgeServices(Protocol):
 
     def serve_node_connection(self, conn: Connection, peer: str) -> Awaitable[None]:
         """Serve one node's connection (hello, session, events) until it closes."""
-        ...
-
-    @property
-    def tenants(self) -> Tenants:
-        """Who the keys are (``tenants.keys``, swapped by a reload) and their limits."""
         ...
 
     async def reload_config(self) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """``GET /v1/usage`` on the HTTP side: its query string parsed into the ledger's query and
-grouping (:func:`parse_usage_request`; :func:`parse_usage_query` is the query alone) and the
-report rendered as the response body (:func:`usage_report_json`). The ledger itself (rows,
-SQLite, queries) is :mod:`dispatcher.usage`."""
+grouping (:func:`parse_usage_query`) and the report rendered as the response body
+(:func:`usage_report_json`). The ledger itself (rows, SQLite, queries) is
+:mod:`dispatcher.usage`."""
 
 from __future__ import annotations
 
@@ -9,32 +9,27 @@ import datetime
 import math
 import urllib.parse
 from collections.abc import Sequence
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import attrs
 import orjson
 
 from ..usage import (
+    DEFAULT_QUERY_LIMIT,
     GROUP_BY,
     MAX_QUERY_LIMIT,
     GroupBy,
     TokenTotals,
+    UsageFilter,
     UsageGroup,
     UsageQuery,
     UsageReport,
 )
 
-__all__ = ["parse_usage_query", "parse_usage_request", "usage_report_json"]
+__all__ = ["parse_usage_query", "usage_report_json"]
 
-_QUERY_PARAMETERS: Final = (
-    "since",
-    "until",
-    "attribution",
-    "model",
-    "client_request_id",
-    "limit",
-    "group_by",
-)
+_FILTERS: Final = tuple(field.name for field in attrs.fields(UsageFilter))
+_QUERY_PARAMETERS: Final = (*_FILTERS, "limit", "group_by")
 
 
 def _parse_time(name: str, value: str) -> float:
@@ -55,14 +50,6 @@ def _parse_time(name: str, value: str) -> float:
     return seconds
 
 
-def parse_usage_query(query_string: str) -> UsageQuery:
-    """The keyword arguments for :meth:`UsageLedger.query` from ``GET /v1/usage``'s query
-    string: ``since`` and ``until`` (unix seconds, or ISO-8601; without a zone it is UTC),
-    ``attribution``, ``model``, ``limit``. A ValueError names the bad parameter; unknown and
-    repeated parameters are errors too (a misspelt filter must not widen the totals)."""
-    return parse_usage_request(query_string)[0]
-
-
 def _group_by(value: str) -> tuple[GroupBy, ...]:
     names = tuple(name.strip() for name in value.split(","))
     if any(name not in GROUP_BY for name in names) or len(set(names)) != len(names):
@@ -73,11 +60,25 @@ def _group_by(value: str) -> tuple[GroupBy, ...]:
     return cast(tuple[GroupBy, ...], names)
 
 
-def parse_usage_request(query_string: str) -> tuple[UsageQuery, tuple[GroupBy, ...]]:
-    """:func:`parse_usage_query`, and ``group_by``: the dimensions of the report's groups
-    (comma-separated ``key``, ``model``, ``route``, ``day``; default all four)."""
-    query: UsageQuery = {}
-    group_by: tuple[GroupBy, ...] = GROUP_BY
+def _limit(value: str) -> int:
+    if not value.isdigit() or not value.isascii():
+        raise ValueError(f"limit: expected a whole number, got {value!r}")
+    limit = int(value)
+    if limit > MAX_QUERY_LIMIT:
+        raise ValueError(f"limit: at most {MAX_QUERY_LIMIT}, got {limit}")
+    return limit
+
+
+def parse_usage_query(query_string: str) -> UsageQuery:
+    """``GET /v1/usage``'s query string: the filter's ``since`` and ``until`` (unix seconds,
+    or ISO-8601; without a zone it is UTC), ``attribution``, ``model`` and
+    ``client_request_id``; ``limit``; ``group_by``, the dimensions of the report's groups
+    (comma-separated ``key``, ``model``, ``route``, ``day``; default all four). A ValueError
+    names the bad parameter; unknown and repeated parameters are errors too (a misspelt
+    filter must not widen the totals)."""
+    filters: dict[str, Any] = {}
+    limit = DEFAULT_QUERY_LIMIT
+    group_by = GROUP_BY
     seen: set[str] = set()
     for name, value in urllib.parse.parse_qsl(query_string.removeprefix("?"), True):
         if name not in _QUERY_PARAMETERS:
@@ -87,28 +88,15 @@ def parse_usage_request(query_string: str) -> tuple[UsageQuery, tuple[GroupBy, .
         seen.add(name)
         if not value:
             raise ValueError(f"{name}: empty value")
-        if name == "since":
-            query["since"] = _parse_time(name, value)
-        elif name == "until":
-            query["until"] = _parse_time(name, value)
-        elif name == "attribution":
-            query["attribution"] = value
-        elif name == "model":
-            query["model"] = value
-        elif name == "client_request_id":
-            query["client_request_id"] = value
+        if name in ("since", "until"):
+            filters[name] = _parse_time(name, value)
         elif name == "group_by":
             group_by = _group_by(value)
+        elif name == "limit":
+            limit = _limit(value)
         else:
-            if not value.isdigit() or not value.isascii():
-                raise ValueError(f"limit: expected a whole number, got {value!r}")
-            limit = int(value)
-            if limit > MAX_QUERY_LIMIT:
-                raise ValueError(f"limit: at most {MAX_QUERY_LIMIT}, got {limit}")
-            query["limit"] = limit
-    if "since" in query and "until" in query and query["since"] > query["until"]:
-        raise ValueError("until: before since")
-    return query, group_by
+            filters[name] = value
+    return UsageQuery(filter=UsageFilter(**filters), limit=limit, group_by=group_by)
 
 
 def _tokens_json(tokens: TokenTotals) -> dict[str, int]:
@@ -149,14 +137,7 @@ def usage_report_json(
     return orjson.dumps(
         {
             "object": "usage.report",
-            "query": {
-                "since": report.since,
-                "until": report.until,
-                "attribution": report.attribution,
-                "model": report.model,
-                "client_request_id": report.client_request_id,
-                "limit": report.limit,
-            },
+            "query": {**attrs.asdict(report.filter), "limit": report.limit},
             "totals": {
                 "requests": totals.requests,
                 "attempts": totals.attempts,
