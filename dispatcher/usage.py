@@ -37,7 +37,7 @@ import sqlite3
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, Literal, get_args
+from typing import Any, Final, Literal, TypedDict, Unpack, get_args
 
 import attrs
 import trio
@@ -254,6 +254,17 @@ class UsageFilter:
 
 EVERY_ROW: Final = UsageFilter()
 """The filter that matches every row."""
+
+
+class FilterFields(TypedDict, total=False):
+    """:class:`UsageFilter`'s fields as keyword arguments of the ledger's queries
+    (``query(since=t0, model="llama")``), so that mypy checks their names and types."""
+
+    since: float | None
+    until: float | None
+    attribution: str | None
+    model: str | None
+    client_request_id: str | None
 
 
 @attrs.frozen(kw_only=True)
@@ -647,7 +658,7 @@ class UsageLedger:
         /,
         *,
         limit: int = DEFAULT_QUERY_LIMIT,
-        **filters: Any,
+        **filters: Unpack[FilterFields],
     ) -> UsageReport:
         """The rows ``where`` covers, newest first, at most ``limit`` of them; totals over
         every matching row. ``filters`` are :class:`UsageFilter`'s fields by name, over
@@ -668,7 +679,7 @@ class UsageLedger:
         *,
         group_by: Sequence[GroupBy] = GROUP_BY,
         billable: bool = False,
-        **filters: Any,
+        **filters: Unpack[FilterFields],
     ) -> list[UsageGroup]:
         """Sums of the rows ``where`` (and ``filters``, as :meth:`query` takes them) covers
         (only rows billable to the client with ``billable``), grouped by ``group_by`` (any

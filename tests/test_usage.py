@@ -452,10 +452,12 @@ async def test_query_arguments_are_checked(filled: UsageLedger) -> None:
         await filled.query(since=T0 + 1, until=T0)
     with pytest.raises(ValueError, match=r"^until: before since"):
         UsageFilter(since=T0 + 1, until=T0)
+    # mypy refuses a misspelt filter where it can see it; one built at run time is refused too
+    misspelt: dict[str, Any] = {"modle": "llama"}
     with pytest.raises(TypeError, match="modle"):
-        await filled.query(modle="llama")
+        await filled.query(**misspelt)
     with pytest.raises(TypeError, match="modle"):
-        await filled.query_groups(modle="llama")
+        await filled.query_groups(**misspelt)
 
 
 async def test_a_filter_and_filters_by_name_combine(filled: UsageLedger) -> None:
