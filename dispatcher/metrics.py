@@ -292,7 +292,9 @@ class Metrics:
             self._series(self.token_usage, *where, "output").observe(tokens[1])
         if attempts:
             self._series(self.attempts, model).inc(attempts)
-            self._series(self.recoveries, model).inc(attempts - 1)
+            recoveries = self._series(self.recoveries, model)  # its series exists from the first
+            if attempts > 1:  # (an inc of 0 changes nothing: skipped)
+                recoveries.inc(attempts - 1)
 
     def prune(self) -> None:
         """Remove the recorded series of every model admission does not know any more

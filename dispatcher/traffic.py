@@ -21,7 +21,7 @@ counts.
 
 The access log is the logger ``dispatcher.access``: one record per request, at INFO (at DEBUG
 for a successful probe, scrape or status poll: :data:`QUIET_ROUTES`), its message
-``METHOD PATH STATUS`` and its fields (:meth:`RequestRecord.access_fields`) under
+``METHOD PATH STATUS`` and its fields (:meth:`RequestSummary.fields`) under
 :data:`dispatcher.logs.FIELDS`, which both log formats render escaped.
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -135,11 +136,14 @@ class RequestSummary:
     tokens_source: str | None
     started_at: float
 
+    def fields(self) -> dict[str, object]:
+        """The fields by name, in order (what ``attrs.asdict`` gives: every value is a
+        scalar), read without ``asdict``'s per-field machinery (one per request)."""
+        return dict(zip(_SUMMARY_FIELDS, _summary_values(self), strict=True))
 
-_COPIED = attrs.filters.include(
-    "request_id", "client_request_id", "method", "route", "key_id", "status", "outcome"
-)
-"""What a summary takes from the record as it is."""
+
+_SUMMARY_FIELDS: Final = tuple(field.name for field in attrs.fields(RequestSummary))
+_summary_values = operator.attrgetter(*_SUMMARY_FIELDS)
 
 
 @attrs.define(eq=False)
@@ -269,31 +273,36 @@ class RequestRecord:
         return None, None
 
     def summary(self, now: float) -> RequestSummary:
-        gated, attempt, counts = self.gated, self.attempt, self.counts()
+        return self._summary(now, self.counts(), self.ttft())
+
+    def _summary(self, now: float, counts: Counts | None, ttft: float | None) -> RequestSummary:
+        """:meth:`summary`, with the :meth:`counts` and :meth:`ttft` the caller read."""
+        gated, attempt = self.gated, self.attempt
         code, error = self._cause()
-        tokens = (None, None, None) if counts is None else attrs.astuple(counts)
-        served = (
-            (None, None)
-            if attempt is None
-            else (attempt.result.node_id, attempt.result.provider_id)
-        )
+        result = None if attempt is None else attempt.result
         return RequestSummary(
-            **attrs.asdict(self, recurse=False, filter=_COPIED),
+            request_id=self.request_id,
+            client_request_id=self.client_request_id,
+            method=self.method,
             path=_clip(self.path) or "",
+            route=self.route,
             model=self.model,
+            key_id=self.key_id,
             stream=None if gated is None else gated.stream,
             state=self.state(),
-            node=served[0],
-            provider=served[1],
+            node=None if result is None else result.node_id,
+            provider=None if result is None else result.provider_id,
+            status=self.status,
+            outcome=self.outcome,
             error_code=code,
             error=error,
             attempts=0 if gated is None else gated.result.attempts,
             queue_wait_s=_s(self.queue_wait(now)),
-            ttft_s=_s(self.ttft()),
+            ttft_s=_s(ttft),
             duration_s=round(now - self.started_at, 4),
-            input_tokens=tokens[0],
-            output_tokens=tokens[1],
-            tokens_source=tokens[2],
+            input_tokens=None if counts is None else counts.prompt_tokens,
+            output_tokens=None if counts is None else counts.completion_tokens,
+            tokens_source=None if counts is None else counts.usage_source,
             started_at=round(self.started_wall, 3),
         )
 
@@ -365,37 +374,35 @@ class Traffic:
             quiet = record.route in QUIET_ROUTES and record.outcome == "completed"
             level = logging.DEBUG if quiet else logging.INFO
             failure = record.is_failure
+            counts, ttft = record.counts(), record.ttft()  # read once, for both
             if failure or access_log.isEnabledFor(level):
-                summary = record.summary(now)
+                summary = record._summary(now, counts, ttft)
                 access_log.log(
                     level,
                     "%s %s %s",
                     summary.method,
                     summary.path,
                     summary.status if summary.status is not None else "-",
-                    extra={FIELDS: attrs.asdict(summary)},
+                    extra={FIELDS: summary.fields()},
                 )
                 if failure:
                     self.failures.appendleft(summary)
             if record.status in (429, 503) and record.model_label is not None:
                 self._refused(record.model_label, now, wall, record.status)
             if counted and self.metrics is not None and record.route is not None:
-                self._observe(self.metrics, record, now)
+                self.metrics.observe_request(
+                    record.model_label or UNKNOWN_MODEL,
+                    record.route,
+                    record.outcome or "failed",
+                    now - record.started_at,
+                    ttft=ttft,
+                    tokens=None
+                    if counts is None
+                    else (counts.prompt_tokens, counts.completion_tokens),
+                    attempts=0 if record.gated is None else record.gated.result.attempts,
+                )
         except Exception:
             log.exception("could not account for request %s", record.request_id)
-
-    @staticmethod
-    def _observe(metrics: Metrics, record: RequestRecord, now: float) -> None:
-        counts = record.counts()
-        metrics.observe_request(
-            record.model_label or UNKNOWN_MODEL,
-            record.route or "",
-            record.outcome or "failed",
-            now - record.started_at,
-            ttft=record.ttft(),
-            tokens=None if counts is None else (counts.prompt_tokens, counts.completion_tokens),
-            attempts=0 if record.gated is None else record.gated.result.attempts,
-        )
 
     def _refused(self, model: str, now: float, wall: float, status: int) -> None:
         seen = self._refusals.get(model)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import attrs
@@ -97,16 +97,20 @@ class Tenants:
         admitted under (their tickets hold it)."""
         self.policy = policy
 
-    @contextmanager
     def admitted(
         self, request_id: str, tenant: Tenant | None, model: str, body: dict[str, Any]
-    ) -> Iterator[Ticket | None]:
+    ) -> AbstractContextManager[Ticket | None]:
         """Check and hold one client request (``tenant`` None: client auth is off, nothing
         is limited). Raises :class:`~dispatcher.admission.UnknownModel` for a model the
         tenant may not use (as if it did not exist), the 429s for a refusal."""
         if tenant is None:
-            yield None
-            return
+            return nullcontext()  # nothing to hold: no generator per request
+        return self._admitted(request_id, tenant, model, body)
+
+    @contextmanager
+    def _admitted(
+        self, request_id: str, tenant: Tenant, model: str, body: dict[str, Any]
+    ) -> Iterator[Ticket]:
         policy = self.policy  # one snapshot: the tenant and the prices of the same config
         tenant = policy.current(tenant)
         if not tenant.allows(model):
@@ -145,7 +149,6 @@ class Tenants:
         its tenant when it is billable to the client."""
         names: tuple[str, ...] = (row.model_group,)
         ticket = self.limiter.ticket(row.request_id)
-        now, wall = self.clock(), self.wall()
         if ticket is not None:
             names = (row.model_group, ticket.model)
         if row.billable_to != "client":
@@ -153,13 +156,20 @@ class Tenants:
             cost = prices.cost(names, row.prompt_tokens, row.completion_tokens)
         elif ticket is not None:
             cost = self.limiter.bill(
-                ticket, row.prompt_tokens, row.completion_tokens, names, now=now, wall=wall
+                ticket,
+                row.prompt_tokens,
+                row.completion_tokens,
+                names,
+                now=self.clock(),
+                wall=self.wall(),
             )
         else:
             cost = self.policy.prices.cost(names, row.prompt_tokens, row.completion_tokens)
             if row.attribution is not None:
                 tokens = row.prompt_tokens + row.completion_tokens
-                self.limiter.spend(row.attribution, tokens, cost, now=now, wall=wall)
+                self.limiter.spend(
+                    row.attribution, tokens, cost, now=self.clock(), wall=self.wall()
+                )
         return attrs.evolve(row, cost_usd=cost)
 
     async def seed(self, ledger: SpendSource) -> None:
