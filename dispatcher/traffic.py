@@ -173,6 +173,9 @@ class RequestRecord:
     """The gate request a model route built (model, stream, the gate's result)."""
     model_label: str | None = None
     """The bounded ``model`` label of the request's metrics."""
+    asked_model: str | None = None
+    """The model the client asked for, known before the gate request is (a request the
+    tenant check refuses has one and no gate request)."""
     status: int | None = None
     """The status the answer started with (None: no answer started)."""
     outcome: str | None = None
@@ -189,6 +192,10 @@ class RequestRecord:
 
     def routed(self, route: str, *, work: bool) -> None:
         self.route, self.work = route, work
+
+    def asking(self, model: str, model_label: str) -> None:
+        """A model route read the model the client asks for (before its tenant check)."""
+        self.asked_model, self.model_label = model, model_label
 
     def dispatching(self, gated: GateRequest, model_label: str) -> None:
         """A model route built its gate request (the gate fills ``gated.result``)."""
@@ -215,7 +222,9 @@ class RequestRecord:
     @property
     def model(self) -> str | None:
         """The model as the client asked for it (clipped)."""
-        return None if self.gated is None else _clip(str(self.gated.dispatch.model))
+        if self.gated is not None:
+            return _clip(str(self.gated.dispatch.model))
+        return None if self.asked_model is None else _clip(self.asked_model)
 
     @property
     def attempt(self) -> RunAttempt | TunnelAttempt | None:
@@ -387,7 +396,8 @@ class Traffic:
                 )
                 if failure:
                     self.failures.appendleft(summary)
-            if record.status in (429, 503) and record.model_label is not None:
+            # a queue's refusals: admission's, inside the gate (not a tenant's limit, before it)
+            if record.status in (429, 503) and record.gated is not None and record.model_label:
                 self._refused(record.model_label, now, wall, record.status)
             if counted and self.metrics is not None and record.route is not None:
                 self.metrics.observe_request(

@@ -179,6 +179,8 @@ class ModelCall:
         else its ticket is held until the route is left (:func:`model_route`)."""
         request, ctx = self.request, self.ctx
         self.counted.model = self.edge.metric_model_label(body["model"])
+        if ctx.record is not None:
+            ctx.record.asking(body["model"], self.counted.model)
         tenancy = self.tenancy
         if tenancy.ticket is not None:
             raise RuntimeError("gate_request is called once per client request")
