@@ -47,7 +47,7 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Generic, TypedDict, TypeVar
+from typing import Final, Generic, TypedDict, TypeVar
 
 import attrs
 import trio
@@ -65,6 +65,9 @@ from .tunnel_http import PreCommit, TunnelCall, TunnelHead, commit_tunnel
 from .usage import ExecutionPath
 
 log = logging.getLogger("dispatcher.gate")
+
+MAX_STATISTICS: Final = 256
+"""Distinct keys :attr:`Gate.statistics` holds (failure codes are the node's words)."""
 
 Outcome = rules.Outcome
 GatePolicy = rules.GatePolicy
@@ -632,7 +635,12 @@ class Gate:
         raise _timed_out(attempt, policy, output_seen=pre_commit.output_at is not None)
 
     def _count(self, key: str) -> None:
-        self.statistics[key] = self.statistics.get(key, 0) + 1
+        # The failure codes come from nodes and providers: past MAX_STATISTICS distinct keys,
+        # a new one is counted as "other" (a hostile node cannot grow this without bound).
+        statistics = self.statistics
+        if key not in statistics and len(statistics) >= MAX_STATISTICS:
+            key = "attempt_failed:other"
+        statistics[key] = statistics.get(key, 0) + 1
 
 
 def _timed_out(attempt: Attempt, policy: GatePolicy, *, output_seen: bool) -> AttemptFailed:

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dispatcher import gate_rules as rules
+from dispatcher.gate import MAX_STATISTICS, Gate
 
 CODES = st.sampled_from(
     [
@@ -235,3 +236,16 @@ def test_failure_kind_x_committed_x_attempts_x_deadline(
     step = rules.after_failure(why, attempt=attempt, max_attempts=max_attempts)
     retried = failure.retryable and not deadline and attempt < max_attempts
     assert step == ("retry" if retried else "give_up")
+
+
+def test_gate_statistics_hold_a_bounded_number_of_failure_codes() -> None:
+    """The codes are a node's words: a node sending a new one each time does not grow the
+    table past MAX_STATISTICS keys; the rest are counted as "other"."""
+    gate = Gate.__new__(Gate)  # only its statistics table is used
+    gate.statistics = {}
+    for n in range(MAX_STATISTICS + 50):
+        gate._count(f"attempt_failed:code-{n}")
+    assert len(gate.statistics) == MAX_STATISTICS + 1
+    assert gate.statistics["attempt_failed:other"] == 50
+    gate._count("attempt_failed:code-0")  # a known key still counts as itself
+    assert gate.statistics["attempt_failed:code-0"] == 2
