@@ -30,11 +30,15 @@ import trio
 from . import wire
 from .pool import DispatchRequest, DispatchResult
 from .protocol.tokens import estimate_prompt_tokens, tokens_for_chars
-from .usage import ExecutionPath, Outcome, UsageRow, UsageSource
+from .usage import BillableTo, ExecutionPath, Outcome, UsageRow, UsageSource
 
 log = logging.getLogger("dispatcher.gate")
 
 UsageSink = Callable[[UsageRow], None]
+UsagePricing = Callable[[str, str, str | None, BillableTo, int, int], float | None]
+"""A row's ``cost_usd`` from its ``request_id``, ``model_group``, ``attribution``,
+``billable_to``, ``prompt_tokens`` and ``completion_tokens``, asked before the row is built
+(the tenants' :meth:`~dispatcher.tenants.Tenants.price`, which bills it too); never raises."""
 
 SETTLE_TIMEOUT: Final = 10.0
 """How long an abandoned run's usage row waits for the node's cancel confirmation."""
@@ -97,9 +101,23 @@ class Counts:
     usage_source: UsageSource
 
 
-def usage_row(request: Accounted, attempt: Attempted, counts: Counts) -> UsageRow:
-    """The one row builder, for both paths; ``duration_s`` and ``ended_at`` are now."""
+def usage_row(
+    request: Accounted, attempt: Attempted, counts: Counts, price: UsagePricing | None = None
+) -> UsageRow:
+    """The one row builder, for both paths; ``duration_s`` and ``ended_at`` are now. Its
+    ``cost_usd`` is ``price``'s (None without one): the row is built once, priced."""
     result = attempt.result
+    billable_to: BillableTo = "client" if attempt.committed else "operator"
+    cost = None
+    if price is not None:
+        cost = price(
+            request.request_id,
+            result.model_group,
+            request.attribution,
+            billable_to,
+            counts.prompt_tokens,
+            counts.completion_tokens,
+        )
     return UsageRow(
         request_id=request.request_id,
         attempt=attempt.number,
@@ -113,13 +131,14 @@ def usage_row(request: Accounted, attempt: Attempted, counts: Counts) -> UsageRo
         completion_tokens=counts.completion_tokens,
         usage_source=counts.usage_source,
         outcome=attempt.outcome,
-        billable_to="client" if attempt.committed else "operator",
         queue_wait_s=result.queue_wait,
         ttft_s=attempt.ttft,
         duration_s=trio.current_time() - attempt.started_at,
         ended_at=time.time(),
+        billable_to=billable_to,
         client_request_id=request.client_request_id,
         route=request.dispatch.route,
+        cost_usd=cost,
     )
 
 
@@ -185,13 +204,15 @@ class _Pending:
 
 @attrs.define(eq=False)
 class Accounting:
-    """Writes the rows to ``record_usage`` (the ledger); without one, nothing is recorded."""
+    """Writes the rows to ``record_usage`` (the ledger), priced by ``price``; without a
+    sink, nothing is recorded."""
 
     record_usage: UsageSink | None = None
     nursery: trio.Nursery | None = None
     """Where the deadline of abandoned runs' rows is kept (the dispatcher's own): one task
     for them all, started with the first."""
     settle_timeout: float = SETTLE_TIMEOUT
+    price: UsagePricing | None = None
     _deadlines: collections.deque[tuple[float, _Pending]] = attrs.field(
         factory=collections.deque, init=False
     )
@@ -265,7 +286,7 @@ class Accounting:
     def _write(self, request: Accounted, attempt: Attempted, counts: Counts) -> None:
         try:
             assert self.record_usage is not None
-            self.record_usage(usage_row(request, attempt, counts))
+            self.record_usage(usage_row(request, attempt, counts, self.price))
         except Exception:  # the ledger must never break a request's exit path
             log.exception(
                 "could not record usage for %s attempt %d", request.request_id, attempt.number
@@ -280,6 +301,7 @@ __all__ = [
     "Counts",
     "RunCounts",
     "TunnelCounts",
+    "UsagePricing",
     "UsageSink",
     "counts_so_far",
     "run_counts",

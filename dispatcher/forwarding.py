@@ -15,33 +15,35 @@ nothing else of ours.
 from __future__ import annotations
 
 import operator
-from typing import Any, Generic, Never, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Never, TypeVar, overload
 
 T = TypeVar("T")
 
 
-class Forwarded(Generic[T]):
+class Forwarded(property, Generic[T]):
     """A read-only attribute whose value is ``path`` (dotted, as :func:`operator.attrgetter`
     takes it) read off the instance. ``T`` is what the path reads: say it, the descriptor
-    cannot check it (the tests of the class that holds it do)."""
+    cannot check it (the tests of the class that holds it do).
 
-    __slots__ = ("_get", "path")
+    A :class:`property` whose getter is the :func:`operator.attrgetter` itself: a read runs
+    no Python frame (these are read on every request's hot objects)."""
 
     def __init__(self, path: str) -> None:
+        super().__init__(operator.attrgetter(path), self._refuse)
         self.path = path
-        self._get = operator.attrgetter(path)
 
-    @overload
-    def __get__(self, instance: None, owner: type[Any]) -> Forwarded[T]: ...
-    @overload
-    def __get__(self, instance: object, owner: type[Any] | None = None) -> T: ...
-    def __get__(self, instance: object | None, owner: type[Any] | None = None) -> T | Forwarded[T]:
-        if instance is None:
-            return self
-        value: T = self._get(instance)
-        return value
+    if TYPE_CHECKING:  # what a read gives, for the type checker (property's own at run time)
 
-    def __set__(self, instance: object, value: Never) -> None:
+        @overload
+        def __get__(self, instance: None, owner: type[Any]) -> Forwarded[T]: ...
+        @overload
+        def __get__(self, instance: object, owner: type[Any] | None = None) -> T: ...
+        def __get__(
+            self, instance: object | None, owner: type[Any] | None = None
+        ) -> T | Forwarded[T]: ...
+        def __set__(self, instance: object, value: Never) -> None: ...
+
+    def _refuse(self, instance: object, value: Never) -> None:
         """Refused: a forwarded attribute is read-only (set it where it lives)."""
         raise AttributeError(f"{self.path} is forwarded: it is read-only here")
 

@@ -54,7 +54,7 @@ import trio
 
 from . import gate_rules as rules
 from . import wire
-from .accounting import SETTLE_TIMEOUT, Accounting, Attempted, UsageSink
+from .accounting import SETTLE_TIMEOUT, Accounting, Attempted, UsagePricing, UsageSink
 from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
 from .errors import AllAttemptsFailed, NodeUnavailable, RunError, TunnelFailed, UpstreamRejected
 from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
@@ -329,7 +329,8 @@ class TunnelAnswer(_Answer[TunnelAttempt]):
 class Gate:
     """The stream gate (see the module docstring). ``record_usage`` is the ledger's sink;
     ``nursery`` is where an abandoned run's row waits for the node's cancel confirmation
-    (the dispatcher's own nursery; without one, such rows are written at once, estimated)."""
+    (the dispatcher's own nursery; without one, such rows are written at once, estimated);
+    ``price_usage`` prices each row as it is built (the tenants')."""
 
     def __init__(
         self,
@@ -338,10 +339,11 @@ class Gate:
         record_usage: UsageSink | None = None,
         nursery: trio.Nursery | None = None,
         settle_timeout: float = SETTLE_TIMEOUT,
+        price_usage: UsagePricing | None = None,
     ) -> None:
         self.pool = pool
         self.policy_for = policy_for
-        self.accounting = Accounting(record_usage, nursery, settle_timeout)
+        self.accounting = Accounting(record_usage, nursery, settle_timeout, price_usage)
         self.statistics: dict[str, int] = {}
 
     @property

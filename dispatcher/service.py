@@ -487,8 +487,9 @@ async def open_dispatcher_of(
             gate=Gate(
                 pool,
                 gate_policies(config),
-                record_usage=tenants.recorder(ledger.record),
+                record_usage=ledger.record,
                 nursery=nursery,
+                price_usage=tenants.price,
             ),
             ledger=ledger,
             response_store=response_store,

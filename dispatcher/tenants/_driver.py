@@ -3,8 +3,9 @@
 * :meth:`Tenants.admitted` is the one check of a client request, before the gate: a context
   manager that raises the refusal (429, or 404 for a model the key may not use) or holds the
   request's :class:`~dispatcher.tenants.Ticket` until it is left, however it is left.
-* :meth:`Tenants.recorder` is the usage sink in front of the ledger: each row gets its cost,
-  and a billable row bills its request's ticket.
+* :meth:`Tenants.price` is the gate's pricing hook: each usage row gets its cost as it is
+  built, and a billable row bills its request's ticket (:meth:`Tenants.recorder`: the same
+  in front of a sink of rows built unpriced).
 * :meth:`Tenants.seed` reads this month's billable spend from the ledger at start-up (a
   restart does not reset a budget); :meth:`Tenants.swap` is a reload's part.
 """
@@ -23,7 +24,7 @@ import trio
 from ..admission import UnknownModel
 from ..errors import QuotaExceeded, RateLimited, TokenRateLimited
 from ..protocol.tokens import estimate_prompt_tokens
-from ..usage import GroupBy, UsageGroup, UsageRow
+from ..usage import BillableTo, GroupBy, UsageGroup, UsageRow
 from ._core import Refusal, TenantLimiter, Ticket, month_start, periods
 from ._policy import KeyDirectory, Tenant, TenantPolicy
 
@@ -132,45 +133,64 @@ class Tenants:
             self.limiter.release(decision, now=self.clock(), wall=self.wall())
 
     def recorder(self, record: Callable[[UsageRow], None]) -> Callable[[UsageRow], None]:
-        """The usage sink in front of ``record`` (the ledger's): the row with its cost; a
-        billable row bills its request. Never raises into the gate's exit path."""
+        """A usage sink in front of ``record``: the row with its cost (:meth:`price`, which
+        bills it). The gate does not need one: it prices each row as it builds it."""
 
         def recorded(row: UsageRow) -> None:
-            try:
-                row = self.observe(row)
-            except Exception:  # the accounting must never break a request's exit path
-                log.exception("tenant accounting failed for request %s", row.request_id)
-            record(row)
+            record(self.observe(row))
 
         return recorded
 
     def observe(self, row: UsageRow) -> UsageRow:
-        """``row`` with its cost (at the prices its request was admitted under); billed to
-        its tenant when it is billable to the client."""
-        names: tuple[str, ...] = (row.model_group,)
-        ticket = self.limiter.ticket(row.request_id)
-        if ticket is not None:
-            names = (row.model_group, ticket.model)
-        if row.billable_to != "client":
-            prices = ticket.prices if ticket is not None else self.policy.prices
-            cost = prices.cost(names, row.prompt_tokens, row.completion_tokens)
-        elif ticket is not None:
-            cost = self.limiter.bill(
-                ticket,
-                row.prompt_tokens,
-                row.completion_tokens,
-                names,
-                now=self.clock(),
-                wall=self.wall(),
-            )
-        else:
-            cost = self.policy.prices.cost(names, row.prompt_tokens, row.completion_tokens)
-            if row.attribution is not None:
-                tokens = row.prompt_tokens + row.completion_tokens
-                self.limiter.spend(
-                    row.attribution, tokens, cost, now=self.clock(), wall=self.wall()
-                )
+        """``row`` with its cost (:meth:`price`)."""
+        cost = self.price(
+            row.request_id,
+            row.model_group,
+            row.attribution,
+            row.billable_to,
+            row.prompt_tokens,
+            row.completion_tokens,
+        )
         return attrs.evolve(row, cost_usd=cost)
+
+    def price(
+        self,
+        request_id: str,
+        model_group: str,
+        attribution: str | None,
+        billable_to: BillableTo,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> float | None:
+        """A usage row's cost (at the prices its request was admitted under), billed to its
+        tenant when it is billable to the client: the gate's pricing hook
+        (:data:`~dispatcher.accounting.UsagePricing`). Never raises into the gate's exit
+        path (None: the row is recorded unpriced)."""
+        try:
+            names: tuple[str, ...] = (model_group,)
+            ticket = self.limiter.ticket(request_id)
+            if ticket is not None:
+                names = (model_group, ticket.model)
+            if billable_to != "client":
+                prices = ticket.prices if ticket is not None else self.policy.prices
+                return prices.cost(names, prompt_tokens, completion_tokens)
+            if ticket is not None:
+                return self.limiter.bill(
+                    ticket,
+                    prompt_tokens,
+                    completion_tokens,
+                    names,
+                    now=self.clock(),
+                    wall=self.wall(),
+                )
+            cost = self.policy.prices.cost(names, prompt_tokens, completion_tokens)
+            if attribution is not None:
+                tokens = prompt_tokens + completion_tokens
+                self.limiter.spend(attribution, tokens, cost, now=self.clock(), wall=self.wall())
+            return cost
+        except Exception:  # the accounting must never break a request's exit path
+            log.exception("tenant accounting failed for request %s", request_id)
+            return None
 
     async def seed(self, ledger: SpendSource) -> None:
         """This month's billable spend per tenant (and today's), from the ledger: what was
