@@ -3,14 +3,23 @@ and lets the test decide every event, so each exit path of a run can be forced."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import attrs
 import trio
 
 from dispatcher import wire
-from dispatcher.edge import Dispatcher
+from dispatcher.api.app import FRONT_ENDS
+from dispatcher.api.front import FrontEnd
+from dispatcher.config import EdgeConfig
+from dispatcher.edge import Dispatcher, open_dispatcher
+from dispatcher.http import Server
 from dispatcher.transport import ConnectionClosed, MemoryConnection, memory_connection_pair
+from dispatcher.usage import UsageRow
+from nodes.config import NodeConfig
 
 
 def hello(
@@ -108,3 +117,49 @@ async def wait_until(predicate: object, timeout: float = 5) -> None:
     with trio.fail_after(timeout):
         while not predicate():
             await trio.sleep(0.001)
+
+
+@attrs.frozen
+class ServedEdge:
+    """A dispatcher serving HTTP on 127.0.0.1 (port 0), and every usage row it recorded."""
+
+    dispatcher: Dispatcher
+    server: Server
+    rows: list[UsageRow]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.address.port}"
+
+
+E = TypeVar("E", bound=ServedEdge)
+
+
+@asynccontextmanager
+async def serve_edge(
+    config: EdgeConfig,
+    kind: type[E],
+    *,
+    local_node: NodeConfig | bool = False,
+    front_ends: Sequence[FrontEnd] = FRONT_ENDS,
+) -> AsyncIterator[E]:
+    """Open ``config``'s dispatcher, keep a copy of each usage row it records (the ledger
+    still gets them), attach its in-process node (``True``: the default one; a
+    ``NodeConfig``: that one), serve ``front_ends`` and yield a ``kind`` of it."""
+    rows: list[UsageRow] = []
+    async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
+        record = dispatcher.gate.record_usage
+        assert record is not None
+
+        def both(row: UsageRow) -> None:
+            rows.append(row)
+            record(row)
+
+        dispatcher.gate.record_usage = both
+        if local_node is not False:
+            await dispatcher.attach_local_node(None if local_node is True else local_node)
+        server: Server = await nursery.start(
+            functools.partial(dispatcher.serve, front_ends=front_ends)
+        )
+        yield kind(dispatcher, server, rows)
+        server.shutdown()

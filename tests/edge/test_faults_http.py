@@ -6,10 +6,8 @@ connection (PeerGone) is recorded as a client that left, in the ledger and the m
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
-import attrs
 import httpx
 import openai
 import orjson
@@ -18,47 +16,22 @@ import trio
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, HTTPSettings, QueuePolicySettings
-from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.http import Server
 from dispatcher.runs import RunSpec
-from dispatcher.usage import UsageRow
 
-from .fakes import ScriptedNode, connect, hello, wait_until
+from .fakes import ScriptedNode, ServedEdge, connect, hello, serve_edge, wait_until
 from .test_admission_http import metric
 
-
-@attrs.frozen
-class Edge:
-    dispatcher: Dispatcher
-    server: Server
-    rows: list[UsageRow]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.address.port}"
+Edge = ServedEdge
 
 
-@asynccontextmanager
-async def open_edge(write_timeout: float = 30.0) -> AsyncIterator[Edge]:
+def open_edge(write_timeout: float = 30.0) -> AbstractAsyncContextManager[Edge]:
     config = EdgeConfig(
         port=0,
         local_node=False,
         http=HTTPSettings(write_timeout=write_timeout),
         models={"m": QueuePolicySettings()},
     )
-    rows: list[UsageRow] = []
-    async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
-        record = dispatcher.gate.record_usage
-        assert record is not None
-
-        def both(row: UsageRow) -> None:
-            rows.append(row)
-            record(row)
-
-        dispatcher.gate.record_usage = both
-        server: Server = await nursery.start(dispatcher.serve)
-        yield Edge(dispatcher, server, rows)
-        server.shutdown()
+    return serve_edge(config, Edge)
 
 
 def body(**extra: object) -> dict[str, object]:

@@ -9,13 +9,11 @@ fails the test.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from typing import Any, TypeVar
 
 import anthropic
-import attrs
 import httpx
 import orjson
 import pytest
@@ -25,27 +23,15 @@ from dispatcher import wire
 from dispatcher.api.anthropic import FRONT_END as MESSAGES
 from dispatcher.api.app import FRONT_ENDS
 from dispatcher.config import EdgeConfig
-from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.http import Server
 from dispatcher.protocol.tokens import estimate_tokens
-from dispatcher.usage import UsageRow
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
-from .fakes import connect, hello, wait_until
+from .fakes import ServedEdge, connect, hello, serve_edge, wait_until
 
 T = TypeVar("T")
 
 
-@attrs.frozen
-class Edge:
-    dispatcher: Dispatcher
-    server: Server
-    rows: list[UsageRow]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.address.port}"
-
+class Edge(ServedEdge):
     @contextmanager
     def client(self, **options: Any) -> Iterator[anthropic.Anthropic]:
         options.setdefault("api_key", "unused")
@@ -92,25 +78,13 @@ SERVED = FRONT_ENDS if MESSAGES in FRONT_ENDS else (*FRONT_ENDS, MESSAGES)
 once that line is applied: then as it is)."""
 
 
-@asynccontextmanager
-async def open_edge(node: NodeConfig | None = LOCAL, **config: Any) -> AsyncIterator[Edge]:
-    rows: list[UsageRow] = []
-    async with open_dispatcher(EdgeConfig(port=0, **config)) as dispatcher:
-        record = dispatcher.gate.record_usage
-        assert record is not None
-
-        def both(row: UsageRow) -> None:
-            rows.append(row)
-            record(row)
-
-        dispatcher.gate.record_usage = both
-        if node is not None:
-            await dispatcher.attach_local_node(node)
-        async with trio.open_nursery() as nursery:
-            serve = functools.partial(dispatcher.serve, front_ends=SERVED)
-            server: Server = await nursery.start(serve)
-            yield Edge(dispatcher, server, rows)
-            server.shutdown()
+def open_edge(node: NodeConfig | None = LOCAL, **config: Any) -> AbstractAsyncContextManager[Edge]:
+    return serve_edge(
+        EdgeConfig(port=0, **config),
+        Edge,
+        local_node=False if node is None else node,
+        front_ends=SERVED,
+    )
 
 
 @pytest.fixture

@@ -5,12 +5,11 @@ a recovered request counts once; a cancelled stream counts the tokens it used.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anthropic
-import attrs
 import httpx
 import openai
 import orjson
@@ -19,11 +18,8 @@ import trio
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, KeySettings, PriceSettings, QueuePolicySettings
-from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.http import Server
-from dispatcher.usage import UsageRow
 
-from .fakes import ScriptedNode, connect, hello, wait_until
+from .fakes import ScriptedNode, ServedEdge, connect, hello, serve_edge, wait_until
 
 ADMIN = "sk-admin"
 ALICE = "sk-alice"
@@ -33,16 +29,7 @@ BODY = {"model": "echo", "messages": MESSAGES}
 CLIENT_ID = "client-chosen-1"
 
 
-@attrs.frozen
-class Edge:
-    dispatcher: Dispatcher
-    server: Server
-    rows: list[UsageRow]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.address.port}"
-
+class Edge(ServedEdge):
     def openai(self, key: str) -> openai.OpenAI:
         # max_retries=0: the SDK retries a 429 by itself otherwise.
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30)
@@ -52,12 +39,11 @@ def alice(**limits: Any) -> KeySettings:
     return KeySettings(id="alice", key=ALICE, **limits)
 
 
-@asynccontextmanager
-async def open_edge(
+def open_edge(
     *keys: KeySettings,
     prices: dict[str, PriceSettings] | None = None,
     local_node: bool = True,
-) -> AsyncIterator[Edge]:
+) -> AbstractAsyncContextManager[Edge]:
     config = EdgeConfig(
         port=0,
         local_node=False,
@@ -66,21 +52,7 @@ async def open_edge(
         prices=prices or {},
         models={"m": QueuePolicySettings()},
     )
-    rows: list[UsageRow] = []
-    async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
-        record = dispatcher.gate.record_usage
-        assert record is not None
-
-        def both(row: UsageRow) -> None:
-            record(row)
-            rows.append(row)
-
-        dispatcher.gate.record_usage = both
-        if local_node:
-            await dispatcher.attach_local_node()
-        server: Server = await nursery.start(dispatcher.serve)
-        yield Edge(dispatcher, server, rows)
-        server.shutdown()
+    return serve_edge(config, Edge, local_node=local_node)
 
 
 def chat(edge: Edge, key: str, model: str = "echo", **extra: Any) -> Any:
