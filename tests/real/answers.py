@@ -53,6 +53,20 @@ class Answer:
     def usage(self) -> tuple[int | None, int | None, int | None]:
         return self.prompt_tokens, self.completion_tokens, self.total_tokens
 
+    @classmethod
+    def of(
+        cls,
+        text: str,
+        finish_reason: str | None,
+        usage: Any,
+        tool_calls: tuple[tuple[str, str], ...] = (),
+    ) -> Answer:
+        """From the SDK's ``usage`` object (None: the engine reported none)."""
+        if usage is None:
+            return cls(text, finish_reason, None, None, None, tool_calls)
+        counts = usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+        return cls(text, finish_reason, *counts, tool_calls)
+
 
 @contextmanager
 def client(base_url: str) -> Iterator[openai.OpenAI]:
@@ -81,12 +95,10 @@ def chat(sdk: openai.OpenAI, model: str, *, stream: bool, **knobs: Any) -> Answe
             for call in choice.message.tool_calls or ()
             if call.type == "function"
         )
-        return Answer(
+        return Answer.of(
             choice.message.content or "",
             choice.finish_reason,
-            usage.prompt_tokens if usage else None,
-            usage.completion_tokens if usage else None,
-            usage.total_tokens if usage else None,
+            usage,
             calls,
         )
     pieces: list[str] = []
@@ -114,12 +126,10 @@ def chat(sdk: openai.OpenAI, model: str, *, stream: bool, **knobs: Any) -> Answe
         (names.get(index, ""), "".join(arguments.get(index, [])))
         for index in sorted(set(names) | set(arguments))
     )
-    return Answer(
+    return Answer.of(
         "".join(pieces),
         finish,
-        usage_seen.prompt_tokens if usage_seen else None,
-        usage_seen.completion_tokens if usage_seen else None,
-        usage_seen.total_tokens if usage_seen else None,
+        usage_seen,
         calls,
     )
 
@@ -136,12 +146,10 @@ def completion(sdk: openai.OpenAI, model: str, *, stream: bool, **knobs: Any) ->
     if not stream:
         answer = sdk.completions.create(**request)
         usage = answer.usage
-        return Answer(
+        return Answer.of(
             answer.choices[0].text,
             answer.choices[0].finish_reason,
-            usage.prompt_tokens if usage else None,
-            usage.completion_tokens if usage else None,
-            usage.total_tokens if usage else None,
+            usage,
         )
     pieces: list[str] = []
     finish: str | None = None
@@ -156,12 +164,10 @@ def completion(sdk: openai.OpenAI, model: str, *, stream: bool, **knobs: Any) ->
                 pieces.append(choice.text)
                 if choice.finish_reason:
                     finish = choice.finish_reason
-    return Answer(
+    return Answer.of(
         "".join(pieces),
         finish,
-        usage_seen.prompt_tokens if usage_seen else None,
-        usage_seen.completion_tokens if usage_seen else None,
-        usage_seen.total_tokens if usage_seen else None,
+        usage_seen,
     )
 
 
