@@ -574,37 +574,36 @@ class Gate:
         head: list[wire.RunEvent] = []
         run = attempt.run
         first_token_deadline = attempt.dispatched_at + policy.first_token_timeout_s
-        while True:
-            timeout = (
-                first_token_deadline
-                if attempt.output_at is None
-                else trio.current_time() + policy.stall_timeout_s
-            )
-            with trio.move_on_at(timeout) as waited:
+        # One scope for the whole read, its deadline moved before each event is awaited
+        # once output was seen (the first-token deadline until then, the stall timeout from
+        # the last event after).
+        with trio.CancelScope(deadline=first_token_deadline) as waited:
+            while True:
+                if attempt.output_at is not None:
+                    waited.deadline = trio.current_time() + policy.stall_timeout_s
                 event = await run.__anext__()
-            if waited.cancelled_caught:
-                raise _timed_out(attempt, policy, output_seen=attempt.output_at is not None)
-            attempt.observe(event)
-            if isinstance(event, wire.RunFailed) and rules.is_client_error(
-                event.status, event.retryable
-            ):
-                # The upstream refused the request itself: the client's answer, relayed as
-                # the upstream's status (committed: this attempt answered the client).
-                attempt.committed = True
-                raise UpstreamRejected(event.message, code=event.code, status=event.status)
-            if isinstance(event, wire.RunFailed):
-                raise attempt.failure(
-                    event.code, f"{attempt.where}: {event.message}", retryable=event.retryable
-                )
-            if isinstance(event, wire.RunCancelled):
-                raise attempt.failure(
-                    "cancelled_by_node",
-                    f"{attempt.result.node_id}: the node cancelled the run",
-                    retryable=True,
-                )
-            head.append(event)
-            if isinstance(event, wire.RunCompleted) or (stream and _is_content(event)):
-                return head
+                attempt.observe(event)
+                if isinstance(event, wire.RunFailed) and rules.is_client_error(
+                    event.status, event.retryable
+                ):
+                    # The upstream refused the request itself: the client's answer, relayed
+                    # as the upstream's status (committed: this attempt answered the client).
+                    attempt.committed = True
+                    raise UpstreamRejected(event.message, code=event.code, status=event.status)
+                if isinstance(event, wire.RunFailed):
+                    raise attempt.failure(
+                        event.code, f"{attempt.where}: {event.message}", retryable=event.retryable
+                    )
+                if isinstance(event, wire.RunCancelled):
+                    raise attempt.failure(
+                        "cancelled_by_node",
+                        f"{attempt.result.node_id}: the node cancelled the run",
+                        retryable=True,
+                    )
+                head.append(event)
+                if isinstance(event, wire.RunCompleted) or (stream and _is_content(event)):
+                    return head
+        raise _timed_out(attempt, policy, output_seen=attempt.output_at is not None)
 
     async def _until_tunnel_commit(
         self, attempt: TunnelAttempt, call: TunnelCall, policy: GatePolicy

@@ -14,14 +14,16 @@ process-global state), so several dispatchers in one process, as in the tests, d
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol, TypeVar, cast
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import attrs
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from . import series
 from .admission import ADMIT_REASONS, HEALTH_STATES, REJECT_CAUSES, Admission
+from .series import CounterSeries, Family, HistogramSeries, S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -59,8 +61,6 @@ OPERATIONS = {
 }
 """``gen_ai_operation_name`` of each model route (the conventions' well-known values); another
 route's is ``chat``."""
-
-M = TypeVar("M", bound=MetricWrapperBase)
 
 UNKNOWN_MODEL = "unknown"
 """The ``model`` label of a request for a model nobody serves or configures
@@ -183,6 +183,21 @@ class _InFlightCollector(Collector):
         )
 
 
+@attrs.define(eq=False)
+class _RequestSeries:
+    """The series the ended requests of one (model, route, outcome) observe, each made when
+    first needed (a request without a first output makes no time-to-first-token series)."""
+
+    where: tuple[str, str, str]
+    """The labels the gen_ai families share: model, operation, route."""
+    duration: HistogramSeries
+    ttft: HistogramSeries | None = None
+    tokens: tuple[HistogramSeries, HistogramSeries] | None = None
+    """Input and output."""
+    attempts: tuple[CounterSeries, CounterSeries] | None = None
+    """Attempts and recoveries."""
+
+
 class Metrics:
     """The dispatcher's metrics registry.
 
@@ -195,12 +210,12 @@ class Metrics:
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
-        self._tracked: dict[
-            MetricWrapperBase, dict[str, dict[tuple[str, ...], MetricWrapperBase]]
-        ] = {}
-        """Per recorded metric, per model label: its children by their other labels (kept, so a
-        request's observations look a child up in a dict, not through ``labels()``)."""
-        """Per recorded metric: model -> the other label values it has series for."""
+        self._tracked: dict[Family[Any], dict[str, dict[tuple[str, ...], Any]]] = {}
+        """Per recorded family, per model label: its series by their other labels (for
+        :meth:`prune`)."""
+        self._request_groups: dict[tuple[str, str, str], _RequestSeries] = {}
+        """An ended request's series by (model, route, outcome), the series
+        :meth:`observe_request` observes (emptied whenever :meth:`prune` removes a series)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_AdmissionCollector(admission))
         self.inflight_requests = 0
@@ -251,17 +266,18 @@ class Metrics:
 
     def _histogram(
         self, name: str, documentation: str, labels: list[str], buckets: tuple[float, ...]
-    ) -> Histogram:
+    ) -> Family[HistogramSeries]:
         """A recorded histogram (its first label is ``model``'s, pruned by :meth:`prune`)."""
-        metric = Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
-        self._tracked[metric] = {}
-        return metric
+        return self._track(series.histogram(name, documentation, labels, buckets))
 
-    def _counter(self, name: str, documentation: str, labels: list[str]) -> Counter:
+    def _counter(self, name: str, documentation: str, labels: list[str]) -> Family[CounterSeries]:
         """A recorded counter (as :meth:`_histogram`)."""
-        metric = Counter(name, documentation, labels, registry=self.registry)
-        self._tracked[metric] = {}
-        return metric
+        return self._track(series.counter(name, documentation, labels))
+
+    def _track(self, family: Family[S]) -> Family[S]:
+        self.registry.register(family)
+        self._tracked[family] = {}
+        return family
 
     def observe_admission(self, model: str, request_class: str, queue_wait: float) -> None:
         self._series(self.queue_wait, model, request_class).observe(queue_wait)
@@ -283,18 +299,34 @@ class Metrics:
         """An ended model-route request (``model``: a bounded label, ``metric_model_label``):
         its duration, time to first output (None: there was none), input and output tokens
         and attempts admitted."""
-        where = (model, OPERATIONS.get(route, "chat"), route)
-        self._series(self.request_duration, *where, outcome).observe(duration)
+        key = (model, route, outcome)
+        group = self._request_groups.get(key)
+        if group is None:
+            where = (model, OPERATIONS.get(route, "chat"), route)
+            group = _RequestSeries(where, self._series(self.request_duration, *where, outcome))
+            self._request_groups[key] = group
+        group.duration.observe(duration)
         if ttft is not None:
-            self._series(self.time_to_first_token, *where).observe(ttft)
+            if group.ttft is None:
+                group.ttft = self._series(self.time_to_first_token, *group.where)
+            group.ttft.observe(ttft)
         if tokens is not None:
-            self._series(self.token_usage, *where, "input").observe(tokens[0])
-            self._series(self.token_usage, *where, "output").observe(tokens[1])
+            if group.tokens is None:
+                group.tokens = (
+                    self._series(self.token_usage, *group.where, "input"),
+                    self._series(self.token_usage, *group.where, "output"),
+                )
+            group.tokens[0].observe(tokens[0])
+            group.tokens[1].observe(tokens[1])
         if attempts:
-            self._series(self.attempts, model).inc(attempts)
-            recoveries = self._series(self.recoveries, model)  # its series exists from the first
+            if group.attempts is None:
+                group.attempts = (
+                    self._series(self.attempts, model),
+                    self._series(self.recoveries, model),  # its series exists from the first
+                )
+            group.attempts[0].inc(attempts)
             if attempts > 1:  # (an inc of 0 changes nothing: skipped)
-                recoveries.inc(attempts - 1)
+                group.attempts[1].inc(attempts - 1)
 
     def prune(self) -> None:
         """Remove the recorded series of every model admission does not know any more
@@ -303,6 +335,7 @@ class Metrics:
             for model in [m for m in tracked if not self._known(m)]:
                 for values in tracked.pop(model):
                     metric.remove(model, *values)
+                self._request_groups = {}  # they may hold a removed series
 
     def render(self) -> bytes:
         self.prune()
@@ -311,14 +344,14 @@ class Metrics:
     def _known(self, model: str) -> bool:
         return model == UNKNOWN_MODEL or self._admission.knows_model(model)
 
-    def _series(self, metric: M, model: str, *values: str) -> M:
-        """``metric``'s child for ``model`` and ``values``, tracked for :meth:`prune`."""
+    def _series(self, metric: Family[S], model: str, *values: str) -> S:
+        """``metric``'s series for ``model`` and ``values``, tracked for :meth:`prune`."""
         tracked = self._tracked[metric]
         known = tracked.get(model)
         if known is None:  # a new model label: first let go of those that went away
             self.prune()
             known = tracked[model] = {}
-        child = known.get(values)
+        child: S | None = known.get(values)
         if child is None:
             child = known[values] = metric.labels(model, *values)
-        return cast(M, child)
+        return child
