@@ -446,9 +446,13 @@ class Gate:
     ) -> Answer | TunnelAnswer:
         """One attempt, its scopes entered on ``scopes``: admitted and opened, read up to
         its commit point (raising :class:`AttemptFailed` before it)."""
-        dispatch_request = attrs.evolve(
-            request.dispatch, exclude=frozenset(excluded), requeue=number > 1
-        )
+        dispatch_request, requeue = request.dispatch, number > 1
+        # a recovery is requeued, the candidates that failed excluded (a first attempt as it
+        # came, unless that said otherwise: no copy)
+        if dispatch_request.requeue != requeue or dispatch_request.exclude != excluded:
+            dispatch_request = attrs.evolve(
+                dispatch_request, exclude=frozenset(excluded), requeue=requeue
+            )
         started = request.result.waiting_since = trio.current_time()
         dispatch = await scopes.enter_async_context(
             self.pool.open(dispatch_request, prepare_run=self._prepare(request, number))

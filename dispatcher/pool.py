@@ -122,8 +122,9 @@ class Pool:
     ) -> AsyncIterator[Dispatch]:
         """Admit ``request`` and open the chosen candidate's path. ``prepare_run`` (this
         request's own hook) replaces the pool's."""
-        needs = attrs.evolve(
-            needs_from_body(request.body, session_id=request.session_id),
+        needs = needs_from_body(
+            request.body,
+            session_id=request.session_id,
             predicate=request.predicate,
             exclude=request.exclude,
         )

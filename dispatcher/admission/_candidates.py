@@ -202,8 +202,15 @@ _IMAGE_PARTS: Final = frozenset({"image_url", "input_image"})
 _JSON_FORMATS: Final = frozenset({"json_object", "json_schema"})
 
 
-def needs_from_body(body: Mapping[str, Any], *, session_id: str | None = None) -> Needs:
-    """The needs of an OpenAI chat-completions body.
+def needs_from_body(
+    body: Mapping[str, Any],
+    *,
+    session_id: str | None = None,
+    predicate: Predicate | None = None,
+    exclude: frozenset[CandidateKey] = frozenset(),
+) -> Needs:
+    """The needs of an OpenAI chat-completions body (with the request's ``session_id``,
+    ``predicate`` and ``exclude``, which the body does not say).
 
     ``tools`` (or the legacy ``functions``) non-empty -> tools, unless ``tool_choice`` (for
     ``functions``: ``function_call``) is ``"none"``: then the model may not call any, so a
@@ -248,5 +255,7 @@ def needs_from_body(body: Mapping[str, Any], *, session_id: str | None = None) -
         json=json,
         vision=vision,
         estimated_tokens=tokens_for_chars(chars) + max_tokens,
+        predicate=predicate,
+        exclude=exclude,
         session_id=session_id,
     )

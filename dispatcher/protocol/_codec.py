@@ -9,7 +9,7 @@ readable reason, whatever the input.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import cattrs
@@ -19,8 +19,6 @@ from cattrs.strategies import configure_tagged_union
 
 from ._errors import ProtocolError
 from ._messages import MAX_FRAME_SIZE, MESSAGE_TYPES, JSONObject, Message, TunnelData
-
-_BY_TAG: Final[Mapping[str, type[Any]]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 
 
 def _strict(kind: type[Any]) -> Any:
@@ -51,10 +49,21 @@ def _make_converter() -> cattrs.Converter:
 
 converter: Final = _make_converter()
 
+# Each message class's own hooks, looked up once: a frame is structured and unstructured as
+# the tagged union does it (the class's hook, then the tag), without the union's dispatch.
+_BY_TAG: Final[Mapping[str, tuple[type[Any], Callable[[Any, Any], Any]]]] = {
+    cls.TYPE: (cls, converter.get_structure_hook(cls)) for cls in MESSAGE_TYPES
+}
+_UNSTRUCTURE: Final[Mapping[type[Any], Callable[[Any], dict[str, Any]]]] = {
+    cls: converter.get_unstructure_hook(cls) for cls in MESSAGE_TYPES
+}
+
 
 def encode(message: Message) -> str:
     """A message as the text of one JSON frame."""
-    return orjson.dumps(converter.unstructure(message, Message)).decode()
+    raw = _UNSTRUCTURE[type(message)](message)
+    raw["type"] = message.TYPE
+    return orjson.dumps(raw).decode()
 
 
 def encode_tunnel_data(tunnel_id: str, data: bytes) -> bytes:
@@ -90,13 +99,12 @@ def decode(frame: str | bytes) -> Message:
     if not isinstance(raw, dict):
         raise ProtocolError(f"frame is a JSON {type(raw).__name__}, not an object")
     tag = raw.get("type")
-    cls = _BY_TAG.get(tag) if isinstance(tag, str) else None
-    if cls is None:
+    known = _BY_TAG.get(tag) if isinstance(tag, str) else None
+    if known is None:
         raise ProtocolError(f"unknown message type {tag!r}")
+    cls, structure = known
     try:
-        # cattrs types structure()'s target as type[T], which a Union is not; it structures
-        # unions at run time (the stubs are at fault, not the call).
-        message: Message = converter.structure(raw, Message)  # type: ignore[arg-type]
+        message: Message = structure(raw, cls)
     except Exception as exc:  # cattrs raises several kinds; all mean the same to a peer
         raise ProtocolError(f"invalid {tag!r} message: {_describe(exc)}") from None
     return message
