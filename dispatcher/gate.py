@@ -31,10 +31,11 @@ timeout, fails the attempt on a 5xx / 429 (:func:`dispatcher.gate_rules.tunnel_s
 and yields a :class:`TunnelAnswer` with what it buffered (``head``) for the relay to send,
 then the rest.
 
-The loop (:meth:`Gate.open`) holds each attempt's scopes -- its request deadline, its
-``pool.open``, its usage row -- in an :class:`~contextlib.AsyncExitStack`; the first attempt
-that commits hands its scopes to the request's own stack and the gate yields its answer once,
-after the loop, so the caller's block runs inside them. Every dispatched attempt (its run or
+The loop (:meth:`Gate.open`) enters each attempt as one block (``Gate._attempt``: its
+request deadline, its ``pool.open``, its usage row, nested) on the request's
+:class:`~contextlib.AsyncExitStack`; an attempt that fails before its commit point leaves its
+block as it raises, so the stack holds only the one that committed, and the gate yields its
+answer once, after the loop, so the caller's block runs inside its scopes. Every dispatched attempt (its run or
 tunnel request was sent) gets exactly one usage row when its scopes end, however they end
 (:mod:`dispatcher.accounting`). The decisions -- retry or not, how a scope ended, the row's
 outcome, the candidate's health -- are pure functions in :mod:`dispatcher.gate_rules`.
@@ -326,6 +327,40 @@ class TunnelAnswer(_Answer[TunnelAttempt]):
         self.attempt.delivered = True
 
 
+@attrs.define(eq=False)
+class _RowWhenEnded:
+    """An attempt's usage row, recorded exactly once when the block this wraps ends (however
+    it ends) -- if its request reached the node."""
+
+    accounting: Accounting
+    request: GateRequest
+    attempt: RunAttempt | TunnelAttempt
+    deadline: trio.CancelScope
+    """The attempt's deadline scope: whether it fired says how the attempt ended."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        exc: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        attempt = self.attempt
+        if not self.accounting.enabled:
+            return
+        if isinstance(attempt, TunnelAttempt) and not attempt.tunnel.sent:
+            return
+        raised: rules.Raised = (
+            "nothing" if exc is None else "cancelled" if holds(exc, trio.Cancelled) else "error"
+        )
+        how = rules.scope_ended(
+            raised, committed=attempt.committed, deadline_fired=self.deadline.cancel_called
+        )
+        self.request.result.outcome = attempt.record(self.accounting, self.request, how)
+
+
 class Gate:
     """The stream gate (see the module docstring). ``record_usage`` is the ledger's sink;
     ``nursery`` is where an abandoned run's row waits for the node's cancel confirmation
@@ -372,26 +407,17 @@ class Gate:
     async def _until_committed(
         self, request: GateRequest, committed: AsyncExitStack
     ) -> Answer | TunnelAnswer:
-        """The loop: each attempt's scopes in their own stack, left (aborting it) when it
-        fails; the committed one's moved onto ``committed``."""
+        """The loop: each attempt a block (:meth:`_attempt`) entered on ``committed``; one
+        that fails leaves its block (aborting it) as it raises, so only the committed one's
+        stays, and its answer is returned."""
         policy = self.policy_for(request.dispatch.model)
         excluded: set[CandidateKey] = set()
         last_failure: AttemptFailed | None = None
         deadline = trio.current_time() + policy.request_timeout_s
         for number in range(1, policy.max_attempts + 1):
             try:
-                async with AsyncExitStack() as scopes:
-                    deadline_scope = scopes.enter_context(trio.CancelScope(deadline=deadline))
-                    answer = await self._attempt(
-                        request, policy, number, excluded, deadline_scope, scopes
-                    )
-                    committed.push_async_exit(scopes.pop_all())
-                    return answer
-                # Only the attempt's deadline scope, having caught its cancellation, gets here.
-                raise AttemptFailed(
-                    rules.REQUEST_TIMEOUT.code,
-                    f"no answer within the request deadline of {policy.request_timeout_s:g} s",
-                    retryable=rules.REQUEST_TIMEOUT.retryable,
+                return await committed.enter_async_context(
+                    self._attempt(request, policy, number, excluded, deadline)
                 )
             except AttemptFailed as failure:
                 last_failure = failure
@@ -435,17 +461,19 @@ class Gate:
             max_attempts=policy.max_attempts,
         )
 
+    @asynccontextmanager
     async def _attempt(
         self,
         request: GateRequest,
         policy: GatePolicy,
         number: int,
         excluded: set[CandidateKey],
-        deadline_scope: trio.CancelScope,
-        scopes: AsyncExitStack,
-    ) -> Answer | TunnelAnswer:
-        """One attempt, its scopes entered on ``scopes``: admitted and opened, read up to
-        its commit point (raising :class:`AttemptFailed` before it)."""
+        deadline: float,
+    ) -> AsyncIterator[Answer | TunnelAnswer]:
+        """One attempt as a block: under the request's ``deadline``, admitted and opened,
+        read up to its commit point (raising :class:`AttemptFailed` before it, a timeout of
+        the deadline too), its answer yielded inside its scopes -- the deadline, its
+        ``pool.open``, its usage row (:class:`_RowWhenEnded`)."""
         dispatch_request, requeue = request.dispatch, number > 1
         # a recovery is requeued, the candidates that failed excluded (a first attempt as it
         # came, unless that said otherwise: no copy)
@@ -453,47 +481,32 @@ class Gate:
             dispatch_request = attrs.evolve(
                 dispatch_request, exclude=frozenset(excluded), requeue=requeue
             )
-        started = request.result.waiting_since = trio.current_time()
-        dispatch = await scopes.enter_async_context(
-            self.pool.open(dispatch_request, prepare_run=self._prepare(request, number))
+        with trio.CancelScope(deadline=deadline) as deadline_scope:
+            started = request.result.waiting_since = trio.current_time()
+            async with self.pool.open(
+                dispatch_request, prepare_run=self._prepare(request, number)
+            ) as dispatch:
+                request.result.waiting_since = None
+                attempt = self._new_attempt(request, number, dispatch, started)
+                request.result.attempts, request.result.attempt = number, attempt
+                with _RowWhenEnded(self.accounting, request, attempt, deadline_scope):
+                    try:
+                        answer = await self._commit(request, attempt, number, policy)
+                    except (AttemptFailed, UpstreamRejected) as exc:
+                        # Before the slot is released, so that a probe's failure is seen
+                        # before another request may probe.
+                        self._report_health(attempt, exc)
+                        raise
+                    self._report_health(attempt, None)
+                    deadline_scope.deadline = math.inf  # committed: no deadline from here
+                    yield answer
+                    return
+        # Only the deadline scope, having caught its cancellation, gets here.
+        raise AttemptFailed(
+            rules.REQUEST_TIMEOUT.code,
+            f"no answer within the request deadline of {policy.request_timeout_s:g} s",
+            retryable=rules.REQUEST_TIMEOUT.retryable,
         )
-        request.result.waiting_since = None
-        attempt = self._new_attempt(request, number, dispatch, started)
-        request.result.attempts, request.result.attempt = number, attempt
-        scopes.push(self._row_when_ended(request, attempt, deadline_scope))
-        try:
-            answer = await self._commit(request, attempt, number, policy)
-        except (AttemptFailed, UpstreamRejected) as exc:
-            # Before the slot is released, so that a probe's failure is seen before another
-            # request may probe.
-            self._report_health(attempt, exc)
-            raise
-        self._report_health(attempt, None)
-        deadline_scope.deadline = math.inf
-        return answer
-
-    def _row_when_ended(
-        self, request: GateRequest, attempt: RunAttempt | TunnelAttempt, deadline: trio.CancelScope
-    ) -> Callable[[type[BaseException] | None, BaseException | None, TracebackType | None], None]:
-        """The exit callback that records the attempt's usage row, exactly once, when its
-        scopes end (however they end) -- if its request reached the node."""
-
-        def ended(
-            _type: type[BaseException] | None, exc: BaseException | None, _tb: TracebackType | None
-        ) -> None:
-            if not self.accounting.enabled:
-                return
-            if isinstance(attempt, TunnelAttempt) and not attempt.tunnel.sent:
-                return
-            raised: rules.Raised = (
-                "nothing" if exc is None else "cancelled" if holds(exc, trio.Cancelled) else "error"
-            )
-            how = rules.scope_ended(
-                raised, committed=attempt.committed, deadline_fired=deadline.cancel_called
-            )
-            request.result.outcome = attempt.record(self.accounting, request, how)
-
-        return ended
 
     def _report_health(
         self, attempt: Attempt, failure: AttemptFailed | UpstreamRejected | None
