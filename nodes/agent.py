@@ -149,6 +149,28 @@ _ANSWERS: Final = (*wire.TERMINAL_EVENTS, wire.TunnelEnd)
 """What this node sends to finish a run or a tunnel the edge gave it."""
 
 
+class _SendTurn:
+    """The link's send lock (a ``trio.Lock``), taken as ``Lock`` takes it but without its
+    schedule point when the lock is free: the send made under it has schedule points of its
+    own (the websocket's), so a frame costs one trip through the scheduler fewer. A cancelled
+    task is still stopped before it takes its turn."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    @trio.lowlevel.enable_ki_protection  # as trio.Lock's (a code flag: no cost per call)
+    async def __aenter__(self) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    @trio.lowlevel.enable_ki_protection
+    async def __aexit__(self, *_: object) -> None:
+        self._lock.release()
+
+
 class _Link:
     """The connection to the edge, seen through this node's half of the protocol state machine
     (:class:`~dispatcher.protocol.NodeProtocol`): every frame the edge sends is judged by it,
@@ -157,7 +179,7 @@ class _Link:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._lock = trio.Lock()
+        self._lock = _SendTurn()
         self._idle = trio.lowlevel.ParkingLot()
         self.protocol = wire.NodeProtocol()
         self.draining = False
