@@ -35,10 +35,11 @@ The loop (:meth:`Gate.open`) enters each attempt as one block (``Gate._attempt``
 request deadline, its ``pool.open``, its usage row, nested) on the request's
 :class:`~contextlib.AsyncExitStack`; an attempt that fails before its commit point leaves its
 block as it raises, so the stack holds only the one that committed, and the gate yields its
-answer once, after the loop, so the caller's block runs inside its scopes. Every dispatched attempt (its run or
-tunnel request was sent) gets exactly one usage row when its scopes end, however they end
-(:mod:`dispatcher.accounting`). The decisions -- retry or not, how a scope ended, the row's
-outcome, the candidate's health -- are pure functions in :mod:`dispatcher.gate_rules`.
+answer once, after the loop, so the caller's block runs inside its scopes. Every dispatched
+attempt (its run or tunnel request was sent) gets exactly one usage row when its scopes end,
+however they end (:mod:`dispatcher.accounting`). The decisions -- retry or not, how a scope
+ended, the row's outcome, the candidate's health -- are pure functions in
+:mod:`dispatcher.gate_rules`.
 """
 
 from __future__ import annotations
