@@ -87,17 +87,12 @@ def count(tree: Path, process: str, requests: int) -> int:
             stderr=subprocess.PIPE,
             text=True,
         ) as node:
-            with socket.create_connection(("127.0.0.1", port)) as sock:
-                joined_by = time.monotonic() + JOIN_TIMEOUT
-                while not any(
-                    model["id"] == "echo"
-                    for model in json.loads(_exchange(sock, "GET", "/v1/models"))["data"]
-                ):
-                    if time.monotonic() > joined_by:
-                        raise RuntimeError("the node did not join the edge")
-                    time.sleep(1.0)
-                for _ in range(WARMUP + requests):
-                    _exchange(sock, "POST", "/v1/chat/completions", CHAT)
+            try:
+                _drive(port, requests)
+            except BaseException:
+                node.kill()
+                edge.kill()
+                raise
             node.send_signal(signal.SIGTERM)
             _, node_err = node.communicate(timeout=JOIN_TIMEOUT)
         edge.send_signal(signal.SIGTERM)
@@ -107,6 +102,21 @@ def count(tree: Path, process: str, requests: int) -> int:
     if collected is None:
         raise RuntimeError(f"no callgrind summary from the {process}: {report[-1000:]}")
     return int(collected.group(1))
+
+
+def _drive(port: int, requests: int) -> None:
+    """Wait for the node to join, then send the requests (``WARMUP`` first)."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        joined_by = time.monotonic() + JOIN_TIMEOUT
+        while not any(
+            model["id"] == "echo"
+            for model in json.loads(_exchange(sock, "GET", "/v1/models"))["data"]
+        ):
+            if time.monotonic() > joined_by:
+                raise RuntimeError("the node did not join the edge")
+            time.sleep(1.0)
+        for _ in range(WARMUP + requests):
+            _exchange(sock, "POST", "/v1/chat/completions", CHAT)
 
 
 def per_request(tree: Path, process: str, requests: int) -> float:
