@@ -50,6 +50,9 @@ log = logging.getLogger("dispatcher.registry")
 SUBSCRIPTION_BUFFER = 4096
 """Events buffered per run before the run is failed as too slow to consume. Bounded so a
 stuck consumer can neither grow memory nor stall the node's whole connection."""
+MAX_UNYIELDED = 16
+"""Buffered events a subscription's ``receive`` may return in a row before it is a schedule
+point again (a bound on how long a consumer with everything ready runs on)."""
 RECENT_RUNS = wire.RECENT_RUNS
 """How many ended run ids a session remembers, to tolerate their late events."""
 RECENT_TUNNELS = wire.RECENT_TUNNELS
@@ -161,6 +164,8 @@ class Subscription:
     _closed: bool = attrs.field(default=False, repr=False)
     _waiter: trio.lowlevel.Task | None = attrs.field(default=None, repr=False)
     _handed: wire.RunEvent | None = attrs.field(default=None, repr=False)
+    _unyielded: int = attrs.field(default=0, repr=False)
+    """Buffered events returned since the last schedule point."""
     """The event handed to the waiter as it is woken."""
 
     @property
@@ -223,16 +228,22 @@ class Subscription:
         )
 
     async def receive(self) -> wire.RunEvent:
-        """The next event. If the stream overflowed, a synthesized ``run.failed``. A
-        checkpoint, as a Trio channel's ``receive`` is."""
+        """The next event. If the stream overflowed, a synthesized ``run.failed``. Always a
+        cancel point (a cancelled task takes no event); a schedule point when it waits, and
+        at least every :data:`MAX_UNYIELDED` buffered events in a row -- not for each: an
+        event that already arrived is taken without a trip through the scheduler."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._closed:
             raise trio.ClosedResourceError("the subscription is closed")
         buffer = self._buffer
         if buffer:
             event = buffer.popleft()
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            self._unyielded += 1
+            if self._unyielded >= MAX_UNYIELDED:
+                self._unyielded = 0
+                await trio.lowlevel.cancel_shielded_checkpoint()
             return event
+        self._unyielded = 0
         if self._ended:
             return self._overflow_failure()
         if self._waiter is not None:

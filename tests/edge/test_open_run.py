@@ -21,7 +21,7 @@ from dispatcher.admission import QueueTimeout
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import StaleGeneration
-from dispatcher.registry import SUBSCRIPTION_BUFFER, Subscription
+from dispatcher.registry import MAX_UNYIELDED, SUBSCRIPTION_BUFFER, Subscription
 from dispatcher.runs import RunSpec
 from dispatcher.transport import memory_connection_pair
 
@@ -458,3 +458,38 @@ async def test_closing_wakes_a_waiting_consumer(autojump_clock: trio.testing.Moc
         nursery.start_soon(consume)
         await trio.sleep(1)
         subscription.close()
+
+
+async def test_buffered_events_are_taken_with_a_schedule_point_every_max_unyielded() -> None:
+    """A cancel point each time; a schedule point only every MAX_UNYIELDED events taken from
+    the buffer in a row (another task runs then), not one per event."""
+    subscription = Subscription("r")
+    count = 3 * MAX_UNYIELDED
+    for seq in range(count):
+        subscription.deliver(_delta("r", seq))
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await trio.lowlevel.checkpoint()  # the ticker starts
+        seen: list[int] = []
+        for _ in range(count):
+            await subscription.receive()
+            seen.append(ticks)
+        nursery.cancel_scope.cancel()
+    # one trip through the scheduler per MAX_UNYIELDED events (the ticker ran then), so
+    # the ticker's count took at most 3 + 1 values over the 3 * MAX_UNYIELDED receives
+    assert 2 <= len(set(seen)) <= 4, seen
+
+    with trio.CancelScope() as scope:  # a cancelled receive takes nothing
+        subscription.deliver(_delta("r", count))
+        scope.cancel()
+        await subscription.receive()
+    assert scope.cancelled_caught
+    assert (await subscription.receive()).seq == count

@@ -17,6 +17,7 @@ from wsproto.events import (
 from wsproto.frame_protocol import FrameProtocol, Opcode
 
 from dispatcher.http import Limits, Request, Responder, WebSocketClosed
+from dispatcher.http._websocket import MAX_UNYIELDED
 
 from ._helpers import WSClient, assert_serves, start_server
 
@@ -181,3 +182,51 @@ async def test_trio_websocket_client(nursery: trio.Nursery) -> None:
     with trio.fail_after(10):
         await app.finished.wait()
     assert app.closed_with == [1000]
+
+
+async def test_messages_that_arrived_are_taken_with_a_schedule_point_every_max_unyielded(
+    nursery: trio.Nursery,
+) -> None:
+    """``receive`` is a cancel point each time, but a schedule point only every
+    MAX_UNYIELDED messages taken in a row from those that already arrived (another task
+    runs then), not one per message; a cancelled receive takes no message."""
+    count = 3 * MAX_UNYIELDED
+    seen: list[int] = []
+    cancelled: list[bool] = []
+    after: list[str | bytes] = []
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    async def app(request: Request, responder: Responder) -> None:
+        ws = await responder.accept_websocket()
+        assert await ws.receive() == "first"
+        await trio.sleep(0.5)  # the rest arrives and waits (generous: one write of 50)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(ticker)
+            await trio.lowlevel.checkpoint()  # the ticker starts
+            for _ in range(count):
+                await ws.receive()
+                seen.append(ticks)
+            inner.cancel_scope.cancel()
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await ws.receive()
+        cancelled.append(scope.cancelled_caught)
+        after.append(await ws.receive())
+        await ws.send("done")
+
+    server = await start_server(nursery, app)
+    client, _ = await WSClient.connect(server)
+    for text in ["first", *(f"m{i}" for i in range(count)), "after"]:
+        await client.send(TextMessage(data=text))
+    assert await client.next_event() == TextMessage(data="done")
+    # one trip through the scheduler per MAX_UNYIELDED messages (the ticker ran then)
+    assert 2 <= len(set(seen)) <= 4, seen
+    assert cancelled == [True]
+    assert after == ["after"]
+    await client.aclose()

@@ -22,7 +22,7 @@ async def test_a_free_turn_is_taken_without_a_schedule_point() -> None:
         nursery.start_soon(other)  # runs at this task's next schedule point
         async with turn:
             assert ran == []  # trio.Lock would have let the other task run here
-        await trio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()
         assert ran == ["other"]
 
 
