@@ -219,7 +219,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_AdmissionCollector(admission))
         self.inflight_requests = 0
-        """Requests inside a route's counted block now (``api.common.counted_request``)."""
+        """Requests inside a route's counted block now (``api.common.CountedRequest``)."""
         self.inflight_source: InFlightSource | None = None
         self.registry.register(_InFlightCollector(self))
         self.queue_wait = self._histogram(

@@ -31,8 +31,8 @@ import collections
 import logging
 import operator
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from types import TracebackType
 from typing import Final, Literal
 
 import attrs
@@ -330,6 +330,56 @@ class Refusals:
     """Unix time of the latest one."""
 
 
+class InFlight:
+    """The block of :meth:`Traffic.open` (its record's clock starts as it is made): enters
+    the request's record, and leaving it, however, ends the record once -- a cancellation is
+    the client gone, any other exception that nothing recorded an internal error. A small
+    class rather than a generator: a held stream keeps one of these, not a suspended frame."""
+
+    __slots__ = ("_record", "_traffic")
+
+    def __init__(
+        self,
+        traffic: Traffic,
+        request_id: str,
+        client_request_id: str | None,
+        method: str,
+        path: str,
+    ) -> None:
+        self._traffic = traffic
+        self._record = RequestRecord(
+            request_id=request_id,
+            client_request_id=client_request_id,
+            method=method,
+            path=path,
+            started_at=trio.current_time(),
+            started_wall=time.time(),
+        )
+
+    def __enter__(self) -> RequestRecord:
+        record = self._record
+        self._traffic.in_flight[record.request_id] = record
+        return record
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        exc: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        record, traffic = self._record, self._traffic
+        try:
+            if exc is not None and holds(exc, trio.Cancelled):
+                record.client_gone()
+            elif exc is not None and not record.left:
+                record.failed("internal_error", f"{type(exc).__name__}: {exc}")
+                if record.outcome is None:
+                    record.outcome = "failed"
+        finally:
+            del traffic.in_flight[record.request_id]
+            traffic._end(record)
+
+
 class Traffic:
     """The requests in flight and what ended ones leave behind (see the module docstring).
     ``metrics``: where a model route's ended request is observed."""
@@ -343,34 +393,12 @@ class Traffic:
         self._refusals: dict[str, collections.deque[tuple[float, float, int]]] = {}
         """model label -> (trio time, unix time, status) of its recent 429 / 503 answers."""
 
-    @contextmanager
     def open(
         self, request_id: str, client_request_id: str | None, method: str, path: str
-    ) -> Iterator[RequestRecord]:
-        """The record of one request, in flight until the block is left; leaving ends it
+    ) -> InFlight:
+        """The record of one request, in flight while the block is open; leaving ends it
         once (the access line, the metrics, the failure ring)."""
-        record = RequestRecord(
-            request_id=request_id,
-            client_request_id=client_request_id,
-            method=method,
-            path=path,
-            started_at=trio.current_time(),
-            started_wall=time.time(),
-        )
-        self.in_flight[request_id] = record
-        try:
-            yield record
-        except BaseException as exc:
-            if holds(exc, trio.Cancelled):
-                record.client_gone()
-            elif not record.left:
-                record.failed("internal_error", f"{type(exc).__name__}: {exc}")
-                if record.outcome is None:
-                    record.outcome = "failed"
-            raise
-        finally:
-            del self.in_flight[request_id]
-            self._end(record)
+        return InFlight(self, request_id, client_request_id, method, path)
 
     def _end(self, record: RequestRecord) -> None:
         """Everything an ended request leaves, once; never raises (a request's exit path

@@ -7,8 +7,9 @@ answer's events as a stream sends them (:func:`relay_rest`), and the OpenAI erro
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from types import TracebackType
 from typing import Any
 
 import attrs
@@ -71,40 +72,52 @@ _METRIC_OUTCOME: dict[str, str] = {
 }
 
 
-@contextmanager
-def counted_request(
-    edge: EdgeServices, record: RequestRecord | None = None
-) -> Iterator[RequestOutcome]:
+class CountedRequest:
     """Count the request under ``dispatcher_requests_total`` once, however it ends: what the
-    route set, or what the exception leaving it says (and tell ``record`` that outcome)."""
-    result = RequestOutcome()
-    edge.metrics.inflight_requests += 1
-    try:
-        yield result
-    except ShuttingDown:
-        result.outcome = "shutting_down"
-        raise
-    except trio.Cancelled:
-        result.outcome = "client_gone"
-        raise
-    except CutResponse:
-        result.outcome = "failed"
-        raise
-    except PeerGone:
-        result.outcome = "client_gone"
-        raise
-    except (AdmissionError, RateLimited):
-        result.outcome = "rejected"
-        raise
-    except RunError:
-        result.outcome = "failed"
-        raise
-    finally:
-        edge.metrics.inflight_requests -= 1
+    route set, or what the exception leaving it says (and tell ``record`` that outcome).
+    A small class rather than a generator: a held stream keeps no suspended frame for it."""
+
+    __slots__ = ("_edge", "_record", "_result")
+
+    def __init__(self, edge: EdgeServices, record: RequestRecord | None = None) -> None:
+        self._edge, self._record, self._result = edge, record, RequestOutcome()
+
+    def __enter__(self) -> RequestOutcome:
+        self._edge.metrics.inflight_requests += 1
+        return self._result
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        exc: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        result, metrics = self._result, self._edge.metrics
+        if exc is not None:
+            result.outcome = _outcome_of(exc, result.outcome)
+        metrics.inflight_requests -= 1
         outcome = result.final()
-        edge.metrics.count_request(result.model, outcome)
-        if record is not None:
-            record.outcome = outcome
+        metrics.count_request(result.model, outcome)
+        if self._record is not None:
+            self._record.outcome = outcome
+
+
+def _outcome_of(exc: BaseException, outcome: str) -> str:
+    """The outcome a request ends with when ``exc`` leaves its route (``outcome``, what the
+    route had set, for any other exception)."""
+    if isinstance(exc, ShuttingDown):
+        return "shutting_down"
+    if isinstance(exc, trio.Cancelled):
+        return "client_gone"
+    if isinstance(exc, CutResponse):
+        return "failed"
+    if isinstance(exc, PeerGone):
+        return "client_gone"
+    if isinstance(exc, AdmissionError | RateLimited):
+        return "rejected"
+    if isinstance(exc, RunError):
+        return "failed"
+    return outcome
 
 
 def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes, bytes], ...]:
@@ -182,11 +195,14 @@ class ModelCall:
         if ctx.record is not None:
             ctx.record.asking(body["model"], self.counted.model)
         tenancy = self.tenancy
-        if tenancy.ticket is not None:
+        if tenancy.gated:
             raise RuntimeError("gate_request is called once per client request")
-        tenancy.ticket = ticket = tenancy.held.enter_context(
-            self.edge.tenants.admitted(ctx.request_id, ctx.tenant, body["model"], body)
-        )
+        tenancy.gated = True
+        ticket = None
+        if tenancy.held is not None:
+            tenancy.ticket = ticket = tenancy.held.enter_context(
+                self.edge.tenants.admitted(ctx.request_id, ctx.tenant, body["model"], body)
+            )
         session = request.header(b"x-session-id")
         gated = GateRequest(
             request_id=ctx.request_id,
@@ -216,6 +232,7 @@ class ModelCall:
             ctx.record.dispatching(gated, self.counted.model)
         if ticket is not None:
             self.ctx = attrs.evolve(ctx, headers=(*ctx.headers, *ticket.headers))
+            assert tenancy.held is not None  # a ticket is only entered there
             tenancy.held.callback(_answered, ticket, gated.result)  # before the release
         return gated
 
@@ -236,23 +253,31 @@ def _answered(ticket: Ticket, result: RequestResult) -> None:
 class Tenancy:
     """A model request's tenant admission: its ticket (None until
     :meth:`ModelCall.gate_request`, and when client auth is off), held on ``held``, which
-    :func:`model_route`'s block leaves however the route ends."""
+    :func:`model_route`'s block leaves however the route ends (None without a tenant to
+    admit: nothing to hold)."""
 
-    held: ExitStack
+    held: ExitStack | None
     ticket: Ticket | None = None
+    gated: bool = False
+    """:meth:`ModelCall.gate_request` was called (it is called once)."""
 
 
 def model_route(serve: ServeModel) -> Route:
     """The route that answers with ``serve``, its request counted under
-    ``dispatcher_requests_total`` however it ends (:func:`counted_request`), its tenant's
+    ``dispatcher_requests_total`` however it ends (:class:`CountedRequest`), its tenant's
     ticket held until it ends (:class:`Tenancy`)."""
 
     @functools.wraps(serve)
     async def route(
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
-        with counted_request(edge, ctx.record) as counted, ExitStack() as held:
-            call = ModelCall(edge, request, ctx, counted, Tenancy(held))
-            counted.outcome = await serve(call, responder)
+        with CountedRequest(edge, ctx.record) as counted:
+            if ctx.tenant is None:  # client auth is off (or an admin's call): no tenant
+                call = ModelCall(edge, request, ctx, counted, Tenancy(None))
+                counted.outcome = await serve(call, responder)
+                return
+            with ExitStack() as held:
+                call = ModelCall(edge, request, ctx, counted, Tenancy(held))
+                counted.outcome = await serve(call, responder)
 
     return route

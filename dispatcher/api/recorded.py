@@ -13,6 +13,8 @@ class RecordingResponder:
     """``inner``, with the status of the answer written into ``record`` as it starts (101
     for an accepted websocket)."""
 
+    __slots__ = ("_answered", "_inner")
+
     def __init__(self, inner: Responder, record: RequestRecord) -> None:
         self._inner, self._answered = inner, record.answered
 
