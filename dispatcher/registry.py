@@ -164,9 +164,9 @@ class Subscription:
     _closed: bool = attrs.field(default=False, repr=False)
     _waiter: trio.lowlevel.Task | None = attrs.field(default=None, repr=False)
     _handed: wire.RunEvent | None = attrs.field(default=None, repr=False)
+    """The event handed to the waiter as it is woken."""
     _unyielded: int = attrs.field(default=0, repr=False)
     """Buffered events returned since the last schedule point."""
-    """The event handed to the waiter as it is woken."""
 
     @property
     def finished(self) -> bool:
