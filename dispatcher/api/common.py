@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from types import TracebackType
 from typing import Any
 
@@ -271,13 +271,10 @@ def model_route(serve: ServeModel) -> Route:
     async def route(
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
-        with CountedRequest(edge, ctx.record) as counted:
-            if ctx.tenant is None:  # client auth is off (or an admin's call): no tenant
-                call = ModelCall(edge, request, ctx, counted, Tenancy(None))
-                counted.outcome = await serve(call, responder)
-                return
-            with ExitStack() as held:
-                call = ModelCall(edge, request, ctx, counted, Tenancy(held))
-                counted.outcome = await serve(call, responder)
+        # client auth off (or an admin's call): no tenant to admit, nothing to hold
+        holding = ExitStack() if ctx.tenant is not None else nullcontext()
+        with CountedRequest(edge, ctx.record) as counted, holding as held:
+            call = ModelCall(edge, request, ctx, counted, Tenancy(held))
+            counted.outcome = await serve(call, responder)
 
     return route
