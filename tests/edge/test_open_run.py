@@ -25,6 +25,7 @@ from dispatcher.registry import MAX_UNYIELDED, SUBSCRIPTION_BUFFER, Subscription
 from dispatcher.runs import RunSpec
 from dispatcher.transport import memory_connection_pair
 
+from ..scheduling import ticks_seen
 from .fakes import connect, hello, wait_until
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -467,22 +468,7 @@ async def test_buffered_events_are_taken_with_a_schedule_point_every_max_unyield
     count = 3 * MAX_UNYIELDED
     for seq in range(count):
         subscription.deliver(_delta("r", seq))
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await trio.lowlevel.checkpoint()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ticker)
-        await trio.lowlevel.checkpoint()  # the ticker starts
-        seen: list[int] = []
-        for _ in range(count):
-            await subscription.receive()
-            seen.append(ticks)
-        nursery.cancel_scope.cancel()
+    seen = await ticks_seen(count, subscription.receive)
     # one trip through the scheduler per MAX_UNYIELDED events (the ticker ran then), so
     # the ticker's count took at most 3 + 1 values over the 3 * MAX_UNYIELDED receives
     assert 2 <= len(set(seen)) <= 4, seen

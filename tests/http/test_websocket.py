@@ -19,6 +19,7 @@ from wsproto.frame_protocol import FrameProtocol, Opcode
 from dispatcher.http import Limits, Request, Responder, WebSocketClosed
 from dispatcher.http._websocket import MAX_UNYIELDED
 
+from ..scheduling import ticks_seen
 from ._helpers import WSClient, assert_serves, start_server
 
 pytestmark = pytest.mark.usefixtures("close_clients")
@@ -194,25 +195,12 @@ async def test_messages_that_arrived_are_taken_with_a_schedule_point_every_max_u
     seen: list[int] = []
     cancelled: list[bool] = []
     after: list[str | bytes] = []
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await trio.lowlevel.checkpoint()
 
     async def app(request: Request, responder: Responder) -> None:
         ws = await responder.accept_websocket()
         assert await ws.receive() == "first"
         await trio.sleep(0.5)  # the rest arrives and waits (generous: one write of 50)
-        async with trio.open_nursery() as inner:
-            inner.start_soon(ticker)
-            await trio.lowlevel.checkpoint()  # the ticker starts
-            for _ in range(count):
-                await ws.receive()
-                seen.append(ticks)
-            inner.cancel_scope.cancel()
+        seen.extend(await ticks_seen(count, ws.receive))
         with trio.CancelScope() as scope:
             scope.cancel()
             await ws.receive()
