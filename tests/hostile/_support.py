@@ -69,6 +69,12 @@ MAX_BODY = 64 * 1024
 HEADER_TIMEOUT = 0.3
 BODY_TIMEOUT = 0.3
 HELLO_TIMEOUT = 0.3
+"""The edge's header, body and hello timeouts in the cases that probe them (marked
+``short_timeouts``), short so that those cases end soon."""
+GENEROUS_TIMEOUT = 10.0
+"""Those timeouts in every other case: on a loaded machine a test process can stall for more
+than 0.3 s between connecting and sending its first bytes, and an innocent connection --
+the guard stream's, say -- must not be timed out for it."""
 
 TOKEN_DELAY = 0.01
 """Seconds between two words of the guard stream."""
@@ -563,14 +569,16 @@ class Edge:
         assert not errors, [record.getMessage() for record in errors]
 
 
-def edge_config(**overrides: Any) -> EdgeConfig:
+def edge_config(*, short_timeouts: bool = False, **overrides: Any) -> EdgeConfig:
+    header_timeout = HEADER_TIMEOUT if short_timeouts else GENEROUS_TIMEOUT
+    hello_timeout = HELLO_TIMEOUT if short_timeouts else GENEROUS_TIMEOUT
     settings: dict[str, Any] = {
         "port": 0,
         "local_node": False,
         "api_keys": (CLIENT_KEY, OTHER_CLIENT_KEY),
         "admin_keys": (ADMIN_KEY,),
         "http": HTTPSettings(
-            max_body_size=MAX_BODY, header_timeout=HEADER_TIMEOUT, shutdown_grace=1
+            max_body_size=MAX_BODY, header_timeout=header_timeout, shutdown_grace=1
         ),
         "nodes": NodeSettings(
             tokens=(
@@ -578,7 +586,7 @@ def edge_config(**overrides: Any) -> EdgeConfig:
                 OTHER_NODE_TOKEN,
                 NodeToken(value=BOUND_NODE_TOKEN, ids=("bound-*",)),
             ),
-            hello_timeout=HELLO_TIMEOUT,
+            hello_timeout=hello_timeout,
             heartbeat_interval=0.5,
             heartbeat_timeout=2,
         ),
@@ -589,6 +597,8 @@ def edge_config(**overrides: Any) -> EdgeConfig:
 
 def limits_for(config: EdgeConfig) -> Limits:
     http = config.http
+    # The body timeout is not in the config file's settings: short when the header's is.
+    body_timeout = BODY_TIMEOUT if http.header_timeout == HEADER_TIMEOUT else GENEROUS_TIMEOUT
     return Limits(
         max_header_size=http.max_header_size,
         max_body_size=http.max_body_size,
@@ -597,7 +607,7 @@ def limits_for(config: EdgeConfig) -> Limits:
         write_timeout=http.write_timeout,
         max_connections=http.max_connections,
         shutdown_grace=http.shutdown_grace,
-        body_timeout=BODY_TIMEOUT,
+        body_timeout=body_timeout,
         linger_timeout=0.5,
     )
 

@@ -7,10 +7,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from ._support import Edge, open_edge
+from ._support import Edge, edge_config, open_edge
 
 
 @pytest.fixture
-async def edge(caplog: pytest.LogCaptureFixture) -> AsyncIterator[Edge]:
-    async with open_edge(caplog) as running:
+async def edge(
+    request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> AsyncIterator[Edge]:
+    """The edge; with the short header, body and hello timeouts for a case marked
+    ``short_timeouts`` (generous ones otherwise)."""
+    short = request.node.get_closest_marker("short_timeouts") is not None
+    async with open_edge(caplog, edge_config(short_timeouts=short)) as running:
         yield running

@@ -207,6 +207,7 @@ async def test_huge_chunk_size_is_refused(edge: Edge) -> None:
 # --------------------------------------------------------------------------- slow clients
 
 
+@pytest.mark.short_timeouts
 async def test_slowloris_headers_get_408(edge: Edge) -> None:
     async with edge.case(stream_seconds=HEADER_TIMEOUT + 0.5):
         client = await edge.raw()
@@ -228,12 +229,14 @@ async def test_slowloris_headers_get_408(edge: Edge) -> None:
             await client.assert_closed()
 
 
+@pytest.mark.short_timeouts
 async def test_partial_request_line_then_silence_gets_408(edge: Edge) -> None:
     async with edge.case(stream_seconds=HEADER_TIMEOUT + 0.3):
         response = await edge.exchange(b"GET /heal")
         assert_error(response, 408, code="request_timeout", message="request head")
 
 
+@pytest.mark.short_timeouts
 async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(edge: Edge) -> None:
     async with edge.case(stream_seconds=HEADER_TIMEOUT + 0.3):
         client = await edge.raw()
@@ -241,6 +244,7 @@ async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(edge:
             assert await client.read_to_eof(bound=HEADER_TIMEOUT + 2) == b""
 
 
+@pytest.mark.short_timeouts
 async def test_a_body_that_stalls_gets_408(edge: Edge) -> None:
     async with edge.case(stream_seconds=BODY_TIMEOUT + 0.3):
         response = await edge.exchange(head("content-length: 100") + b'{"model": "ec')

@@ -167,6 +167,7 @@ async def test_refused_hellos(edge: Edge, case: Refusal) -> None:
         assert set(edge.dispatcher.registry.sessions) == {LEGIT}
 
 
+@pytest.mark.short_timeouts
 async def test_no_hello_is_closed_with_1008(edge: Edge) -> None:
     async with edge.case(stream_seconds=HELLO_TIMEOUT + 0.4):
         ws, event = await RawWebSocket.connect(edge.port)
