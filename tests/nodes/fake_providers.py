@@ -60,6 +60,19 @@ _CLIENT_GONE = frozenset(
 reader saw, a reset the reader or a write saw. Which one a test gets depends on timing."""
 
 
+def _client_gone(exc: trio.Cancelled, responder: Responder) -> bool:
+    """Whether a cancelled handler was cancelled because its client went away.
+
+    Usually its reason says so. But when the cancellation comes in the same tick as the
+    deadline of a ``trio.sleep`` the handler is in (a fake sleeping between two chunks), the
+    ``Cancelled`` raised is the sleep's -- source ``"deadline"``, no reason -- and goes on
+    past the sleep's scope only because a scope outside it is cancelled too: then the
+    handler was cancelled, and only a server shutting down is not the client leaving."""
+    if exc.reason in _CLIENT_GONE:
+        return True
+    return exc.source == "deadline" and not responder.shutting_down
+
+
 def refused_base_url() -> str:
     """An ``http://127.0.0.1:<port>`` URL where nothing listens (connection refused)."""
     with socket.socket() as sock:
@@ -186,7 +199,7 @@ class FakeProvider:
             self._gone(seen)
             raise
         except trio.Cancelled as exc:
-            if exc.reason in _CLIENT_GONE:
+            if _client_gone(exc, responder):
                 self._gone(seen)
             raise
         finally:
