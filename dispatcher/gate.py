@@ -32,9 +32,9 @@ and yields a :class:`TunnelAnswer` with what it buffered (``head``) for the rela
 then the rest.
 
 The loop (:meth:`Gate.open`) enters each attempt as one block (``Gate._attempt``: its
-request deadline, its ``pool.open``, its usage row, nested) on the request's
-:class:`~contextlib.AsyncExitStack`; an attempt that fails before its commit point leaves its
-block as it raises, so the stack holds only the one that committed, and the gate yields its
+request deadline, its ``pool.open``, its usage row, nested) on the request's ``_Committed``
+(an exit stack of one block); an attempt that fails before its commit point leaves its
+block as it raises, so it holds only the one that committed, and the gate yields its
 answer once, after the loop, so the caller's block runs inside its scopes. Every dispatched
 attempt (its run or tunnel request was sent) gets exactly one usage row when its scopes end,
 however they end (:mod:`dispatcher.accounting`). The decisions -- retry or not, how a scope
@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Final, Generic, TypedDict, TypeVar
 
@@ -328,6 +328,42 @@ class TunnelAnswer(_Answer[TunnelAttempt]):
         self.attempt.delivered = True
 
 
+class _Committed:
+    """The committed attempt's block, held for the rest of the request: what an
+    :class:`~contextlib.AsyncExitStack` is for one block, without its deque of callbacks (a
+    held stream keeps one of these). ``enter`` keeps a block only once it entered: one that
+    raises from its ``__aenter__`` has left already."""
+
+    __slots__ = ("_block",)
+
+    def __init__(self) -> None:
+        self._block: AbstractAsyncContextManager[Answer | TunnelAnswer] | None = None
+
+    async def enter(
+        self, block: AbstractAsyncContextManager[Answer | TunnelAnswer]
+    ) -> Answer | TunnelAnswer:
+        if self._block is not None:
+            raise RuntimeError("an attempt is held already")
+        answer = await block.__aenter__()
+        self._block = block
+        return answer
+
+    async def __aenter__(self) -> _Committed:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        block, self._block = self._block, None
+        if block is None:
+            return None
+        # The block's own exit, as an exit stack calls it: its scopes shield what they must.
+        return await block.__aexit__(exc_type, exc, tb)  # noqa: ASYNC102
+
+
 @attrs.define(eq=False)
 class _RowWhenEnded:
     """An attempt's usage row, recorded exactly once when the block this wraps ends (however
@@ -402,11 +438,11 @@ class Gate:
     async def open(self, request: GateRequest) -> AsyncIterator[Answer | TunnelAnswer]:
         """Make attempts until one commits and yield its answer, inside that attempt's
         scopes; raise the request's error when none does."""
-        async with AsyncExitStack() as committed:
+        async with _Committed() as committed:
             yield await self._until_committed(request, committed)
 
     async def _until_committed(
-        self, request: GateRequest, committed: AsyncExitStack
+        self, request: GateRequest, committed: _Committed
     ) -> Answer | TunnelAnswer:
         """The loop: each attempt a block (:meth:`_attempt`) entered on ``committed``; one
         that fails leaves its block (aborting it) as it raises, so only the committed one's
@@ -417,7 +453,7 @@ class Gate:
         deadline = trio.current_time() + policy.request_timeout_s
         for number in range(1, policy.max_attempts + 1):
             try:
-                return await committed.enter_async_context(
+                return await committed.enter(
                     self._attempt(request, policy, number, excluded, deadline)
                 )
             except AttemptFailed as failure:

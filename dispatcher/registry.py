@@ -238,6 +238,9 @@ class Subscription:
         buffer = self._buffer
         if buffer:
             event = buffer.popleft()
+            if not buffer:
+                # Drained: a held stream keeps no empty deque (a block of 64 slots, ~600 B).
+                self._buffer = None
             self._unyielded += 1
             if self._unyielded >= MAX_UNYIELDED:
                 self._unyielded = 0
@@ -266,7 +269,12 @@ class Subscription:
         if self._closed:
             raise trio.ClosedResourceError("the subscription is closed")
         buffer = self._buffer
-        return buffer.popleft() if buffer else None
+        if not buffer:
+            return None
+        event = buffer.popleft()
+        if not buffer:
+            self._buffer = None
+        return event
 
     def close(self) -> None:
         self._ended = self._closed = True

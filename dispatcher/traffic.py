@@ -332,11 +332,12 @@ class Refusals:
 
 class InFlight:
     """The block of :meth:`Traffic.open` (its record's clock starts as it is made): enters
-    the request's record, and leaving it, however, ends the record once -- a cancellation is
-    the client gone, any other exception that nothing recorded an internal error. A small
-    class rather than a generator: a held stream keeps one of these, not a suspended frame."""
+    the request's record, and leaving it, however, ends the record once -- a cancellation or
+    a ``left_on`` exception is the client gone, any other exception that nothing recorded an
+    internal error. A small class rather than a generator: a held stream keeps one of these,
+    not a suspended frame."""
 
-    __slots__ = ("_record", "_traffic")
+    __slots__ = ("_left_on", "_record", "_traffic")
 
     def __init__(
         self,
@@ -345,8 +346,10 @@ class InFlight:
         client_request_id: str | None,
         method: str,
         path: str,
+        left_on: type[BaseException] | tuple[type[BaseException], ...] = (),
     ) -> None:
         self._traffic = traffic
+        self._left_on = left_on
         self._record = RequestRecord(
             request_id=request_id,
             client_request_id=client_request_id,
@@ -369,7 +372,7 @@ class InFlight:
     ) -> None:
         record, traffic = self._record, self._traffic
         try:
-            if exc is not None and holds(exc, trio.Cancelled):
+            if exc is not None and (isinstance(exc, self._left_on) or holds(exc, trio.Cancelled)):
                 record.client_gone()
             elif exc is not None and not record.left:
                 record.failed("internal_error", f"{type(exc).__name__}: {exc}")
@@ -394,11 +397,19 @@ class Traffic:
         """model label -> (trio time, unix time, status) of its recent 429 / 503 answers."""
 
     def open(
-        self, request_id: str, client_request_id: str | None, method: str, path: str
+        self,
+        request_id: str,
+        client_request_id: str | None,
+        method: str,
+        path: str,
+        *,
+        left_on: type[BaseException] | tuple[type[BaseException], ...] = (),
     ) -> InFlight:
         """The record of one request, in flight while the block is open; leaving ends it
-        once (the access line, the metrics, the failure ring)."""
-        return InFlight(self, request_id, client_request_id, method, path)
+        once (the access line, the metrics, the failure ring). Leaving by a cancellation, or
+        by an exception of a ``left_on`` type (the server's "the client is gone"), is the
+        client leaving."""
+        return InFlight(self, request_id, client_request_id, method, path, left_on)
 
     def _end(self, record: RequestRecord) -> None:
         """Everything an ended request leaves, once; never raises (a request's exit path

@@ -32,7 +32,6 @@ from ..http import (
 )
 from ..tenants import Tenant
 from ..tenants import legacy_key_id as key_id
-from ..traffic import RequestRecord
 from . import admin, anthropic, openai, operations, responses
 from .front import Access, ErrorRenderer, FrontEnd, RenderedError, RouteContext, RouteSpec
 from .recorded import RecordingResponder
@@ -212,69 +211,67 @@ def make_handler(
         return _Caller(tenant.id, tenant)
 
     async def handler(request: Request, responder: Responder) -> None:
-        ids = new_request_id(), client_request_id(request)
-        with edge.traffic.open(*ids, request.method, request.path) as record:
+        # One coroutine for the whole request: a held stream keeps every frame on its stack.
+        request_id, client_id = new_request_id(), client_request_id(request)
+        with edge.traffic.open(
+            request_id, client_id, request.method, request.path, left_on=PeerGone
+        ) as record:
+            responder = RecordingResponder(responder, record)
+            headers = request_headers(request_id, client_id)
+            render = default
             try:
-                await answer(request, RecordingResponder(responder, record), record)
-            except PeerGone:
-                record.client_gone()
-                raise
-
-    async def answer(request: Request, responder: Responder, record: RequestRecord) -> None:
-        request_id, client_id = record.request_id, record.client_request_id
-        headers = request_headers(request_id, client_id)
-        render = default
-        try:
-            path, method = request.path, request.method
-            if method == "OPTIONS" and request.target == "*":
-                await responder.respond(204, ((b"allow", allow_any), *headers))
-                return
-            key = path
-            if key not in routes:
-                # A pattern route: its last segment is "{id}" (``/v1/responses/{id}``).
-                parent, _, last = path.rpartition("/")
-                key = parent + "/{id}" if last else path
-            found = routes.get(key)
-            if found is None:
-                raise NotFound(f"no route for {method} {_shorten(path)}", code="unknown_url")
-            route, render = found
-            record.routed(key, work=route.work)
-            if method == "OPTIONS":
-                await responder.respond(204, ((b"allow", route.allow.encode()), *headers))
-                return
-            if method not in route.methods:
-                raise MethodNotAllowed(
-                    f"{method} is not allowed on {path}; use {' or '.join(route.methods)}",
-                    allow=route.allow,
+                path, method = request.path, request.method
+                if method == "OPTIONS" and request.target == "*":
+                    await responder.respond(204, ((b"allow", allow_any), *headers))
+                    return
+                key = path
+                if key not in routes:
+                    # A pattern route: its last segment is "{id}" (``/v1/responses/{id}``).
+                    parent, _, last = path.rpartition("/")
+                    key = parent + "/{id}" if last else path
+                found = routes.get(key)
+                if found is None:
+                    raise NotFound(f"no route for {method} {_shorten(path)}", code="unknown_url")
+                route, render = found
+                record.routed(key, work=route.work)
+                if method == "OPTIONS":
+                    await responder.respond(204, ((b"allow", route.allow.encode()), *headers))
+                    return
+                if method not in route.methods:
+                    raise MethodNotAllowed(
+                        f"{method} is not allowed on {path}; use {' or '.join(route.methods)}",
+                        allow=route.allow,
+                    )
+                caller = authorize(route.access, request)
+                ctx = RouteContext(
+                    request_id=request_id,
+                    client_request_id=client_id,
+                    headers=headers,
+                    attribution=caller.attribution,
+                    tenant=caller.tenant,
+                    admin=caller.admin,
+                    record=record,
                 )
-            caller = authorize(route.access, request)
-            ctx = RouteContext(
-                request_id=request_id,
-                client_request_id=client_id,
-                headers=headers,
-                attribution=caller.attribution,
-                tenant=caller.tenant,
-                admin=caller.admin,
-                record=record,
-            )
-            record.key_id = ctx.attribution
-            if not route.work:
-                await route.func(edge, request, responder, ctx)
-                return
-            # A request that runs a model: the drain waits for it (track_work refuses it
-            # with 503 once draining), and ends it when the grace is over.
-            with edge.track_work() as work:
-                watched = _WorkResponder(responder, work, expose_node_ids=expose_node_ids)
-                await route.func(edge, request, watched, ctx)
-            if work.scope.cancelled_caught and not watched.started:
-                raise ShuttingDown("the dispatcher shut down before answering; retry the request")
-        except BodyTooLarge:
-            error = PayloadTooLarge("request body is over the size limit")
-            record.failed(error.code, str(error))
-            await _respond_error(responder, error, render(error), headers)
-        except (DispatcherError, AdmissionError) as exc:
-            record.failed(exc.code, str(exc))
-            await _respond_error(responder, exc, render(exc), headers)
+                record.key_id = ctx.attribution
+                if not route.work:
+                    await route.func(edge, request, responder, ctx)
+                    return
+                # A request that runs a model: the drain waits for it (track_work refuses it
+                # with 503 once draining), and ends it when the grace is over.
+                with edge.track_work() as work:
+                    watched = _WorkResponder(responder, work, expose_node_ids=expose_node_ids)
+                    await route.func(edge, request, watched, ctx)
+                if work.scope.cancelled_caught and not watched.started:
+                    raise ShuttingDown(
+                        "the dispatcher shut down before answering; retry the request"
+                    )
+            except BodyTooLarge:
+                error = PayloadTooLarge("request body is over the size limit")
+                record.failed(error.code, str(error))
+                await _respond_error(responder, error, render(error), headers)
+            except (DispatcherError, AdmissionError) as exc:
+                record.failed(exc.code, str(exc))
+                await _respond_error(responder, exc, render(exc), headers)
 
     return handler
 

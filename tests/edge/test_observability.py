@@ -641,6 +641,28 @@ async def test_status_lists_are_bounded() -> None:
     assert document.recent_failures[0].error == "RuntimeError: unexpected"
 
 
+async def test_a_left_on_exception_is_the_client_leaving_not_an_internal_error() -> None:
+    """The API opens its records with ``left_on=PeerGone``: a request that ends because its
+    client went away is ``client_gone``, not a failure; another exception still is one."""
+
+    class Gone(Exception):
+        pass
+
+    async with open_edge() as edge:
+        traffic = edge.dispatcher.traffic
+        with pytest.raises(Gone), traffic.open("left", None, "GET", "/x", left_on=Gone) as left:
+            raise Gone
+        with (
+            pytest.raises(RuntimeError),
+            traffic.open("broke", None, "GET", "/x", left_on=Gone) as broke,
+        ):
+            raise RuntimeError("unexpected")
+        assert (left.outcome, left.left, left.error) == ("client_gone", True, None)
+        assert (broke.outcome, broke.left) == ("failed", False)
+        assert broke.error == "RuntimeError: unexpected"
+        assert [summary.request_id for summary in traffic.failures] == ["broke"]
+
+
 # -- the documented series and the dashboard ---------------------------------------------
 
 
