@@ -378,12 +378,7 @@ class _RowWhenEnded:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(
-        self,
-        _type: type[BaseException] | None,
-        exc: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, _type: object, exc: BaseException | None, _tb: object) -> None:
         attempt = self.attempt
         if not self.accounting.enabled:
             return

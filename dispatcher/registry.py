@@ -238,13 +238,13 @@ class Subscription:
         buffer = self._buffer
         if buffer:
             event = buffer.popleft()
-            if not buffer:
-                # Drained: a held stream keeps no empty deque (a block of 64 slots, ~600 B).
-                self._buffer = None
             self._unyielded += 1
             if self._unyielded >= MAX_UNYIELDED:
                 self._unyielded = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()
+            if not buffer:
+                # Drained: a held stream keeps no empty deque (a block of 64 slots, ~600 B).
+                self._buffer = None
             return event
         self._unyielded = 0
         if self._ended:

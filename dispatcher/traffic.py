@@ -32,7 +32,6 @@ import logging
 import operator
 import time
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Final, Literal
 
 import attrs
@@ -364,12 +363,7 @@ class InFlight:
         self._traffic.in_flight[record.request_id] = record
         return record
 
-    def __exit__(
-        self,
-        _type: type[BaseException] | None,
-        exc: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, _type: object, exc: BaseException | None, _tb: object) -> None:
         record, traffic = self._record, self._traffic
         try:
             if exc is not None and (isinstance(exc, self._left_on) or holds(exc, trio.Cancelled)):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack, nullcontext
-from types import TracebackType
 from typing import Any
 
 import attrs
@@ -86,12 +85,7 @@ class CountedRequest:
         self._edge.metrics.inflight_requests += 1
         return self._result
 
-    def __exit__(
-        self,
-        _type: type[BaseException] | None,
-        exc: BaseException | None,
-        _tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, _type: object, exc: BaseException | None, _tb: object) -> None:
         result, metrics = self._result, self._edge.metrics
         if exc is not None:
             result.outcome = _outcome_of(exc, result.outcome)
