@@ -42,7 +42,7 @@ import attrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
-from .protocol.config_errors import ConfigFileError, Invalid, first_problem, show
+from .protocol.config_errors import ConfigFileError, Invalid, first_problem, show, structure_each
 from .protocol.config_errors import key as toml_key
 
 DEFAULT_API_KEYS_ENV: Final = "DISPATCHER_API_KEYS"
@@ -463,13 +463,9 @@ def _named_tables(cls: type[Any]) -> Callable[[Any, Any], dict[str, Any]]:
 
 
 def _key_tables(value: Any, _: Any) -> tuple[KeySettings, ...]:
-    keys: list[KeySettings] = []
-    for index, item in enumerate(_array(value, "tables ([[keys]])")):
-        try:
-            keys.append(_converter.structure(item, KeySettings))
-        except Exception as exc:
-            raise Invalid(at=f"[{index}]", inner=exc) from None
-    return tuple(keys)
+    return structure_each(
+        lambda item: _converter.structure(item, KeySettings), _array(value, "tables ([[keys]])")
+    )
 
 
 def _table_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:

@@ -39,7 +39,13 @@ from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
 from dispatcher import protocol as wire
-from dispatcher.protocol.config_errors import ConfigFileError, Invalid, first_problem, show
+from dispatcher.protocol.config_errors import (
+    ConfigFileError,
+    Invalid,
+    first_problem,
+    show,
+    structure_each,
+)
 
 NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
 """The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
@@ -368,13 +374,7 @@ def _tables(value: Any, kind: Any) -> tuple[Any, ...]:
     if not isinstance(value, list):
         raise Invalid(f"expected an array of tables, got {show(value)}")
     item_class = get_args(kind)[0]
-    items = []
-    for index, item in enumerate(value):
-        try:
-            items.append(_converter.structure(item, item_class))
-        except Exception as exc:
-            raise Invalid(at=f"[{index}]", inner=exc) from None
-    return tuple(items)
+    return structure_each(lambda item: _converter.structure(item, item_class), value)
 
 
 def _table_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:

@@ -15,8 +15,8 @@ was given, a nested failure happened); cattrs' own errors are walked as they are
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Final
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Final, TypeVar
 
 import cattrs
 
@@ -44,6 +44,21 @@ class Invalid(Exception):
         self.reason = reason
         self.at = at
         self.inner = inner
+
+
+_T = TypeVar("_T")
+
+
+def structure_each(structure: Callable[[Any], _T], items: Iterable[Any]) -> tuple[_T, ...]:
+    """Each item of an array (of tables) structured, a failure :class:`Invalid` at its
+    ``[index]`` (the edge's ``[[keys]]``, the node's ``[[providers]]``...)."""
+    structured = []
+    for index, item in enumerate(items):
+        try:
+            structured.append(structure(item))
+        except Exception as exc:
+            raise Invalid(at=f"[{index}]", inner=exc) from None
+    return tuple(structured)
 
 
 def show(value: object) -> str:
