@@ -181,8 +181,8 @@ class Burst:
         out.usage(1, len(self.pieces) + len(self.later))
 
 
-async def run_burst(adapter: Burst) -> list[Any]:
-    rec = Recorder()
+async def run_burst(adapter: Burst, rec: Recorder | None = None) -> list[Any]:
+    rec = rec or Recorder()
     async with open_runner(rec.send, adapters={"p": adapter}) as runner:
         runner.start(request("r", provider_id="p"))
         await rec.wait_terminal("r")
@@ -234,15 +234,9 @@ async def test_a_long_burst_still_lets_others_run(autojump_clock: trio.testing.M
 
     burst_done = trio.Event()
     adapter = Watched(5 * MAX_UNYIELDED)
-    rec = Recorder(delay=0.01)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
-        async with open_runner(rec.send, adapters={"p": adapter}) as runner:
-            runner.start(request("r", provider_id="p"))
-            await rec.wait_terminal("r")
-    events = rec.events("r")
-    assert_well_formed(events)
-    accepted_by_the_edge("r", events)
+        events = await run_burst(adapter, Recorder(delay=0.01))
     deltas = [e.text for e in events if isinstance(e, wire.RunDelta)]
     assert deltas == [adapter.pieces[0], "".join(adapter.pieces[1:])]
     # At most MAX_UNYIELDED calls in a row that are not a schedule point, and far from each
