@@ -1,7 +1,7 @@
 """What a front end is: one module declaring its routes and how its errors look.
 
 A front end (``api/openai.py``'s OpenAI routes, ``api/operations.py``'s health, usage,
-metrics and node endpoint, ``api/responses.py``, ``api/anthropic/``) is a :class:`FrontEnd`:
+metrics and node endpoint, ``api/responses/``, ``api/anthropic/``) is a :class:`FrontEnd`:
 
 * ``routes``: path -> :class:`RouteSpec` (methods, handler, who may call it, whether it runs
   a model);

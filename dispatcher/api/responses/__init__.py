@@ -1,0 +1,260 @@
+"""The OpenAI Responses front end: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}`` (see ``docs/responses.md``).
+
+A Responses request is translated into the typed :class:`~dispatcher.gate.GateRequest` with an
+OpenAI chat body (``instructions`` and the ``input`` items as ``messages``, function ``tools``,
+``tool_choice``, ``max_output_tokens`` as ``max_tokens`` ...), so it takes the same gate,
+recovery, cancellation and usage rows as chat completions; the ledger's row records the route
+``/v1/responses``. Only normalized candidates serve it (:func:`normalized_only`): a tunnel
+relays bytes, and no provider is declared to speak ``/v1/responses`` natively.
+
+Nothing is written before the gate yields the committed answer: for a stream, the preamble
+(``response.created``, ``response.in_progress``) goes out with the first content, so a failure
+before it is still an HTTP status (and recovered by the gate). After it, a failure is a
+``response.failed`` event with an error ``code`` and the stream ends there -- never a
+``response.completed``.
+
+Stored responses (``store``, true unless the client says false) live in the edge's
+:class:`~dispatcher.responses_store.ResponseStore` (SQLite beside the usage ledger, bounded by
+count, bytes and age), reached through the seam (``EdgeServices.response_store``);
+``previous_response_id`` prepends the stored conversation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
+
+import attrs
+import orjson
+import trio
+
+from ... import wire
+from ...errors import BadRequest, NotFound
+from ...gate import Answer
+from ...http import PeerGone, Request, Responder
+from ...responses_store import ResponseStore, StoredResponse
+from ..common import (
+    JSON_HEADERS,
+    ModelCall,
+    dispatch_headers,
+    model_route,
+    openai_error,
+    relay_rest,
+)
+from ..front import FrontEnd, Route, RouteContext, RouteSpec
+from ..schema import JSONObject
+from ..seam import EdgeServices
+from ._answer import Events, Turn, error_code, final_event
+from ._request import (
+    ParsedResponsesRequest,
+    chat_body,
+    normalized_only,
+    parse_responses_request,
+)
+
+__all__ = [
+    "FRONT_END",
+    "RESPONSES_PATH",
+    "RESPONSE_ID_ROUTE",
+    "ParsedResponsesRequest",
+    "ResponseStore",
+    "StoredResponse",
+    "chat_body",
+    "error_code",
+    "make_front_end",
+    "normalized_only",
+    "parse_responses_request",
+]
+
+RESPONSES_PATH: Final = "/v1/responses"
+RESPONSE_ID_ROUTE: Final = "/v1/responses/{id}"
+"""The route of one stored response: a pattern route (``api.app`` matches the last path
+segment as ``{id}``)."""
+
+SSE_HEADERS: Final = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
+
+# --------------------------------------------------------------------------- routes
+
+
+StoreOf = Callable[[EdgeServices], ResponseStore]
+"""Where a route finds the store: the edge's (``EdgeServices.response_store``), or one an
+embedder or a test gave :func:`make_front_end`."""
+
+
+def _edge_store(edge: EdgeServices) -> ResponseStore:
+    return edge.response_store
+
+
+async def _history(
+    store: ResponseStore, previous: str | None, owner: str | None
+) -> list[JSONObject]:
+    if previous is None:
+        return []
+    stored = await store.get(previous, owner)
+    if stored is None:
+        raise BadRequest(
+            f"previous response {previous!r} was not found: it was not stored (store: false), "
+            "was deleted, or is past the store's bounds",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return list(stored.conversation)
+
+
+def _create_route(store_of: StoreOf) -> Route:
+    @model_route
+    async def create_response(call: ModelCall, responder: Responder) -> str:
+        request = parse_responses_request(await call.request.body())
+        previous = request.body.get("previous_response_id")
+        owner = call.ctx.attribution
+        store = store_of(call.edge)
+        history = await _history(store, previous, owner)
+        gated = call.gate_request(
+            chat_body(request, history), stream=request.stream, predicate=normalized_only
+        )
+        turn = Turn(request, previous)
+
+        async def keep() -> None:
+            # Before the answer's last byte: a client that chains on it at once finds it.
+            if request.store and turn.fields["status"] in ("completed", "incomplete"):
+                await store.put(turn.response(), turn.conversation(history), owner)
+
+        async with call.edge.gate.open(gated) as answer:
+            assert isinstance(answer, Answer), "the predicate admits normalized candidates only"
+            headers = (*call.ctx.headers, *dispatch_headers(answer.result, answer.attempts))
+            try:
+                reply = _Reply(turn, answer, responder, headers, keep)
+                if request.stream:
+                    await _stream(call.edge, reply)
+                else:
+                    await _complete(reply)
+            except PeerGone:
+                answer.client_gone()  # a reset is a client leaving, like a cancellation
+                raise
+            return "completed" if isinstance(answer.terminal, wire.RunCompleted) else "failed"
+
+    return create_response
+
+
+@attrs.frozen
+class _Reply:
+    """What delivering one committed answer takes: the response being built, the gate's
+    answer, where it goes (with the attempt's headers), and how to store it once complete."""
+
+    turn: Turn
+    answer: Answer
+    responder: Responder
+    headers: Sequence[tuple[bytes, bytes]]
+    keep: Callable[[], Awaitable[None]]
+
+
+async def _complete(reply: _Reply) -> None:
+    """A non-streamed answer: the gate committed it complete."""
+    for event in reply.answer.head:
+        if reply.turn.feed(event):
+            break
+    await reply.keep()
+    body = reply.turn.response()
+    await reply.responder.respond(200, (*JSON_HEADERS, *reply.headers), orjson.dumps(body))
+
+
+async def _stream(edge: EdgeServices, reply: _Reply) -> None:
+    """A streamed answer: the gate committed at its first content; the preamble goes out with
+    it. From here a failure is ``response.failed``."""
+    events = Events()
+    started = reply.turn.response()
+    preamble: list[JSONObject] = [
+        {"type": "response.created", "response": started},
+        {"type": "response.in_progress", "response": started},
+    ]
+    stream = await reply.responder.start_stream(200, (*SSE_HEADERS, *reply.headers))
+
+    async def send(ended: bool) -> None:
+        # the events of the batch that ended the answer go out with the final one, below
+        if not ended and (chunk := reply.turn.output.take_events()):
+            await stream.send(events.encode(chunk))
+
+    ended = False
+    with edge.stream_scope() as scope:
+        for event in reply.answer.head:
+            if ended := reply.turn.feed(event):
+                break
+        await stream.send(events.encode([*preamble, *reply.turn.output.take_events()]))
+        if not ended:
+            ended = await relay_rest(reply.answer, reply.turn.feed, send)
+        if not ended:  # the run's events ended without a terminal one
+            reply.turn.fail("server_error", "the model run ended without finishing")
+        await reply.keep()
+        await stream.send(
+            events.encode([*reply.turn.output.take_events(), final_event(reply.turn)])
+        )
+    if scope.cancelled_caught:
+        reply.turn.fail("server_error", "the dispatcher is shutting down")
+        with trio.move_on_after(1, shield=True):
+            await stream.send(
+                events.encode([*reply.turn.output.take_events(), final_event(reply.turn)])
+            )
+
+
+def _response_id(request: Request) -> str:
+    response_id = request.path.rpartition("/")[2]
+    if not response_id:
+        raise NotFound("no response id in the path", code="unknown_url")
+    return response_id
+
+
+def _not_found(response_id: str) -> NotFound:
+    return NotFound(
+        f"response {response_id!r} was not found: it was not stored (store: false), was "
+        "deleted, or is past the store's bounds",
+        code="response_not_found",
+    )
+
+
+def _stored_route(store_of: StoreOf) -> Route:
+    async def stored_response(
+        edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
+    ) -> None:
+        store = store_of(edge)
+        response_id = _response_id(request)
+        if request.query:
+            raise BadRequest(
+                f"query parameters are not supported on {RESPONSES_PATH}/{{id}}",
+                code="unsupported_parameter",
+            )
+        headers = (*JSON_HEADERS, *ctx.headers)
+        if request.method == "DELETE":
+            if not await store.delete(response_id, ctx.attribution):
+                raise _not_found(response_id)
+            body: JSONObject = {"id": response_id, "object": "response.deleted", "deleted": True}
+            await responder.respond(200, headers, orjson.dumps(body))
+            return
+        stored = await store.get(response_id, ctx.attribution)
+        if stored is None:
+            raise _not_found(response_id)
+        await responder.respond(200, headers, orjson.dumps(stored.response))
+
+    return stored_response
+
+
+def make_front_end(store: ResponseStore | None = None) -> FrontEnd:
+    """The Responses front end over ``store``; None (what :data:`FRONT_END` is): the edge's
+    own, ``EdgeServices.response_store``, which ``open_dispatcher`` opens beside the ledger."""
+    store_of: StoreOf = _edge_store if store is None else (lambda _: store)
+    return FrontEnd(
+        "responses",
+        {
+            RESPONSES_PATH: RouteSpec(("POST",), _create_route(store_of), "client", work=True),
+            RESPONSE_ID_ROUTE: RouteSpec(("GET", "DELETE"), _stored_route(store_of), "client"),
+        },
+        openai_error,
+    )
+
+
+FRONT_END: Final = make_front_end()
+"""The front end ``api.app.FRONT_ENDS`` registers, over the edge's store."""
