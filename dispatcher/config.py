@@ -102,6 +102,17 @@ class NodeSettings:
     heartbeat_timeout: float = 15.0
 
 
+def _one_of(*allowed: str) -> Callable[[object, attrs.Attribute[Any], str], None]:
+    """A field's validator: its value is one of ``allowed``."""
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+        if value not in allowed:
+            wanted = " or ".join(f'"{each}"' for each in allowed)
+            raise Invalid(f"must be {wanted}, got {value!r}", at=attribute.name)
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class ResponsesSettings:
     """The Responses API's stored responses (``docs/responses.md``): kept in SQLite beside
@@ -113,6 +124,10 @@ class ResponsesSettings:
     """The most bytes of their JSON kept (each with its conversation)."""
     max_age_s: float = 24 * 3600.0
     """A response older than this is forgotten."""
+    built_in_tools: str = attrs.field(default="drop", validator=_one_of("drop", "refuse"))
+    """A request offering the API's built-in tools (``web_search``, ``file_search`` ...),
+    which no backend of the edge runs: ``drop`` them (the answer's
+    ``x-dispatcher-dropped-tools`` header names them), or ``refuse`` it with a 400."""
 
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float | None) -> None:

@@ -133,6 +133,9 @@ class RequestSummary:
     input_tokens: int | None
     output_tokens: int | None
     tokens_source: str | None
+    dropped_tools: str | None
+    """The built-in tools a front end dropped from the request (``web_search,file_search``),
+    as its ``x-dispatcher-dropped-tools`` header says."""
     started_at: float
 
     def fields(self) -> dict[str, object]:
@@ -186,6 +189,8 @@ class RequestRecord:
     """Its message (clipped)."""
     left: bool = False
     """The client left before the end (see :meth:`client_gone`)."""
+    dropped_tools: str | None = None
+    """The built-in tools the front end dropped (:attr:`RequestSummary.dropped_tools`)."""
 
     # -- filled in by the API ----------------------------------------------------------
 
@@ -311,6 +316,7 @@ class RequestRecord:
             input_tokens=None if counts is None else counts.prompt_tokens,
             output_tokens=None if counts is None else counts.completion_tokens,
             tokens_source=None if counts is None else counts.usage_source,
+            dropped_tools=self.dropped_tools,
             started_at=round(self.started_wall, 3),
         )
 

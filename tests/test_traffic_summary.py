@@ -32,6 +32,7 @@ def test_fields_are_asdict_in_order() -> None:
         input_tokens=10,
         output_tokens=20,
         tokens_source="reported",
+        dropped_tools="web_search",
         started_at=1_700_000_000.123,
     )
     assert list(summary.fields().items()) == list(attrs.asdict(summary).items())
@@ -73,6 +74,7 @@ def test_a_records_summary_copies_it_and_rounds_its_times() -> None:
         "ttft_s": None,
         "input_tokens": None,
         "tokens_source": None,
+        "dropped_tools": None,
         "duration_s": 0.1235,
         "started_at": 1_700_000_000.123,
     }

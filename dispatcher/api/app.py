@@ -251,6 +251,7 @@ def make_handler(
                     tenant=caller.tenant,
                     admin=caller.admin,
                     record=record,
+                    settings=settings,
                 )
                 record.key_id = ctx.attribution
                 if not route.work:

@@ -9,23 +9,45 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack, nullcontext
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import trio
 
 from .. import wire
-from ..admission import DEFAULT_SHARE, AdmissionError, Predicate
+from ..admission import DEFAULT_SHARE, AdmissionError, Candidate, Predicate
 from ..errors import RateLimited, RunError, ShuttingDown, error_status_and_body
-from ..gate import Answer, GateRequest, RequestResult, TunnelCall
+from ..gate import Answer, GateRequest, PrepareAttempt, RequestResult, TunnelCall
 from ..http import HTTPStream, PeerGone, Request, Responder
 from ..pool import DispatchRequest, DispatchResult
+from ..runs import RunSpec
 from ..tenants import Ticket
 from ..traffic import RequestRecord
 from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
+
+REASONING_EFFORT: Final = "reasoning_effort"
+"""The chat body's field in which a translating front end (Responses' ``reasoning.effort``,
+Messages' ``thinking`` / ``output_config.effort``) passes the effort the client asked for. Only
+candidates announcing the ``reasoning`` capability get it (:func:`effort_where_announced`): an
+engine that does not reason ignores it at best, and OpenAI's own non-reasoning models refuse
+it."""
+
+REASONING: Final = "reasoning"
+"""The capability of a model that takes a reasoning effort (``capabilities`` in a node's
+model table)."""
+
+
+async def effort_where_announced(_number: int, candidate: Candidate, spec: RunSpec) -> RunSpec:
+    """A translating front end's :data:`~dispatcher.gate.PrepareAttempt`: the attempt's body
+    without :data:`REASONING_EFFORT` unless ``candidate`` announces :data:`REASONING`."""
+    if REASONING_EFFORT not in spec.body or REASONING in candidate.capabilities:
+        return spec
+    body = dict(spec.body)
+    del body[REASONING_EFFORT]
+    return attrs.evolve(spec, body=body)
 
 
 def openai_error(exc: BaseException) -> RenderedError:
@@ -175,7 +197,12 @@ class ModelCall:
     tenancy: Tenancy
 
     def gate_request(
-        self, body: dict[str, Any], *, stream: bool, predicate: Predicate | None = None
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        predicate: Predicate | None = None,
+        prepare: PrepareAttempt | None = None,
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
         tunnel attempt relays as the client sent it; the counted request learns its model
@@ -213,6 +240,7 @@ class ModelCall:
             ),
             stream=stream,
             attribution=ctx.attribution,
+            prepare=prepare,
             tunnel_call=TunnelCall(
                 method=request.method,
                 path=request.path,

@@ -23,7 +23,7 @@ import attrs
 from ..http import Request, Responder
 from ..tenants import Tenant
 from ..traffic import RequestRecord
-from .seam import EdgeServices
+from .seam import ApiSettings, EdgeServices
 
 __all__ = [
     "Access",
@@ -55,6 +55,8 @@ class RouteContext:
     no client key, and when client auth is off."""
     admin: bool = False
     """The caller presented an admin key (or admin routes are open)."""
+    settings: ApiSettings = attrs.field(factory=ApiSettings)
+    """The HTTP surface's settings (what a front end may be configured to do)."""
 
 
 Route = Callable[[EdgeServices, Request, Responder, RouteContext], Awaitable[None]]

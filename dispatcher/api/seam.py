@@ -140,7 +140,13 @@ class ApiSettings:
 
     expose_node_ids: bool = False
     """``x-dispatcher-node`` / ``-provider`` reach clients only when set."""
+    refuse_built_in_tools: bool = False
+    """``/v1/responses`` refuses a request offering the API's built-in tools (``[responses]
+    built_in_tools = "refuse"``) instead of dropping them."""
 
     @classmethod
     def from_config(cls, config: EdgeConfig) -> ApiSettings:
-        return cls(expose_node_ids=config.expose_node_ids)
+        return cls(
+            expose_node_ids=config.expose_node_ids,
+            refuse_built_in_tools=config.responses.built_in_tools == "refuse",
+        )

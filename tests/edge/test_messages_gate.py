@@ -159,9 +159,9 @@ async def test_every_attempt_failing_is_overloaded_and_each_dispatched_one_has_a
                 "model": "echo",
                 "max_tokens": 5,
                 "messages": user("x"),
-                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "thinking": {"type": "enabled"},
             },
-            "'thinking': not supported: extended thinking",
+            "'thinking.budget_tokens': a positive integer is required",
         ),
         (
             {
@@ -233,8 +233,16 @@ async def test_every_attempt_failing_is_overloaded_and_each_dispatched_one_has_a
             "'temperature': must be a number from 0 to 1",
         ),
         (
-            {"model": "echo", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
-            "'messages[0].role': must be one of 'user', 'assistant'",
+            {"model": "echo", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]},
+            "'messages[0].role': must be one of 'system', 'user', 'assistant'",
+        ),
+        (
+            {"model": "echo", "max_tokens": 5, "messages": [*user("x"), {"role": "system"}]},
+            "'messages[1].content': a system message needs content or output_config",
+        ),
+        (
+            {"model": "echo", "max_tokens": 5, "messages": user("x"), "container": "c"},
+            "'container': not supported: code execution containers",
         ),
     ],
 )

@@ -165,15 +165,34 @@ def test_disabled_thinking_and_cache_control_are_accepted_and_not_forwarded() ->
     assert "thinking" not in chat
 
 
-def test_count_tokens_takes_no_max_tokens_and_refuses_extra_inputs() -> None:
+def test_count_tokens_takes_what_messages_takes_and_refuses_extra_inputs() -> None:
+    """Claude Code sends ``count_tokens`` the body it sends ``messages`` (``max_tokens``,
+    ``stream``, ``thinking`` ...): accepted, only the input counted; an extra input is still
+    refused."""
     body = parse_count_tokens_request(
         orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "a b"}]})
     )
     assert count_input_tokens(body) == estimate_tokens("a b")
-    with pytest.raises(BadRequest, match="'max_tokens': extra inputs are not permitted"):
+    full = parse_count_tokens_request(
+        orjson.dumps(
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "stream": True,
+                "thinking": {"type": "adaptive"},
+                "messages": [{"role": "user", "content": "a b"}],
+            }
+        )
+    )
+    assert count_input_tokens(full) == estimate_tokens("a b")
+    with pytest.raises(BadRequest, match="'frequency_penalty': extra inputs are not permitted"):
         parse_count_tokens_request(
             orjson.dumps(
-                {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+                {
+                    "model": "m",
+                    "frequency_penalty": 1,
+                    "messages": [{"role": "user", "content": "x"}],
+                }
             )
         )
 

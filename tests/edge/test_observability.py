@@ -64,6 +64,7 @@ ACCESS_FIELDS = (
     "input_tokens",
     "output_tokens",
     "tokens_source",
+    "dropped_tools",
     "started_at",
 )
 

@@ -531,10 +531,27 @@ async def test_tunnel_candidates_are_excluded_at_admission() -> None:
         ({"model": "echo"}, "input", "missing_required_parameter"),
         ({"model": "echo", "input": []}, "input", "invalid_value"),
         ({"model": "echo", "input": 3}, "input", "invalid_type"),
-        ({"model": "echo", "input": "x", "reasoning": {}}, "reasoning", "unsupported_parameter"),
-        ({"model": "echo", "input": "x", "background": True}, "background", None),
+        ({"model": "echo", "input": "x", "conversation": "c"}, "conversation", None),
+        ({"model": "echo", "input": "x", "prompt": {"id": "p"}}, "prompt", "unsupported_parameter"),
         (
+            {"model": "echo", "input": "x", "reasoning": {"effort": "huge"}},
+            "reasoning.effort",
+            "invalid_value",
+        ),
+        (
+            {"model": "echo", "input": "x", "reasoning": {"budget": 3}},
+            "reasoning.budget",
+            "unsupported_parameter",
+        ),
+        ({"model": "echo", "input": "x", "include": ["everything"]}, "include[0]", "invalid_value"),
+        ({"model": "echo", "input": "x", "background": True}, "background", "unsupported_value"),
+        (  # reasoning items are dropped: nothing is left
             {"model": "echo", "input": [{"type": "reasoning", "summary": []}]},
+            "input",
+            "invalid_value",
+        ),
+        (
+            {"model": "echo", "input": [{"type": "item_reference", "id": "x"}]},
             "input[0].type",
             "unsupported_value",
         ),
@@ -558,9 +575,28 @@ async def test_tunnel_candidates_are_excluded_at_admission() -> None:
             "input[0].extra",
             "unsupported_parameter",
         ),
-        (
-            {"model": "echo", "input": "x", "tools": [{"type": "web_search"}]},
+        (  # an unknown type (a built-in tool is dropped, not refused)
+            {"model": "echo", "input": "x", "tools": [{"type": "web_searching"}]},
             "tools[0].type",
+            "invalid_value",
+        ),
+        (
+            {
+                "model": "echo",
+                "input": "x",
+                "tools": [
+                    {"type": "function", "name": "a__b"},
+                    {
+                        "type": "namespace",
+                        "name": "a",
+                        "description": "",
+                        "tools": [
+                            {"type": "function", "name": "b"},
+                        ],
+                    },
+                ],
+            },
+            "tools[1].tools[0].name",
             "invalid_value",
         ),
         (

@@ -33,6 +33,7 @@ from ..common import (
     ModelCall,
     Pending,
     dispatch_headers,
+    effort_where_announced,
     model_route,
     relay_rest,
 )
@@ -117,7 +118,10 @@ async def messages(call: ModelCall, responder: Responder) -> str:
     """``POST /v1/messages``."""
     parsed = parse_messages_request(await call.request.body())
     gated = call.gate_request(
-        to_chat_body(parsed.body), stream=parsed.stream, predicate=normalized_only
+        to_chat_body(parsed.body),
+        stream=parsed.stream,
+        predicate=normalized_only,
+        prepare=effort_where_announced,
     )
     estimate = count_input_tokens(parsed.body)
     async with call.edge.gate.open(gated) as answer:

@@ -36,6 +36,7 @@ import orjson
 from ...errors import BadRequest
 from ...protocol.tokens import estimate_tokens
 from .. import schema
+from ..common import REASONING_EFFORT
 from ..schema import (
     ANY_OBJECT,
     BOOLEAN,
@@ -149,6 +150,17 @@ _TEXT_BLOCKS: Final = Array(Blocks({"text": _TEXT}, "'system'"), what="an array 
 _TEXT_OR_BLOCKS: Final = OneOf(
     {str: STRING, list: _TEXT_BLOCKS}, what="a string or an array of text blocks"
 )
+
+
+def _system_has_something(message: JSONObject) -> None:
+    if message.get("content") is None and not message.get("output_config"):
+        raise Invalid(
+            "missing_required_parameter",
+            "a system message needs content or output_config",
+            "content",
+        )
+
+
 _DIRECT: Final = _strict({"type": Enum(("direct",))}, ("type",))
 """A ``tool_use``'s ``caller``: only the model itself (server tools' callers are not
 supported)."""
@@ -185,7 +197,21 @@ def _content(where: str, blocks: Mapping[str, Object]) -> OneOf:
     )
 
 
+EFFORTS: Final = ("low", "medium", "high", "xhigh", "max")
+_EFFORT: Final = Enum(EFFORTS)
 _MESSAGE_ROLES: Final[Mapping[str, Object]] = {
+    # A system message in the conversation (beta ``mid-conversation-system-2026-04-07``):
+    # kept in place; ``clear_at: "next_user_message"`` shows it only until a later user
+    # message; its ``output_config.effort`` is the turn's effort.
+    "system": _strict(
+        {
+            "content": _TEXT_OR_BLOCKS,
+            "clear_at": Enum(("next_user_message", "never")),
+            "output_config": _strict({"effort": _EFFORT}),
+        },
+        tag="role",
+        rules=(_system_has_something,),
+    ),
     "user": _strict(
         {"content": _content("a user message", {"text": _TEXT, "tool_result": _TOOL_RESULT})},
         ("content",),
@@ -262,13 +288,37 @@ _TOOL_CHOICE: Final = schema.Tagged(
 )
 UNSUPPORTED: Final[Mapping[str, str]] = {
     "top_k": "top_k sampling has no equivalent in the chat completions backends",
-    "thinking": "extended thinking is not supported (only {'type': 'disabled'} is accepted)",
     "container": "code execution containers are not supported",
     "mcp_servers": "MCP servers are not supported",
-    "context_management": "context management is not supported",
-    "service_tier": "service tiers are not supported",
+    "compaction": "server-side compaction is not supported",
+    "fallbacks": "fallback models are not supported (configure the model group's candidates)",
 }
-"""Fields the Messages API defines and this edge does not translate: a 400 naming them."""
+"""Fields the Messages API defines and this edge cannot honour: a 400 naming them."""
+
+_THINKING_DISPLAY: Final = {"display": Enum(("summarized", "omitted"))}
+_THINKING: Final = schema.Tagged(
+    "type",
+    {
+        "adaptive": _strict(_THINKING_DISPLAY, tag="type"),
+        "enabled": _strict(
+            {"budget_tokens": Integer(low=1), **_THINKING_DISPLAY}, ("budget_tokens",), tag="type"
+        ),
+        "between_tools": _strict({}, tag="type"),
+        "disabled": _strict({}, tag="type"),
+    },
+    "a thinking object",
+)
+_OUTPUT_CONFIG: Final = _strict(
+    {
+        "effort": _EFFORT,
+        "format": schema.Tagged(
+            "type",
+            {"json_schema": _strict({"schema": ANY_OBJECT}, ("schema",), tag="type")},
+            "an output format object",
+        ),
+    }
+)
+_ACCEPTED: Final = String(max_length=1024)
 
 _FIELDS: Final[Mapping[str, schema.Schema]] = {
     "model": NON_EMPTY,
@@ -282,15 +332,23 @@ _FIELDS: Final[Mapping[str, schema.Schema]] = {
     "top_p": Number(0, 1),
     "stream": BOOLEAN,
     "metadata": _strict({"user_id": String(max_length=256)}),
+    "thinking": _THINKING,
+    "output_config": _OUTPUT_CONFIG,
+    # accepted and ignored (docs/messages.md): server-side context editing (the edge forwards
+    # the whole conversation it is sent), prompt caching hints, the service tier, a speed,
+    # where inference runs
+    "context_management": ANY_OBJECT,
+    "cache_control": ANY_OBJECT,
+    "service_tier": Enum(("auto", "standard_only")),
+    "speed": _ACCEPTED,
+    "inference_geo": _ACCEPTED,
     "echo": ANY_OBJECT,
 }
-_THINKING_OFF: Final = {"type": "disabled"}
 
 
 def _no_unsupported(body: JSONObject) -> None:
     for name, why in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and not (name == "thinking" and value == _THINKING_OFF):
+        if body.get(name) is not None:
             raise Invalid("unsupported_parameter", f"not supported: {why}", name)
 
 
@@ -304,10 +362,9 @@ def _top_level(fields: Mapping[str, schema.Schema], required: tuple[str, ...]) -
 MESSAGES: Final = _top_level(_FIELDS, ("model", "max_tokens", "messages"))
 """``POST /v1/messages``."""
 
-_COUNTED: Final = ("model", "system", "messages", "tools", "tool_choice")
-COUNT_TOKENS: Final = _top_level({name: _FIELDS[name] for name in _COUNTED}, ("model", "messages"))
-"""``POST /v1/messages/count_tokens``: what the input is made of (no ``max_tokens``,
-sampling or ``stream``, as the API defines it)."""
+COUNT_TOKENS: Final = _top_level(_FIELDS, ("model", "messages"))
+"""``POST /v1/messages/count_tokens``: whatever ``/v1/messages`` accepts (``max_tokens``
+optional), as Claude Code sends it the same body; only the input is counted."""
 
 # --------------------------------------------------------------------------- parsing
 
@@ -365,6 +422,8 @@ def _check_conversation(body: JSONObject) -> None:
         raise _bad("tool names must be unique", "tools")
     offered: set[str] = set()
     for index, message in enumerate(body["messages"]):
+        if message["role"] == "system":
+            continue  # between a tool use and its result, it changes neither
         content = message["content"]
         blocks = content if isinstance(content, list) else []
         if message["role"] == "assistant":
@@ -436,18 +495,86 @@ def _translate_message(message: JSONObject) -> list[JSONObject]:
     return translated
 
 
+def _shown_messages(messages: list[JSONObject]) -> list[JSONObject]:
+    """The conversation as the model is shown it: a system message with ``clear_at:
+    "next_user_message"`` is left out once a user message follows it, and one with no
+    content (only an ``output_config``) shows nothing."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    return [
+        message
+        for index, message in enumerate(messages)
+        if message["role"] != "system"
+        or (
+            message.get("content") is not None
+            and not (message.get("clear_at") == "next_user_message" and index < last_user)
+        )
+    ]
+
+
+def chat_messages(body: JSONObject) -> list[JSONObject]:
+    """The chat messages of a validated Messages body: ``system`` first, then each message
+    translated in its place -- a system message in the conversation as a ``system``
+    message where it is, except between an assistant's tool calls and their results (chat
+    wants the ``tool`` messages right after the calls): there it follows the results."""
+    messages: list[JSONObject] = []
+    if body.get("system") is not None:
+        messages.append({"role": "system", "content": _system_text(body["system"])})
+    held: list[JSONObject] = []  # system messages right after an assistant's tool calls
+    for message in _shown_messages(body["messages"]):
+        if message["role"] == "system":
+            system = {"role": "system", "content": _system_text(message["content"])}
+            last = messages[-1] if messages else None
+            if held or (
+                last is not None and last["role"] == "assistant" and last.get("tool_calls")
+            ):
+                held.append(system)
+            else:
+                messages.append(system)
+            continue
+        translated = _translate_message(message)
+        results = [m for m in translated if m["role"] == "tool"]
+        messages.extend(results)
+        messages.extend(held)
+        held = []
+        messages.extend(m for m in translated if m["role"] != "tool")
+    messages.extend(held)
+    return messages
+
+
+_BUDGET_EFFORTS: Final = ((4096, "low"), (16384, "medium"))
+"""A thinking budget below each bound means that effort; above the last, ``high``."""
+
+
+def reasoning_effort(body: JSONObject) -> str | None:
+    """The effort a validated Messages body asks the model to reason with: the latest
+    system message's ``output_config.effort``, else the request's, else from ``thinking``
+    (``enabled``: by its budget; ``adaptive``: ``medium``); None with thinking disabled or
+    not asked for. A model that does not reason is not given it (``api.common``)."""
+    thinking = body.get("thinking") or {}
+    if thinking.get("type") == "disabled":
+        return None
+    for message in reversed(body["messages"]):
+        effort = (message.get("output_config") or {}).get("effort")
+        if message["role"] == "system" and effort is not None:
+            return str(effort)
+    effort = (body.get("output_config") or {}).get("effort")
+    if effort is not None:
+        return str(effort)
+    if thinking.get("type") == "enabled":
+        budget = thinking["budget_tokens"]
+        return next((name for bound, name in _BUDGET_EFFORTS if budget < bound), "high")
+    if thinking.get("type") in ("adaptive", "between_tools"):
+        return "medium"
+    return None
+
+
 _TOOL_CHOICES: Final[Mapping[str, str]] = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def to_chat_body(body: JSONObject) -> JSONObject:
     """The OpenAI chat-completions body a validated Messages ``body`` means (see the module
     docstring)."""
-    messages: list[JSONObject] = []
-    if body.get("system") is not None:
-        messages.append({"role": "system", "content": _system_text(body["system"])})
-    for message in body["messages"]:
-        messages.extend(_translate_message(message))
-    chat: JSONObject = {"model": body["model"], "messages": messages}
+    chat: JSONObject = {"model": body["model"], "messages": chat_messages(body)}
     if body.get("max_tokens") is not None:
         chat["max_tokens"] = body["max_tokens"]
     for name in ("temperature", "top_p"):
@@ -462,6 +589,15 @@ def to_chat_body(body: JSONObject) -> JSONObject:
     user = (body.get("metadata") or {}).get("user_id")
     if user is not None:
         chat["user"] = user
+    effort = reasoning_effort(body)
+    if effort is not None:
+        chat[REASONING_EFFORT] = effort
+    output_format = (body.get("output_config") or {}).get("format")
+    if output_format is not None:
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": output_format["schema"]},
+        }
     tools = body.get("tools")
     if tools:
         chat["tools"] = [_function_tool(tool) for tool in tools]
@@ -497,7 +633,7 @@ def count_input_tokens(body: JSONObject) -> int:
     tokens = 0
     if body.get("system") is not None:
         tokens += estimate_tokens(_system_text(body["system"]))
-    for message in body["messages"]:
+    for message in _shown_messages(body["messages"]):
         content = message["content"]
         if isinstance(content, str):
             tokens += estimate_tokens(content)

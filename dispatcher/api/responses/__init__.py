@@ -38,6 +38,7 @@ from ..common import (
     JSON_HEADERS,
     ModelCall,
     dispatch_headers,
+    effort_where_announced,
     model_route,
     openai_error,
     relay_rest,
@@ -110,12 +111,17 @@ def _create_route(store_of: StoreOf) -> Route:
     @model_route
     async def create_response(call: ModelCall, responder: Responder) -> str:
         request = parse_responses_request(await call.request.body())
+        if request.tools.dropped:
+            _drop_built_in_tools(call, request)
         previous = request.body.get("previous_response_id")
         owner = call.ctx.attribution
         store = store_of(call.edge)
         history = await _history(store, previous, owner)
         gated = call.gate_request(
-            chat_body(request, history), stream=request.stream, predicate=normalized_only
+            chat_body(request, history),
+            stream=request.stream,
+            predicate=normalized_only,
+            prepare=effort_where_announced,
         )
         turn = Turn(request, previous)
 
@@ -139,6 +145,30 @@ def _create_route(store_of: StoreOf) -> Route:
             return "completed" if isinstance(answer.terminal, wire.RunCompleted) else "failed"
 
     return create_response
+
+
+DROPPED_TOOLS_HEADER: Final = b"x-dispatcher-dropped-tools"
+"""The answer's header naming the built-in tools dropped from the request."""
+
+
+def _drop_built_in_tools(call: ModelCall, request: ParsedResponsesRequest) -> None:
+    """The request offers built-in tools no backend runs: refused where the edge is set so,
+    else dropped, which its answers' header and its access line say."""
+    dropped = request.tools.dropped
+    if call.ctx.settings.refuse_built_in_tools:
+        tools = request.body["tools"]
+        index = next(i for i, tool in enumerate(tools) if tool["type"] == dropped[0])
+        raise BadRequest(
+            f"'tools[{index}].type': built-in tools ({', '.join(dropped)}) are refused by this "
+            "edge: no model behind it can run them; offer function tools instead",
+            param=f"tools[{index}].type",
+            code="unsupported_value",
+        )
+    names = ",".join(dropped)
+    headers = (*call.ctx.headers, (DROPPED_TOOLS_HEADER, names.encode()))
+    call.ctx = attrs.evolve(call.ctx, headers=headers)
+    if call.ctx.record is not None:
+        call.ctx.record.dropped_tools = names
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ import orjson
 
 from ... import wire
 from ..schema import JSONObject
-from ._request import ParsedResponsesRequest, message_item
+from ._request import ParsedResponsesRequest, ToolPlan, custom_tool_input, message_item
 
 __all__ = ["Events", "Turn", "error_code", "final_event"]
 
@@ -50,12 +50,14 @@ class _Output:
     """Builds a response's ``output`` items from run events, and the stream events that
     announce them (``events``, each without its ``sequence_number``)."""
 
-    def __init__(self, response_id: str) -> None:
+    def __init__(self, response_id: str, tools: ToolPlan | None = None) -> None:
+        self._tools = tools or ToolPlan()
         self._base = response_id.removeprefix("resp_")
         self.items: list[JSONObject] = []
         self.events: list[JSONObject] = []
         self._open: JSONObject | None = None
         self._call_index: int | None = None
+        self._chat_name = ""
         self._arguments: list[str] = []
         self._text: list[str] = []
         self.usage: wire.Usage | None = None
@@ -121,24 +123,25 @@ class _Output:
                 call_id = delta.get("id")
                 name = function.get("name")
                 self._call_index = index
+                self._chat_name = name if isinstance(name, str) else ""
                 self._add(
-                    {
-                        "type": "function_call",
-                        "id": f"fc_{self._base}_{len(self.items)}",
-                        "call_id": call_id
+                    self._call_item(
+                        call_id
                         if isinstance(call_id, str) and call_id
-                        else (f"call_{self._base}_{len(self.items)}"),
-                        "name": name if isinstance(name, str) else "",
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
+                        else f"call_{self._base}_{len(self.items)}"
+                    )
                 )
             assert self._open is not None
-            if not self._open["name"] and isinstance(function.get("name"), str):
-                self._open["name"] = function["name"]
+            if not self._chat_name and isinstance(function.get("name"), str):
+                # a backend that names the function only in a later delta: the added event
+                # went out without it, the done events carry it
+                self._chat_name = function["name"]
+                self._open.update(self._call_item(self._open["call_id"]), id=self._open["id"])
             arguments = function.get("arguments")
             if isinstance(arguments, str) and arguments:
                 self._arguments.append(arguments)
+                if self._open["type"] == "custom_tool_call":
+                    continue  # its input is known whole at the end (it is inside JSON)
                 self.events.append(
                     {
                         "type": "response.function_call_arguments.delta",
@@ -147,6 +150,24 @@ class _Output:
                         "delta": arguments,
                     }
                 )
+
+    def _call_item(self, call_id: str) -> JSONObject:
+        """The output item of a call of the chat function :attr:`_chat_name`: a
+        ``function_call``, or a ``custom_tool_call`` for a custom tool; a tool inside a
+        namespace by its own name, with its ``namespace``."""
+        tool = self._tools.client_tool(self._chat_name) if self._chat_name else None
+        number = len(self.items)
+        item: JSONObject
+        if tool is not None and tool.custom:
+            item = {"type": "custom_tool_call", "id": f"ctc_{self._base}_{number}"}
+            item.update(call_id=call_id, name=tool.name, input="", status="in_progress")
+        else:
+            item = {"type": "function_call", "id": f"fc_{self._base}_{number}"}
+            item.update(call_id=call_id, name=tool.name if tool else "", arguments="")
+            item["status"] = "in_progress"
+        if tool is not None and tool.namespace is not None:
+            item["namespace"] = tool.namespace
+        return item
 
     def close(self, status: str) -> None:
         """End the open item (if any) with ``status``."""
@@ -165,6 +186,22 @@ class _Output:
             )
             self.events.append({"type": "response.content_part.done", **common, "part": part})
             self._text = []
+        elif item["type"] == "custom_tool_call":
+            item["input"] = custom_tool_input("".join(self._arguments))
+            common = {"item_id": item["id"], "output_index": index}
+            if item["input"]:
+                self.events.append(
+                    {
+                        "type": "response.custom_tool_call_input.delta",
+                        **common,
+                        "delta": item["input"],
+                    }
+                )
+            self.events.append(
+                {"type": "response.custom_tool_call_input.done", **common, "input": item["input"]}
+            )
+            self._arguments = []
+            self._call_index = None
         else:
             item["arguments"] = "".join(self._arguments)
             self.events.append(
@@ -188,6 +225,22 @@ class _Output:
         return events
 
 
+_OWN: Final = frozenset(("function", "custom", "namespace"))
+"""The tool types a response echoes (the built-in ones were dropped)."""
+
+
+def _echoed(tool: JSONObject) -> JSONObject:
+    if tool["type"] != "function":
+        return tool
+    return {
+        "type": "function",
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+        "strict": tool.get("strict", True),
+    }
+
+
 class Turn:
     """One Responses request being answered: its response object as it grows."""
 
@@ -196,9 +249,9 @@ class Turn:
         self.request = request
         self.id = "resp_" + secrets.token_hex(16)
         self.created_at = int(time.time())
-        self.output = _Output(self.id)
-        tools = body.get("tools") or []
+        self.output = _Output(self.id, request.tools)
         text = body.get("text") or {}
+        reasoning = body.get("reasoning") or {}
         self.fields: JSONObject = {
             "id": self.id,
             "object": "response",
@@ -217,17 +270,10 @@ class Turn:
             "temperature": body.get("temperature"),
             "text": {"format": text.get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto",
-            "tools": [
-                {
-                    "type": "function",
-                    "name": tool["name"],
-                    "description": tool.get("description"),
-                    "parameters": tool.get("parameters"),
-                    "strict": tool.get("strict", True),
-                }
-                for tool in tools
-            ],
+            "tools": [_echoed(tool) for tool in body.get("tools") or () if tool["type"] in _OWN],
             "top_p": body.get("top_p"),
+            "reasoning": {"effort": reasoning.get("effort"), "summary": None},
+            "service_tier": "default",
             "truncation": "disabled",
             "usage": None,
             "metadata": body.get("metadata") or {},
@@ -277,12 +323,12 @@ def _normalize_output(item: JSONObject) -> JSONObject:
     if item["type"] == "message":
         text = "".join(part["text"] for part in item["content"])
         return message_item("assistant", text)
-    return {
-        "type": "function_call",
-        "call_id": item["call_id"],
-        "name": item["name"],
-        "arguments": item["arguments"],
-    }
+    value = "arguments" if item["type"] == "function_call" else "input"
+    call: JSONObject = {"type": item["type"], "call_id": item["call_id"], "name": item["name"]}
+    if "namespace" in item:
+        call["namespace"] = item["namespace"]
+    call[value] = item[value]
+    return call
 
 
 class Events:

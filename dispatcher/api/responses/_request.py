@@ -4,15 +4,18 @@ translated to the OpenAI chat body the gate, the nodes and the usage rows speak
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
+import orjson
 
 from ...admission import Candidate
 from ...errors import BadRequest
 from .. import schema
+from ..common import REASONING_EFFORT
 from ..schema import Invalid, JSONObject
 
 __all__ = [
@@ -39,9 +42,13 @@ def _only(*known: str) -> schema.Rule:
 
 
 def _strict(
-    fields: Mapping[str, schema.Schema], required: tuple[str, ...] = (), *, what: str = "an object"
+    fields: Mapping[str, schema.Schema],
+    required: tuple[str, ...] = (),
+    *,
+    rules: tuple[schema.Rule, ...] = (),
+    what: str = "an object",
 ) -> schema.Object:
-    return schema.Object(fields, required, rules=(_only(*fields),), what=what)
+    return schema.Object(fields, required, rules=(_only(*fields), *rules), what=what)
 
 
 _TEXT_PART: Final = _strict({"type": schema.STRING, "text": schema.STRING}, ("text",))
@@ -81,6 +88,28 @@ _MESSAGES: Final[Mapping[str, schema.Object]] = {
     role: _strict({**_MESSAGE_FIELDS, "content": _INPUT_CONTENT}, ("content",))
     for role in ("user", "system", "developer")
 }
+_CALLER: Final = schema.ANY_OBJECT
+"""Who made a call (``{"type": "direct"}`` or a program's): accepted, not needed."""
+_OUTPUT: Final = schema.OneOf(
+    {
+        str: schema.STRING,
+        list: schema.Array(
+            schema.Tagged("type", {"input_text": _TEXT_PART}, "an output part"),
+            what="an array of input_text parts",
+        ),
+    },
+    what="a string or an array of input_text parts",
+)
+_REASONING_ITEM: Final = _strict(
+    {
+        "type": schema.STRING,
+        "id": schema.STRING,
+        "summary": schema.Array(schema.ANY_OBJECT, what="an array of summary parts"),
+        "content": schema.Array(schema.ANY_OBJECT, what="an array of reasoning parts"),
+        "encrypted_content": schema.STRING,
+        "status": _STATUS,
+    },
+)
 _ITEMS: Final[Mapping[str, schema.Schema]] = {
     "message": schema.Tagged(
         "role",
@@ -96,7 +125,9 @@ _ITEMS: Final[Mapping[str, schema.Schema]] = {
             "id": schema.STRING,
             "call_id": schema.NON_EMPTY,
             "name": schema.NON_EMPTY,
+            "namespace": schema.NON_EMPTY,
             "arguments": schema.STRING,
+            "caller": _CALLER,
             "status": _STATUS,
         },
         ("call_id", "name", "arguments"),
@@ -106,21 +137,40 @@ _ITEMS: Final[Mapping[str, schema.Schema]] = {
             "type": schema.STRING,
             "id": schema.STRING,
             "call_id": schema.NON_EMPTY,
-            "output": schema.OneOf(
-                {
-                    str: schema.STRING,
-                    list: schema.Array(
-                        schema.Tagged("type", {"input_text": _TEXT_PART}, "an output part"),
-                        what="an array of input_text parts",
-                    ),
-                },
-                what="a string or an array of input_text parts",
-            ),
+            "output": _OUTPUT,
             "status": _STATUS,
         },
         ("call_id", "output"),
     ),
+    "custom_tool_call": _strict(
+        {
+            "type": schema.STRING,
+            "id": schema.STRING,
+            "call_id": schema.NON_EMPTY,
+            "name": schema.NON_EMPTY,
+            "namespace": schema.NON_EMPTY,
+            "input": schema.STRING,
+            "caller": _CALLER,
+            "status": _STATUS,
+        },
+        ("call_id", "name", "input"),
+    ),
+    "custom_tool_call_output": _strict(
+        {
+            "type": schema.STRING,
+            "id": schema.STRING,
+            "call_id": schema.NON_EMPTY,
+            "output": _OUTPUT,
+            "status": _STATUS,
+        },
+        ("call_id", "output"),
+    ),
+    # A reasoning item of an earlier turn (what a reasoning model produced, often only as
+    # encrypted content): accepted and dropped, as no engine behind the edge can read another
+    # model's reasoning.
+    "reasoning": _REASONING_ITEM,
 }
+_ITEM_TYPES: Final = ", ".join(_ITEMS)
 
 
 @attrs.frozen
@@ -138,8 +188,7 @@ class _Item:
                 raise Invalid("invalid_type", "must be a string", "type")
             raise Invalid(
                 "unsupported_value",
-                f"item type {kind!r} is not supported: use message, function_call or "
-                "function_call_output",
+                f"item type {kind!r} is not supported: use one of {_ITEM_TYPES}",
                 "type",
             )
         item.check(value, depth)
@@ -148,30 +197,131 @@ class _Item:
         return "an input item object"
 
 
+_TOOL_NAME: Final = schema.String(
+    pattern=re.compile(r"[a-zA-Z0-9_-]{1,64}"),
+    what="a name of 1 to 64 letters, digits, underscores or dashes",
+)
+_TOOL_COMMON: Final[Mapping[str, schema.Schema]] = {
+    "type": schema.STRING,
+    "name": _TOOL_NAME,
+    "description": schema.STRING,
+    # tool search and programmatic calls: what the backend does not do, so every tool is
+    # loaded and called directly
+    "defer_loading": schema.BOOLEAN,
+    "allowed_callers": schema.Array(schema.STRING, what="an array of strings"),
+}
 _FUNCTION_TOOL: Final = _strict(
     {
-        "type": schema.STRING,
-        "name": schema.String(
-            pattern=re.compile(r"[a-zA-Z0-9_-]{1,64}"),
-            what="a name of 1 to 64 letters, digits, underscores or dashes",
-        ),
-        "description": schema.STRING,
+        **_TOOL_COMMON,
         "parameters": schema.ANY_OBJECT,
         "strict": schema.BOOLEAN,
+        "output_schema": schema.ANY_OBJECT,
     },
     ("name",),
 )
-_TOOL: Final = schema.Tagged("type", {"function": _FUNCTION_TOOL}, "a function tool object")
+_CUSTOM_FORMAT: Final = schema.Tagged(
+    "type",
+    {
+        "text": _strict({"type": schema.STRING}),
+        "grammar": _strict(
+            {
+                "type": schema.STRING,
+                "syntax": schema.enum("lark", "regex"),
+                "definition": schema.STRING,
+            },
+            ("syntax", "definition"),
+        ),
+    },
+    "a custom tool format object",
+)
+_CUSTOM_TOOL: Final = _strict({**_TOOL_COMMON, "format": _CUSTOM_FORMAT}, ("name",))
+_NAMESPACE_TOOL: Final = _strict(
+    {
+        "type": schema.STRING,
+        "name": _TOOL_NAME,
+        "description": schema.STRING,
+        "tools": schema.Array(
+            schema.Tagged(
+                "type",
+                {"function": _FUNCTION_TOOL, "custom": _CUSTOM_TOOL},
+                "a function or custom tool object",
+                "in a namespace",
+            ),
+            min_items=1,
+            what="a non-empty array of function or custom tools",
+        ),
+    },
+    ("name", "tools"),
+)
+BUILT_IN_TOOLS: Final = (
+    "web_search",
+    "web_search_2025_08_26",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "computer",
+    "computer_use_preview",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "tool_search",
+    "programmatic_tool_calling",
+)
+"""The Responses API's built-in tools: run by OpenAI's servers, or called with actions only
+OpenAI's models are trained for. No backend of the edge runs them: a request offering them
+has them dropped (``x-dispatcher-dropped-tools`` says which), or refused where the edge is
+configured so (``[responses] built_in_tools = "refuse"``)."""
+
+
+@attrs.frozen
+class _Tool:
+    """A tool: ``function``, ``custom`` and ``namespace`` by their schemas; a built-in tool
+    by its ``type`` only (it is dropped, or refused by the route); any other type refused."""
+
+    variants: Mapping[str, schema.Object]
+
+    def check(self, value: object, depth: int) -> None:
+        if type(value) is not dict:
+            raise Invalid("invalid_type", "must be a tool object")
+        kind = value.get("type")
+        if type(kind) is not str:
+            if kind is None:
+                raise Invalid("missing_required_parameter", "a tool type is required", "type")
+            raise Invalid("invalid_type", "must be a string", "type")
+        variant = self.variants.get(kind)
+        if variant is not None:
+            variant.check(value, depth)
+        elif kind not in BUILT_IN_TOOLS:
+            raise Invalid(
+                "invalid_value",
+                f"tool type {kind!r} is unknown: use function, custom or namespace (or one "
+                "of the API's built-in tools, which this edge drops)",
+                "type",
+            )
+        else:
+            schema.ANY_OBJECT.check(value, depth)
+
+    def describe(self) -> str:
+        return "a tool object"
+
+
+_TOOL: Final = _Tool(
+    {"function": _FUNCTION_TOOL, "custom": _CUSTOM_TOOL, "namespace": _NAMESPACE_TOOL}
+)
+_NAMED_CHOICE: Final = _strict({"type": schema.STRING, "name": schema.NON_EMPTY}, ("name",))
 _TOOL_CHOICE: Final = schema.OneOf(
     {
         str: schema.enum("none", "auto", "required"),
         dict: schema.Tagged(
             "type",
-            {"function": _strict({"type": schema.STRING, "name": schema.NON_EMPTY}, ("name",))},
+            {"function": _NAMED_CHOICE, "custom": _NAMED_CHOICE},
             "a tool choice object",
         ),
     },
-    what='"none", "auto", "required" or a function tool choice object',
+    what='"none", "auto", "required" or a function or custom tool choice object',
 )
 _FORMAT: Final = schema.Tagged(
     "type",
@@ -191,6 +341,41 @@ _FORMAT: Final = schema.Tagged(
     },
     "a text format object",
 )
+REASONING_EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_SUMMARY: Final = schema.enum("auto", "concise", "detailed")
+_REASONING: Final = _strict(
+    {
+        "effort": schema.Enum(REASONING_EFFORTS),
+        "summary": _SUMMARY,
+        "generate_summary": _SUMMARY,
+        "context": schema.enum("auto", "current_turn", "all_turns"),
+        "mode": schema.STRING,
+    }
+)
+INCLUDABLE: Final = (
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+)
+"""What ``include`` may ask for: each is accepted, and none adds anything to an answer of
+this edge (no reasoning items, logprobs or built-in tool calls are produced)."""
+_ACCEPTED_STRING: Final = schema.String(max_length=1024)
+
+
+def _not_in_background(body: JSONObject) -> None:
+    if body.get("background") is True:
+        raise Invalid(
+            "unsupported_value",
+            "background responses are not supported: leave it out or false, and keep the "
+            "connection (stream: true keeps a long answer coming)",
+            "background",
+        )
+
 
 REQUEST: Final = _strict(
     {
@@ -200,7 +385,7 @@ REQUEST: Final = _strict(
             what="a string or an array of input items",
         ),
         "instructions": schema.STRING,
-        "tools": schema.Array(_TOOL, what="an array of function tools"),
+        "tools": schema.Array(_TOOL, what="an array of tools"),
         "tool_choice": _TOOL_CHOICE,
         "parallel_tool_calls": schema.BOOLEAN,
         "max_output_tokens": schema.TOKEN_LIMIT,
@@ -216,15 +401,148 @@ REQUEST: Final = _strict(
         ),
         "store": schema.BOOLEAN,
         "previous_response_id": schema.NON_EMPTY,
-        "text": _strict({"format": _FORMAT}),
+        "text": _strict({"format": _FORMAT, "verbosity": schema.enum("low", "medium", "high")}),
         "truncation": schema.enum("disabled"),
+        "reasoning": _REASONING,
+        "include": schema.Array(schema.Enum(INCLUDABLE), what="an array of includable names"),
+        "prompt_cache_key": _ACCEPTED_STRING,
+        "prompt_cache_retention": schema.enum("in_memory", "24h"),
+        "service_tier": schema.enum("auto", "default", "flex", "scale", "priority"),
+        "safety_identifier": _ACCEPTED_STRING,
+        "user": _ACCEPTED_STRING,
+        "client_metadata": schema.ANY_OBJECT,
+        "background": schema.BOOLEAN,
         # The built-in echo model's per-request knobs (nodes/adapters/echo.py), forwarded as
         # the chat routes forward them: what the tests inject faults and tool calls with.
         "echo": schema.ANY_OBJECT,
     },
     ("model", "input"),
+    rules=(_not_in_background,),
 )
-"""What ``POST /v1/responses`` accepts; any other field is answered 400 naming it."""
+"""What ``POST /v1/responses`` accepts; any other field is answered 400 naming it
+(``docs/responses.md`` says, per field, what is honoured and what accepted and ignored)."""
+
+
+@attrs.frozen
+class ClientTool:
+    """A tool as the client named it: what a call of its chat function is answered as."""
+
+    name: str
+    namespace: str | None = None
+    """The ``namespace`` tool it came in (its chat function's name is flattened)."""
+    custom: bool = False
+    """A ``custom`` tool: its chat function takes one string, ``input``, and a call of it is
+    answered as a ``custom_tool_call``."""
+
+
+def chat_tool_name(name: str, namespace: str | None) -> str:
+    """The chat function's name of a client's tool: its own name, or for a tool inside a
+    namespace ``{namespace}__{name}`` (shortened with a digest of both past the chat
+    completions limit of 64 characters). The same for the same two names, so the tool calls
+    of a stored conversation keep naming the same function."""
+    if namespace is None:
+        return name
+    flat = f"{namespace}__{name}"
+    if len(flat) <= 64:
+        return flat
+    digest = hashlib.sha256(f"{namespace}.{name}".encode()).hexdigest()[:8]
+    return f"{flat[:55]}_{digest}"
+
+
+CUSTOM_TOOL_PARAMETERS: Final[JSONObject] = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "The tool's input, as text."}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
+"""A ``custom`` tool as a chat function: one string argument, ``input``."""
+
+
+@attrs.frozen
+class ToolPlan:
+    """The request's tools as the chat backends take them: function tools (namespaces
+    flattened, custom tools as functions of one string), what each chat name means to the
+    client, and the built-in tools dropped."""
+
+    chat: tuple[JSONObject, ...] = ()
+    by_chat_name: Mapping[str, ClientTool] = attrs.field(factory=dict)
+    dropped: tuple[str, ...] = ()
+    """The types of the built-in tools dropped (each once, in order)."""
+
+    def client_tool(self, chat_name: str) -> ClientTool:
+        """What a call of ``chat_name`` is (a plain function when the plan has no such name:
+        the model called a tool it was not offered)."""
+        return self.by_chat_name.get(chat_name) or ClientTool(chat_name)
+
+    def choice_name(self, name: str) -> str:
+        """The chat name a ``tool_choice`` naming ``name`` means: a tool of that chat name, or
+        else the one tool inside a namespace with that name."""
+        if name in self.by_chat_name:
+            return name
+        inside = [chat for chat, tool in self.by_chat_name.items() if tool.name == name]
+        return inside[0] if len(inside) == 1 else name
+
+
+def plan_tools(tools: Sequence[JSONObject]) -> ToolPlan:
+    """The :class:`ToolPlan` of a validated request's ``tools``; raises :class:`BadRequest`
+    when two tools would be one chat function."""
+    chat: list[JSONObject] = []
+    by_chat_name: dict[str, ClientTool] = {}
+    dropped: list[str] = []
+
+    def add(tool: JSONObject, where: str, namespace: JSONObject | None) -> None:
+        custom = tool["type"] == "custom"
+        space = None if namespace is None else namespace["name"]
+        name = chat_tool_name(tool["name"], space)
+        if name in by_chat_name:
+            raise BadRequest(
+                f"'{where}.name': the tool name {tool['name']!r} is given twice"
+                + (
+                    ""
+                    if space is None
+                    else f" (as {name!r}, the name of namespace {space!r}'s tool)"
+                ),
+                param=f"{where}.name",
+                code="invalid_value",
+            )
+        by_chat_name[name] = ClientTool(tool["name"], space, custom)
+        function: JSONObject = {"name": name}
+        description = _described(tool, namespace)
+        if description:
+            function["description"] = description
+        if custom:
+            function["parameters"] = CUSTOM_TOOL_PARAMETERS
+        else:
+            for key in ("parameters", "strict"):
+                if tool.get(key) is not None:
+                    function[key] = tool[key]
+        chat.append({"type": "function", "function": function})
+
+    for index, tool in enumerate(tools):
+        kind = tool["type"]
+        if kind == "namespace":
+            for inner, member in enumerate(tool["tools"]):
+                add(member, f"tools[{index}].tools[{inner}]", tool)
+        elif kind in ("function", "custom"):
+            add(tool, f"tools[{index}]", None)
+        elif kind not in dropped:
+            dropped.append(kind)
+    return ToolPlan(tuple(chat), by_chat_name, tuple(dropped))
+
+
+def _described(tool: JSONObject, namespace: JSONObject | None) -> str:
+    """A chat function's description: the tool's, with what its custom format and its
+    namespace say."""
+    parts = [tool.get("description") or ""]
+    text_format = tool.get("format") if tool["type"] == "custom" else None
+    if isinstance(text_format, dict) and text_format["type"] == "grammar":
+        parts.append(
+            f"The input must match this {text_format['syntax']} grammar:\n"
+            + text_format["definition"]
+        )
+    if namespace is not None and namespace.get("description"):
+        parts.append(f"(One of the tools of {namespace['name']}: {namespace['description']})")
+    return "\n\n".join(part for part in parts if part)
 
 
 @attrs.frozen(kw_only=True)
@@ -233,9 +551,11 @@ class ParsedResponsesRequest:
     body: JSONObject
     """The request as the client sent it (validated)."""
     items: tuple[JSONObject, ...]
-    """The request's own input items, normalized (a string input is one user message)."""
+    """The request's own input items, normalized (a string input is one user message;
+    reasoning items dropped)."""
     stream: bool
     store: bool
+    tools: ToolPlan = ToolPlan()
 
 
 def parse_responses_request(raw: bytes, *, max_size: int | None = None) -> ParsedResponsesRequest:
@@ -246,15 +566,20 @@ def parse_responses_request(raw: bytes, *, max_size: int | None = None) -> Parse
     if isinstance(given, str):
         items: list[JSONObject] = [message_item("user", given)]
     else:
-        items = [_normalize_item(item) for item in given]
+        items = [normal for item in given if (normal := _normalize_item(item)) is not None]
     if not items:
-        raise BadRequest("'input': must not be empty", param="input", code="invalid_value")
+        raise BadRequest(
+            "'input': must not be empty (reasoning items alone are dropped)",
+            param="input",
+            code="invalid_value",
+        )
     return ParsedResponsesRequest(
         model=body["model"],
         body=body,
         items=tuple(items),
         stream=body.get("stream") is True,
         store=body.get("store") is not False,
+        tools=plan_tools(body.get("tools") or ()),
     )
 
 
@@ -263,8 +588,10 @@ def message_item(role: str, text: str) -> JSONObject:
     return {"type": "message", "role": role, "content": [{"type": part, "text": text}]}
 
 
-def _normalize_item(item: JSONObject) -> JSONObject:
-    """An input item as it is stored: messages with typed content parts, no client ids."""
+def _normalize_item(item: JSONObject) -> JSONObject | None:
+    """An input item as it is stored: messages with typed content parts, calls and their
+    outputs with only what the conversation needs, no client ids; None for a reasoning item
+    (dropped)."""
     kind = item.get("type", "message")
     if kind == "message":
         content = item["content"]
@@ -277,26 +604,45 @@ def _normalize_item(item: JSONObject) -> JSONObject:
             else:
                 parts.append({"type": part["type"], "text": part["text"]})
         return {"type": "message", "role": item["role"], "content": parts}
-    if kind == "function_call":
-        return {
-            "type": "function_call",
-            "call_id": item["call_id"],
-            "name": item["name"],
-            "arguments": item["arguments"],
-        }
+    if kind == "reasoning":
+        return None
+    if kind in ("function_call", "custom_tool_call"):
+        value = "arguments" if kind == "function_call" else "input"
+        call: JSONObject = {"type": kind, "call_id": item["call_id"], "name": item["name"]}
+        if item.get("namespace") is not None:
+            call["namespace"] = item["namespace"]
+        call[value] = item[value]
+        return call
     output = item["output"]
     if not isinstance(output, str):
         output = "".join(part["text"] for part in output)
-    return {"type": "function_call_output", "call_id": item["call_id"], "output": output}
+    return {"type": kind, "call_id": item["call_id"], "output": output}
 
 
 # --------------------------------------------------------------------------- translation
 
 
+def custom_tool_arguments(text: str) -> str:
+    """A custom tool's input as its chat function's arguments (JSON text)."""
+    return orjson.dumps({"input": text}).decode()
+
+
+def custom_tool_input(arguments: str) -> str:
+    """A custom tool's input from its chat function's arguments: the ``input`` string of the
+    JSON object a model wrote, or the arguments as they are when they are no such object."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return arguments
+    text = value.get("input") if isinstance(value, dict) else None
+    return text if isinstance(text, str) else arguments
+
+
 def chat_messages(instructions: str | None, items: Sequence[JSONObject]) -> list[JSONObject]:
     """Responses items as chat messages: ``instructions`` first as a system message; a
-    ``function_call`` joins the assistant message just before it (or starts one with null
-    content) as a tool call; a ``function_call_output`` is a ``tool`` message."""
+    ``function_call`` or ``custom_tool_call`` joins the assistant message just before it (or
+    starts one with null content) as a tool call of its chat function
+    (:func:`chat_tool_name`); an output is a ``tool`` message."""
     messages: list[JSONObject] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -309,11 +655,19 @@ def chat_messages(instructions: str | None, items: Sequence[JSONObject]) -> list
             else:
                 content = [{"type": "text", "text": text} for text in texts]
             messages.append({"role": item["role"], "content": content})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            arguments = (
+                item["arguments"]
+                if kind == "function_call"
+                else custom_tool_arguments(item["input"])
+            )
             call = {
                 "id": item["call_id"],
                 "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
+                "function": {
+                    "name": chat_tool_name(item["name"], item.get("namespace")),
+                    "arguments": arguments,
+                },
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -337,32 +691,29 @@ def chat_body(request: ParsedResponsesRequest, history: Sequence[JSONObject]) ->
     if request.stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
-    tools = body.get("tools")
-    if tools:
-        chat["tools"] = [
-            {
+    plan = request.tools
+    if plan.chat:
+        chat["tools"] = list(plan.chat)
+        choice = body.get("tool_choice")
+        if isinstance(choice, str):
+            chat["tool_choice"] = choice
+        elif isinstance(choice, dict):
+            chat["tool_choice"] = {
                 "type": "function",
-                "function": {
-                    key: tool[key]
-                    for key in ("name", "description", "parameters", "strict")
-                    if tool.get(key) is not None
-                },
+                "function": {"name": plan.choice_name(choice["name"])},
             }
-            for tool in tools
-        ]
-    choice = body.get("tool_choice")
-    if isinstance(choice, str):
-        chat["tool_choice"] = choice
-    elif isinstance(choice, dict):
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     for ours, theirs in (
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
         ("parallel_tool_calls", "parallel_tool_calls"),
+        ("user", "user"),
     ):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
+    effort = (body.get("reasoning") or {}).get("effort")
+    if effort is not None:
+        chat[REASONING_EFFORT] = effort
     if body.get("echo") is not None:
         chat["echo"] = body["echo"]
     text_format = (body.get("text") or {}).get("format")
