@@ -17,6 +17,9 @@ three tool-call deltas (``index`` 0 with ``id`` ``call_echo_0``, ``type`` and th
 arguments; then the arguments in two pieces), finish reason ``"tool_calls"``. ``token_delay``
 applies before each delta; the other fault knobs count text tokens only, except
 ``fail_before_first_token``. A request can turn it off with ``"echo": {"tool_call": null}``.
+With ``tool_call_once = true`` as well, a conversation that already holds a tool result (a
+``tool`` message) is answered with text instead: the last tool result's, echoed -- one round
+trip, as an agent's model calls a tool, reads what it returned and answers.
 
 Echo honours what it announces (``tools`` and ``json``, see
 :func:`nodes.config.default_node_config`), so clients that bind tools or ask for structured
@@ -82,6 +85,9 @@ class EchoOptions:
     """Stream this text instead of the last user message."""
     tool_call: EchoToolCall | None = None
     """Answer with this tool call instead of text (finish reason ``"tool_calls"``)."""
+    tool_call_once: bool = False
+    """Make :attr:`tool_call` only while the conversation holds no tool result; then answer
+    with the last tool result's text."""
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> EchoOptions:
@@ -101,7 +107,7 @@ def _parse_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
             if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
                 raise OptionsError(key, f"expected a number >= 0, got {value!r}")
             fields[key] = float(value)
-        elif key in ("fail_before_first_token", "ignore_cancel"):
+        elif key in ("fail_before_first_token", "ignore_cancel", "tool_call_once"):
             if type(value) is not bool:
                 raise OptionsError(key, f"expected true or false, got {value!r}")
             fields[key] = value
@@ -169,16 +175,20 @@ class EchoAdapter:
         if not isinstance(messages, list):
             raise AdapterError("invalid_request", "messages: expected an array")
         prompt_tokens = sum(len(message_text(m).split()) for m in messages)
+        results = [m for m in messages if isinstance(m, dict) and m.get("role") == "tool"]
+        answered = options.tool_call_once and bool(results)
         if options.reply is not None:
             text = options.reply
+        elif answered:
+            text = message_text(results[-1])
         else:
             users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
             if not users:
                 raise AdapterError("invalid_request", "echo needs a user message to echo")
             text = message_text(users[-1])
 
-        call = options.tool_call
-        if call is None and "tool_call" not in body.get("echo", {}):
+        call = None if answered else options.tool_call
+        if call is None and not answered and "tool_call" not in body.get("echo", {}):
             call = forced_tool_call(body, text)
         tokens = split_tokens(structured_reply(body, text) or text)
         finish = "stop"

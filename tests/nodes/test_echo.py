@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import orjson
 import pytest
 import trio
@@ -251,6 +252,35 @@ async def test_echo_tool_call_option_and_per_request_override() -> None:
     rec = await run_echo(request("r3", "plain text", echo={"tool_call": None}), options)
     assert rec.text("r3") == "plain text"
     assert rec.terminal("r3").finish_reason == "stop"
+
+
+async def test_echo_tool_call_once_answers_the_tool_result_with_its_text() -> None:
+    """``tool_call_once``: a tool call while the conversation holds no tool result, then the
+    last result's text -- an agent's round trip (the agents session's node uses it)."""
+    options = EchoOptions.from_mapping(
+        {"tool_call": {"name": "Read", "arguments": {"file_path": "/m"}}, "tool_call_once": True}
+    )
+    rec = await run_echo(request("r1", "read it"), options)
+    assert rec.terminal("r1").finish_reason == "tool_calls"
+    call = {
+        "id": "call_echo_0",
+        "type": "function",
+        "function": {"name": "Read", "arguments": "{}"},
+    }
+    conversation: list[dict[str, Any]] = [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_echo_0", "content": "first result"},
+        {"role": "user", "content": "a reminder after the result"},
+    ]
+    rec = await run_echo(request("r2", messages=conversation), options)
+    assert rec.text("r2") == "first result"
+    assert rec.terminal("r2").finish_reason == "stop"
+    # without the knob, the call is made again (the option as it was)
+    rec = await run_echo(
+        request("r3", messages=conversation), attrs.evolve(options, tool_call_once=False)
+    )
+    assert rec.terminal("r3").finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize(
