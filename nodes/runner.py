@@ -96,6 +96,10 @@ class _Run:
     terminal_sent: trio.Event = attrs.Factory(trio.Event)
     drained: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     reported_usage: wire.Usage | None = None
+    content_pushed: bool = False
+    """A delta (text or tool calls) was pushed: a usage reported after it waits for the end."""
+    usage_announced: bool = False
+    """A usage reported before any content was sent ahead of it (:meth:`_Output.usage`)."""
     finish_reason: str = "stop"
     generated: TokenEstimator = attrs.Factory(TokenEstimator)
 
@@ -119,6 +123,7 @@ class _Output:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         run.generated.add(text)
+        run.content_pushed = True
         self._runner._push(run, text)
         await self._wait_drained()
 
@@ -129,6 +134,7 @@ class _Output:
         if not frames:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
+        run.content_pushed = True
         for frame, size in frames:
             self._runner._push(run, _tool_call_delta(run.run_id, frame), size=size)
         await self._wait_drained()
@@ -152,9 +158,17 @@ class _Output:
             run.unyielded += 1
 
     def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
-        self._run.reported_usage = wire.Usage(
+        run = self._run
+        usage = run.reported_usage = wire.Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, estimated=estimated
         )
+        if not (estimated or run.content_pushed or run.usage_announced):
+            # Counted before the first content: sent ahead of it, so the edge's answer can
+            # start with the run's own count (Anthropic's message_start) rather than its
+            # estimate. Later reports wait for the end (the last one is the run's usage).
+            run.usage_announced = True
+            run_id = run.run_id
+            self._runner._push(run, lambda seq: wire.RunUsage(run_id=run_id, seq=seq, usage=usage))
 
     def finish(self, reason: str) -> None:
         self._run.finish_reason = reason

@@ -209,6 +209,19 @@ async def test_the_stream_is_the_documented_event_sequence(edge: Edge) -> None:
     }
 
 
+async def test_message_start_carries_the_runs_own_count_when_it_came_first(edge: Edge) -> None:
+    """Echo counts its prompt before its first token (one long word: 1 token to echo, 26 to
+    the edge's estimate of 104 characters); the node sends that count ahead of the text, so
+    ``message_start`` says 1, as ``message_delta`` does -- not the estimate."""
+    word = "abcdefghijklmnopqrstuvwxyz" * 4
+    body = {"model": "echo", "max_tokens": 50, "stream": True, "messages": user(word)}
+    async with httpx.AsyncClient(base_url=edge.url) as client:
+        response = await client.post("/v1/messages", json=body)
+    events = sse_events(response.content)
+    assert events[0][1]["message"]["usage"] == {"input_tokens": 1, "output_tokens": 0}
+    assert events[-2][1]["usage"] == {"input_tokens": 1, "output_tokens": 1}
+
+
 # --------------------------------------------------------------------------- tools
 
 WEATHER_TOOL: anthropic.types.ToolParam = {
