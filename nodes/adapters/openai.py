@@ -35,7 +35,7 @@ import attrs
 from dispatcher import protocol as wire
 from nodes.adapters import _http
 from nodes.adapters._client import Pool
-from nodes.adapters.base import AdapterError, RunOutput
+from nodes.adapters.base import AdapterError, RunOutput, message_text
 from nodes.config import OptionsError, ProviderConfig
 
 DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
@@ -50,16 +50,35 @@ class OpenAIOptions:
     include_usage: bool = True
     """Ask for the usage chunk (``stream_options.include_usage``); turn off for servers that
     reject ``stream_options``. Without it the runner estimates usage."""
+    merge_system_messages: bool = False
+    """Merge every ``system`` message into one at the start (texts joined by a blank line,
+    in order), for an engine whose chat template takes a system message only first
+    (Claude Code puts some in the middle of the conversation, which the edge keeps there)."""
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OpenAIOptions:
-        return cls(**_http.parse_options(raw, {"include_usage": _flag}, kind="openai"))
+        checks = {"include_usage": _flag, "merge_system_messages": _flag}
+        return cls(**_http.parse_options(raw, checks, kind="openai"))
 
 
 def _flag(key: str, value: Any) -> bool:
     if type(value) is not bool:
         raise OptionsError(key, f"expected true or false, got {value!r}")
     return value
+
+
+def merge_system_messages(messages: Any) -> Any:
+    """``messages`` with every ``system`` message's text merged into one leading system
+    message (joined by a blank line, in order); anything that is not a list of messages is
+    left as it is, for the upstream to judge."""
+    if not isinstance(messages, list):
+        return messages
+    system = [m for m in messages if isinstance(m, dict) and m.get("role") == "system"]
+    if len(system) < 2 and (not system or messages[0] is system[0]):
+        return messages
+    text = "\n\n".join(message_text(m) for m in system)
+    rest = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "system")]
+    return [{"role": "system", "content": text}, *rest]
 
 
 def completions_url(base_url: str) -> str:
@@ -93,6 +112,8 @@ class OpenAIAdapter(_http.HTTPAdapter):
     async def run_on(self, client: Pool, request: wire.RunRequest, out: RunOutput) -> None:
         body = dict(request.body)
         body["model"] = request.served_model
+        if self.options.merge_system_messages:
+            body["messages"] = merge_system_messages(body.get("messages"))
         body["stream"] = True
         if self.options.include_usage:
             stream_options = body.get("stream_options")

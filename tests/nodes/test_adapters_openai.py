@@ -128,6 +128,33 @@ async def test_without_include_usage_the_runner_estimates(fake: FakeOpenAI) -> N
     assert usage_of(rec) == wire.Usage(prompt_tokens=2 + 3, completion_tokens=8, estimated=True)
 
 
+CONVERSATION_WITH_SYSTEMS: list[dict[str, Any]] = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "system", "content": [{"type": "text", "text": "agents: claude"}]},
+    {"role": "user", "content": "go"},
+]
+
+
+async def test_system_messages_are_kept_in_place_by_default(fake: FakeOpenAI) -> None:
+    await run(adapter_for(fake.base_url), req(messages=CONVERSATION_WITH_SYSTEMS))
+    assert fake.requests[0].json["messages"] == CONVERSATION_WITH_SYSTEMS
+
+
+async def test_merge_system_messages_makes_one_leading_system_message(fake: FakeOpenAI) -> None:
+    adapter = adapter_for(fake.base_url, merge_system_messages=True)
+    await run(adapter, req(messages=CONVERSATION_WITH_SYSTEMS))
+    assert fake.requests[0].json["messages"] == [
+        {"role": "system", "content": "be brief\n\nagents: claude"},
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "go"},
+    ]
+    # a conversation with one leading system message (or none) goes as it is
+    plain = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    await run(adapter, req(messages=plain))
+    assert fake.requests[1].json["messages"] == plain
+
+
 async def test_client_stream_options_are_kept(fake: FakeOpenAI) -> None:
     await run(adapter_for(fake.base_url), req(stream_options={"other": 1}))
     assert fake.requests[0].json["stream_options"] == {"other": 1, "include_usage": True}
