@@ -42,6 +42,10 @@ def parse(**body: Any) -> dict[str, Any]:
     return parse_messages_request(orjson.dumps(body)).body
 
 
+def user_text(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
 def test_the_whole_translation() -> None:
     body = parse(
         model="m",
@@ -163,6 +167,96 @@ def test_disabled_thinking_and_cache_control_are_accepted_and_not_forwarded() ->
     )
     assert chat["messages"][0] == {"role": "system", "content": "s"}
     assert "thinking" not in chat
+
+
+def test_a_system_message_in_the_conversation_stays_in_place() -> None:
+    """Claude Code's mid-conversation system messages (beta mid-conversation-system): kept
+    where they are; one right after an assistant's tool calls follows their results (chat
+    wants the tool messages right after the calls); ``clear_at: next_user_message`` drops
+    one once a user message follows it."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "file text"}
+    chat = to_chat_body(
+        parse(
+            model="m",
+            max_tokens=8,
+            system="top",
+            messages=[
+                {"role": "user", "content": "read it"},
+                {"role": "system", "content": "agents: Explore"},
+                {"role": "assistant", "content": [call]},
+                {"role": "system", "content": [{"type": "text", "text": "after the call"}]},
+                {"role": "user", "content": [result, {"type": "text", "text": "and?"}]},
+                {"role": "system", "content": "gone", "clear_at": "next_user_message"},
+                {"role": "user", "content": "last"},
+                {"role": "system", "content": "shown", "clear_at": "next_user_message"},
+            ],
+        )
+    )
+    roles = [(m["role"], m.get("content")) for m in chat["messages"]]
+    assert roles == [
+        ("system", "top"),
+        ("user", "read it"),
+        ("system", "agents: Explore"),
+        ("assistant", None),
+        ("tool", "file text"),
+        ("system", "after the call"),
+        ("user", "and?"),
+        ("user", "last"),
+        ("system", "shown"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "effort"),
+    [
+        ({}, None),
+        ({"thinking": {"type": "disabled"}, "output_config": {"effort": "high"}}, None),
+        ({"thinking": {"type": "adaptive"}}, "medium"),
+        ({"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"}}, "high"),
+        ({"output_config": {"effort": "low"}}, "low"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "low"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 8000}}, "medium"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 32000}}, "high"),
+    ],
+)
+def test_thinking_and_effort_become_a_reasoning_effort(
+    extra: dict[str, Any], effort: str | None
+) -> None:
+    chat = to_chat_body(parse(model="m", max_tokens=8, messages=[user_text("x")], **extra))
+    assert chat.get("reasoning_effort") == effort
+    assert "thinking" not in chat
+    assert "output_config" not in chat
+
+
+def test_a_system_messages_effort_is_the_turns() -> None:
+    messages = [
+        user_text("x"),
+        {"role": "system", "output_config": {"effort": "max"}},
+    ]
+    chat = to_chat_body(
+        parse(model="m", max_tokens=8, messages=messages, output_config={"effort": "low"})
+    )
+    assert chat["reasoning_effort"] == "max"
+    assert [m["role"] for m in chat["messages"]] == ["user"]  # no content: nothing shown
+
+
+def test_an_output_format_is_a_json_schema_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    chat = to_chat_body(
+        parse(
+            model="m",
+            max_tokens=8,
+            messages=[user_text("x")],
+            output_config={"format": {"type": "json_schema", "schema": schema}},
+            context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        )
+    )
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
+    assert "context_management" not in chat
 
 
 def test_count_tokens_takes_what_messages_takes_and_refuses_extra_inputs() -> None:

@@ -32,7 +32,7 @@ from dispatcher.api.responses import (
     make_front_end,
     parse_responses_request,
 )
-from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings
+from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings, ResponsesSettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
 from dispatcher.responses_store import ResponseStore, open_response_store
@@ -121,6 +121,7 @@ async def open_edge(
     tools: bool = False,
     store: ResponseStore | None = None,
     api_keys: tuple[str, ...] = (),
+    responses: ResponsesSettings | None = None,
 ) -> AsyncIterator[Edge]:
     """An edge serving the app's front ends and the responses one; with ``local``, the
     in-process echo node (announcing ``tools`` if asked)."""
@@ -131,9 +132,9 @@ async def open_edge(
         api_keys=api_keys,
         http=HTTPSettings(shutdown_grace=2),
         nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),
+        responses=responses or ResponsesSettings(),
     )
-    responses = make_front_end(store)
-    front_ends = (*others(), responses)
+    front_ends = (*others(), make_front_end(store))
     async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
         if local:
             capabilities = ("tools",) if tools else ()

@@ -116,7 +116,7 @@ class _Output:
             function = function if isinstance(function, dict) else {}
             if (
                 self._open is None
-                or self._open["type"] != "function_call"
+                or self._open["type"] == "message"
                 or (self._call_index != index)
             ):
                 self.close("completed")
