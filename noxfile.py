@@ -75,7 +75,10 @@ def lint(session: nox.Session) -> None:
     # flake8-async wants files, not directories; the startable list lets ASYNC113 check
     # that these are started with nursery.start, not start_soon.
     files = sorted(str(p) for d in ("dispatcher", "nodes") for p in Path(d).rglob("*.py"))
-    startable = "run,serve,serve_edge,serve_http,serve_node,serve_node_session,_reconnect_loop"
+    startable = (
+        "run,serve,serve_edge,serve_metrics,serve_http,"
+        "serve_node,serve_node_session,_reconnect_loop"
+    )
     session.run("flake8-async", f"--startable-in-context-manager={startable}", *files)
     session.run("lint-imports")
 

@@ -49,7 +49,8 @@ from .logs import LOG_FORMATS, configure_logging
 from .protocol.excgroups import first_leaf
 
 if TYPE_CHECKING:
-    from .http import Server
+    from .edge import Dispatcher as EdgeDispatcher
+    from .http import Address, Server
 
 log = logging.getLogger("dispatcher.cli")
 
@@ -279,7 +280,38 @@ def auth_summary(config: EdgeConfig) -> list[str]:
         lines.append(f"node auth: on ({_plural(len(tokens), 'token')}: {', '.join(parts)})")
     else:
         lines.append("node auth: OFF — any node may join and take over any node id")
+    lines.append(_metrics_auth(config, clients=bool(client), admins=bool(admin)))
     return lines
+
+
+def _metrics_auth(config: EdgeConfig, *, clients: bool, admins: bool) -> str:
+    """Who may read ``/metrics`` on the edge's own listener (``api.app``'s rule)."""
+    keys = ["an admin key"] if admins else ["a client key"] if clients else []
+    if config.metrics_token() is not None:
+        keys.insert(0, "the metrics token")
+    if not keys:
+        return "metrics auth: OFF — anyone can read /metrics"
+    return f"metrics auth: on ({' or '.join(keys)})"
+
+
+def _where(address: Address) -> str:
+    host = f"[{address.host}]" if ":" in address.host else address.host
+    return f"{host}:{address.port}"
+
+
+async def _start_metrics_listener(
+    dispatcher: EdgeDispatcher, nursery: trio.Nursery
+) -> Server | None:
+    """The metrics listener (``metrics.listen``), in the edge's nursery; None when the config
+    sets none. Its address in use is a start-up failure like the main one's."""
+    listen = dispatcher.config.metrics.listen
+    if listen is None:
+        return None
+    try:
+        server: Server = await nursery.start(dispatcher.serve_metrics)
+    except OSError as exc:
+        raise StartupError(f"metrics.listen: cannot listen on {listen}: {_strerror(exc)}") from None
+    return server
 
 
 async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = None) -> int:
@@ -310,6 +342,7 @@ async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = N
                 raise StartupError(
                     f"cannot listen on {where}:{config.port}: {_strerror(exc)}"
                 ) from None
+            scrape = await _start_metrics_listener(dispatcher, nursery)
             if config.local_node:
                 await dispatcher.attach_local_node()
             # Start-up's objects are frozen out of the cycle collector's work, full
@@ -322,6 +355,8 @@ async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = N
             models = ", ".join(sorted(dispatcher.registry.models())) or "none yet"
             grace = config.http.shutdown_grace
             auth = "".join(f"  {line}\n" for line in auth_summary(config))
+            if scrape is not None:
+                auth += f"  metrics listener (no auth): http://{_where(scrape.address)}/metrics\n"
             print(
                 f"trio-dispatcher edge listening on {base}/v1\n"
                 f"  models: {models}\n"
@@ -347,6 +382,12 @@ async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = N
                         "prompts; set nodes.tokens or DISPATCHER_NODE_TOKENS",
                         config.host or "all interfaces",
                     )
+            if scrape is not None and not _is_loopback(scrape.address.host):
+                log.warning(
+                    "serving /metrics with NO auth on %s (metrics.listen, not loopback): "
+                    "anyone who can reach it reads the node, provider and model names",
+                    _where(scrape.address),
+                )
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     # Logged either way; a file that cannot be used changes nothing.

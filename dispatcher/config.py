@@ -12,8 +12,9 @@ working edge.
 
 **Secrets.** Client keys, admin keys and node tokens are arrays of strings (a bare string is
 an error: it would otherwise be read as one key per character) and may come from environment
-variables. :func:`load_edge_config` and :func:`parse_edge_config` -- the daemon's path --
-resolve them once, when the file is loaded:
+variables; the metrics token (``[metrics]``) is one string, or a variable holding it.
+:func:`load_edge_config` and :func:`parse_edge_config` -- the daemon's path -- resolve them
+once, when the file is loaded:
 
 * ``api_keys_env`` / ``admin_keys_env`` / ``nodes.tokens_env`` name a variable of
   comma-separated values. When the file does not name one, the daemon reads
@@ -111,6 +112,44 @@ def _one_of(*allowed: str) -> Callable[[object, attrs.Attribute[Any], str], None
             raise Invalid(f"must be {wanted}, got {value!r}", at=attribute.name)
 
     return check
+
+
+_LISTEN = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^\s:\[\]]+)):(?P<port>[0-9]{1,5})\Z")
+
+
+def parse_listen(text: str) -> tuple[str, int] | None:
+    """``"host:port"`` (``"[::1]:9700"`` for an IPv6 address) as ``(host, port)``; None when
+    it is not one."""
+    found = _LISTEN.match(text)
+    if found is None or int(found["port"]) > 65535:
+        return None
+    return found["v6"] or found["host"], int(found["port"])
+
+
+@attrs.frozen(kw_only=True)
+class MetricsSettings:
+    """``GET /metrics`` for a Prometheus scraper (``docs/metrics.md``), without the admin
+    key: a token of its own, a listener of its own, or both."""
+
+    token: str | None = attrs.field(default=None, repr=False)
+    """A bearer token ``/metrics`` accepts (besides what it accepts without one: an admin
+    key, see ``api.app``); it opens no other route. Better ``token_env``."""
+    token_env: str | None = None
+    """An environment variable holding the token (its whole value)."""
+    listen: str | None = None
+    """``"host:port"`` of a second, plain-HTTP listener that serves only ``/metrics`` and
+    ``/healthz``, with no auth (``dispatcher serve``; embedders: ``Dispatcher.serve_metrics``).
+    Keep it on loopback or a network only the scraper reaches."""
+
+    def listen_address(self) -> tuple[str, int] | None:
+        """``listen`` as ``(host, port)`` (None: no listener). Raises ``ValueError`` for an
+        address the loader would have refused."""
+        if self.listen is None:
+            return None
+        address = parse_listen(self.listen)
+        if address is None:
+            raise ValueError(f"metrics.listen: not a host:port: {self.listen!r}")
+        return address
 
 
 @attrs.frozen(kw_only=True)
@@ -273,6 +312,8 @@ class EdgeConfig:
     http: HTTPSettings = HTTPSettings()
     nodes: NodeSettings = NodeSettings()
     responses: ResponsesSettings = ResponsesSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    """How a scraper reads ``/metrics`` without the admin key (``docs/metrics.md``)."""
     admission: QueuePolicySettings = QueuePolicySettings()
     models: dict[str, QueuePolicySettings] = attrs.field(factory=dict)
     keys: tuple[KeySettings, ...] = attrs.field(default=(), repr=False)
@@ -294,6 +335,10 @@ class EdgeConfig:
     def admin_api_keys(self) -> tuple[str, ...]:
         """The admin keys, ``admin_keys_env`` resolved (see :meth:`node_tokens`)."""
         return resolve_secrets(self).admin_keys
+
+    def metrics_token(self) -> str | None:
+        """The metrics token, ``metrics.token_env`` resolved (see :meth:`node_tokens`)."""
+        return resolve_secrets(self).metrics.token
 
     def resolved_keys(self) -> tuple[KeySettings, ...]:
         """The ``[[keys]]`` tenants, each ``key_env`` resolved into ``key`` (see
@@ -318,7 +363,8 @@ def resolve_secrets(
     source: str = "<config>",
 ) -> EdgeConfig:
     """``config`` with the secrets of every ``*_env`` variable moved into the values
-    (``api_keys``, ``admin_keys``, ``nodes.tokens``) and the ``*_env`` fields cleared.
+    (``api_keys``, ``admin_keys``, ``nodes.tokens``, ``metrics.token``) and the ``*_env``
+    fields cleared.
 
     ``environ`` defaults to ``os.environ``. With ``default_env`` (the daemon), a field that
     names no variable reads its ``DISPATCHER_*`` default when that is set. Raises
@@ -348,9 +394,15 @@ def resolve_secrets(
             (value,) = _env_values(env, tenant.key_env, source=source, key=at, split=False)
             tenant = attrs.evolve(tenant, key=value, key_env=None)
         keys.append(tenant)
+    metrics = config.metrics
+    if metrics.token_env is not None:
+        at = "metrics.token_env"
+        (value,) = _env_values(env, metrics.token_env, source=source, key=at, split=False)
+        metrics = attrs.evolve(metrics, token=value, token_env=None)
     return attrs.evolve(
         config,
         keys=tuple(keys),
+        metrics=metrics,
         api_keys=config.api_keys
         + values("api_keys_env", config.api_keys_env, DEFAULT_API_KEYS_ENV),
         api_keys_env=None,
@@ -543,17 +595,21 @@ def tenant_digest(tenant: KeySettings) -> str:
 
 
 def _check_distinct_keys(config: EdgeConfig, source: str) -> None:
-    """A ``[[keys]]`` key may be nothing else: not another tenant's, not in ``api_keys``
-    or ``admin_keys`` (it would be unclear whose limits and rights apply)."""
+    """A ``[[keys]]`` key or the metrics token may be nothing else: not another tenant's,
+    not in ``api_keys`` or ``admin_keys`` (it would be unclear whose limits and rights
+    apply; the metrics token would open more than ``/metrics``)."""
     owner: dict[str, str] = {}
+    token = config.metrics.token
     named = [
         *((f"keys[{index}]", tenant_digest(tenant)) for index, tenant in enumerate(config.keys)),
         *(("api_keys", key_digest(key)) for key in config.api_keys),
         *(("admin_keys", key_digest(key)) for key in config.admin_keys),
+        *((("metrics.token", key_digest(token)),) if token is not None else ()),
     ]
+    single = ("keys[", "metrics.")
     for where, digest in named:
         other = owner.setdefault(digest, where)
-        if other != where and (where.startswith("keys[") or other.startswith("keys[")):
+        if other != where and (where.startswith(single) or other.startswith(single)):
             raise ConfigError(source, where, f"the same key is also in {other}")
 
 
@@ -619,6 +675,28 @@ def _validate(config: EdgeConfig, source: str) -> None:
         if policy.queue_timeout_s is not None:
             check(policy.queue_timeout_s > 0, f"{name}.queue_timeout_s", "must be > 0")
     _validate_tenants(config, check, env_name)
+    _validate_metrics(config.metrics, check, env_name)
+
+
+def _validate_metrics(
+    metrics: MetricsSettings,
+    check: Callable[[bool, str, str], None],
+    env_name: Callable[[str, str | None], None],
+) -> None:
+    env_name("metrics.token_env", metrics.token_env)
+    check(
+        metrics.token is None or metrics.token_env is None,
+        "metrics",
+        "give token_env or token, not both",
+    )
+    if metrics.token is not None:
+        check(bool(metrics.token.strip()), "metrics.token", "expected a non-empty string")
+    if metrics.listen is not None:
+        check(
+            parse_listen(metrics.listen) is not None,
+            "metrics.listen",
+            f'expected "host:port" (e.g. "127.0.0.1:9700"), got {metrics.listen!r}',
+        )
 
 
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}\Z")

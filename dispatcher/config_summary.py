@@ -49,8 +49,8 @@ def _seconds(value: float) -> str:
 
 
 def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> list[str]:
-    """The edge's listen address, TLS, auth (``auth``: the start-up banner's lines), files,
-    the in-process node, and the per-model policies and aliases."""
+    """The edge's listen address, TLS, auth (``auth``: the start-up banner's lines), the
+    metrics listener, files, the in-process node, and the per-model policies and aliases."""
     http = config.http
     tls = http.tls_certificate is not None
     host = f"[{config.host}]" if ":" in config.host else config.host or "0.0.0.0"
@@ -64,6 +64,7 @@ def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> 
             else "TLS: off (plain HTTP; put a TLS-terminating proxy in front off loopback)"
         ),
         *auth,
+        _metrics_listener(config),
         f"data dir: {config.default_data_dir()}",
         f"usage ledger: {usage_db}",
         f"in-process node: {'on (model echo)' if config.local_node else 'off'}",
@@ -79,6 +80,15 @@ def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> 
         aliases = f"; aliases {', '.join(settings.aliases)}" if settings.aliases else ""
         lines.append(f"model {name}: {policy}{aliases}")
     return lines
+
+
+def _metrics_listener(config: EdgeConfig) -> str:
+    address = config.metrics.listen_address()
+    if address is None:
+        return "metrics listener: off (/metrics on the main listener only)"
+    host, port = address
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"metrics listener: http://{where}/metrics and /healthz, no auth (metrics.listen)"
 
 
 def _policy(settings: QueuePolicySettings) -> str:

@@ -9,10 +9,17 @@ front ends), the server limits and the TLS context from the config, and runs
     async with open_dispatcher(config) as dispatcher:
         server = await nursery.start(dispatcher.serve)     # or serve_edge(dispatcher, ...)
 
+A second listener that serves only ``/metrics`` and ``/healthz`` with no key (``[metrics]
+listen``) is :func:`serve_metrics` (``dispatcher.serve_metrics``), started beside
+``serve`` in the same nursery by whoever starts that (``dispatcher serve`` does when the
+config sets it): it reports its own :class:`~dispatcher.http.Server`, and stops when that
+nursery is cancelled.
+
 Why ``dispatcher.serve`` still works, and by a subclass: embedders and the tests call
 ``await dispatcher.serve(...)`` / ``nursery.start(dispatcher.serve)``, so this module's
 :func:`open_dispatcher` (the one ``dispatcher.open_dispatcher`` names) yields a
-:class:`Dispatcher` that adds ``serve`` to the service's and nothing else. A serving function
+:class:`Dispatcher` that adds ``serve`` (and ``serve_metrics``) to the service's and nothing
+else. A serving function
 plugged into the service's class instead would have to be typed in ``service.py``, which may
 not name ``http.Limits`` or ``http.Server`` (what ``task_status`` reports): the plug's type
 would erase both, and mypy could no longer check ``await dispatcher.serve(limits=...,
@@ -33,6 +40,7 @@ import trio
 from . import service
 from .api.app import FRONT_ENDS, make_error_page, make_handler
 from .api.front import FrontEnd
+from .api.operations import SCRAPE_FRONT_END
 from .api.seam import ApiSettings
 from .config import EdgeConfig
 from .http import Limits, Server, serve_http
@@ -45,6 +53,7 @@ __all__ = [
     "limits_from_config",
     "open_dispatcher",
     "serve_edge",
+    "serve_metrics",
     "tune_collector_for_serving",
 ]
 
@@ -148,6 +157,35 @@ async def serve_edge(  # noqa: ASYNC128 (task_status is passed on to serve_http)
     )
 
 
+async def serve_metrics(  # noqa: ASYNC128 (task_status is passed on to serve_http)
+    dispatcher: service.Dispatcher,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``GET /metrics`` and ``GET /healthz``, and nothing else, with no key, on
+    ``config.metrics.listen`` (``host`` and ``port`` replace its parts; without it, both are
+    needed) over plain HTTP, until cancelled: Prometheus scrapes it without any of the
+    edge's keys, and it opens no other route. Each scrape is a request like any other (the
+    access log, its record). Start it in the nursery that serves the edge, beside
+    :func:`serve_edge`; cancelling that nursery stops it."""
+    config = dispatcher.config
+    listen = config.metrics.listen_address()
+    if listen is None and (host is None or port is None):
+        raise ValueError("serve_metrics needs metrics.listen in the config, or host and port")
+    default_host, default_port = listen if listen is not None else ("", 0)
+    front_ends = (SCRAPE_FRONT_END,)
+    await serve_http(
+        make_handler(dispatcher, ApiSettings.from_config(config), front_ends),
+        host=host if host is not None else default_host,
+        port=port if port is not None else default_port,
+        limits=limits_from_config(config),
+        error_page=make_error_page(front_ends),
+        task_status=task_status,
+    )
+
+
 class Dispatcher(service.Dispatcher):
     """The dispatcher with its HTTP front ends: what :func:`open_dispatcher` yields."""
 
@@ -156,6 +194,9 @@ class Dispatcher(service.Dispatcher):
     serve = serve_edge
     """:func:`serve_edge` on this dispatcher: ``await dispatcher.serve(...)``,
     ``await nursery.start(dispatcher.serve)``."""
+    serve_metrics = serve_metrics
+    """:func:`serve_metrics` on this dispatcher:
+    ``await nursery.start(dispatcher.serve_metrics)``."""
 
 
 @asynccontextmanager

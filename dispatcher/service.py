@@ -68,9 +68,26 @@ RESTART_ONLY: Final = (
     "http",
     "nodes",
     "responses",
+    "metrics.listen",
 )
-"""Settings a reload does not change (the listening socket and its TLS, the server limits,
-the files, the node link, the in-process node): a restart applies them."""
+"""Settings a reload does not change (the listening sockets and their TLS, the server limits,
+the files, the node link, the in-process node): a restart applies them. A dotted name is a
+setting inside a table whose other settings a reload does apply (``metrics.token``)."""
+
+
+def _setting(config: EdgeConfig, name: str) -> object:
+    """The setting ``name`` (dotted: inside a table) of ``config``."""
+    return functools.reduce(getattr, name.split("."), config)
+
+
+def _keeping(config: EdgeConfig, old: EdgeConfig, name: str) -> EdgeConfig:
+    """``config`` with the setting ``name`` (dotted: inside a table) as ``old`` has it."""
+    table, _, field = name.rpartition(".")
+    if not table:
+        return attrs.evolve(config, **{field: getattr(old, field)})
+    inner = attrs.evolve(getattr(config, table), **{field: _setting(old, name)})
+    return attrs.evolve(config, **{table: inner})
+
 
 ConfigSource = Callable[[], EdgeConfig]
 """Reads the edge's config again (its file, with the command line's overrides)."""
@@ -386,12 +403,14 @@ class Dispatcher:
         gate = gate_policies(config)
         tenants = tenant_policy_from_config(config)
         kept = tuple(
-            name for name in RESTART_ONLY if getattr(config, name) != getattr(self.config, name)
+            name for name in RESTART_ONLY if _setting(config, name) != _setting(self.config, name)
         )
         self.admission.set_policy(admission)
         self.gate.policy_for = gate
         self.tenants.swap(tenants)
-        self.config = attrs.evolve(config, **{name: getattr(self.config, name) for name in kept})
+        self.config = functools.reduce(
+            lambda new, name: _keeping(new, self.config, name), kept, config
+        )
         return kept
 
     async def reload_config(self) -> tuple[str, ...]:

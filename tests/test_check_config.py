@@ -125,6 +125,10 @@ shutdown_grace = 20
 [nodes]
 tokens = ["shared-node-secret", {{ value = "bound-node-secret", ids = ["gpu-*"] }}]
 
+[metrics]
+token_env = "METRICS_TOKEN"
+listen = "127.0.0.1:9700"
+
 [admission]
 max_queue = 100
 
@@ -139,7 +143,8 @@ def test_an_edge_is_described_without_its_secrets(
     tmp_path: Path, tls_files: tuple[str, str, str]
 ) -> None:
     write(tmp_path, "edge.toml", EDGE.format(data=tmp_path))
-    result = dispatcher(tmp_path, "check-config", "edge.toml", env={"ADMIN_KEYS": "admin-secret"})
+    env = {"ADMIN_KEYS": "admin-secret", "METRICS_TOKEN": "metrics-secret"}
+    result = dispatcher(tmp_path, "check-config", "edge.toml", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "edge.toml: a valid edge config",
@@ -148,6 +153,8 @@ def test_an_edge_is_described_without_its_secrets(
         "  client auth: on (1 key)",
         "  admin auth: on (1 key)",
         "  node auth: on (2 tokens: 1 for any node id, 1 bound to node ids)",
+        "  metrics auth: on (the metrics token or an admin key)",
+        "  metrics listener: http://127.0.0.1:9700/metrics and /healthz, no auth (metrics.listen)",
         f"  data dir: {tmp_path}/data/trio-dispatcher",
         f"  usage ledger: {tmp_path}/ledger/usage.sqlite3",
         "  in-process node: on (model echo)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -335,3 +336,46 @@ def test_open_edge_banner_and_warning_off_loopback(tmp_path: Path) -> None:
     assert len(warnings) == 2, stderr
     assert "with NO client API key" in warnings[0]
     assert "with NO node token" in warnings[1]
+
+
+def test_metrics_for_a_scraper_token_and_listener(tmp_path: Path) -> None:
+    """``[metrics]``: the token reads the edge's ``/metrics`` (and no admin route), the
+    listener serves ``/metrics`` with no key; the banner says both, never the token."""
+    config = write(
+        tmp_path,
+        "edge.toml",
+        'port = 0\nadmin_keys = ["sk-admin"]\n'
+        '[metrics]\ntoken_env = "SCRAPE_TOKEN"\nlisten = "127.0.0.1:0"\n',
+    )
+    edge = start_edge(tmp_path, "serve", "--config", config, env={"SCRAPE_TOKEN": "scrape-t0k3n"})
+    try:
+        assert "  metrics auth: on (the metrics token or an admin key)" in edge.banner
+        prefix = "  metrics listener (no auth): "
+        (listener,) = [line.removeprefix(prefix) for line in edge.banner if line.startswith(prefix)]
+        assert re.fullmatch(r"http://127\.0\.0\.1:[0-9]+/metrics", listener), listener
+        elsewhere = listener.removesuffix("/metrics") + "/admin/status"
+        token = {"authorization": "Bearer scrape-t0k3n"}
+        with httpx.Client(base_url=edge.base_url, timeout=30) as client:
+            scraped = client.get(listener)
+            assert scraped.status_code == 200, scraped.text
+            assert "dispatcher_connected_nodes 1.0" in scraped.text
+            assert client.get("/metrics", headers=token).status_code == 200
+            assert client.get("/metrics").status_code == 401
+            assert client.get("/admin/status", headers=token).status_code == 401
+            assert client.get(elsewhere).status_code == 404
+    finally:
+        status, stderr = edge.stop()
+    assert status == 0, stderr
+    assert "scrape-t0k3n" not in stderr
+    assert "scrape-t0k3n" not in "\n".join(edge.banner)
+    assert "WARNING" not in stderr  # both listeners on loopback
+
+
+def test_metrics_listener_port_in_use(tmp_path: Path, busy_port: int) -> None:
+    config = write(
+        tmp_path, "edge.toml", f'port = 0\n[metrics]\nlisten = "127.0.0.1:{busy_port}"\n'
+    )
+    assert_one_line_failure(
+        dispatcher(tmp_path, "serve", "--config", config),
+        f"metrics.listen: cannot listen on 127.0.0.1:{busy_port}: address already in use",
+    )

@@ -32,6 +32,7 @@ ENVIRON = {
     "NODE_TOKEN": "node-secret",
     "TEAM_SEARCH_KEY": "sk-search",
     "BATCH_KEY": "sk-batch",
+    "METRICS_TOKEN": "metrics-1",
 }
 
 LOADERS: dict[str, ConfigKind] = {

@@ -30,7 +30,7 @@ from ..http import (
     Responder,
     WebSocket,
 )
-from ..tenants import Tenant
+from ..tenants import KeyDirectory, Tenant
 from ..tenants import legacy_key_id as key_id
 from . import admin, anthropic, openai, operations, responses
 from .front import Access, ErrorRenderer, FrontEnd, RenderedError, RouteContext, RouteSpec
@@ -170,8 +170,10 @@ def make_handler(
     * ``client`` routes need a client key when any is configured (an admin key is not one);
     * ``admin`` routes need an admin key when any is configured; with none, they are open
       only if the client routes are open too;
-    * ``metrics`` (``/metrics``, whose series name nodes and providers) needs an admin key
-      when any is configured, else a client key when any is configured, else nothing;
+    * ``metrics`` (``/metrics``, whose series name nodes and providers) takes the metrics
+      token (``[metrics] token``) when one is configured, which opens nothing else; besides
+      it, an admin key when any is configured, else a client key when any is; with none of
+      the three configured, nothing;
     * ``usage`` (``GET /v1/usage``) is an admin route that a ``[[keys]]`` tenant's key may
       call too, for its own rows (``RouteContext.admin`` False, ``tenant`` set).
 
@@ -187,7 +189,9 @@ def make_handler(
             return _Caller()
         keys = edge.tenants.keys
         # The key headers are read only when keys are configured (none: nothing to check).
-        token = presented_key(request) if keys.clients or keys.admins else None
+        token = presented_key(request) if keys.clients or keys.admins or keys.scrapers else None
+        if access == "metrics" and keys.scrapers:
+            return _metrics_caller(keys, token)
         if access == "usage" and token is not None:
             tenant = keys.client(token)
             if tenant is not None and tenant.own_usage:
@@ -275,6 +279,27 @@ def make_handler(
                 await _respond_error(responder, exc, render(exc), headers)
 
     return handler
+
+
+def _metrics_caller(keys: KeyDirectory, token: bytes | None) -> _Caller:
+    """Who calls ``/metrics`` when a metrics token is configured: its scraper (a caller of
+    no rights elsewhere), an admin key (when any is configured), else a client key (when
+    any is); anyone else is refused."""
+    if token is None:
+        raise Unauthorized(
+            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+        )
+    if keys.scraper(token):
+        return _Caller(key_id(token))
+    if keys.admins:
+        if keys.admin(token):
+            return _Caller(key_id(token), admin=True)
+    elif keys.clients:
+        tenant = keys.client(token)
+        if tenant is not None:
+            return _Caller(tenant.id, tenant)
+    also = " or an admin key" if keys.admins else " or a client key" if keys.clients else ""
+    raise Unauthorized(f"invalid key: /metrics takes the metrics token{also}")
 
 
 def _route_table(

@@ -17,9 +17,16 @@ from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
 from .usage_report import parse_usage_query, usage_report_json
 
-__all__ = ["FRONT_END", "NODE_CONNECT_PATH", "ServerWebSocketConnection"]
+__all__ = [
+    "FRONT_END",
+    "METRICS_PATH",
+    "NODE_CONNECT_PATH",
+    "SCRAPE_FRONT_END",
+    "ServerWebSocketConnection",
+]
 
 NODE_CONNECT_PATH = "/v1/nodes/connect"
+METRICS_PATH = "/metrics"
 
 
 class ServerWebSocketConnection:
@@ -155,7 +162,18 @@ FRONT_END = FrontEnd(
         "/readyz": RouteSpec(_GET, _readyz, "open"),
         "/v1/usage": RouteSpec(_GET, _usage, "usage"),
         "/admin/reload": RouteSpec(("POST",), _reload, "admin"),
-        "/metrics": RouteSpec(_GET, _metrics, "metrics"),
+        METRICS_PATH: RouteSpec(_GET, _metrics, "metrics"),
     },
     openai_error,
 )
+
+SCRAPE_FRONT_END = FrontEnd(
+    "scrape",
+    {
+        METRICS_PATH: RouteSpec(_GET, _metrics, "open"),
+        "/healthz": RouteSpec(_GET, _healthz, "open"),
+    },
+    openai_error,
+)
+"""What the metrics listener (``[metrics] listen``) serves, alone and with no key: the
+metrics and liveness. Whoever can reach that address may read them, and nothing else."""

@@ -107,6 +107,8 @@ class KeyDirectory:
     """Client key digests (hex) -> tenant."""
     admins: frozenset[str] = attrs.field(default=frozenset(), repr=False)
     """Admin key digests (hex)."""
+    scrapers: frozenset[str] = attrs.field(default=frozenset(), repr=False)
+    """Metrics token digests (hex): keys for ``/metrics`` and nothing else."""
     tenants: Mapping[str, Tenant] = attrs.field(init=False, repr=False)
     """The tenants by id."""
 
@@ -118,11 +120,19 @@ class KeyDirectory:
         return self.clients.get(key_digest(key))
 
     def admin(self, key: bytes) -> bool:
-        digest = key_digest(key)
-        found = False
-        for admin in self.admins:  # few: compared in constant time, no early exit
-            found |= hmac.compare_digest(digest, admin)
-        return found
+        return _among(self.admins, key)
+
+    def scraper(self, key: bytes) -> bool:
+        """``key`` is the metrics token."""
+        return _among(self.scrapers, key)
+
+
+def _among(digests: frozenset[str], key: bytes) -> bool:
+    digest = key_digest(key)
+    found = False
+    for known in digests:  # few: compared in constant time, no early exit
+        found |= hmac.compare_digest(digest, known)
+    return found
 
 
 @attrs.frozen
@@ -161,6 +171,8 @@ def tenant_policy_from_config(config: EdgeConfig) -> TenantPolicy:
     for settings in config.resolved_keys():
         clients[tenant_digest(settings)] = _tenant(settings)
     admins = frozenset(key_digest(key) for key in config.admin_api_keys())
+    token = config.metrics_token()
+    scrapers = frozenset(() if token is None else (key_digest(token),))
     exact = {}
     patterns = []
     for name, priced in config.prices.items():
@@ -169,4 +181,5 @@ def tenant_policy_from_config(config: EdgeConfig) -> TenantPolicy:
             patterns.append((name, price))
         else:
             exact[name] = price
-    return TenantPolicy(KeyDirectory(clients, admins), PriceTable(exact, tuple(patterns)))
+    keys = KeyDirectory(clients, admins, scrapers)
+    return TenantPolicy(keys, PriceTable(exact, tuple(patterns)))

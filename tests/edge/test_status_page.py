@@ -9,16 +9,20 @@ checkout)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import httpx
 import pytest
 import trio
 
-from dispatcher import wire
+from dispatcher import status, wire
+from dispatcher.api.admin import PAGE
+from dispatcher.traffic import RequestSummary
 
 from .fakes import connect, hello, wait_until
 from .test_observability import ADMIN_KEY, CLIENT_KEY, chat, open_edge
@@ -115,6 +119,26 @@ async def _until(driver: WebDriver, what: str, condition: Callable[[WebDriver], 
             ) from None
 
     await trio.to_thread.run_sync(wait)
+
+
+def _table(driver: WebDriver, section: str) -> list[dict[str, str]]:
+    """A section's table as the page shows it now: one row per ``<tr>``, each cell's text
+    by its column's header."""
+    # Pairs, not objects: the driver hands a JS object back with its keys sorted.
+    rows: list[list[list[str]]] = driver.execute_script(
+        """
+        var table = document.querySelector("#" + arguments[0] + " table");
+        if (!table) { return []; }
+        var heads = Array.from(table.tHead.rows[0].cells).map(function (c) {
+          return c.textContent;
+        });
+        return Array.from(table.tBodies[0].rows).map(function (tr) {
+          return Array.from(tr.cells).map(function (td, i) { return [heads[i], td.textContent]; });
+        });
+        """,
+        section,
+    )
+    return [dict(row) for row in rows]
 
 
 def _screenshot(driver: WebDriver, name: str) -> Path:
@@ -296,3 +320,134 @@ async def test_the_page_is_one_document_with_a_strict_policy() -> None:
     assert "node-" not in page.text
     assert head.status_code == 200
     assert head.content == b""
+
+
+EMPTY = ("", "\N{EN DASH}")
+"""What a cell shows for a value it does not have (the page's dash)."""
+
+
+async def test_every_column_of_a_live_request_and_a_failures_time_show_a_value(
+    browser: WebDriver,
+) -> None:
+    """A stream held on the echo model (admitted, answering, tokens so far) has a value in
+    every column of the in-flight table, and a failure has its time in the failures table:
+    the page reads the fields the document has (``attempts``, ``duration_s``,
+    ``started_at``), not names it does not (which render as a dash for ever)."""
+    async with open_edge() as edge, trio.open_nursery() as nursery:
+        async with edge.client(CLIENT_KEY) as client:
+            unknown = await client.post(
+                "/v1/chat/completions",
+                json=chat("no-such-model"),
+                headers={"x-request-id": "failing-1"},
+            )
+        assert unknown.status_code == 404, unknown.text
+        failures = (await edge.status())["recent_failures"]
+        assert [f["client_request_id"] for f in failures] == ["failing-1"], failures
+
+        streamed: list[bytes] = []
+
+        async def stream() -> None:
+            # 400 words, 0.1 s apart: held far longer than the test looks at it.
+            words = " ".join(f"w{i}" for i in range(400))
+            body = chat("echo", words, stream=True, echo={"token_delay": 0.1})
+            async with (
+                edge.client(CLIENT_KEY) as client,
+                client.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json=body,
+                    headers={"x-request-id": "held-1"},
+                ) as response,
+            ):
+                async for chunk in response.aiter_bytes():
+                    streamed.append(chunk)
+
+        nursery.start_soon(stream)
+        await wait_until(lambda: b'"content":"w' in b"".join(streamed), timeout=30)
+
+        await trio.to_thread.run_sync(browser.get, f"{edge.url}/?refresh={REFRESH}#key={ADMIN_KEY}")
+        await _until(
+            browser,
+            "the held stream answering and the failure",
+            lambda driver: (
+                "held-1" in _section_text(driver, "in-flight")
+                and "answering" in _section_text(driver, "in-flight")
+                and "failing-1" in _section_text(driver, "failures")
+            ),
+        )
+        flight = await trio.to_thread.run_sync(_table, browser, "in-flight")
+        failed = await trio.to_thread.run_sync(_table, browser, "failures")
+        _screenshot(browser, "status-page-columns.png")
+        errors = await trio.to_thread.run_sync(_console_errors, browser)
+        nursery.cancel_scope.cancel()
+
+    (row,) = flight
+    assert list(row) == [
+        "route",
+        "model",
+        "tenant",
+        "state",
+        "node",
+        "attempt",
+        "age",
+        "ttft",
+        "in",
+        "out",
+        "request",
+    ]
+    missing = [column for column, text in row.items() if text.strip() in EMPTY]
+    assert missing == [], f"in-flight columns without a value: {missing} in {row}"
+    assert (row["route"], row["model"], row["state"], row["node"], row["attempt"]) == (
+        "/v1/chat/completions",
+        "echo",
+        "answering",
+        "local",
+        "1",
+    )
+    assert row["request"] == "held-1"
+    assert re.fullmatch(r"\d+(\.\d+)? (ms|s|min|h)", row["age"]), row
+    assert re.fullmatch(r"\d+(\.\d+)? (ms|s|min|h)", row["ttft"]), row
+    (failure,) = failed
+    assert re.fullmatch(r"\d+(\.\d+)? (ms|s|min|h) ago", failure["when"]), failure
+    assert (failure["status"], failure["outcome"], failure["request"]) == (
+        "404",
+        "rejected",
+        "failing-1",
+    )
+    assert errors == []
+
+
+# -- what the page's script reads -------------------------------------------------------
+
+_SCRIPT = re.search(rb"<script>(.*?)</script>", PAGE, re.DOTALL)
+assert _SCRIPT is not None
+SCRIPT = _SCRIPT.group(1).decode()
+
+READS: dict[str, type[Any]] = {
+    "s": status.EdgeStatus,
+    "n": status.NodeStatus,
+    "p": status.ProviderStatus,
+    "m": status.ModelSlots,
+    "q": status.QueueStatus,
+    "r": RequestSummary,
+    "f": RequestSummary,
+}
+"""The script's names for the document's objects (its ``function (n) ...`` callbacks) and
+the class in ``dispatcher.status`` each one is."""
+
+
+def test_the_page_reads_only_fields_the_document_has() -> None:
+    """Every ``x.field`` the script reads of the document (``s`` the document, ``n`` a node,
+    ``r`` a request in flight ...) is a field of the class that document part is: a field
+    it does not have reads as ``undefined`` and its column shows a dash for ever."""
+    read: dict[str, set[str]] = {name: set() for name in READS}
+    for name, field in re.findall(r"(?<![\w.])([snpmqrf])\.([A-Za-z_]\w*)", SCRIPT):
+        read[name].add(field)
+    unknown = {
+        name: sorted(fields - {f.name for f in attrs.fields(READS[name])})
+        for name, fields in read.items()
+    }
+    assert {name: fields for name, fields in unknown.items() if fields} == {}
+    # Each name is still what the script calls that part (a renamed callback variable
+    # would otherwise leave its reads unchecked).
+    assert all(read.values()), read

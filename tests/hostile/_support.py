@@ -43,7 +43,7 @@ from wsproto.events import Event as WSEvent
 from wsproto.events import Request as WSRequest
 
 from dispatcher import wire
-from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings, NodeToken
+from dispatcher.config import EdgeConfig, HTTPSettings, MetricsSettings, NodeSettings, NodeToken
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Limits, Server
 from nodes.agent import serve_node
@@ -55,6 +55,7 @@ BOUND = 10.0
 CLIENT_KEY = "sk-client-hostile"
 OTHER_CLIENT_KEY = "sk-client-second"
 ADMIN_KEY = "sk-admin-hostile"
+METRICS_TOKEN = "metrics-token-hostile"
 NODE_TOKEN = "node-token-legit"
 OTHER_NODE_TOKEN = "node-token-other"
 BOUND_NODE_TOKEN = "node-token-bound"
@@ -577,6 +578,7 @@ def edge_config(*, short_timeouts: bool = False, **overrides: Any) -> EdgeConfig
         "local_node": False,
         "api_keys": (CLIENT_KEY, OTHER_CLIENT_KEY),
         "admin_keys": (ADMIN_KEY,),
+        "metrics": MetricsSettings(token=METRICS_TOKEN),
         "http": HTTPSettings(
             max_body_size=MAX_BODY, header_timeout=header_timeout, shutdown_grace=1
         ),

@@ -1,6 +1,7 @@
 """Authentication: client routes take a client key, admin routes (``/v1/usage``) an admin
-key, ``/metrics`` an admin key when admin keys are configured; the keys are not
-interchangeable. Every refusal is a 401 ``authentication_error`` with ``WWW-Authenticate``."""
+key, ``/metrics`` an admin key when admin keys are configured, or the metrics token, which
+opens nothing else; the keys are not interchangeable. Every refusal is a 401
+``authentication_error`` with ``WWW-Authenticate``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dispatcher.api.app import key_id
 from ._support import (
     ADMIN_KEY,
     CLIENT_KEY,
+    METRICS_TOKEN,
     NODE_TOKEN,
     OTHER_CLIENT_KEY,
     Edge,
@@ -58,6 +60,12 @@ AUTH: dict[str, Auth] = {
     "no-key-on-metrics": Auth("GET", "/metrics", None, 401),
     "no-key-on-models": Auth("GET", "/v1/models", None, 401),
     "no-key-on-completions": Auth("POST", "/v1/completions", None, 401),
+    "metrics-token-on-a-client-route": Auth("POST", CHAT, with_key(METRICS_TOKEN), 401),
+    "metrics-token-on-models": Auth("GET", "/v1/models", with_key(METRICS_TOKEN), 401),
+    "metrics-token-on-usage": Auth("GET", "/v1/usage", with_key(METRICS_TOKEN), 401),
+    "metrics-token-on-status": Auth("GET", "/admin/status", with_key(METRICS_TOKEN), 401),
+    "metrics-token-on-reload": Auth("POST", "/admin/reload", with_key(METRICS_TOKEN), 401),
+    "metrics-token-with-a-suffix": Auth("GET", "/metrics", with_key(METRICS_TOKEN + "x"), 401),
     # Accepted:
     "client-key": Auth("POST", CHAT, with_key(CLIENT_KEY), 200),
     "second-client-key": Auth("POST", CHAT, with_key(OTHER_CLIENT_KEY), 200),
@@ -68,6 +76,7 @@ AUTH: dict[str, Auth] = {
     "two-spaces-after-the-scheme": Auth("POST", CHAT, f"Bearer  {CLIENT_KEY}", 200),
     "admin-key-on-usage": Auth("GET", "/v1/usage", with_key(ADMIN_KEY), 200),
     "admin-key-on-metrics": Auth("GET", "/metrics", with_key(ADMIN_KEY), 200),
+    "metrics-token-on-metrics": Auth("GET", "/metrics", with_key(METRICS_TOKEN), 200),
     "no-key-on-healthz": Auth("GET", "/healthz", None, 200),
     "no-key-on-readyz": Auth("GET", "/readyz", None, 200),
 }

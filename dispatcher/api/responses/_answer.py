@@ -114,11 +114,7 @@ class _Output:
             index = delta.get("index", 0)
             function = delta.get("function")
             function = function if isinstance(function, dict) else {}
-            if (
-                self._open is None
-                or self._open["type"] == "message"
-                or (self._call_index != index)
-            ):
+            if self._open is None or self._open["type"] == "message" or (self._call_index != index):
                 self.close("completed")
                 call_id = delta.get("id")
                 name = function.get("name")
