@@ -243,27 +243,58 @@ class NodeConfig:
     is not the URL's host (an edge dialled by IP address, say)."""
 
 
+_ENDPOINT_SEGMENTS: Final = frozenset({"v1", "node", "nodes", "connect"})
+"""Path segments that are (a misspelling of) part of :data:`NODE_CONNECT_PATH`: where the
+endpoint's path starts in a URL a person typed; what comes before is a reverse proxy's
+prefix."""
+
+
+def suggest_edge_url(url: str) -> str | None:
+    """The edge node endpoint ``url`` most likely means, or None when it names no host.
+
+    The host, port and query as given; the scheme ``ws`` (``wss`` for ``https`` and
+    ``wss``; a URL without one gets ``ws://``); the path replaced by
+    :data:`NODE_CONNECT_PATH`, after the reverse proxy's prefix if there is one (the
+    segments before the first of ``v1``, ``node``, ``nodes``, ``connect``, in any case)::
+
+        ws://edge:8700/v1/node/connect    -> ws://edge:8700/v1/nodes/connect
+        http://edge:8700                  -> ws://edge:8700/v1/nodes/connect
+        https://edge.example/proxy/v1/    -> wss://edge.example/proxy/v1/nodes/connect
+    """
+    text = url.strip()
+    if "://" not in text:
+        text = "ws://" + text.lstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018  # raises ValueError for a port that is not a number
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    scheme = "wss" if parts.scheme.lower() in ("https", "wss") else "ws"
+    segments = [segment for segment in parts.path.split("/") if segment]
+    cut = next(
+        (i for i, segment in enumerate(segments) if segment.lower() in _ENDPOINT_SEGMENTS),
+        len(segments),
+    )
+    path = "".join(f"/{segment}" for segment in segments[:cut]) + NODE_CONNECT_PATH
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
 def check_edge_url(url: str) -> str | None:
     """Why ``url`` is not an edge's node endpoint (``ws[s]://HOST[:PORT][/PREFIX]/v1/nodes/
-    connect``), with the likely fix; None when it is one."""
+    connect``), with the likely fix (:func:`suggest_edge_url`); None when it is one."""
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018  # raises ValueError for a port that is not a number
     except ValueError as exc:
         return f"expected a ws:// or wss:// URL, got {url!r} ({exc})"
-    scheme = parts.scheme.lower()
-    if scheme in ("http", "https"):
-        fixed = ("ws" if scheme == "http" else "wss") + url[len(scheme) :]
-        if not parts.path.endswith(NODE_CONNECT_PATH):
-            fixed = fixed.rstrip("/") + NODE_CONNECT_PATH
-        return f"expected a ws:// or wss:// URL, got {url!r} (try {fixed})"
-    if scheme not in ("ws", "wss") or not parts.hostname:
-        return f"expected a ws:// or wss:// URL, got {url!r}"
+    suggestion = suggest_edge_url(url)
+    fix = f" (try {suggestion})" if suggestion is not None else ""
+    if parts.scheme.lower() not in ("ws", "wss") or not parts.hostname:
+        return f"expected a ws:// or wss:// URL, got {url!r}{fix}"
     if not parts.path.endswith(NODE_CONNECT_PATH):
-        fixed = urllib.parse.urlunsplit(
-            (parts.scheme, parts.netloc, parts.path.rstrip("/") + NODE_CONNECT_PATH, "", "")
-        )
-        return f"expected a URL ending in {NODE_CONNECT_PATH}, got {url!r} (try {fixed})"
+        return f"expected a URL ending in {NODE_CONNECT_PATH}, got {url!r}{fix}"
     return None
 
 

@@ -175,6 +175,12 @@ def test_usage_db_directory_cannot_be_created(tmp_path: Path) -> None:
             "--edge: expected a URL ending in /v1/nodes/connect, got 'ws://127.0.0.1:8700'"
             " (try ws://127.0.0.1:8700/v1/nodes/connect)",
         ),
+        (
+            # A typo in the path: the hint replaces it (it once appended the right one).
+            "ws://127.0.0.1:8700/v1/node/connect",
+            "--edge: expected a URL ending in /v1/nodes/connect, got "
+            "'ws://127.0.0.1:8700/v1/node/connect' (try ws://127.0.0.1:8700/v1/nodes/connect)",
+        ),
     ],
 )
 def test_node_edge_url(tmp_path: Path, edge: str, expected: str) -> None:
