@@ -17,6 +17,7 @@ import functools
 import importlib.metadata
 import ipaddress
 import logging
+import math
 import os
 import re
 import signal
@@ -34,6 +35,7 @@ from nodes import load_node_config
 from nodes.adapters import build_adapters
 from nodes.agent import run_node
 from nodes.config import (
+    DEFAULT_GIVE_UP_AFTER,
     NodeConfig,
     NodeConfigError,
     check_edge_url,
@@ -104,6 +106,21 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--config", help="node config file (TOML)")
     node.add_argument("--token", help="node token, if the edge requires one")
     node.add_argument("--id", dest="node_id", help="node id (default: from config or hostname)")
+    node.add_argument(
+        "--keep-trying",
+        action="store_true",
+        default=None,
+        help="never give up dialling, even if the edge never let this node in (a service "
+        "started before its edge); without it, a node that never got in exits with status 3 "
+        "after --give-up-after seconds",
+    )
+    node.add_argument(
+        "--give-up-after",
+        type=float,
+        metavar="SECONDS",
+        help=f"how long a node that never got in keeps trying (default "
+        f"{DEFAULT_GIVE_UP_AFTER:g}, or give_up_after in the config)",
+    )
     _check_config_parser(sub)
     return parser
 
@@ -383,10 +400,24 @@ def _node_command(args: argparse.Namespace) -> int:
         changes["token"] = args.token
     if args.node_id:
         changes["node_id"] = args.node_id
+    if args.keep_trying:
+        changes["keep_trying"] = True
+    if args.give_up_after is not None:
+        if not 0 <= args.give_up_after < math.inf:
+            raise StartupError(f"--give-up-after: expected seconds >= 0, got {args.give_up_after}")
+        changes["give_up_after"] = args.give_up_after
     config = attrs.evolve(config, **changes)
     _check_node(config, args.config)
+    if config.keep_trying:
+        patience = "keeps trying until the edge lets it in (--keep-trying)"
+    else:
+        patience = (
+            f"gives up (exit status 3) if the edge has not let it in within "
+            f"{config.give_up_after:g} s; --keep-trying never does"
+        )
     print(
         f"trio-dispatcher node {config.node_id} dialling {config.edge_url}\n"
+        f"  {patience}\n"
         f"  Ctrl-C or SIGTERM drains (in-flight runs get {config.drain_grace:g} s); "
         "twice stops at once",
         flush=True,

@@ -51,6 +51,8 @@ NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
 """The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
 may put a prefix before it)."""
 DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + NODE_CONNECT_PATH
+DEFAULT_GIVE_UP_AFTER: Final = 60.0
+"""Seconds after which a node that never got in to its edge gives up (``give_up_after``)."""
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -158,6 +160,13 @@ def _distinct_names(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _boolean(value: Any) -> bool:
+    if type(value) is not bool:
+        raise Invalid(f"expected true or false, got {show(value)}")
+    return value
+
+
+_BOOLEAN: Final = _Check(_boolean)
 _ENV_VAR: Final = _Check(_env_name)
 _HTTP_URL: Final = _Check(_http_url)
 _COMMAND: Final = _Check(_command)
@@ -232,6 +241,13 @@ class NodeConfig:
     reconnect_max_backoff: float = 30.0
     reconnect_reset_after: float = 30.0
     """A session that lasted longer than this resets the backoff to its minimum."""
+    give_up_after: float = DEFAULT_GIVE_UP_AFTER
+    """A node the edge never welcomed stops trying this long after its first attempt (and
+    ``dispatcher node`` exits with status 3): a wrong URL, port or TLS setting, or an edge
+    that is not there, is said instead of retried for ever."""
+    keep_trying: bool = False
+    """Never give up, even if the edge never welcomed this node (a service started before
+    its edge). A node that got in once reconnects for ever either way."""
     drain_grace: float = 30.0
     """On SIGTERM / Ctrl-C (or :class:`nodes.agent.Drain`), how long the node's in-flight runs
     and tunnels get to finish after it told the edge ``node.draining``, before it leaves."""
@@ -358,6 +374,8 @@ class _NodeTable:
     reconnect_min_backoff: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
     reconnect_max_backoff: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
     reconnect_reset_after: Annotated[float, _number(minimum=0.0)] | None = None
+    give_up_after: Annotated[float, _number(minimum=0.0)] | None = None
+    keep_trying: Annotated[bool, _BOOLEAN] | None = None
     drain_grace: Annotated[float, _number(minimum=0.0)] | None = None
     edge_ca_file: str | None = None
     edge_tls_server_name: str | None = None
@@ -535,6 +553,8 @@ _NODE_SETTINGS: Final = (
     "heartbeat_timeout_factor",
     "handshake_timeout",
     "reconnect_reset_after",
+    "give_up_after",
+    "keep_trying",
     "drain_grace",
     "edge_ca_file",
     "edge_tls_server_name",
