@@ -3,7 +3,9 @@
 
 A startup failure -- a bad config, a secret variable that is not set, a port in use, TLS
 files that cannot be loaded, an edge URL that is not one, a provider key that is missing --
-is one line on stderr naming the thing and the reason, and exit status 2; no traceback::
+is one line on stderr naming the thing and the reason (a config file's every problem, a line
+each), and exit status 2; no traceback. A node that never got in to its edge gives up with
+exit status 3 (``nodes.agent.EXIT_GAVE_UP``) unless ``--keep-trying``::
 
     dispatcher: edge.toml: api_keys: expected an array of strings, got a string
     dispatcher: cannot listen on 127.0.0.1:8700: address already in use
@@ -48,6 +50,7 @@ from . import __version__
 from .config import ConfigError, EdgeConfig, NodeToken, load_edge_config
 from .config_summary import KINDS, ConfigKind, config_kind, describe_edge, describe_node
 from .logs import LOG_FORMATS, configure_logging
+from .protocol.config_errors import ConfigFileError, Problem
 from .protocol.excgroups import first_leaf
 
 if TYPE_CHECKING:
@@ -170,7 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(exc: BaseException) -> int:
-    print(f"dispatcher: {exc}", file=sys.stderr, flush=True)
+    """Say what failed on stderr, one line per problem (a config file's every problem), and
+    return exit status 2."""
+    lines = exc.lines() if isinstance(exc, ConfigFileError) else [str(exc)]
+    print("".join(f"dispatcher: {line}\n" for line in lines), end="", file=sys.stderr, flush=True)
     return 2
 
 
@@ -427,24 +433,27 @@ def _node_command(args: argparse.Namespace) -> int:
 
 def _check_node(config: NodeConfig, source: str | None) -> None:
     """What the node reads when it starts (a provider's api_key_env, a cli command, the
-    edge's CA file): fail now, in one line, rather than inside the daemon."""
-    try:
-        build_adapters(config.providers)
-        tunnel_providers(config.providers)
-    except NodeConfigError as exc:
-        for index, provider in enumerate(config.providers):
-            if source and exc.source == f"provider {provider.id!r}":
-                key = f"providers[{index}].{exc.key}"
-                raise NodeConfigError(source, key, exc.reason) from None
-        raise
+    edge's CA file): fail now, one line per problem (every provider's), rather than inside
+    the daemon."""
+    found: list[Problem] = []
+    for index, provider in enumerate(config.providers):
+        try:
+            build_adapters((provider,))
+            tunnel_providers((provider,))
+        except NodeConfigError as exc:
+            if not source:
+                raise
+            found.append(Problem(source, f"providers[{index}].{exc.key}", exc.reason))
     if config.edge_ca_file is not None and config.edge_url.lower().startswith("wss:"):
         try:
             edge_ssl_context(config)
         except (OSError, ssl.SSLError) as exc:
-            where = f"{source}: node.edge_ca_file" if source else "edge_ca_file"
-            raise StartupError(
-                f"{where}: cannot load {config.edge_ca_file}: {_strerror(exc)}"
-            ) from None
+            reason = f"cannot load {config.edge_ca_file}: {_strerror(exc)}"
+            if not source:
+                raise StartupError(f"edge_ca_file: {reason}") from None
+            found.append(Problem(source, "node.edge_ca_file", reason))
+    if found:
+        raise NodeConfigError.of(found)
 
 
 # --------------------------------------------------------------------------- check-config

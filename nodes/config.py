@@ -2,9 +2,10 @@
 
 Build a :class:`NodeConfig` in Python, take :func:`default_node_config` (one built-in ``echo``
 model), or load a TOML file with :func:`load_node_config`. Loading validates everything and
-reports the first problem as a :class:`NodeConfigError` naming the file, the key and the
-reason, for example ``node.toml: providers[1].models[0].slots: expected a positive integer,
-got 'x'``. Unknown keys are errors too (a typo must not silently fall back to a default).
+reports every problem (not just the first) in one :class:`NodeConfigError`, each naming the
+file, the key and the reason, for example ``node.toml: providers[1].models[0].slots: expected
+a positive integer, got 'x'``. Unknown keys are errors too (a typo must not silently fall back
+to a default).
 
 Loading is attrs + cattrs, like the edge's (``dispatcher.config``): the file is structured into
 the frozen classes below, each field's annotation says what the loader accepts (a
@@ -32,7 +33,7 @@ import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, NoReturn, Protocol, get_args, get_origin
+from typing import Annotated, Any, Final, Literal, Protocol, get_args, get_origin
 
 import attrs
 from cattrs.gen import make_dict_structure_fn
@@ -42,8 +43,10 @@ from dispatcher import protocol as wire
 from dispatcher.protocol.config_errors import (
     ConfigFileError,
     Invalid,
-    first_problem,
+    Problem,
+    render,
     show,
+    structure_all,
     structure_each,
 )
 
@@ -497,23 +500,25 @@ def parse_node_config(
     adapters: Mapping[str, AdapterKind],
 ) -> NodeConfig:
     """Validate a parsed TOML document against ``adapters`` and resolve ``node.token_env``
-    in ``environ``. Raises :class:`NodeConfigError` naming ``source`` and the first
-    problem."""
-    try:
-        file = _converter.structure(dict(data), _NodeFile)
-    except Exception as exc:
-        key, reason = first_problem(exc)
-        raise NodeConfigError(source, key, reason) from None
+    in ``environ``. Raises :class:`NodeConfigError` naming ``source`` and every problem
+    (its ``problems``): the values' (types, unknown keys...), then what the checks across
+    values find in the rest."""
+    structured = structure_all(lambda document: _converter.structure(document, _NodeFile), data)
+    found = [Problem(source, render(path), reason) for path, reason in structured.problems]
+    file = structured.value
+    if file is None:
+        raise NodeConfigError.of(found)
+    later: list[tuple[str, str]] = []
 
-    def fail(key: str, reason: str) -> NoReturn:
-        raise NodeConfigError(source, key, reason)
+    def report(key: str, reason: str) -> None:
+        later.append((key, reason))
 
     node = file.node
     if node.edge_url is not None:
         bad_url = check_edge_url(node.edge_url)
         if bad_url is not None:
-            fail("node.edge_url", bad_url)
-    token = _node_token(node, environ, fail)
+            report("node.edge_url", bad_url)
+    token = _node_token(node, environ, report)
     defaults = NodeConfig(node_id="")
     min_backoff = defaults.reconnect_min_backoff
     if node.reconnect_min_backoff is not None:
@@ -522,16 +527,22 @@ def parse_node_config(
     if node.reconnect_max_backoff is not None:
         max_backoff = node.reconnect_max_backoff
     if max_backoff < min_backoff:
-        fail(
+        report(
             "node.reconnect_max_backoff",
             f"must be at least reconnect_min_backoff ({min_backoff}), got {max_backoff}",
         )
     if not file.providers:
-        fail("providers", "expected at least one [[providers]] table")
+        report("providers", "expected at least one [[providers]] table")
     for index, provider in enumerate(file.providers):
-        _check_provider(provider, f"providers[{index}]", adapters, fail)
+        _check_provider(provider, f"providers[{index}]", adapters, report)
         if any(other.id == provider.id for other in file.providers[:index]):
-            fail(f"providers[{index}].id", f"duplicate provider id {provider.id!r}")
+            report(f"providers[{index}].id", f"duplicate provider id {provider.id!r}")
+    for key, reason in later:
+        # One problem per key; none about a value already reported (or left out for it).
+        if all(p.key != key for p in found) and structured.unrelated(key):
+            found.append(Problem(source, key, reason))
+    if found:
+        raise NodeConfigError.of(found)
 
     settings: dict[str, Any] = {
         name: getattr(node, name) for name in _NODE_SETTINGS if getattr(node, name) is not None
@@ -563,15 +574,17 @@ _NODE_SETTINGS: Final = (
 
 
 def _node_token(
-    node: _NodeTable, environ: Mapping[str, str], fail: Callable[[str, str], NoReturn]
+    node: _NodeTable, environ: Mapping[str, str], report: Callable[[str, str], None]
 ) -> str | None:
     if node.token_env is None:
         return node.token
     if node.token is not None:
-        fail("node.token_env", "give either token or token_env, not both")
+        report("node.token_env", "give either token or token_env, not both")
+        return None
     token = environ.get(node.token_env)
     if not token:
-        fail("node.token_env", f"environment variable {node.token_env} is not set")
+        report("node.token_env", f"environment variable {node.token_env} is not set")
+        return None
     return token
 
 
@@ -579,25 +592,26 @@ def _check_provider(
     provider: ProviderConfig,
     key: str,
     adapters: Mapping[str, AdapterKind],
-    fail: Callable[[str, str], NoReturn],
+    report: Callable[[str, str], None],
 ) -> None:
     kind = adapters.get(provider.type)
     if kind is None:
-        fail(f"{key}.type", f"expected one of {', '.join(adapters)}, got {provider.type!r}")
-    if provider.path == "tunnel" and not kind.tunnel:
-        fail(f"{key}.path", f"a {provider.type!r} provider can only run normalized, not tunnel")
-    try:
-        kind.check_options(provider.options)
-    except OptionsError as exc:
-        fail(f"{key}.options.{exc.key}", exc.reason)
+        report(f"{key}.type", f"expected one of {', '.join(adapters)}, got {provider.type!r}")
+    elif provider.path == "tunnel" and not kind.tunnel:
+        report(f"{key}.path", f"a {provider.type!r} provider can only run normalized, not tunnel")
+    if kind is not None:
+        try:
+            kind.check_options(provider.options)
+        except OptionsError as exc:
+            report(f"{key}.options.{exc.key}", exc.reason)
     if not provider.models:
-        fail(f"{key}.models", "expected at least one [[providers.models]] table")
+        report(f"{key}.models", "expected at least one [[providers.models]] table")
     for index, model in enumerate(provider.models):
         where = f"{key}.models[{index}]"
         if model.long_context_slots > model.slots:
-            fail(
+            report(
                 f"{where}.long_context_slots",
                 f"must not exceed slots ({model.slots}), got {model.long_context_slots}",
             )
         if any(other.name == model.name for other in provider.models[:index]):
-            fail(f"{where}.name", f"duplicate model name {model.name!r}")
+            report(f"{where}.name", f"duplicate model name {model.name!r}")

@@ -187,8 +187,12 @@ def test_node_edge_url(tmp_path: Path, edge: str, expected: str) -> None:
     assert_one_line_failure(dispatcher(tmp_path, "node", "--edge", edge), expected)
 
 
+ECHO_PROVIDER = '\n[[providers]]\nid = "echo"\ntype = "echo"\nmodels = [{ name = "echo" }]\n'
+"""A node config's one provider, so that an example's one mistake is its only one."""
+
+
 def test_node_config_edge_url(tmp_path: Path) -> None:
-    config = write(tmp_path, "node.toml", '[node]\nedge_url = "ws://edge:8700/"\n')
+    config = write(tmp_path, "node.toml", '[node]\nedge_url = "ws://edge:8700/"\n' + ECHO_PROVIDER)
     assert_one_line_failure(
         dispatcher(tmp_path, "node", "--config", config),
         "node.toml: node.edge_url: expected a URL ending in /v1/nodes/connect, got "
@@ -248,7 +252,7 @@ def test_a_node_that_never_gets_in_exits_3_saying_why(tmp_path: Path) -> None:
 
 
 def test_node_config_error(tmp_path: Path) -> None:
-    config = write(tmp_path, "node.toml", "[node]\nlable = 'x'\n")
+    config = write(tmp_path, "node.toml", "[node]\nlable = 'x'\n" + ECHO_PROVIDER)
     assert_one_line_failure(
         dispatcher(tmp_path, "node", "--config", config), "node.toml: node.lable: unknown key"
     )
