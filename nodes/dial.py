@@ -207,7 +207,7 @@ def _connect_failures(url: str, address: _EdgeAddress, stage: str) -> Iterator[N
         cause = DialCause(kind="timeout", host=address.host, port=address.port, stage=stage)
         raise DialFailed(f"cannot connect to {url}: {stage} timed out", cause) from None
     except (OSError, trio.BrokenResourceError) as exc:
-        cause = connect_cause(exc, address.host, address.port)
+        cause = _connect_cause(exc, address.host, address.port)
         raise DialFailed(f"cannot connect to {url}: {explain(exc)}", cause) from None
 
 
@@ -215,7 +215,7 @@ _REFUSED: Final = frozenset({errno.ECONNREFUSED})
 _UNREACHABLE: Final = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL})
 
 
-def connect_cause(exc: BaseException, host: str, port: int) -> DialCause:
+def _connect_cause(exc: BaseException, host: str, port: int) -> DialCause:
     """What a failed TCP connect or TLS handshake means, from the error's type and errno
     (trio's "all attempts to connect failed" ``OSError`` carries one error per address in
     its cause)."""
