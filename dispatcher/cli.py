@@ -3,7 +3,9 @@
 
 A startup failure -- a bad config, a secret variable that is not set, a port in use, TLS
 files that cannot be loaded, an edge URL that is not one, a provider key that is missing --
-is one line on stderr naming the thing and the reason, and exit status 2; no traceback::
+is one line on stderr naming the thing and the reason (a config file's every problem, a line
+each), and exit status 2; no traceback. A node that never got in to its edge gives up with
+exit status 3 (``nodes.agent.EXIT_GAVE_UP``) unless ``--keep-trying``::
 
     dispatcher: edge.toml: api_keys: expected an array of strings, got a string
     dispatcher: cannot listen on 127.0.0.1:8700: address already in use
@@ -17,6 +19,7 @@ import functools
 import importlib.metadata
 import ipaddress
 import logging
+import math
 import os
 import re
 import signal
@@ -34,6 +37,7 @@ from nodes import load_node_config
 from nodes.adapters import build_adapters
 from nodes.agent import run_node
 from nodes.config import (
+    DEFAULT_GIVE_UP_AFTER,
     NodeConfig,
     NodeConfigError,
     check_edge_url,
@@ -46,6 +50,7 @@ from . import __version__
 from .config import ConfigError, EdgeConfig, NodeToken, load_edge_config
 from .config_summary import KINDS, ConfigKind, config_kind, describe_edge, describe_node
 from .logs import LOG_FORMATS, configure_logging
+from .protocol.config_errors import ConfigFileError, Problem
 from .protocol.excgroups import first_leaf
 
 if TYPE_CHECKING:
@@ -105,6 +110,21 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("--config", help="node config file (TOML)")
     node.add_argument("--token", help="node token, if the edge requires one")
     node.add_argument("--id", dest="node_id", help="node id (default: from config or hostname)")
+    node.add_argument(
+        "--keep-trying",
+        action="store_true",
+        default=None,
+        help="never give up dialling, even if the edge never let this node in (a service "
+        "started before its edge); without it, a node that never got in exits with status 3 "
+        "after --give-up-after seconds",
+    )
+    node.add_argument(
+        "--give-up-after",
+        type=float,
+        metavar="SECONDS",
+        help=f"how long a node that never got in keeps trying (default "
+        f"{DEFAULT_GIVE_UP_AFTER:g}, or give_up_after in the config)",
+    )
     _check_config_parser(sub)
     return parser
 
@@ -154,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(exc: BaseException) -> int:
-    print(f"dispatcher: {exc}", file=sys.stderr, flush=True)
+    """Say what failed on stderr, one line per problem (a config file's every problem), and
+    return exit status 2."""
+    lines = exc.lines() if isinstance(exc, ConfigFileError) else [str(exc)]
+    print("".join(f"dispatcher: {line}\n" for line in lines), end="", file=sys.stderr, flush=True)
     return 2
 
 
@@ -424,10 +447,24 @@ def _node_command(args: argparse.Namespace) -> int:
         changes["token"] = args.token
     if args.node_id:
         changes["node_id"] = args.node_id
+    if args.keep_trying:
+        changes["keep_trying"] = True
+    if args.give_up_after is not None:
+        if not 0 <= args.give_up_after < math.inf:
+            raise StartupError(f"--give-up-after: expected seconds >= 0, got {args.give_up_after}")
+        changes["give_up_after"] = args.give_up_after
     config = attrs.evolve(config, **changes)
     _check_node(config, args.config)
+    if config.keep_trying:
+        patience = "keeps trying until the edge lets it in (--keep-trying)"
+    else:
+        patience = (
+            f"gives up (exit status 3) if the edge has not let it in within "
+            f"{config.give_up_after:g} s; --keep-trying never does"
+        )
     print(
         f"trio-dispatcher node {config.node_id} dialling {config.edge_url}\n"
+        f"  {patience}\n"
         f"  Ctrl-C or SIGTERM drains (in-flight runs get {config.drain_grace:g} s); "
         "twice stops at once",
         flush=True,
@@ -437,24 +474,27 @@ def _node_command(args: argparse.Namespace) -> int:
 
 def _check_node(config: NodeConfig, source: str | None) -> None:
     """What the node reads when it starts (a provider's api_key_env, a cli command, the
-    edge's CA file): fail now, in one line, rather than inside the daemon."""
-    try:
-        build_adapters(config.providers)
-        tunnel_providers(config.providers)
-    except NodeConfigError as exc:
-        for index, provider in enumerate(config.providers):
-            if source and exc.source == f"provider {provider.id!r}":
-                key = f"providers[{index}].{exc.key}"
-                raise NodeConfigError(source, key, exc.reason) from None
-        raise
+    edge's CA file): fail now, one line per problem (every provider's), rather than inside
+    the daemon."""
+    found: list[Problem] = []
+    for index, provider in enumerate(config.providers):
+        try:
+            build_adapters((provider,))
+            tunnel_providers((provider,))
+        except NodeConfigError as exc:
+            if not source:
+                raise
+            found.append(Problem(source, f"providers[{index}].{exc.key}", exc.reason))
     if config.edge_ca_file is not None and config.edge_url.lower().startswith("wss:"):
         try:
             edge_ssl_context(config)
         except (OSError, ssl.SSLError) as exc:
-            where = f"{source}: node.edge_ca_file" if source else "edge_ca_file"
-            raise StartupError(
-                f"{where}: cannot load {config.edge_ca_file}: {_strerror(exc)}"
-            ) from None
+            reason = f"cannot load {config.edge_ca_file}: {_strerror(exc)}"
+            if not source:
+                raise StartupError(f"edge_ca_file: {reason}") from None
+            found.append(Problem(source, "node.edge_ca_file", reason))
+    if found:
+        raise NodeConfigError.of(found)
 
 
 # --------------------------------------------------------------------------- check-config

@@ -7,8 +7,11 @@ A config error names the file, the key path and the reason, in the same style as
     edge.toml: api_keys: expected an array of strings, got a string
     edge.toml: nodes.lable: unknown key
 
-and the daemon refuses to start. Every key has a default, so an empty file (or no file) is a
-working edge.
+and the daemon refuses to start. A :class:`ConfigError` holds every problem of the file
+(``problems``), not just the first: the values' (types, unknown keys), then what the checks
+across values and the secrets find in the rest
+(:func:`~dispatcher.protocol.config_errors.structure_all`). Every key has a default, so an
+empty file (or no file) is a working edge.
 
 **Secrets.** Client keys, admin keys and node tokens are arrays of strings (a bare string is
 an error: it would otherwise be read as one key per character) and may come from environment
@@ -43,7 +46,16 @@ import attrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
-from .protocol.config_errors import ConfigFileError, Invalid, first_problem, show, structure_each
+from .protocol.config_errors import (
+    ConfigFileError,
+    Invalid,
+    Problem,
+    render,
+    show,
+    structure_all,
+    structure_each,
+    structure_named,
+)
 from .protocol.config_errors import key as toml_key
 
 DEFAULT_API_KEYS_ENV: Final = "DISPATCHER_API_KEYS"
@@ -369,37 +381,56 @@ def resolve_secrets(
     ``environ`` defaults to ``os.environ``. With ``default_env`` (the daemon), a field that
     names no variable reads its ``DISPATCHER_*`` default when that is set. Raises
     :class:`ConfigError` for a named variable that is unset or empty, and for a default
-    variable that is set but empty."""
+    variable that is set but empty (every such variable, in one error)."""
     env = os.environ if environ is None else environ
+    resolved, failed = _resolve_secrets(config, env, default_env=default_env, source=source)
+    if failed:
+        raise ConfigError.of(failed)
+    return resolved
+
+
+def _resolve_secrets(
+    config: EdgeConfig, env: Mapping[str, str], *, default_env: bool, source: str
+) -> tuple[EdgeConfig, list[Problem]]:
+    """:func:`resolve_secrets`' work: ``config`` with what resolved (a table whose variable
+    did not keeps its ``*_env``), and a problem for each variable that did not."""
+    failed: list[Problem] = []
+
+    def read(name: str, *, source: str, key: str, explicit: bool, split: bool) -> tuple[str, ...]:
+        try:
+            return _env_values(env, name, source=source, key=key, explicit=explicit, split=split)
+        except ConfigError as exc:
+            failed.extend(exc.problems)
+            return ()
 
     def values(field: str, named: str | None, default: str) -> tuple[str, ...]:
         if named is not None:
-            return _env_values(env, named, source=source, key=field, explicit=True)
+            return read(named, source=source, key=field, explicit=True, split=True)
         if default_env:
-            return _env_values(env, default, source=ENVIRONMENT, key=default, explicit=False)
+            return read(default, source=ENVIRONMENT, key=default, explicit=False, split=True)
         return ()
 
     tokens: list[str | NodeToken] = []
     for index, token in enumerate(config.nodes.tokens):
         if isinstance(token, NodeToken) and token.value_env is not None:
             key = f"nodes.tokens[{index}].value_env"
-            (value,) = _env_values(env, token.value_env, source=source, key=key, split=False)
-            token = attrs.evolve(token, value=value, value_env=None)
+            for value in read(token.value_env, source=source, key=key, explicit=True, split=False):
+                token = attrs.evolve(token, value=value, value_env=None)
         tokens.append(token)
     tokens.extend(values("nodes.tokens_env", config.nodes.tokens_env, DEFAULT_NODE_TOKENS_ENV))
     keys: list[KeySettings] = []
     for index, tenant in enumerate(config.keys):
         if tenant.key_env is not None:
             at = f"keys[{index}].key_env"
-            (value,) = _env_values(env, tenant.key_env, source=source, key=at, split=False)
-            tenant = attrs.evolve(tenant, key=value, key_env=None)
+            for value in read(tenant.key_env, source=source, key=at, explicit=True, split=False):
+                tenant = attrs.evolve(tenant, key=value, key_env=None)
         keys.append(tenant)
     metrics = config.metrics
     if metrics.token_env is not None:
         at = "metrics.token_env"
-        (value,) = _env_values(env, metrics.token_env, source=source, key=at, split=False)
-        metrics = attrs.evolve(metrics, token=value, token_env=None)
-    return attrs.evolve(
+        for value in read(metrics.token_env, source=source, key=at, explicit=True, split=False):
+            metrics = attrs.evolve(metrics, token=value, token_env=None)
+    resolved = attrs.evolve(
         config,
         keys=tuple(keys),
         metrics=metrics,
@@ -411,6 +442,7 @@ def resolve_secrets(
         admin_keys_env=None,
         nodes=attrs.evolve(config.nodes, tokens=tuple(tokens), tokens_env=None),
     )
+    return resolved, failed
 
 
 def _env_values(
@@ -477,12 +509,12 @@ for _kind_type in (str, int, float, bool):
     _converter.register_structure_hook(_kind_type, _strict(_kind_type))
 
 
-def _string(value: Any, at: str) -> str:
+def _string(value: Any) -> str:
     # Never the value itself: these arrays hold secrets.
     if not isinstance(value, str):
-        raise Invalid(f"expected a string, got {_kind(value)}", at=at)
+        raise Invalid(f"expected a string, got {_kind(value)}")
     if not value.strip():
-        raise Invalid("expected a non-empty string", at=at)
+        raise Invalid("expected a non-empty string")
     return value
 
 
@@ -493,23 +525,20 @@ def _array(value: Any, what: str) -> list[Any]:
 
 
 def _strings(value: Any, _: Any) -> tuple[str, ...]:
-    return tuple(_string(item, f"[{i}]") for i, item in enumerate(_array(value, "strings")))
+    return structure_each(_string, _array(value, "strings"))
+
+
+def _token(item: Any) -> str | NodeToken:
+    if isinstance(item, dict):
+        token: NodeToken = _converter.structure(item, NodeToken)
+        return token
+    if isinstance(item, str):
+        return _string(item)
+    raise Invalid(f"expected a string or a table, got {_kind(item)}")
 
 
 def _tokens(value: Any, _: Any) -> tuple[str | NodeToken, ...]:
-    tokens: list[str | NodeToken] = []
-    for index, item in enumerate(_array(value, "tokens (strings or tables)")):
-        at = f"[{index}]"
-        if isinstance(item, dict):
-            try:
-                tokens.append(_converter.structure(item, NodeToken))
-            except Exception as exc:
-                raise Invalid(at=at, inner=exc) from None
-        elif isinstance(item, str):
-            tokens.append(_string(item, at))
-        else:
-            raise Invalid(f"expected a string or a table, got {_kind(item)}", at=at)
-    return tuple(tokens)
+    return structure_each(_token, _array(value, "tokens (strings or tables)"))
 
 
 def _named_tables(cls: type[Any]) -> Callable[[Any, Any], dict[str, Any]]:
@@ -518,13 +547,7 @@ def _named_tables(cls: type[Any]) -> Callable[[Any, Any], dict[str, Any]]:
     def structure(value: Any, _: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise Invalid(f"expected a table, got {show(value)}")
-        tables = {}
-        for name, item in value.items():
-            try:
-                tables[name] = _converter.structure(item, cls)
-            except Exception as exc:
-                raise Invalid(at=toml_key("", name), inner=exc) from None
-        return tables
+        return structure_named(lambda item: _converter.structure(item, cls), value)
 
     return structure
 
@@ -568,15 +591,26 @@ def parse_edge_config(
 ) -> EdgeConfig:
     """Validate a parsed TOML document and resolve its secrets (``environ``, default
     ``os.environ``, with the ``DISPATCHER_*`` defaults; see the module docstring). Raises
-    :class:`ConfigError` naming the first problem."""
-    try:
-        config = _converter.structure(raw, EdgeConfig)
-    except Exception as exc:
-        key, reason = first_problem(exc)
-        raise ConfigError(source, key, reason) from None
-    _validate(config, source)
-    resolved = resolve_secrets(config, environ=environ, default_env=True, source=source)
-    _check_distinct_keys(resolved, source)
+    :class:`ConfigError` naming every problem (its ``problems``), not just the first: the
+    values' (types, unknown keys...), then what the checks across values and the secrets
+    find in the rest."""
+    structured = structure_all(lambda document: _converter.structure(document, EdgeConfig), raw)
+    found = [Problem(source, render(path), reason) for path, reason in structured.problems]
+    config = structured.value
+    if config is None:
+        raise ConfigError.of(found)
+    later = [Problem(source, key, reason) for key, reason in _validate(config)]
+    env = os.environ if environ is None else environ
+    resolved, unresolved = _resolve_secrets(config, env, default_env=True, source=source)
+    later += unresolved
+    later += _distinct_key_problems(resolved, source)
+    for problem in later:
+        # One problem per key; none about a value already reported (or left out for it).
+        new = all((p.source, p.key) != (problem.source, problem.key) for p in found)
+        if new and (problem.source != source or structured.unrelated(problem.key)):
+            found.append(problem)
+    if found:
+        raise ConfigError.of(found)
     return resolved
 
 
@@ -594,14 +628,20 @@ def tenant_digest(tenant: KeySettings) -> str:
     return key_digest(tenant.key)
 
 
-def _check_distinct_keys(config: EdgeConfig, source: str) -> None:
+def _distinct_key_problems(config: EdgeConfig, source: str) -> list[Problem]:
     """A ``[[keys]]`` key or the metrics token may be nothing else: not another tenant's,
     not in ``api_keys`` or ``admin_keys`` (it would be unclear whose limits and rights
-    apply; the metrics token would open more than ``/metrics``)."""
+    apply; the metrics token would open more than ``/metrics``). A tenant with no secret
+    (reported by the other checks) is left out."""
+    found: list[Problem] = []
     owner: dict[str, str] = {}
     token = config.metrics.token
     named = [
-        *((f"keys[{index}]", tenant_digest(tenant)) for index, tenant in enumerate(config.keys)),
+        *(
+            (f"keys[{index}]", tenant_digest(tenant))
+            for index, tenant in enumerate(config.keys)
+            if tenant.key is not None or tenant.key_sha256 is not None
+        ),
         *(("api_keys", key_digest(key)) for key in config.api_keys),
         *(("admin_keys", key_digest(key)) for key in config.admin_keys),
         *((("metrics.token", key_digest(token)),) if token is not None else ()),
@@ -610,13 +650,17 @@ def _check_distinct_keys(config: EdgeConfig, source: str) -> None:
     for where, digest in named:
         other = owner.setdefault(digest, where)
         if other != where and (where.startswith(single) or other.startswith(single)):
-            raise ConfigError(source, where, f"the same key is also in {other}")
+            found.append(Problem(source, where, f"the same key is also in {other}"))
+    return found
 
 
-def _validate(config: EdgeConfig, source: str) -> None:
+def _validate(config: EdgeConfig) -> list[tuple[str, str]]:
+    """(key, reason) for each check across values that ``config`` fails."""
+    found: list[tuple[str, str]] = []
+
     def check(ok: bool, key: str, reason: str) -> None:
         if not ok:
-            raise ConfigError(source, key, reason)
+            found.append((key, reason))
 
     def env_name(key: str, name: str | None) -> None:
         if name is not None:
@@ -676,6 +720,7 @@ def _validate(config: EdgeConfig, source: str) -> None:
             check(policy.queue_timeout_s > 0, f"{name}.queue_timeout_s", "must be > 0")
     _validate_tenants(config, check, env_name)
     _validate_metrics(config.metrics, check, env_name)
+    return found
 
 
 def _validate_metrics(

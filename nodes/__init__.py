@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from nodes import config as _config
 from nodes.adapters import ADAPTERS
-from nodes.agent import run_node, serve_node, serve_node_session
+from nodes.agent import EdgeUnreachable, run_node, serve_node, serve_node_session
 from nodes.config import (
     AdapterKind,
     ModelConfig,
@@ -39,6 +39,7 @@ def load_node_config(
 
 
 __all__ = [
+    "EdgeUnreachable",
     "ModelConfig",
     "NodeConfig",
     "NodeConfigError",

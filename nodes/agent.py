@@ -2,10 +2,13 @@
 
 :func:`serve_node` is the daemon's main task: it dials the edge, runs one
 :func:`serve_node_session` per connection, and reconnects with exponential backoff and full
-jitter after any connection loss or dial failure. It stops only when cancelled or when the edge
-rejects the node for good (:class:`NodeRejected`: a bad token, an unsupported protocol
-version), which it raises so the process can exit non-zero instead of retrying forever. It
-holds the providers' connection pools for the node's life, across reconnects.
+jitter after any connection loss or dial failure (the policy, sans-IO, is
+:mod:`nodes.reconnect`: it also says when to warn, naming the cause, and when to give up). It
+stops only when cancelled, when the edge rejects the node for good (:class:`NodeRejected`: a
+bad token, an unsupported protocol version), or when a node that never got in gives up
+(:class:`EdgeUnreachable`, after ``config.give_up_after`` unless ``config.keep_trying``),
+which it raises so the process can exit non-zero instead of retrying forever. It holds the
+providers' connection pools for the node's life, across reconnects.
 
 One session::
 
@@ -67,10 +70,12 @@ from dispatcher.protocol.excgroups import first_leaf
 from dispatcher.transport import Connection, ConnectionClosed
 from nodes.adapters import Adapter, DropConnection, build_adapters, open_adapters
 from nodes.config import NodeConfig, hello_from_config
-from nodes.dial import CLOSE_TIMEOUT, close_budget, edge_dial, explain
+from nodes.dial import CLOSE_TIMEOUT, DialFailed, close_budget, edge_dial, explain
 from nodes.dial import Dial as Dial
 from nodes.dial import NodeRejected as NodeRejected
 from nodes.dial import dial_edge as dial_edge
+from nodes.reconnect import Backoff as Backoff
+from nodes.reconnect import DialCause, GiveUp, Reconnect, Retry, advice
 from nodes.runner import Runner, open_runner
 from nodes.tunnel import (
     AnyTunnelProvider,
@@ -97,6 +102,12 @@ going away, restarting, timeouts -- is transient and retried with backoff."""
 
 NODE_DRAINING: Final = "node_draining"
 """The failure code of a run or tunnel the edge sent after the node said it is draining."""
+
+EXIT_REJECTED: Final = 2
+""":func:`run_node`'s exit status when the edge rejected the node for good."""
+EXIT_GAVE_UP: Final = 3
+""":func:`run_node`'s exit status when the node never got in to the edge and gave up
+(:class:`EdgeUnreachable`)."""
 
 CANCEL_REPORT_TIMEOUT: Final = 5.0
 """At the end of a drain's grace: how long the runs and tunnels still going get to report
@@ -131,6 +142,12 @@ class Drain:
         """Call ``callback`` when the drain is requested; returns the unsubscribe."""
         self._callbacks.append(callback)
         return lambda: self._callbacks.remove(callback)
+
+
+class EdgeUnreachable(Exception):
+    """The node never got in to the edge (no ``welcome``) within ``config.give_up_after``
+    and gave up (not with ``config.keep_trying``). ``str()`` is one line: the edge URL, the
+    attempts, and the last attempt's cause in words a person can act on."""
 
 
 class _EndSession(Exception):
@@ -489,26 +506,6 @@ def _describe_work(message: wire.RunRequest | wire.TunnelRequest) -> str:
 # --------------------------------------------------------------------------- reconnecting
 
 
-class Backoff:
-    """Exponential backoff with full jitter above a floor: after the n-th consecutive failure
-    (n = 1, 2, ...) the delay is uniform in ``[minimum, min(maximum, minimum * 2**n)]``.
-    The floor keeps a failing dial from ever busy-looping."""
-
-    def __init__(self, minimum: float, maximum: float, *, rng: random.Random | None = None) -> None:
-        self.minimum = minimum
-        self.maximum = maximum
-        self.failures = 0
-        self._rng = rng or random.Random()
-
-    def next_delay(self) -> float:
-        self.failures += 1
-        ceiling = min(self.maximum, self.minimum * 2.0 ** min(self.failures, 60))
-        return self._rng.uniform(self.minimum, max(self.minimum, ceiling))
-
-    def reset(self) -> None:
-        self.failures = 0
-
-
 @attrs.define(eq=False)
 class _Attempt:
     """One dial and session of :func:`serve_node`."""
@@ -548,6 +545,12 @@ async def serve_node(  # noqa: ASYNC128 (task_status is passed on to _reconnect_
     returns once the node is registered. Raises :class:`NodeRejected` (logged at ERROR) when
     the edge refuses the node for good.
 
+    Attempts that fail in a row are logged at INFO, then at WARNING naming the cause in
+    words a person can act on (the third, then one a minute; see :mod:`nodes.reconnect`). A
+    node that was never welcomed gives up ``config.give_up_after`` seconds after its first
+    attempt and raises :class:`EdgeUnreachable` (logged at ERROR), unless
+    ``config.keep_trying``; once welcomed, it reconnects for ever.
+
     When ``drain`` is requested the session drains (see :func:`serve_node_session`) and
     ``serve_node`` returns; requested while not connected (or before welcome), it returns at
     once.
@@ -583,16 +586,19 @@ async def _reconnect_loop(
     tunnels: Mapping[str, AnyTunnelProvider],
     task_status: trio.TaskStatus[None],
 ) -> None:
-    """:func:`serve_node`'s loop: dial, serve a session, back off, until drained."""
-    backoff = Backoff(config.reconnect_min_backoff, config.reconnect_max_backoff, rng=rng)
-    welcomed = False
+    """:func:`serve_node`'s loop: dial, serve a session, back off, until drained; what to do
+    after each attempt is the :class:`~nodes.reconnect.Reconnect` policy's decision."""
+    policy = Reconnect(
+        Backoff(config.reconnect_min_backoff, config.reconnect_max_backoff, rng=rng),
+        give_up_after=None if config.keep_trying else config.give_up_after,
+        reset_after=config.reconnect_reset_after,
+    )
 
     def on_welcome(attempt: _Attempt) -> None:
-        nonlocal welcomed
         attempt.welcomed = True
-        if not welcomed:
-            welcomed = True
+        if not policy.welcomed_once:
             task_status.started()
+        policy.welcomed()
 
     while not drain.is_requested():
         connected_at: float | None = None
@@ -600,6 +606,7 @@ async def _reconnect_loop(
         # A drain asked for while dialling or before welcome abandons the attempt; once
         # welcomed, the session drains itself.
         unsubscribe = drain._on_request(attempt.abandon_unless_welcomed)
+        policy.dialling(trio.current_time())
         try:
             with attempt.scope:
                 async with dial() as conn:
@@ -612,38 +619,81 @@ async def _reconnect_loop(
                         drain=drain,
                         task_status=_WelcomeStatus(partial(on_welcome, attempt)),
                     )
-            outcome = "session ended"
+            cause = DialCause.other(
+                "session ended"
+                if attempt.welcomed
+                else "the edge ended the session before welcoming the node"
+            )
         except NodeRejected as exc:
             _log_rejection(config, exc)
             raise
+        except DialFailed as exc:
+            cause = exc.cause
         except (ConnectionClosed, OSError) as exc:
-            outcome = explain(exc)
+            cause = DialCause.other(explain(exc))
         except Exception as exc:
             rejected = _find_rejection(exc)
             if rejected is not None:
                 _log_rejection(config, rejected)
                 raise rejected from exc
             log.exception("unexpected error in the node session")
-            outcome = f"error: {explain(exc)}"
+            cause = DialCause.other(f"error: {explain(exc)}")
         finally:
             unsubscribe()
         if drain.is_requested():
             break
-        if (
-            connected_at is not None
-            and trio.current_time() - connected_at > config.reconnect_reset_after
-        ):
-            backoff.reset()
-        delay = backoff.next_delay()
-        log.info(
+        now = trio.current_time()
+        if attempt.welcomed and connected_at is not None:
+            decision: Retry | GiveUp = policy.session_ended(now, connected_at=connected_at)
+        else:
+            decision = policy.failed(now)
+        if isinstance(decision, GiveUp):
+            message = _give_up_message(config, decision, cause)
+            log.error("%s", message)
+            raise EdgeUnreachable(message)
+        _log_retry(config, policy, decision, cause)
+        with trio.move_on_after(decision.delay):
+            await drain.wait()
+
+
+def _log_retry(config: NodeConfig, policy: Reconnect, retry: Retry, cause: DialCause) -> None:
+    why = advice(cause, config.edge_url)
+    if retry.level < logging.WARNING:
+        log.log(
+            retry.level,
             "reconnecting to %s in %.2f s (attempt %d; %s)",
             config.edge_url,
-            delay,
-            backoff.failures,
-            outcome,
+            retry.delay,
+            policy.backoff.failures,
+            why,
         )
-        with trio.move_on_after(delay):
-            await drain.wait()
+        return
+    if retry.gives_up_in is None:
+        then = f"next attempt in {retry.delay:.1f} s"
+    elif retry.gives_up_in <= retry.delay:
+        then = f"one last attempt in {retry.delay:.1f} s, then it gives up"
+    else:
+        then = (
+            f"next attempt in {retry.delay:.1f} s; it gives up in {retry.gives_up_in:.0f} s "
+            "unless it gets in (--keep-trying, or keep_trying = true, never does)"
+        )
+    log.warning(
+        "cannot reach the edge at %s (%d attempts in a row over %.0f s; %s): %s",
+        config.edge_url,
+        retry.failures,
+        retry.failing_for,
+        then,
+        why,
+    )
+
+
+def _give_up_message(config: NodeConfig, decision: GiveUp, cause: DialCause) -> str:
+    return (
+        f"node {config.node_id} gave up: it never got in to the edge at {config.edge_url} "
+        f"({decision.failures} attempts in {decision.failing_for:.0f} s): "
+        f"{advice(cause, config.edge_url)} (--keep-trying, or keep_trying = true, keeps "
+        "trying for ever)"
+    )
 
 
 def _log_rejection(config: NodeConfig, exc: NodeRejected) -> None:
@@ -659,7 +709,9 @@ def run_node(config: NodeConfig, *, dial: Dial | None = None) -> int:
     """Run :func:`serve_node` in a fresh Trio loop (main thread only) and return the process
     exit status. The first SIGINT (Ctrl-C) or SIGTERM drains the node
     (``config.drain_grace``), then it exits 0; a second one stops it at once (exit status
-    128 + the signal number). 2 when the edge rejected the node for good."""
+    128 + the signal number). :data:`EXIT_REJECTED` (2) when the edge rejected the node for
+    good, :data:`EXIT_GAVE_UP` (3) when the node never got in and gave up
+    (:class:`EdgeUnreachable`); each is logged at ERROR in one line."""
     try:
         return trio.run(partial(_serve_until_signalled, config, dial))
     except KeyboardInterrupt:  # only before the signal receiver is in place
@@ -678,7 +730,9 @@ async def _serve_until_signalled(config: NodeConfig, dial: Dial | None) -> int:
                 try:
                     await serve_node(config, dial=dial, drain=drain)
                 except NodeRejected:
-                    status = 2
+                    status = EXIT_REJECTED
+                except EdgeUnreachable:
+                    status = EXIT_GAVE_UP
                 nursery.cancel_scope.cancel(reason="node stopped")
 
             nursery.start_soon(serve)

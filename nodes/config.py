@@ -2,9 +2,10 @@
 
 Build a :class:`NodeConfig` in Python, take :func:`default_node_config` (one built-in ``echo``
 model), or load a TOML file with :func:`load_node_config`. Loading validates everything and
-reports the first problem as a :class:`NodeConfigError` naming the file, the key and the
-reason, for example ``node.toml: providers[1].models[0].slots: expected a positive integer,
-got 'x'``. Unknown keys are errors too (a typo must not silently fall back to a default).
+reports every problem (not just the first) in one :class:`NodeConfigError`, each naming the
+file, the key and the reason, for example ``node.toml: providers[1].models[0].slots: expected
+a positive integer, got 'x'``. Unknown keys are errors too (a typo must not silently fall back
+to a default).
 
 Loading is attrs + cattrs, like the edge's (``dispatcher.config``): the file is structured into
 the frozen classes below, each field's annotation says what the loader accepts (a
@@ -32,7 +33,7 @@ import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, NoReturn, Protocol, get_args, get_origin
+from typing import Annotated, Any, Final, Literal, Protocol, get_args, get_origin
 
 import attrs
 from cattrs.gen import make_dict_structure_fn
@@ -42,8 +43,10 @@ from dispatcher import protocol as wire
 from dispatcher.protocol.config_errors import (
     ConfigFileError,
     Invalid,
-    first_problem,
+    Problem,
+    render,
     show,
+    structure_all,
     structure_each,
 )
 
@@ -51,6 +54,8 @@ NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
 """The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
 may put a prefix before it)."""
 DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + NODE_CONNECT_PATH
+DEFAULT_GIVE_UP_AFTER: Final = 60.0
+"""Seconds after which a node that never got in to its edge gives up (``give_up_after``)."""
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -158,6 +163,13 @@ def _distinct_names(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _boolean(value: Any) -> bool:
+    if type(value) is not bool:
+        raise Invalid(f"expected true or false, got {show(value)}")
+    return value
+
+
+_BOOLEAN: Final = _Check(_boolean)
 _ENV_VAR: Final = _Check(_env_name)
 _HTTP_URL: Final = _Check(_http_url)
 _COMMAND: Final = _Check(_command)
@@ -232,6 +244,13 @@ class NodeConfig:
     reconnect_max_backoff: float = 30.0
     reconnect_reset_after: float = 30.0
     """A session that lasted longer than this resets the backoff to its minimum."""
+    give_up_after: float = DEFAULT_GIVE_UP_AFTER
+    """A node the edge never welcomed stops trying this long after its first attempt (and
+    ``dispatcher node`` exits with status 3): a wrong URL, port or TLS setting, or an edge
+    that is not there, is said instead of retried for ever."""
+    keep_trying: bool = False
+    """Never give up, even if the edge never welcomed this node (a service started before
+    its edge). A node that got in once reconnects for ever either way."""
     drain_grace: float = 30.0
     """On SIGTERM / Ctrl-C (or :class:`nodes.agent.Drain`), how long the node's in-flight runs
     and tunnels get to finish after it told the edge ``node.draining``, before it leaves."""
@@ -243,27 +262,58 @@ class NodeConfig:
     is not the URL's host (an edge dialled by IP address, say)."""
 
 
+_ENDPOINT_SEGMENTS: Final = frozenset({"v1", "node", "nodes", "connect"})
+"""Path segments that are (a misspelling of) part of :data:`NODE_CONNECT_PATH`: where the
+endpoint's path starts in a URL a person typed; what comes before is a reverse proxy's
+prefix."""
+
+
+def suggest_edge_url(url: str) -> str | None:
+    """The edge node endpoint ``url`` most likely means, or None when it names no host.
+
+    The host, port and query as given; the scheme ``ws`` (``wss`` for ``https`` and
+    ``wss``; a URL without one gets ``ws://``); the path replaced by
+    :data:`NODE_CONNECT_PATH`, after the reverse proxy's prefix if there is one (the
+    segments before the first of ``v1``, ``node``, ``nodes``, ``connect``, in any case)::
+
+        ws://edge:8700/v1/node/connect    -> ws://edge:8700/v1/nodes/connect
+        http://edge:8700                  -> ws://edge:8700/v1/nodes/connect
+        https://edge.example/proxy/v1/    -> wss://edge.example/proxy/v1/nodes/connect
+    """
+    text = url.strip()
+    if "://" not in text:
+        text = "ws://" + text.lstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018  # raises ValueError for a port that is not a number
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    scheme = "wss" if parts.scheme.lower() in ("https", "wss") else "ws"
+    segments = [segment for segment in parts.path.split("/") if segment]
+    cut = next(
+        (i for i, segment in enumerate(segments) if segment.lower() in _ENDPOINT_SEGMENTS),
+        len(segments),
+    )
+    path = "".join(f"/{segment}" for segment in segments[:cut]) + NODE_CONNECT_PATH
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
 def check_edge_url(url: str) -> str | None:
     """Why ``url`` is not an edge's node endpoint (``ws[s]://HOST[:PORT][/PREFIX]/v1/nodes/
-    connect``), with the likely fix; None when it is one."""
+    connect``), with the likely fix (:func:`suggest_edge_url`); None when it is one."""
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018  # raises ValueError for a port that is not a number
     except ValueError as exc:
         return f"expected a ws:// or wss:// URL, got {url!r} ({exc})"
-    scheme = parts.scheme.lower()
-    if scheme in ("http", "https"):
-        fixed = ("ws" if scheme == "http" else "wss") + url[len(scheme) :]
-        if not parts.path.endswith(NODE_CONNECT_PATH):
-            fixed = fixed.rstrip("/") + NODE_CONNECT_PATH
-        return f"expected a ws:// or wss:// URL, got {url!r} (try {fixed})"
-    if scheme not in ("ws", "wss") or not parts.hostname:
-        return f"expected a ws:// or wss:// URL, got {url!r}"
+    suggestion = suggest_edge_url(url)
+    fix = f" (try {suggestion})" if suggestion is not None else ""
+    if parts.scheme.lower() not in ("ws", "wss") or not parts.hostname:
+        return f"expected a ws:// or wss:// URL, got {url!r}{fix}"
     if not parts.path.endswith(NODE_CONNECT_PATH):
-        fixed = urllib.parse.urlunsplit(
-            (parts.scheme, parts.netloc, parts.path.rstrip("/") + NODE_CONNECT_PATH, "", "")
-        )
-        return f"expected a URL ending in {NODE_CONNECT_PATH}, got {url!r} (try {fixed})"
+        return f"expected a URL ending in {NODE_CONNECT_PATH}, got {url!r}{fix}"
     return None
 
 
@@ -327,6 +377,8 @@ class _NodeTable:
     reconnect_min_backoff: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
     reconnect_max_backoff: Annotated[float, _number(minimum=0.0, strict=True)] | None = None
     reconnect_reset_after: Annotated[float, _number(minimum=0.0)] | None = None
+    give_up_after: Annotated[float, _number(minimum=0.0)] | None = None
+    keep_trying: Annotated[bool, _BOOLEAN] | None = None
     drain_grace: Annotated[float, _number(minimum=0.0)] | None = None
     edge_ca_file: str | None = None
     edge_tls_server_name: str | None = None
@@ -448,23 +500,25 @@ def parse_node_config(
     adapters: Mapping[str, AdapterKind],
 ) -> NodeConfig:
     """Validate a parsed TOML document against ``adapters`` and resolve ``node.token_env``
-    in ``environ``. Raises :class:`NodeConfigError` naming ``source`` and the first
-    problem."""
-    try:
-        file = _converter.structure(dict(data), _NodeFile)
-    except Exception as exc:
-        key, reason = first_problem(exc)
-        raise NodeConfigError(source, key, reason) from None
+    in ``environ``. Raises :class:`NodeConfigError` naming ``source`` and every problem
+    (its ``problems``): the values' (types, unknown keys...), then what the checks across
+    values find in the rest."""
+    structured = structure_all(lambda document: _converter.structure(document, _NodeFile), data)
+    found = [Problem(source, render(path), reason) for path, reason in structured.problems]
+    file = structured.value
+    if file is None:
+        raise NodeConfigError.of(found)
+    later: list[tuple[str, str]] = []
 
-    def fail(key: str, reason: str) -> NoReturn:
-        raise NodeConfigError(source, key, reason)
+    def report(key: str, reason: str) -> None:
+        later.append((key, reason))
 
     node = file.node
     if node.edge_url is not None:
         bad_url = check_edge_url(node.edge_url)
         if bad_url is not None:
-            fail("node.edge_url", bad_url)
-    token = _node_token(node, environ, fail)
+            report("node.edge_url", bad_url)
+    token = _node_token(node, environ, report)
     defaults = NodeConfig(node_id="")
     min_backoff = defaults.reconnect_min_backoff
     if node.reconnect_min_backoff is not None:
@@ -473,16 +527,22 @@ def parse_node_config(
     if node.reconnect_max_backoff is not None:
         max_backoff = node.reconnect_max_backoff
     if max_backoff < min_backoff:
-        fail(
+        report(
             "node.reconnect_max_backoff",
             f"must be at least reconnect_min_backoff ({min_backoff}), got {max_backoff}",
         )
     if not file.providers:
-        fail("providers", "expected at least one [[providers]] table")
+        report("providers", "expected at least one [[providers]] table")
     for index, provider in enumerate(file.providers):
-        _check_provider(provider, f"providers[{index}]", adapters, fail)
+        _check_provider(provider, f"providers[{index}]", adapters, report)
         if any(other.id == provider.id for other in file.providers[:index]):
-            fail(f"providers[{index}].id", f"duplicate provider id {provider.id!r}")
+            report(f"providers[{index}].id", f"duplicate provider id {provider.id!r}")
+    for key, reason in later:
+        # One problem per key; none about a value already reported (or left out for it).
+        if all(p.key != key for p in found) and structured.unrelated(key):
+            found.append(Problem(source, key, reason))
+    if found:
+        raise NodeConfigError.of(found)
 
     settings: dict[str, Any] = {
         name: getattr(node, name) for name in _NODE_SETTINGS if getattr(node, name) is not None
@@ -504,6 +564,8 @@ _NODE_SETTINGS: Final = (
     "heartbeat_timeout_factor",
     "handshake_timeout",
     "reconnect_reset_after",
+    "give_up_after",
+    "keep_trying",
     "drain_grace",
     "edge_ca_file",
     "edge_tls_server_name",
@@ -512,15 +574,17 @@ _NODE_SETTINGS: Final = (
 
 
 def _node_token(
-    node: _NodeTable, environ: Mapping[str, str], fail: Callable[[str, str], NoReturn]
+    node: _NodeTable, environ: Mapping[str, str], report: Callable[[str, str], None]
 ) -> str | None:
     if node.token_env is None:
         return node.token
     if node.token is not None:
-        fail("node.token_env", "give either token or token_env, not both")
+        report("node.token_env", "give either token or token_env, not both")
+        return None
     token = environ.get(node.token_env)
     if not token:
-        fail("node.token_env", f"environment variable {node.token_env} is not set")
+        report("node.token_env", f"environment variable {node.token_env} is not set")
+        return None
     return token
 
 
@@ -528,25 +592,26 @@ def _check_provider(
     provider: ProviderConfig,
     key: str,
     adapters: Mapping[str, AdapterKind],
-    fail: Callable[[str, str], NoReturn],
+    report: Callable[[str, str], None],
 ) -> None:
     kind = adapters.get(provider.type)
     if kind is None:
-        fail(f"{key}.type", f"expected one of {', '.join(adapters)}, got {provider.type!r}")
-    if provider.path == "tunnel" and not kind.tunnel:
-        fail(f"{key}.path", f"a {provider.type!r} provider can only run normalized, not tunnel")
-    try:
-        kind.check_options(provider.options)
-    except OptionsError as exc:
-        fail(f"{key}.options.{exc.key}", exc.reason)
+        report(f"{key}.type", f"expected one of {', '.join(adapters)}, got {provider.type!r}")
+    elif provider.path == "tunnel" and not kind.tunnel:
+        report(f"{key}.path", f"a {provider.type!r} provider can only run normalized, not tunnel")
+    if kind is not None:
+        try:
+            kind.check_options(provider.options)
+        except OptionsError as exc:
+            report(f"{key}.options.{exc.key}", exc.reason)
     if not provider.models:
-        fail(f"{key}.models", "expected at least one [[providers.models]] table")
+        report(f"{key}.models", "expected at least one [[providers.models]] table")
     for index, model in enumerate(provider.models):
         where = f"{key}.models[{index}]"
         if model.long_context_slots > model.slots:
-            fail(
+            report(
                 f"{where}.long_context_slots",
                 f"must not exceed slots ({model.slots}), got {model.long_context_slots}",
             )
         if any(other.name == model.name for other in provider.models[:index]):
-            fail(f"{where}.name", f"duplicate model name {model.name!r}")
+            report(f"{where}.name", f"duplicate model name {model.name!r}")

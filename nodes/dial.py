@@ -12,7 +12,9 @@ Every close here is bounded: :data:`CLOSE_TIMEOUT` for a closing handshake, and
 
 from __future__ import annotations
 
+import errno
 import math
+import socket
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -28,6 +30,7 @@ from dispatcher import protocol as wire
 from dispatcher.protocol.excgroups import first_leaf, leaves
 from dispatcher.transport import Connection, ConnectionClosed, Frame
 from nodes.config import NodeConfig, check_edge_url
+from nodes.reconnect import DialCause, advice
 
 Dial = Callable[[], AbstractAsyncContextManager[Connection]]
 """Opens one connection to the edge (an async context manager that closes it)."""
@@ -51,6 +54,16 @@ class NodeRejected(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class DialFailed(ConnectionClosed):
+    """A dial that did not reach the edge's node endpoint; ``cause`` says why, typed (what
+    :func:`nodes.reconnect.advice` words for a person). ``str()`` is the error as it
+    happened."""
+
+    def __init__(self, reason: str, cause: DialCause) -> None:
+        super().__init__(reason)
+        self.cause = cause
 
 
 def close_budget() -> float:
@@ -164,7 +177,7 @@ async def dial_edge(
     url = config.edge_url
     address = _EdgeAddress.parse(url)
     stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]
-    with _connect_failures(url):
+    with _connect_failures(url, address, "connect"):
         with trio.fail_after(CONNECT_TIMEOUT):
             stream = await trio.open_tcp_stream(address.host, address.port)
     try:
@@ -177,7 +190,7 @@ async def dial_edge(
             )
             # Here, not inside the websocket's reader (which would leave the upgrade to time
             # out): a certificate that does not verify says so.
-            with _connect_failures(url), trio.fail_after(CONNECT_TIMEOUT):
+            with _connect_failures(url, address, "TLS handshake"), trio.fail_after(CONNECT_TIMEOUT):
                 await stream.do_handshake()
         async with _open_websocket(stream, address, url) as ws:
             yield WebSocketClientConnection(ws)
@@ -186,14 +199,67 @@ async def dial_edge(
 
 
 @contextmanager
-def _connect_failures(url: str) -> Iterator[None]:
-    """A failed or timed-out connect (TCP or TLS) as ``ConnectionClosed``."""
+def _connect_failures(url: str, address: _EdgeAddress, stage: str) -> Iterator[None]:
+    """A failed or timed-out connect (``stage``: TCP or TLS) as :class:`DialFailed`."""
     try:
         yield
     except trio.TooSlowError:
-        raise ConnectionClosed(f"cannot connect to {url}: timed out") from None
+        cause = DialCause(kind="timeout", host=address.host, port=address.port, stage=stage)
+        raise DialFailed(f"cannot connect to {url}: {stage} timed out", cause) from None
     except (OSError, trio.BrokenResourceError) as exc:
-        raise ConnectionClosed(f"cannot connect to {url}: {explain(exc)}") from None
+        cause = _connect_cause(exc, address.host, address.port)
+        raise DialFailed(f"cannot connect to {url}: {explain(exc)}", cause) from None
+
+
+_REFUSED: Final = frozenset({errno.ECONNREFUSED})
+_UNREACHABLE: Final = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL})
+
+
+def _connect_cause(exc: BaseException, host: str, port: int) -> DialCause:
+    """What a failed TCP connect or TLS handshake means, from the error's type and errno
+    (trio's "all attempts to connect failed" ``OSError`` carries one error per address in
+    its cause)."""
+    errors = [leaf for leaf in _causes(exc) if isinstance(leaf, OSError)]
+    detail = explain(exc)
+    if any(isinstance(error, socket.gaierror) for error in errors):
+        gai = next(error for error in errors if isinstance(error, socket.gaierror))
+        return DialCause(kind="dns", host=host, port=port, detail=gai.strerror or str(gai))
+    if any(isinstance(error, ssl.SSLCertVerificationError) for error in errors):
+        verify = next(e for e in errors if isinstance(e, ssl.SSLCertVerificationError))
+        reason = verify.verify_message or verify.reason or str(verify)
+        return DialCause(kind="certificate", host=host, port=port, detail=str(reason))
+    if any(isinstance(error, ssl.SSLError) for error in errors):
+        tls = next(e for e in errors if isinstance(e, ssl.SSLError))
+        reason = tls.reason or str(tls)
+        return DialCause(kind="tls", host=host, port=port, detail=str(reason))
+    numbers = {error.errno for error in errors if error.errno is not None}
+    if numbers and numbers <= _REFUSED:
+        return DialCause(kind="refused", host=host, port=port, detail=detail)
+    if numbers & _UNREACHABLE:
+        return DialCause(kind="unreachable", host=host, port=port, detail=detail)
+    if errno.ETIMEDOUT in numbers:
+        return DialCause(kind="timeout", host=host, port=port, detail=detail, stage="connect")
+    if isinstance(exc, trio.BrokenResourceError):
+        # A TLS handshake the peer cut without a TLS error (a plain server closing).
+        return DialCause(kind="tls", host=host, port=port, detail=detail)
+    return DialCause(kind="other", host=host, port=port, detail=detail)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc``, its causes and contexts, and the leaves of every exception group among them."""
+    found: list[BaseException] = []
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if current in found:
+            continue
+        found.append(current)
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                pending.append(linked)
+    return found
 
 
 @asynccontextmanager
@@ -233,29 +299,35 @@ async def _open_websocket(
             # The reader task only ever fails with the connection; the block's own error
             # is the one that matters.
             raise body_error from None
-        failure = _upgrade_failure(group, url)
+        failure = _upgrade_failure(group, url, address)
         if failure is None:
             raise  # cancellation, or a bug: as it is
         raise failure from group
 
 
-def _upgrade_failure(group: BaseExceptionGroup[BaseException], url: str) -> Exception | None:
+def _upgrade_failure(
+    group: BaseExceptionGroup[BaseException], url: str, address: _EdgeAddress
+) -> Exception | None:
     """What a failed websocket upgrade means for the reconnect loop."""
+    host, port = address.host, address.port
     rejected, _ = group.split(trio_websocket.ConnectionRejected)
     if rejected is not None:
         refused = first_leaf(rejected, trio_websocket.ConnectionRejected)
         assert refused is not None
         status = refused.status_code
-        reason = f"the edge refused the websocket upgrade with HTTP {status}"
+        cause = DialCause(kind="http", host=host, port=port, status=status)
         if status in REJECTED_HTTP_STATUSES:
-            return NodeRejected(reason)
-        return ConnectionClosed(reason)
+            return NodeRejected(advice(cause, url))
+        reason = f"the edge refused the websocket upgrade with HTTP {status}"
+        return DialFailed(reason, cause)
     if group.subgroup(trio.TooSlowError) is not None:
-        return ConnectionClosed(f"cannot connect to {url}: websocket upgrade timed out")
+        cause = DialCause(kind="timeout", host=host, port=port, stage="websocket upgrade")
+        return DialFailed(f"cannot connect to {url}: websocket upgrade timed out", cause)
     broken = group.subgroup(_WEBSOCKET_ERRORS)
     if broken is not None:
         first = leaves(broken)[0]
-        return ConnectionClosed(f"cannot connect to {url}: {explain(first)}")
+        cause = DialCause(kind="closed", host=host, port=port, detail=explain(first))
+        return DialFailed(f"cannot connect to {url}: {explain(first)}", cause)
     return None
 
 

@@ -13,7 +13,7 @@ import pytest
 import trustme
 
 from tests.test_cli_startup import assert_one_line_failure, dispatcher, write
-from tests.test_config_docs import ENVIRON, ERROR, EXAMPLES, kind_of
+from tests.test_config_docs import ENVIRON, ERROR, EXAMPLES, expected_errors, kind_of
 
 EXAMPLE_ENVIRON = {
     **ENVIRON,
@@ -61,8 +61,7 @@ def write_examples(tmp_path: Path, *, errors: bool) -> list[tuple[str, str, str]
         kind = kind_of(doc, block)
         (tmp_path / f"{index:02}").mkdir()
         path = write(tmp_path, f"{index:02}/{kind}.toml", block)
-        expected = block.splitlines()[0].removeprefix(ERROR) if errors else ""
-        written.append((path, kind, expected))
+        written.append((path, kind, "\n".join(expected_errors(block))))
     return written
 
 
@@ -86,7 +85,9 @@ def test_every_docs_error_example_fails_with_its_message(tmp_path: Path) -> None
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
     assert lines == [
-        f"dispatcher: {path.partition('/')[0]}/{expected}" for path, _, expected in examples
+        f"dispatcher: {path.partition('/')[0]}/{line}"
+        for path, _, expected in examples
+        for line in expected.splitlines()
     ]
 
 
@@ -252,7 +253,13 @@ def test_a_node_is_described_without_its_secrets(
             {},
             "edge.toml: providers[0].models: expected at least one [[providers.models]] table",
         ),
-        ("[http]\nshutdown_grace = 1\n", ("--kind", "node"), {}, "edge.toml: http: unknown key"),
+        (
+            '[http]\nshutdown_grace = 1\n\n[[providers]]\nid = "echo"\ntype = "echo"\n'
+            '[[providers.models]]\nname = "echo"\n',
+            ("--kind", "node"),
+            {},
+            "edge.toml: http: unknown key",
+        ),
     ],
     ids=["toml", "tls-file", "provider-key", "ca-file", "no-models", "kind"],
 )
@@ -268,3 +275,75 @@ def test_a_broken_file_is_one_line_and_status_2(
     result = dispatcher(tmp_path, "check-config", *args, "edge.toml", env=env)
     assert_one_line_failure(result, expected)
     assert result.stdout == ""
+
+
+# -- every mistake in one run (issue #21) ------------------------------------------------
+
+FOUR_EDGE_MISTAKES = """\
+port = "8700"
+
+[nodes]
+lable = "edge one"
+heartbeat_timeout = 1
+
+[[keys]]
+id = "team-a"
+key_env = "TEAM_A_KEY"
+rpm = "many"
+"""
+
+FOUR_EDGE_LINES = [
+    "dispatcher: edge.toml: port: expected an integer, got '8700'",
+    "dispatcher: edge.toml: nodes.lable: unknown key",
+    "dispatcher: edge.toml: keys[0].rpm: expected an integer, got 'many'",
+    "dispatcher: edge.toml: nodes.heartbeat_timeout: must be longer than nodes.heartbeat_interval",
+]
+
+FOUR_NODE_MISTAKES = """\
+[node]
+edge_url = "ws://edge.example:8700/v1/node/connect"
+reconect_max_backoff = 60
+
+[[providers]]
+id = "box"
+type = "llamacpp"
+  [[providers.models]]
+  name = "tiny"
+  slots = "4"
+"""
+
+FOUR_NODE_LINES = [
+    "dispatcher: node.toml: node.reconect_max_backoff: unknown key",
+    "dispatcher: node.toml: providers[0].models[0].slots: expected a positive integer, got '4'",
+    "dispatcher: node.toml: node.edge_url: expected a URL ending in /v1/nodes/connect, got "
+    "'ws://edge.example:8700/v1/node/connect' (try ws://edge.example:8700/v1/nodes/connect)",
+    "dispatcher: node.toml: providers[0].type: expected one of echo, ollama, openai, cli, got "
+    "'llamacpp'",
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("edge.toml", FOUR_EDGE_MISTAKES, FOUR_EDGE_LINES),
+        ("node.toml", FOUR_NODE_MISTAKES, FOUR_NODE_LINES),
+    ],
+    ids=["edge", "node"],
+)
+def test_check_config_reports_every_mistake_in_one_run(
+    tmp_path: Path, name: str, text: str, expected: list[str]
+) -> None:
+    """Four distinct mistakes (a value of the wrong type, an unknown key, one inside an
+    array of tables, one across values) are four lines of one run, not four runs."""
+    write(tmp_path, name, text)
+    result = dispatcher(tmp_path, "check-config", name, env={"TEAM_A_KEY": "sk-a"})
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == expected
+
+
+def test_serve_reports_every_mistake_too(tmp_path: Path) -> None:
+    write(tmp_path, "edge.toml", FOUR_EDGE_MISTAKES)
+    result = dispatcher(tmp_path, "serve", "--config", "edge.toml", env={"TEAM_A_KEY": "sk-a"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == FOUR_EDGE_LINES

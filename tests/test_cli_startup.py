@@ -176,14 +176,24 @@ def test_usage_db_directory_cannot_be_created(tmp_path: Path) -> None:
             "--edge: expected a URL ending in /v1/nodes/connect, got 'ws://127.0.0.1:8700'"
             " (try ws://127.0.0.1:8700/v1/nodes/connect)",
         ),
+        (
+            # A typo in the path: the hint replaces it (it once appended the right one).
+            "ws://127.0.0.1:8700/v1/node/connect",
+            "--edge: expected a URL ending in /v1/nodes/connect, got "
+            "'ws://127.0.0.1:8700/v1/node/connect' (try ws://127.0.0.1:8700/v1/nodes/connect)",
+        ),
     ],
 )
 def test_node_edge_url(tmp_path: Path, edge: str, expected: str) -> None:
     assert_one_line_failure(dispatcher(tmp_path, "node", "--edge", edge), expected)
 
 
+ECHO_PROVIDER = '\n[[providers]]\nid = "echo"\ntype = "echo"\nmodels = [{ name = "echo" }]\n'
+"""A node config's one provider, so that an example's one mistake is its only one."""
+
+
 def test_node_config_edge_url(tmp_path: Path) -> None:
-    config = write(tmp_path, "node.toml", '[node]\nedge_url = "ws://edge:8700/"\n')
+    config = write(tmp_path, "node.toml", '[node]\nedge_url = "ws://edge:8700/"\n' + ECHO_PROVIDER)
     assert_one_line_failure(
         dispatcher(tmp_path, "node", "--config", config),
         "node.toml: node.edge_url: expected a URL ending in /v1/nodes/connect, got "
@@ -218,8 +228,32 @@ api_key_env = "MY_UNSET_VLLM_KEY"
     )
 
 
+def test_a_node_that_never_gets_in_exits_3_saying_why(tmp_path: Path) -> None:
+    """Issue #21: an edge URL with nothing behind it (a closed port) is not retried for
+    ever: the node warns, gives up (here at once: --give-up-after 0, after its few
+    attempts), and says why in its last line, exit status 3."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused, and not reused
+        port = closed.getsockname()[1]
+        edge = f"ws://127.0.0.1:{port}/v1/nodes/connect"
+        result = dispatcher(tmp_path, "node", "--edge", edge, "--give-up-after", "0")
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    last = lines[-1]
+    assert " ERROR " in last, result.stderr
+    assert f"gave up: it never got in to the edge at {edge} (3 attempts in " in last
+    assert (
+        f"connection refused at 127.0.0.1:{port}: is the edge running, and is the port right?"
+    ) in last
+    assert "--keep-trying" in last
+    retries = [line for line in lines if "reconnecting to" in line]
+    assert len(retries) == 2, result.stderr
+    assert all(f"connection refused at 127.0.0.1:{port}" in line for line in retries)
+
+
 def test_node_config_error(tmp_path: Path) -> None:
-    config = write(tmp_path, "node.toml", "[node]\nlable = 'x'\n")
+    config = write(tmp_path, "node.toml", "[node]\nlable = 'x'\n" + ECHO_PROVIDER)
     assert_one_line_failure(
         dispatcher(tmp_path, "node", "--config", config), "node.toml: node.lable: unknown key"
     )

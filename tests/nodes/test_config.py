@@ -19,6 +19,7 @@ from nodes.config import (
     check_edge_url,
     default_node_config,
     hello_from_config,
+    suggest_edge_url,
 )
 
 VALID = """
@@ -292,12 +293,56 @@ def test_node_config_is_frozen() -> None:
             "expected a URL ending in /v1/nodes/connect, got 'ws://edge:8700/' "
             "(try ws://edge:8700/v1/nodes/connect)",
         ),
-        ("edge:8700", "expected a ws:// or wss:// URL, got 'edge:8700'"),
+        (
+            "edge:8700",
+            "expected a ws:// or wss:// URL, got 'edge:8700' (try ws://edge:8700/v1/nodes/connect)",
+        ),
+        (
+            "ws://edge:8700/v1/node/connect",
+            "expected a URL ending in /v1/nodes/connect, got 'ws://edge:8700/v1/node/connect' "
+            "(try ws://edge:8700/v1/nodes/connect)",
+        ),
         ("ws:///v1/nodes/connect", "expected a ws:// or wss:// URL, got 'ws:///v1/nodes/connect'"),
     ],
 )
 def test_check_edge_url(url: str, reason: str | None) -> None:
     assert check_edge_url(url) == reason
+
+
+@pytest.mark.parametrize(
+    ("url", "suggestion"),
+    [
+        # A wrong path is replaced, not extended (issue #21).
+        ("ws://host:8700/v1/node/connect", "ws://host:8700/v1/nodes/connect"),
+        ("ws://host:8700/v1/nodes", "ws://host:8700/v1/nodes/connect"),
+        ("ws://host:8700/nodes/connect", "ws://host:8700/v1/nodes/connect"),
+        ("ws://host:8700/V1/Nodes/Connect", "ws://host:8700/v1/nodes/connect"),
+        ("ws://host:8700/v1/node/connect/", "ws://host:8700/v1/nodes/connect"),
+        # No path, a trailing slash.
+        ("ws://host:8700", "ws://host:8700/v1/nodes/connect"),
+        ("ws://host:8700/", "ws://host:8700/v1/nodes/connect"),
+        ("ws://host:8700/v1/nodes/connect/", "ws://host:8700/v1/nodes/connect"),
+        # The scheme: http(s) for ws(s), none, another.
+        ("http://host:8700/v1/nodes/connect", "ws://host:8700/v1/nodes/connect"),
+        ("https://edge.example", "wss://edge.example/v1/nodes/connect"),
+        ("HTTPS://edge.example/v1/node/connect", "wss://edge.example/v1/nodes/connect"),
+        ("host:8700", "ws://host:8700/v1/nodes/connect"),
+        ("127.0.0.1:8700/v1/nodes/connect", "ws://127.0.0.1:8700/v1/nodes/connect"),
+        ("tcp://host:8700", "ws://host:8700/v1/nodes/connect"),
+        # A reverse proxy's prefix is kept; so are the query and an IPv6 host.
+        ("wss://edge.example/llm/v1/node/connect", "wss://edge.example/llm/v1/nodes/connect"),
+        ("wss://edge.example/llm", "wss://edge.example/llm/v1/nodes/connect"),
+        ("ws://host/v1/connect?region=eu", "ws://host/v1/nodes/connect?region=eu"),
+        ("ws://[::1]:8700/v1/node", "ws://[::1]:8700/v1/nodes/connect"),
+        # Nothing to suggest without a host.
+        ("ws:///v1/nodes/connect", None),
+        ("", None),
+    ],
+)
+def test_suggest_edge_url(url: str, suggestion: str | None) -> None:
+    assert suggest_edge_url(url) == suggestion
+    if suggestion is not None:
+        assert check_edge_url(suggestion) is None
 
 
 async def test_serve_node_refuses_a_bad_edge_url_before_dialling() -> None:

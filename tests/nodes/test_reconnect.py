@@ -21,8 +21,17 @@ from dispatcher.transport import (
     MemoryConnection,
     memory_connection_pair,
 )
-from nodes.agent import Backoff, NodeRejected, run_node, serve_node
+from nodes.agent import (
+    EXIT_GAVE_UP,
+    Backoff,
+    EdgeUnreachable,
+    NodeRejected,
+    run_node,
+    serve_node,
+)
 from nodes.config import NodeConfig, default_node_config
+from nodes.dial import DialFailed
+from nodes.reconnect import DialCause
 
 EdgeBehaviour = Callable[[MemoryConnection], Awaitable[None]]
 
@@ -104,7 +113,7 @@ async def test_failing_dial_backs_off_exponentially_without_busy_looping(
 ) -> None:
     dialer = Dialer(nursery)  # never connects
     with trio.move_on_after(60):
-        await serve_node(config(), dial=dialer, rng=random.Random(7))
+        await serve_node(config(keep_trying=True), dial=dialer, rng=random.Random(7))
     assert dialer.attempts[0] == 0
     gaps = dialer.gaps()
     for n, gap in enumerate(gaps, start=1):
@@ -116,16 +125,22 @@ async def test_failing_dial_backs_off_exponentially_without_busy_looping(
 async def test_reconnects_after_failures_and_reports_started_after_welcome(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="nodes.agent")
+    caplog.set_level(logging.DEBUG, logger="nodes.agent")
     dialer = Dialer(nursery, failures=5, edges=[welcome])
     await nursery.start(partial(serve_node, config(), dial=dialer))
     assert len(dialer.attempts) == 6
     for n, gap in enumerate(dialer.gaps(), start=1):
         assert 0.5 <= gap <= 0.5 * 2**n
-    retries = [r for r in caplog.records if r.getMessage().startswith("reconnecting")]
-    assert len(retries) == 5
-    assert all(r.levelno == logging.INFO for r in retries)
-    assert "connection refused" in retries[0].getMessage()
+    # Each failure is reported once: the first two at INFO, the third a WARNING naming the
+    # cause, the ones after it (within a minute of that warning) at DEBUG.
+    ends = [
+        r
+        for r in caplog.records
+        if r.getMessage().startswith(("reconnecting", "cannot reach the edge"))
+    ]
+    levels = [r.levelno for r in ends]
+    assert levels == [logging.INFO, logging.INFO, logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert all("connection refused" in r.getMessage() for r in ends)
     nursery.cancel_scope.cancel()
 
 
@@ -196,3 +211,89 @@ def test_run_node_exits_2_when_rejected() -> None:
         yield node
 
     assert run_node(config(), dial=rejecting_dial) == 2
+
+
+# -- a node that cannot reach its edge (issue #21) ---------------------------------------
+
+REFUSED = DialFailed(
+    "cannot connect to ws://127.0.0.1:9/v1/nodes/connect: all attempts to connect failed",
+    DialCause(kind="refused", host="127.0.0.1", port=9),
+)
+
+
+def records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_a_node_that_never_gets_in_warns_then_gives_up(
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    seed: int,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="nodes.agent")
+    dialer = Dialer(nursery, error=REFUSED)
+    with pytest.raises(EdgeUnreachable) as gave_up:
+        await serve_node(config(give_up_after=60.0), dial=dialer, rng=random.Random(seed))
+    # At the bound (the last delay is cut to end there, or after the 0.5 s floor when less
+    # was left), not a whole backoff later.
+    assert 60.0 <= dialer.attempts[-1] <= 60.5
+    assert trio.current_time() == dialer.attempts[-1]
+    message = str(gave_up.value)
+    assert message.startswith("node node-1 gave up: it never got in to the edge at ")
+    assert "connection refused at 127.0.0.1:9: is the edge running, and is the port right?" in (
+        message
+    )
+    assert records(caplog, logging.ERROR) == [message]
+    # One warning in the minute (at the third attempt), naming the cause and the give-up.
+    (warning,) = records(caplog, logging.WARNING)
+    assert "3 attempts in a row" in warning
+    assert "connection refused at 127.0.0.1:9" in warning
+    assert "it gives up in" in warning
+    assert len(dialer.attempts) > 4  # the rest at DEBUG
+    assert len(records(caplog, logging.INFO)) == 2
+
+
+async def test_keep_trying_never_gives_up_and_warns_at_a_bounded_rate(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="nodes.agent")
+    dialer = Dialer(nursery, error=REFUSED)
+    with trio.move_on_after(3600) as waited:
+        await serve_node(config(keep_trying=True), dial=dialer)
+    assert waited.cancelled_caught  # still trying after an hour
+    warnings = records(caplog, logging.WARNING)
+    assert 30 <= len(warnings) <= 61  # about one a minute
+    assert len(dialer.attempts) > len(warnings) + 40  # not one per attempt
+    assert all("next attempt in" in w and "gives up" not in w for w in warnings)
+    assert records(caplog, logging.ERROR) == []
+
+
+async def test_a_node_that_got_in_once_reconnects_for_ever(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def welcome_then_leave(conn: MemoryConnection) -> None:
+        await welcome_then_ping_for(10.0, conn)
+
+    # The edge lets it in once, goes away after 10 s and never comes back.
+    dialer = Dialer(nursery, failures=0, edges=[welcome_then_leave], error=REFUSED)
+    with trio.move_on_after(3600) as waited:
+        await serve_node(config(give_up_after=60.0), dial=dialer)
+    assert waited.cancelled_caught  # not EdgeUnreachable: that is a reconnect
+    assert len(dialer.attempts) > 50
+    assert records(caplog, logging.ERROR) == []
+    assert any("cannot reach the edge" in w for w in records(caplog, logging.WARNING))
+
+
+def test_run_node_exits_3_when_it_never_got_in(caplog: pytest.LogCaptureFixture) -> None:
+    @asynccontextmanager
+    async def refused_dial() -> AsyncIterator[Connection]:
+        await trio.lowlevel.checkpoint()
+        raise DialFailed(str(REFUSED), REFUSED.cause)
+        yield  # type: ignore[unreachable]  # (an async generator)
+
+    quick = config(give_up_after=0.0, reconnect_min_backoff=0.01, reconnect_max_backoff=0.01)
+    assert run_node(quick, dial=refused_dial) == EXIT_GAVE_UP == 3
+    (error,) = records(caplog, logging.ERROR)
+    assert "gave up" in error
