@@ -591,20 +591,23 @@ class Connection:
                 continue
             return None  # EndOfMessage (or PAUSED after it)
 
-    def _skip_buffered_body(self) -> None:
-        """Discard the rest of an unread request body if it has already arrived."""
-        h = self._h11
-        while True:
-            try:
-                event = h.next_event()
-            except h11.RemoteProtocolError:
-                return
-            if event is h11.NEED_DATA:
-                if not self._inbuf:
+    async def _skip_unread_body(self, request: _Request) -> None:
+        """The handler answered without reading the whole body (a 401 before it, say): read
+        the rest and drop it, so that the connection serves the client's next request, as
+        its answer (with no ``Connection: close``) promised -- within the body size limit and
+        the body timeout, as the handler's own reading would have been. A body over the limit,
+        a client that stops sending it, or a malformed one: the connection closes (what
+        arrived already is drained by the lingering close)."""
+        left = self.server.limits.max_body_size - request._received
+        if request.declared_too_large or left < 0:
+            return
+        try:
+            while (chunk := await self.receive_body_chunk(checkpoint=False)) is not None:
+                left -= len(chunk)
+                if left < 0:
                     return
-                self._feed()
-            elif type(event) is not h11.Data:
-                return
+        except HTTPError:
+            return
 
     # --- requests ---------------------------------------------------------------------
 
@@ -690,7 +693,7 @@ class Connection:
                 return False
         h = self._h11
         if h.their_state is h11.SEND_BODY and not self._expect_pending:
-            self._skip_buffered_body()
+            await self._skip_unread_body(request)
         if h.our_state is h11.DONE and h.their_state is h11.DONE:
             return True
         if self._may_have_unread_input():

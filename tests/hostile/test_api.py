@@ -76,7 +76,7 @@ async def test_methods(edge: Edge, case: Method) -> None:
 
 
 async def test_the_same_client_request_id_twice_is_two_ledger_rows(edge: Edge) -> None:
-    async with edge.case():
+    async with edge.case(stream_seconds=1.0):  # four exchanges and a ledger query
         first, second = [
             await edge.exchange(
                 json_request(CHAT, chat(), [bearer(), ("x-request-id", "mine-1")]), closes=False

@@ -434,7 +434,9 @@ async def test_many_connections_opened_and_dropped(edge: Edge) -> None:
 
 @pytest.mark.parametrize("split_at", [1, 7, 30])
 async def test_a_request_split_across_writes(edge: Edge, split_at: int) -> None:
-    async with edge.case():
+    # a few hundred writes (one byte each at split_at 1) take longer than the default guard
+    # stream on a loaded machine: a guard of a second outlasts them with room to spare
+    async with edge.case(stream_seconds=1.0):
         data = json_request(CHAT, chat())
         client = await edge.raw()
         async with client.stream:

@@ -196,6 +196,41 @@ async def test_expect_100_continue_left_unread_closes(nursery: trio.Nursery) -> 
     await assert_serves(server)
 
 
+async def test_a_body_arriving_after_an_answer_that_did_not_read_it_keeps_the_connection(
+    nursery: trio.Nursery,
+) -> None:
+    """A handler answers before reading the body (an edge's 401, say) and the body is still
+    on its way: the answer promised keep-alive (no ``Connection: close``), so the server reads
+    the rest and drops it, and the client's next request on the connection is served. (The
+    server used to close unless the body had already arrived: a client reusing the
+    connection then saw it drop -- 'Server disconnected' -- a few times in a hundred.)"""
+    server = await start_server(nursery, app)
+    stream = await connect(server)
+    await stream.send_all(b"POST /ok HTTP/1.1\r\nhost: t\r\ncontent-length: 11\r\n\r\n")
+    reader = PipelineReader(stream)
+    response, _ = await reader.read_response("POST")  # answered before any byte of the body
+    assert response.status_code == 200
+    assert header(response, b"connection") is None
+    await stream.send_all(b"hello")  # the body, in two pieces, after the answer
+    await trio.sleep(0.05)
+    await stream.send_all(b" world")
+    await stream.send_all(b"GET /where?next HTTP/1.1\r\nhost: t\r\n\r\n")
+    response, body = await reader.read_response()
+    assert (response.status_code, body) == (200, b"/where|next")
+
+
+async def test_an_unread_body_over_the_limit_still_closes(nursery: trio.Nursery) -> None:
+    server = await start_server(nursery, app, limits=Limits(max_body_size=1024))
+    stream = await connect(server)
+    await stream.send_all(b"POST /ok HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n")
+    reader = PipelineReader(stream)
+    response, _ = await reader.read_response("POST")
+    assert response.status_code == 200
+    await stream.send_all(b"800\r\n" + b"x" * 2048 + b"\r\n")  # 2 KiB: over the limit
+    assert await read_until_eof(stream) == b""  # dropped, and the connection closed
+    await assert_serves(server)
+
+
 async def test_expect_100_continue_over_the_limit_is_413_at_once(nursery: trio.Nursery) -> None:
     called = False
 
