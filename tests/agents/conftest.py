@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.optional import deselect_unless
+
 from .stack import AgentStack, open_stack
 
 BIN_ENV = "DISPATCHER_AGENTS_BIN"
@@ -28,20 +30,7 @@ def _configured() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without the clients, these tests are deselected from a wider run, and skipped with
-    the reason when they are all that was asked for (``pytest tests/agents``)."""
-    if _configured():
-        return
-    ours = [item for item in items if HERE in item.path.resolve().parents]
-    if not ours:
-        return
-    if len(ours) == len(items):
-        for item in ours:
-            item.add_marker(pytest.mark.skip(reason=REASON))
-        return
-    config.hook.pytest_deselected(items=ours)
-    chosen = set(ours)
-    items[:] = [item for item in items if item not in chosen]
+    deselect_unless(_configured(), HERE, REASON, config, items)
 
 
 @pytest.fixture(scope="session")

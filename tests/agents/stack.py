@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import string
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import attrs
 import httpx
 
-from tests.real.stack import LISTENING, START_TIMEOUT, Stack, _wait
+from tests.real.stack import Stack, start_edge, start_node
 
 HERE = Path(__file__).resolve().parent
 MARKER_TEXT = "hi-from-marker-file-7731"
@@ -139,38 +138,16 @@ def open_stack(workdir: Path, clients: Path) -> Iterator[AgentStack]:
     try:
         data = workdir / "edge-data"
         data.mkdir()
-        edge_toml = workdir / "edge.toml"
-        edge_toml.write_text(EDGE_TOML.format(data=data))
-        edge = stack.spawn(
-            "edge", [sys.executable, "-m", "dispatcher", "serve", "--config", str(edge_toml)]
-        )
-
-        def listening() -> int | None:
-            match = LISTENING.search(edge.text())
-            return int(match.group(1)) if match else None
-
-        port: int = _wait("the edge's banner", stack, edge, listening, START_TIMEOUT)
-        stack.edge_url = f"http://127.0.0.1:{port}"
-
+        start_edge(stack, EDGE_TOML.format(data=data))
         work = workdir / "work"
         work.mkdir()
         marker = work / "marker.txt"
         marker.write_text(MARKER_TEXT + "\n")
-        node_toml = workdir / "node.toml"
-        node_toml.write_text(
-            string.Template((HERE / "node.toml").read_text()).substitute(
-                edge_url=f"ws://127.0.0.1:{port}/v1/nodes/connect", marker=str(marker)
-            )
+        node_toml = string.Template((HERE / "node.toml").read_text()).substitute(
+            edge_url=stack.edge_url.replace("http://", "ws://") + "/v1/nodes/connect",
+            marker=str(marker),
         )
-        node = stack.spawn(
-            "node", [sys.executable, "-m", "dispatcher", "node", "--config", str(node_toml)]
-        )
-
-        def ready() -> bool:
-            answer = httpx.get(f"{stack.edge_url}/readyz", timeout=2)
-            return answer.status_code == 200 and "echo-fail" in answer.json()["models"]
-
-        _wait("the edge ready with the agents' models", stack, node, ready, START_TIMEOUT)
+        start_node(stack, node_toml, ("echo", "echo-codex-tool", "echo-claude-tool", "echo-fail"))
 
         home = workdir / "home"
         (home / ".codex").mkdir(parents=True)

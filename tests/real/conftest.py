@@ -19,6 +19,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.optional import deselect_unless
+
 from .answers import CANCELS, NUMBERS, client
 from .stack import Stack, busy_slots, start_edge_and_node, start_engine
 
@@ -36,21 +38,9 @@ def _configured() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without the engine, these tests are deselected from a wider run (the test command:
-    one "deselected" count, not a line per test), and skipped with the reason when they are
-    all that was asked for (``pytest tests/real``)."""
-    if _configured():
-        return
-    real = [item for item in items if HERE in item.path.resolve().parents]
-    if not real:
-        return
-    if len(real) == len(items):
-        for item in real:
-            item.add_marker(pytest.mark.skip(reason=REASON))
-        return
-    config.hook.pytest_deselected(items=real)
-    ours = set(real)
-    items[:] = [item for item in items if item not in ours]
+    """Without the engine, these tests are deselected from a wider run, and skipped with the
+    reason when they are all that was asked for (``pytest tests/real``)."""
+    deselect_unless(_configured(), HERE, REASON, config, items)
 
 
 @pytest.fixture(scope="session")

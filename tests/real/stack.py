@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -224,40 +225,44 @@ base_url = "{engine}/v1"
 LISTENING = re.compile(r"edge listening on http://127\.0\.0\.1:(\d+)/v1")
 
 
-def start_edge_and_node(stack: Stack) -> None:
-    data = stack.workdir / "edge-data"
-    data.mkdir()
-    edge_toml = stack.workdir / "edge.toml"
-    edge_toml.write_text(EDGE_TOML.format(data=data))
-    edge = stack.spawn(
-        "edge", [sys.executable, "-m", "dispatcher", "serve", "--config", str(edge_toml)]
-    )
+def start_edge(stack: Stack, edge_toml: str) -> None:
+    """An edge process with the config ``edge_toml`` (``port = 0``): once its banner says
+    where it listens, ``stack.edge_url``."""
+    path = stack.workdir / "edge.toml"
+    path.write_text(edge_toml)
+    edge = stack.spawn("edge", [sys.executable, "-m", "dispatcher", "serve", "--config", str(path)])
 
     def listening() -> int | None:
         match = LISTENING.search(edge.text())
         return int(match.group(1)) if match else None
 
-    edge_port: int = _wait("the edge's banner", stack, edge, listening, START_TIMEOUT)
-    stack.edge_url = f"http://127.0.0.1:{edge_port}"
+    port: int = _wait("the edge's banner", stack, edge, listening, START_TIMEOUT)
+    stack.edge_url = f"http://127.0.0.1:{port}"
 
-    node_toml = stack.workdir / "node.toml"
-    node_toml.write_text(
-        NODE_TOML.format(
-            edge_port=edge_port,
-            engine=stack.engine_url,
-            tunnel=TUNNEL,
-            normalized=NORMALIZED,
-        )
-    )
-    node = stack.spawn(
-        "node", [sys.executable, "-m", "dispatcher", "node", "--config", str(node_toml)]
-    )
+
+def start_node(stack: Stack, node_toml: str, models: Collection[str]) -> None:
+    """A node process with the config ``node_toml``; returns once the edge is ready and
+    serves every one of ``models``."""
+    path = stack.workdir / "node.toml"
+    path.write_text(node_toml)
+    node = stack.spawn("node", [sys.executable, "-m", "dispatcher", "node", "--config", str(path)])
 
     def ready() -> bool:
         answer = httpx.get(f"{stack.edge_url}/readyz", timeout=2)
-        return answer.status_code == 200 and set(MODELS) <= set(answer.json()["models"])
+        return answer.status_code == 200 and set(models) <= set(answer.json()["models"])
 
-    _wait("the edge ready with both models", stack, node, ready, START_TIMEOUT)
+    _wait("the edge ready with the node's models", stack, node, ready, START_TIMEOUT)
+
+
+def start_edge_and_node(stack: Stack) -> None:
+    data = stack.workdir / "edge-data"
+    data.mkdir()
+    start_edge(stack, EDGE_TOML.format(data=data))
+    port = stack.edge_url.rpartition(":")[2]
+    node_toml = NODE_TOML.format(
+        edge_port=port, engine=stack.engine_url, tunnel=TUNNEL, normalized=NORMALIZED
+    )
+    start_node(stack, node_toml, MODELS)
 
 
 def slots(stack: Stack) -> list[dict[str, Any]]:

@@ -110,6 +110,35 @@ _REASONING_ITEM: Final = _strict(
         "status": _STATUS,
     },
 )
+
+
+def _call(value: str) -> schema.Object:
+    """A ``function_call`` (its ``arguments``) or ``custom_tool_call`` (its ``input``)."""
+    return _strict(
+        {
+            "type": schema.STRING,
+            "id": schema.STRING,
+            "call_id": schema.NON_EMPTY,
+            "name": schema.NON_EMPTY,
+            "namespace": schema.NON_EMPTY,
+            value: schema.STRING,
+            "caller": _CALLER,
+            "status": _STATUS,
+        },
+        ("call_id", "name", value),
+    )
+
+
+_CALL_OUTPUT: Final = _strict(
+    {
+        "type": schema.STRING,
+        "id": schema.STRING,
+        "call_id": schema.NON_EMPTY,
+        "output": _OUTPUT,
+        "status": _STATUS,
+    },
+    ("call_id", "output"),
+)
 _ITEMS: Final[Mapping[str, schema.Schema]] = {
     "message": schema.Tagged(
         "role",
@@ -119,52 +148,10 @@ _ITEMS: Final[Mapping[str, schema.Schema]] = {
         },
         "a message item",
     ),
-    "function_call": _strict(
-        {
-            "type": schema.STRING,
-            "id": schema.STRING,
-            "call_id": schema.NON_EMPTY,
-            "name": schema.NON_EMPTY,
-            "namespace": schema.NON_EMPTY,
-            "arguments": schema.STRING,
-            "caller": _CALLER,
-            "status": _STATUS,
-        },
-        ("call_id", "name", "arguments"),
-    ),
-    "function_call_output": _strict(
-        {
-            "type": schema.STRING,
-            "id": schema.STRING,
-            "call_id": schema.NON_EMPTY,
-            "output": _OUTPUT,
-            "status": _STATUS,
-        },
-        ("call_id", "output"),
-    ),
-    "custom_tool_call": _strict(
-        {
-            "type": schema.STRING,
-            "id": schema.STRING,
-            "call_id": schema.NON_EMPTY,
-            "name": schema.NON_EMPTY,
-            "namespace": schema.NON_EMPTY,
-            "input": schema.STRING,
-            "caller": _CALLER,
-            "status": _STATUS,
-        },
-        ("call_id", "name", "input"),
-    ),
-    "custom_tool_call_output": _strict(
-        {
-            "type": schema.STRING,
-            "id": schema.STRING,
-            "call_id": schema.NON_EMPTY,
-            "output": _OUTPUT,
-            "status": _STATUS,
-        },
-        ("call_id", "output"),
-    ),
+    "function_call": _call("arguments"),
+    "function_call_output": _CALL_OUTPUT,
+    "custom_tool_call": _call("input"),
+    "custom_tool_call_output": _CALL_OUTPUT,
     # A reasoning item of an earlier turn (what a reasoning model produced, often only as
     # encrypted content): accepted and dropped, as no engine behind the edge can read another
     # model's reasoning.
