@@ -50,6 +50,12 @@ async def effort_where_announced(_number: int, candidate: Candidate, spec: RunSp
     return attrs.evolve(spec, body=body)
 
 
+def fit_effort(body: dict[str, Any]) -> PrepareAttempt | None:
+    """What a translating front end gives its gate request as ``prepare``: with an effort in
+    ``body``, :func:`effort_where_announced`; else nothing to do per attempt."""
+    return effort_where_announced if REASONING_EFFORT in body else None
+
+
 def openai_error(exc: BaseException) -> RenderedError:
     """Any error in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``
     (see :func:`dispatcher.errors.error_status_and_body`)."""

@@ -33,7 +33,7 @@ from ..common import (
     ModelCall,
     Pending,
     dispatch_headers,
-    effort_where_announced,
+    fit_effort,
     model_route,
     relay_rest,
 )
@@ -117,11 +117,9 @@ def normalized_only(candidate: Candidate) -> str | None:
 async def messages(call: ModelCall, responder: Responder) -> str:
     """``POST /v1/messages``."""
     parsed = parse_messages_request(await call.request.body())
+    chat = to_chat_body(parsed.body)
     gated = call.gate_request(
-        to_chat_body(parsed.body),
-        stream=parsed.stream,
-        predicate=normalized_only,
-        prepare=effort_where_announced,
+        chat, stream=parsed.stream, predicate=normalized_only, prepare=fit_effort(chat)
     )
     estimate = count_input_tokens(parsed.body)
     async with call.edge.gate.open(gated) as answer:

@@ -38,7 +38,7 @@ from ..common import (
     JSON_HEADERS,
     ModelCall,
     dispatch_headers,
-    effort_where_announced,
+    fit_effort,
     model_route,
     openai_error,
     relay_rest,
@@ -117,11 +117,9 @@ def _create_route(store_of: StoreOf) -> Route:
         owner = call.ctx.attribution
         store = store_of(call.edge)
         history = await _history(store, previous, owner)
+        chat = chat_body(request, history)
         gated = call.gate_request(
-            chat_body(request, history),
-            stream=request.stream,
-            predicate=normalized_only,
-            prepare=effort_where_announced,
+            chat, stream=request.stream, predicate=normalized_only, prepare=fit_effort(chat)
         )
         turn = Turn(request, previous)
 
