@@ -191,13 +191,19 @@ class _Closing(Exception):
         self.parting: Parting = parting
 
 
-def _connection_ended(exc: ConnectionClosed, when: str = "") -> _Closing:
-    """The session's end when its connection raised ``exc``: closed by the node (its close
-    frame's code) or broken (none: 1006, the websocket's code for a connection lost)."""
+def connection_parting(exc: ConnectionClosed) -> tuple[Parting, str]:
+    """How a connection that raised ``exc`` ended (pure): closed by the node (its close
+    frame's code and reason), or broken (no close frame: 1006, the code a websocket reports
+    for a connection lost, or none at all)."""
     if exc.code is None or exc.code == CLOSE_ABNORMAL:
-        return _Closing(CLOSE_GOING_AWAY, f"its connection broke{when}", "broken")
+        return "broken", "its connection broke"
     detail = f"code {exc.code}: {exc.reason}" if exc.reason else f"code {exc.code}"
-    return _Closing(CLOSE_GOING_AWAY, f"it closed its connection{when} ({detail})", "closed")
+    return "closed", f"it closed its connection ({detail})"
+
+
+def _connection_ended(exc: ConnectionClosed) -> _Closing:
+    parting, detail = connection_parting(exc)
+    return _Closing(CLOSE_GOING_AWAY, detail, parting)
 
 
 @attrs.frozen
@@ -211,27 +217,31 @@ class SessionEnd:
 
 
 def session_end(
-    node_id: str, seen: _Closing | None, *, draining: bool, edge_closing: bool
+    node_id: str,
+    parting: Parting | None,
+    detail: str = "",
+    *,
+    draining: bool = False,
+    edge_closing: bool = False,
 ) -> SessionEnd:
     """Why ``node_id``'s session ended (pure): the edge shutting down first (whatever the
     connection did meanwhile), then a node that said it is draining (its operator stopped
-    it: it left on purpose), else the node was lost -- how, as the session ``seen`` it end
-    (None: the session was cancelled before it saw anything, which is how the HTTP layer
-    tells a handler that its peer is gone)."""
+    it: it left on purpose), else the node was lost -- how, as the session saw it end
+    (``parting``, with ``detail``; None: the session was cancelled before it saw anything,
+    which is how the HTTP layer tells a handler that its peer is gone)."""
     if edge_closing:
         return SessionEnd("shutting_down", "the edge is shutting down")
-    if seen is not None and seen.parting == "superseded":
-        return SessionEnd("stale_generation", seen.reason)
+    if parting == "superseded":
+        return SessionEnd("stale_generation", detail)
     if draining:
         return SessionEnd(
-            "node_draining",
-            f"node {node_id} left while draining (its operator stopped it)",
+            "node_draining", f"node {node_id} left while draining (its operator stopped it)"
         )
-    if seen is None or seen.parting == "broken":
+    if parting is None or parting == "broken":
         return SessionEnd("node_lost", f"node {node_id} was lost: its connection broke")
-    if seen.parting == "closed":
-        return SessionEnd("node_lost", f"node {node_id} was lost: {seen.reason}")
-    return SessionEnd("node_lost", f"node {node_id} was lost: the edge dropped it ({seen.reason})")
+    if parting == "closed":
+        return SessionEnd("node_lost", f"node {node_id} was lost: {detail}")
+    return SessionEnd("node_lost", f"node {node_id} was lost: the edge dropped it ({detail})")
 
 
 @attrs.frozen
@@ -333,9 +343,11 @@ async def serve_node_connection(
         if session is not None:
             # Why it ended is what the session saw, not a cancellation's reason: the HTTP
             # layer cancels a handler whose peer is gone as it cancels one for a shutdown.
+            seen = ending.seen
             end = session_end(
                 session.node_id,
-                ending.seen,
+                None if seen is None else seen.parting,
+                "" if seen is None else seen.reason,
                 draining=session.draining,
                 edge_closing=registry.closing,
             )
@@ -427,7 +439,7 @@ async def _serve_session(
         try:
             await session.serve_writer()
         except ConnectionClosed as exc:
-            end(_connection_ended(exc, " (found while sending)"))
+            end(_connection_ended(exc))
             # The node may have closed right after its last events (a drained node sends its
             # final run.completed, then leaves): let the receive loop take what is already
             # queued -- it ends when the closed connection runs dry -- within a bound.

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dispatcher.admission import MODEL_LINGER_S
+from dispatcher.catalog import policy_snapshot_from_config
 from dispatcher.config import (
     ConfigError,
     EdgeConfig,
@@ -83,6 +85,12 @@ def test_a_secret_is_never_echoed_in_an_error(tmp_path: Path) -> None:
         (
             "api_keys_env = 'sk-abc'",
             "api_keys_env: expected the name of an environment variable, got 'sk-abc'",
+        ),
+        ("[admission]\nmodel_linger_s = -1", "admission.model_linger_s: must be >= 0"),
+        (
+            "[models.echo]\nmodel_linger_s = 10",
+            "models.echo.model_linger_s: only in [admission]: a model named in [models] "
+            "always waits for a node",
         ),
     ],
 )
@@ -265,3 +273,23 @@ def test_settings_in_python() -> None:
 def test_parse_edge_config_source_default() -> None:
     with pytest.raises(ConfigError, match=r"^<config>: api_keys: expected an array"):
         parse_edge_config({"api_keys": "k1"}, environ={})
+
+
+def test_what_admission_takes_of_models_nobody_serves(tmp_path: Path) -> None:
+    """``[admission] model_linger_s`` and the models the config names exactly (a key's
+    allowed models, a price; not a pattern): while no node serves one, a request for it is
+    503 ``model_unavailable`` rather than 404."""
+    digest = "0" * 64
+    config = load(
+        tmp_path,
+        "[admission]\nmodel_linger_s = 12.5\n"
+        f'[[keys]]\nid = "team"\nkey_sha256 = "{digest}"\nmodels = ["gpt-x", "llama-*"]\n'
+        '[prices."claude-y"]\ninput_per_mtok = 1.0\n'
+        '[prices."org/*"]\ninput_per_mtok = 1.0\n'
+        "[models.echo]\nqueue_timeout_s = 5.0\n",
+    )
+    snapshot = policy_snapshot_from_config(config)
+    assert snapshot.model_linger_s == 12.5
+    assert snapshot.named_models == {"gpt-x", "claude-y"}
+    assert snapshot.policy_for("echo").queue_timeout_s == 5.0
+    assert policy_snapshot_from_config(EdgeConfig()).model_linger_s == MODEL_LINGER_S == 60
