@@ -410,6 +410,7 @@ class AdmissionCore:
         self._gone_groups: OrderedDict[str, float] = OrderedDict()
         """Dropped groups that had a candidate -> when their last one left, in the order
         they were dropped (at most MODEL_MEMORY, none much older than the linger)."""
+        self._gone_groups_peak = 0
         self._by_node: dict[tuple[str, int], list[_CandidateState]] = {}
         self._waiters: dict[WaiterId, _Waiter] = {}
         self._slots: dict[SlotId, _Slot] = {}
@@ -858,16 +859,19 @@ class AdmissionCore:
         gone.move_to_end(name)
         if len(gone) > MODEL_MEMORY:
             gone.popitem(last=False)
+        self._gone_groups_peak = max(self._gone_groups_peak, len(gone))
 
     def _forget_gone_groups(self) -> None:
-        """Forget the dropped groups whose linger is over, from the first dropped on (each
-        input; O(1) when there is none)."""
+        """Forget the dropped groups whose linger is over, from the first dropped on, and
+        give the table's memory back once it shrank to a quarter of its peak (each input;
+        O(1) when there is nothing to forget)."""
         gone = self._gone_groups
-        if not gone:
-            return
         linger = self._policy.model_linger_s
         while gone and self._now >= next(iter(gone.values())) + linger:
             gone.popitem(last=False)
+        if self._gone_groups_peak > _SHRINK_MIN and len(gone) * 4 < self._gone_groups_peak:
+            self._gone_groups = OrderedDict(gone)
+            self._gone_groups_peak = len(gone)
 
     def _depart_node(self, node_id: str) -> None:
         """``node_id`` left: remember it (its generation) among the last NODE_MEMORY."""
