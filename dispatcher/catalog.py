@@ -37,20 +37,22 @@ def _policy(base: Policy, settings: QueuePolicySettings) -> Policy:
 def policy_snapshot_from_config(config: EdgeConfig) -> PolicySnapshot:
     """The admission policy in force for ``config``: ``[admission]`` is the default,
     ``[models.NAME]`` overrides it per group and may name aliases of the group. A model a
-    key's ``models`` or a ``[prices]`` table names exactly (not by a pattern) is one the
-    config expects: while no node serves it, it is unavailable (503), not unknown (404)."""
+    key's ``models`` names exactly (not by a pattern) is one that key expects: while no node
+    serves it, that key's requests for it are unavailable (503), not unknown (404)."""
     default = _policy(Policy(), config.admission)
     groups = {name: _policy(default, settings) for name, settings in config.models.items()}
     aliases = {
         alias: name for name, settings in config.models.items() for alias in settings.aliases
     }
-    named = {name for key in config.keys for name in key.models} | set(config.prices)
     linger = config.admission.model_linger_s
     return PolicySnapshot(
         default=default,
         groups=groups,
         aliases=aliases,
-        named_models=frozenset(name for name in named if not _GLOB.search(name)),
+        tenant_models={
+            key.id: frozenset(name for name in key.models if not _GLOB.search(name))
+            for key in config.keys
+        },
         model_linger_s=MODEL_LINGER_S if linger is None else linger,
     )
 

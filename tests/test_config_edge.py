@@ -276,20 +276,20 @@ def test_parse_edge_config_source_default() -> None:
 
 
 def test_what_admission_takes_of_models_nobody_serves(tmp_path: Path) -> None:
-    """``[admission] model_linger_s`` and the models the config names exactly (a key's
-    allowed models, a price; not a pattern): while no node serves one, a request for it is
-    503 ``model_unavailable`` rather than 404."""
+    """``[admission] model_linger_s``, and the models each key's ``models`` names exactly
+    (not a pattern): while no node serves one, that key's requests for it are 503
+    ``model_unavailable`` rather than 404."""
     digest = "0" * 64
     config = load(
         tmp_path,
         "[admission]\nmodel_linger_s = 12.5\n"
         f'[[keys]]\nid = "team"\nkey_sha256 = "{digest}"\nmodels = ["gpt-x", "llama-*"]\n'
+        f'[[keys]]\nid = "all"\nkey_sha256 = "{"1" * 64}"\n'
         '[prices."claude-y"]\ninput_per_mtok = 1.0\n'
-        '[prices."org/*"]\ninput_per_mtok = 1.0\n'
         "[models.echo]\nqueue_timeout_s = 5.0\n",
     )
     snapshot = policy_snapshot_from_config(config)
     assert snapshot.model_linger_s == 12.5
-    assert snapshot.named_models == {"gpt-x", "claude-y"}
+    assert snapshot.tenant_models == {"team": {"gpt-x"}, "all": set()}
     assert snapshot.policy_for("echo").queue_timeout_s == 5.0
     assert policy_snapshot_from_config(EdgeConfig()).model_linger_s == MODEL_LINGER_S == 60

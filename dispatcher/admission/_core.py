@@ -466,7 +466,7 @@ class AdmissionCore:
         decisions = self._advance(now)
         name = self._policy.resolve(model)
         if name not in self._groups and name not in self._known:
-            self._reject(decisions, self._not_served(waiter_id, model, name))
+            self._reject(decisions, self._not_served(waiter_id, model, name, share))
             return decisions
         group = self._group(name)
         policy = group.policy
@@ -824,18 +824,18 @@ class AdmissionCore:
             self._groups = dict(self._groups)
             self._groups_peak = len(self._groups)
 
-    def _not_served(self, waiter_id: WaiterId, model: str, name: str) -> Reject:
+    def _not_served(self, waiter_id: WaiterId, model: str, name: str, share: Share) -> Reject:
         """The rejection of a request for a group the core does not hold: unavailable (a
-        node may come back: retry) while a node served it within the linger or the config
-        names it, else unknown."""
+        node may come back: retry) while a node served it within the linger or the
+        requesting tenant's allowed models name it, else unknown."""
         policy = self._policy
         left_at = self._gone_groups.get(name)
         if left_at is not None and self._now < left_at + policy.model_linger_s:
             ago = self._now - left_at
             when = f"{ago:.0f} s ago" if ago >= 1 else "less than a second ago"
             why = f"a node served it until {when}"
-        elif name in policy.named_models:
-            why = "this edge's config names it"
+        elif name in policy.tenant_models.get(share.tenant, ()):
+            why = "your key's allowed models name it"
         else:
             return Reject(
                 waiter_id=waiter_id,

@@ -45,7 +45,7 @@ class UnknownModel(
 
 class ModelUnavailable(AdmissionError, status=503, code="model_unavailable"):
     """No node serves the model now, and one may soon: a node served it within the linger
-    (``model_linger_s``; it may be restarting), or the config names it (503,
+    (``model_linger_s``; it may be restarting), or the client's key names it (503,
     ``Retry-After``)."""
 
 

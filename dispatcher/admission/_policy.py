@@ -55,8 +55,8 @@ class Policy:
         return min(self.eject_max_s, self.eject_base_s * 2.0 ** min(ejections - 1, 60))
 
 
-def _frozen_names(value: Iterable[str]) -> frozenset[str]:
-    return frozenset(value)
+def _frozen_tenant_models(value: Mapping[str, Iterable[str]]) -> Mapping[str, frozenset[str]]:
+    return MappingProxyType({tenant: frozenset(names) for tenant, names in value.items()})
 
 
 def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -76,16 +76,19 @@ class PolicySnapshot:
     """The whole admission configuration at one moment: a default policy, per-group
     overrides, and aliases (public name -> group). Replaced as a unit.
 
-    ``model_linger_s`` and ``named_models`` say what a request for a model that no group
+    ``model_linger_s`` and ``tenant_models`` say what a request for a model that no group
     holds gets: *unavailable* (503 with ``Retry-After``: a node may come back) if a node
-    served it less than ``model_linger_s`` ago or the config names it (``named_models``: a
-    key's allowed models, a price), else *unknown* (404)."""
+    served it less than ``model_linger_s`` ago or the requesting tenant's own allowed models
+    name it exactly (``tenant_models``, by ``Share.tenant``: another tenant's list never
+    changes the answer, so a key learns nothing of the others'), else *unknown* (404)."""
 
     default: Policy = Policy()
     groups: Mapping[str, Policy] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
     aliases: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
     model_linger_s: float = attrs.field(default=MODEL_LINGER_S, validator=_non_negative)
-    named_models: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen_names)
+    tenant_models: Mapping[str, frozenset[str]] = attrs.field(
+        factory=dict, converter=_frozen_tenant_models, hash=False
+    )
     unavailable_retry_after_s: float = attrs.field(
         default=UNAVAILABLE_RETRY_AFTER_S, validator=_non_negative
     )

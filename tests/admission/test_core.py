@@ -13,6 +13,7 @@ from dispatcher.admission import (
     Needs,
     Policy,
     PolicySnapshot,
+    Share,
     _core,
 )
 from dispatcher.admission._policy import UNAVAILABLE_RETRY_AFTER_S
@@ -180,16 +181,22 @@ def test_a_model_that_comes_back_is_served_and_lingers_again_from_its_next_leave
     assert only_reject(core.submit(3, "m", Needs(), 110.0)).cause == "unknown_model"
 
 
-def test_a_model_the_config_names_is_unavailable_while_no_node_serves_it() -> None:
-    """Named by the config (a key's allowed models, a price) though no node ever served it:
-    503, whatever the time; a name the config does not know stays 404."""
-    core = AdmissionCore(PolicySnapshot(named_models={"gpt-x"}))
-    reject = only_reject(core.submit(1, "gpt-x", Needs(), 1e6))
+def test_a_model_the_tenants_own_key_names_is_unavailable_while_no_node_serves_it() -> None:
+    """Named exactly by the requesting tenant's allowed models though no node ever served
+    it: 503, whatever the time. Another tenant's list changes nothing (a key learns nothing
+    of the others' models), nor does a name nobody's list has: 404."""
+    core = AdmissionCore(PolicySnapshot(tenant_models={"team": {"gpt-x"}}))
+    team, other = Share(tenant="team"), Share(tenant="other")
+    reject = only_reject(core.submit(1, "gpt-x", Needs(), 1e6, share=team))
     assert (reject.cause, reject.message) == (
         "model_unavailable",
-        "no node serves model 'gpt-x' right now (this edge's config names it); retry shortly",
+        "no node serves model 'gpt-x' right now (your key's allowed models name it); retry shortly",
     )
-    assert only_reject(core.submit(2, "gpt-y", Needs(), 0.0)).cause == "unknown_model"
+    assert only_reject(core.submit(2, "gpt-x", Needs(), 1e6, share=other)).cause == (
+        "unknown_model"
+    )
+    assert only_reject(core.submit(3, "gpt-x", Needs(), 1e6)).cause == "unknown_model"
+    assert only_reject(core.submit(4, "gpt-y", Needs(), 1e6, share=team)).cause == ("unknown_model")
     assert not core.knows_model("gpt-x")  # no group: /metrics and /v1/models as before
     assert core.statistics().rejections["model_unavailable"] == 1
 

@@ -25,8 +25,8 @@ every decision the core returns against the rules of ``docs/admission.md``:
   and ``knows_model`` says so; an identity's health is forgotten when it has no joined
   candidate and nothing to remember (its ``ejections_total`` starts again from 0);
 * a request for a group that does not exist is ``model_unavailable`` while its last
-  candidate left less than the linger ago or the policy names the model
-  (``named_models``), else ``unknown_model``;
+  candidate left less than the linger ago or the requesting tenant's allowed models name
+  it (``tenant_models``), else ``unknown_model``;
 * teardown: after releasing everything and letting time pass, nothing is in use, draining
   or queued.
 """
@@ -126,7 +126,7 @@ POLICIES = (
         default=_policy(max_queue=0, cap=2, long_tokens=5000, eject_base=1.0, eject_max=3.0),
         groups={"g1": _policy(max_queue=4, timeout=2.0, long_tokens=1000, eject_after=3)},
         model_linger_s=LINGER,
-        named_models={"nope"},
+        tenant_models={"": {"nope"}, "someone-else": {"g3"}},
     ),
 )
 
@@ -513,7 +513,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert isinstance(reject, Reject), reject
             left_at = self.left_at.get(group)
             lingering = left_at is not None and self.now < left_at + LINGER
-            if lingering or group in self.policy.named_models:
+            if lingering or group in self.policy.tenant_models.get("", ()):
                 assert reject.cause == "model_unavailable", reject
                 assert reject.retry_after == self.policy.unavailable_retry_after_s
                 event("submit -> model_unavailable" + (" (named)" if not lingering else ""))
