@@ -352,6 +352,8 @@ async def serve_node_connection(
                 edge_closing=registry.closing,
             )
             registry.unregister(session, end.message, end.code)
+            if seen is None:
+                close_reason = end.message  # cancelled: the node, if still there, hears why
             if session.end_code == "stale_generation":
                 close_code, close_reason = CLOSE_SUPERSEDED, session.closed_reason or ""
             log.info(
