@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "AllAttemptsFailed": "dispatcher.errors",
     "AdmissionError": "dispatcher.admission",
     "UnknownModel": "dispatcher.admission",
+    "ModelUnavailable": "dispatcher.admission",
     "NoCapableCandidate": "dispatcher.admission",
     "QueueFull": "dispatcher.admission",
     "QueueTimeout": "dispatcher.admission",
@@ -75,6 +76,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .admission import (
         AdmissionError as AdmissionError,
+    )
+    from .admission import (
+        ModelUnavailable as ModelUnavailable,
     )
     from .admission import (
         NoCapableCandidate as NoCapableCandidate,

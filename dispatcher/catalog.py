@@ -3,11 +3,12 @@ policy snapshot."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import attrs
 
-from .admission import Candidate, Policy, PolicySnapshot
+from .admission import MODEL_LINGER_S, Candidate, Policy, PolicySnapshot
 from .config import EdgeConfig, QueuePolicySettings
 from .gate_rules import GatePolicy
 from .registry import NodeSession
@@ -35,13 +36,29 @@ def _policy(base: Policy, settings: QueuePolicySettings) -> Policy:
 
 def policy_snapshot_from_config(config: EdgeConfig) -> PolicySnapshot:
     """The admission policy in force for ``config``: ``[admission]`` is the default,
-    ``[models.NAME]`` overrides it per group and may name aliases of the group."""
+    ``[models.NAME]`` overrides it per group and may name aliases of the group. A model a
+    key's ``models`` names exactly (not by a pattern) is one that key expects: while no node
+    serves it, that key's requests for it are unavailable (503), not unknown (404)."""
     default = _policy(Policy(), config.admission)
     groups = {name: _policy(default, settings) for name, settings in config.models.items()}
     aliases = {
         alias: name for name, settings in config.models.items() for alias in settings.aliases
     }
-    return PolicySnapshot(default=default, groups=groups, aliases=aliases)
+    linger = config.admission.model_linger_s
+    return PolicySnapshot(
+        default=default,
+        groups=groups,
+        aliases=aliases,
+        tenant_models={
+            key.id: frozenset(name for name in key.models if not _GLOB.search(name))
+            for key in config.keys
+        },
+        model_linger_s=MODEL_LINGER_S if linger is None else linger,
+    )
+
+
+_GLOB = re.compile(r"[*?\[]")
+"""What makes a name an ``fnmatch`` pattern rather than one model's name."""
 
 
 def gate_policies(config: EdgeConfig) -> Callable[[str], GatePolicy]:

@@ -255,6 +255,9 @@ class PriceSettings:
 _GATE_FIELDS = frozenset(
     {"max_attempts", "request_timeout_s", "first_token_timeout_s", "stall_timeout_s"}
 )
+_NOT_POLICY_FIELDS = _GATE_FIELDS | {"aliases", "model_linger_s"}
+"""What a model group's admission ``Policy`` does not take (``model_linger_s`` is the
+whole snapshot's: a dropped group has no policy of its own)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -276,6 +279,9 @@ class QueuePolicySettings:
     """An attempt that produced no content this long after dispatch is aborted."""
     stall_timeout_s: float | None = None
     """A run that goes this long between two events is aborted."""
+    model_linger_s: float | None = None
+    """``[admission]`` only: after the last node serving a model left, requests for it get
+    503 ``model_unavailable`` (retry) for this long, then 404 (default 60)."""
     aliases: tuple[str, ...] = ()
 
     def overrides(self) -> dict[str, Any]:
@@ -283,7 +289,7 @@ class QueuePolicySettings:
         return {
             name: value
             for name, value in attrs.asdict(self).items()
-            if value is not None and name != "aliases" and name not in _GATE_FIELDS
+            if value is not None and name not in _NOT_POLICY_FIELDS
         }
 
     def gate_overrides(self) -> dict[str, Any]:
@@ -718,6 +724,13 @@ def _validate(config: EdgeConfig) -> list[tuple[str, str]]:
             check(policy.max_queue >= 0, f"{name}.max_queue", "must be >= 0")
         if policy.queue_timeout_s is not None:
             check(policy.queue_timeout_s > 0, f"{name}.queue_timeout_s", "must be > 0")
+        if policy.model_linger_s is not None:
+            check(
+                name == "admission",
+                f"{name}.model_linger_s",
+                "only in [admission]: a model named in [models] always waits for a node",
+            )
+            check(policy.model_linger_s >= 0, f"{name}.model_linger_s", "must be >= 0")
     _validate_tenants(config, check, env_name)
     _validate_metrics(config.metrics, check, env_name)
     return found

@@ -21,6 +21,8 @@ it maps to; :func:`error_status_and_body` is the one place they become a respons
     ├── MethodNotAllowed      405 (dispatcher.api.app, with the Allow header)
     ├── AdmissionError        the request got no slot (dispatcher.admission)
     │   ├── UnknownModel          404 model_not_found
+    │   ├── ModelUnavailable      503 model_unavailable (.retry_after): none serves it now,
+    │   │                             one did within the linger, or the client's key names it
     │   ├── NoCapableCandidate    400 no_capable_candidate (.reasons, .only_excluded)
     │   ├── QueueFull             429 queue_full (.retry_after)
     │   └── QueueTimeout          503 queue_timeout (.retry_after)

@@ -28,11 +28,20 @@ cancelling it before the commit; ``cancelled`` any other cancellation (the clien
 edge shut down)."""
 
 NOT_THE_CANDIDATES_FAULT: Final = frozenset(
-    {"request_timeout", "tunnel_unsupported", "node_draining", "node_lost", "stale_generation"}
+    {
+        "request_timeout",
+        "tunnel_unsupported",
+        "node_draining",
+        "node_lost",
+        "shutting_down",
+        "stale_generation",
+    }
 )
-"""Retryable attempt failures that say nothing about the candidate's health. A lost node
-session ends every run on it at once and removes its candidates anyway: counting each of
-those runs as a failure would eject the node's next session for one event."""
+"""Retryable attempt failures that say nothing about the candidate's health. A node session
+that ends (lost, drained, the edge shutting down, superseded: each a
+``registry.LostCode``) ends every run on it at once and removes its candidates anyway:
+counting each of those runs as a failure would eject the node's next session for one
+event."""
 
 
 @attrs.frozen(kw_only=True)

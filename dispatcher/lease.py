@@ -53,7 +53,8 @@ SendFailure = Literal[
 NodeEnd = Literal[
     "completed",  # the node ended it successfully
     "failed",  # the node ended it with an error
-    LostCode,  # the node's connection ended, or it reconnected, first (a synthesized end)
+    LostCode,  # the node's session ended first (lost, drained, the edge's shutdown, a
+    # reconnect: a synthesized end), or a draining node's grace cut it (node_draining)
     "cancelled",  # the node confirmed a cancel (run.cancelled)
 ]
 """How the node ended a lease (or its session's loss did)."""

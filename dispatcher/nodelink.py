@@ -28,14 +28,13 @@ import hmac
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, Literal
 
 import attrs
 import trio
 
 from . import wire
-from .protocol.excgroups import holds, leaves
-from .registry import NodeGone, NodeIdInUse, NodeSession, Registry
+from .registry import LostCode, NodeGone, NodeIdInUse, NodeSession, Registry
 from .transport import Connection, ConnectionClosed
 
 log = logging.getLogger("dispatcher.nodes")
@@ -43,6 +42,8 @@ log = logging.getLogger("dispatcher.nodes")
 CLOSE_PROTOCOL_ERROR = 1002
 CLOSE_POLICY = 1008
 CLOSE_GOING_AWAY = 1001
+CLOSE_ABNORMAL = 1006
+"""Not sent: the code a websocket reports for a connection lost without a close frame."""
 CLOSE_AUTH_FAILED = 4001
 CLOSE_SUPERSEDED = 4002
 CLOSE_HEARTBEAT = 4003
@@ -175,11 +176,72 @@ def escape(text: str) -> str:
     return repr(text)
 
 
+Parting = Literal["closed", "broken", "dropped", "superseded"]
+"""How a session's connection came to an end, as the session saw it: the node closed it (a
+close frame), it broke (no close frame: the node was killed, the network failed), the edge
+dropped the node (heartbeat timeout, protocol error, outbox overflow), or a reconnect of the
+node superseded the session."""
+
+
 class _Closing(Exception):
-    def __init__(self, code: int, reason: str) -> None:
+    def __init__(self, code: int, reason: str, parting: Parting = "dropped") -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.parting: Parting = parting
+
+
+def connection_parting(exc: ConnectionClosed) -> tuple[Parting, str]:
+    """How a connection that raised ``exc`` ended (pure): closed by the node (its close
+    frame's code and reason), or broken (no close frame: 1006, the code a websocket reports
+    for a connection lost, or none at all)."""
+    if exc.code is None or exc.code == CLOSE_ABNORMAL:
+        return "broken", "its connection broke"
+    detail = f"code {exc.code}: {exc.reason}" if exc.reason else f"code {exc.code}"
+    return "closed", f"it closed its connection ({detail})"
+
+
+def _connection_ended(exc: ConnectionClosed) -> _Closing:
+    parting, detail = connection_parting(exc)
+    return _Closing(CLOSE_GOING_AWAY, detail, parting)
+
+
+@attrs.frozen
+class SessionEnd:
+    """Why a node session ended: the code its runs and tunnels in flight fail with (a
+    :data:`~dispatcher.registry.LostCode`) and the sentence their clients and the edge's
+    log are told."""
+
+    code: LostCode
+    message: str
+
+
+def session_end(
+    node_id: str,
+    parting: Parting | None,
+    detail: str = "",
+    *,
+    draining: bool = False,
+    edge_closing: bool = False,
+) -> SessionEnd:
+    """Why ``node_id``'s session ended (pure): the edge shutting down first (whatever the
+    connection did meanwhile), then a node that said it is draining (its operator stopped
+    it: it left on purpose), else the node was lost -- how, as the session saw it end
+    (``parting``, with ``detail``; None: the session was cancelled before it saw anything,
+    which is how the HTTP layer tells a handler that its peer is gone)."""
+    if edge_closing:
+        return SessionEnd("shutting_down", "the edge is shutting down")
+    if parting == "superseded":
+        return SessionEnd("stale_generation", detail)
+    if draining:
+        return SessionEnd(
+            "node_draining", f"node {node_id} left while draining (its operator stopped it)"
+        )
+    if parting is None or parting == "broken":
+        return SessionEnd("node_lost", f"node {node_id} was lost: its connection broke")
+    if parting == "closed":
+        return SessionEnd("node_lost", f"node {node_id} was lost: {detail}")
+    return SessionEnd("node_lost", f"node {node_id} was lost: the edge dropped it ({detail})")
 
 
 @attrs.frozen
@@ -238,6 +300,7 @@ async def serve_node_connection(
     ``authenticated_as``: the connection is trusted as this credential (the in-process node,
     :data:`LOCAL_CREDENTIAL`): its ``hello.token`` is not checked."""
     session: NodeSession | None = None
+    ending = _Ending()
     close_code, close_reason = CLOSE_GOING_AWAY, "session ended"
     try:
         protocol = wire.EdgeProtocol()
@@ -261,7 +324,8 @@ async def serve_node_connection(
                 heartbeat_interval=settings.heartbeat_interval,
             )
         )
-        closing = await _serve_session(conn, session, settings, on_capacity, on_draining)
+        await _serve_session(conn, session, settings, on_capacity, on_draining, ending)
+        closing = ending.seen or _Closing(CLOSE_GOING_AWAY, "session ended")
         close_code, close_reason = closing.code, closing.reason
         if closing.code in (CLOSE_PROTOCOL_ERROR, CLOSE_HEARTBEAT, CLOSE_POLICY):
             log.warning("node %s: closing session: %s", session.node_id, closing.reason)
@@ -274,31 +338,44 @@ async def serve_node_connection(
     except Exception:
         log.exception("node connection from %s failed", peer)
         close_code, close_reason = 1011, "internal error"
-    except BaseException as exc:
-        if holds(exc, trio.Cancelled):
-            # The connection's own scope was cancelled (the edge shutting down, the HTTP
-            # layer finding the connection gone), perhaps as a group: say which.
-            close_reason = _cancelled_because(exc)
-        raise
+        ending.end(_Closing(close_code, "an internal error"))
     finally:
         if session is not None:
-            if session.closed_reason is not None and session.closed_reason.startswith("superseded"):
-                close_code, close_reason = CLOSE_SUPERSEDED, session.closed_reason
-            registry.unregister(session, close_reason)
+            # Why it ended is what the session saw, not a cancellation's reason: the HTTP
+            # layer cancels a handler whose peer is gone as it cancels one for a shutdown.
+            seen = ending.seen
+            end = session_end(
+                session.node_id,
+                None if seen is None else seen.parting,
+                "" if seen is None else seen.reason,
+                draining=session.draining,
+                edge_closing=registry.closing,
+            )
+            registry.unregister(session, end.message, end.code)
+            if seen is None:
+                close_reason = end.message  # cancelled: the node, if still there, hears why
+            if session.end_code == "stale_generation":
+                close_code, close_reason = CLOSE_SUPERSEDED, session.closed_reason or ""
             log.info(
-                "node %s generation %d left: %s", session.node_id, session.generation, close_reason
+                "node %s generation %d left: %s",
+                session.node_id,
+                session.generation,
+                session.closed_reason,
             )
         with trio.move_on_after(2, shield=True):
             await conn.aclose(close_code, close_reason)
 
 
-def _cancelled_because(exc: BaseException) -> str:
-    """Why the connection was cancelled: the first reason a ``Cancelled`` in ``exc`` gives."""
-    for leaf in leaves(exc):
-        reason = getattr(leaf, "reason", None) if isinstance(leaf, trio.Cancelled) else None
-        if reason:
-            return f"cancelled: {reason}"
-    return "cancelled: the edge is shutting down"
+@attrs.define
+class _Ending:
+    """How a session ended, as its tasks saw it: the first of them to see it says (kept
+    here, so that a cancellation that follows cannot hide it)."""
+
+    seen: _Closing | None = None
+
+    def end(self, closing: _Closing) -> None:
+        if self.seen is None:
+            self.seen = closing
 
 
 async def _receive_hello(
@@ -341,16 +418,12 @@ async def _serve_session(
     settings: NodeLinkSettings,
     on_capacity: Callable[[NodeSession, wire.Capacity], None] | None,
     on_draining: Callable[[NodeSession], None] | None,
-) -> _Closing:
-    """Run the session until the connection ends or it must be closed; return how it
-    ended (the close code to send and the reason to log)."""
+    ending: _Ending,
+) -> None:
+    """Run the session until the connection ends or it must be closed; ``ending`` holds how
+    it ended (the close code to send and the reason to log)."""
     last_seen = session.last_heard = trio.current_time()
-    closing: _Closing | None = None
-
-    def end(reason: _Closing) -> None:
-        nonlocal closing
-        if closing is None:
-            closing = reason
+    end = ending.end
 
     async def heartbeat(receiving: trio.CancelScope) -> None:
         nonce = 0
@@ -368,7 +441,7 @@ async def _serve_session(
         try:
             await session.serve_writer()
         except ConnectionClosed as exc:
-            end(_Closing(CLOSE_GOING_AWAY, f"connection lost while sending: {exc.reason}"))
+            end(_connection_ended(exc))
             # The node may have closed right after its last events (a drained node sends its
             # final run.completed, then leaves): let the receive loop take what is already
             # queued -- it ends when the closed connection runs dry -- within a bound.
@@ -382,7 +455,7 @@ async def _serve_session(
 
     async def superseded(receiving: trio.CancelScope) -> None:
         await session.ended.wait()
-        end(_Closing(CLOSE_SUPERSEDED, session.closed_reason or "session ended"))
+        end(_Closing(CLOSE_SUPERSEDED, session.closed_reason or "session ended", "superseded"))
         receiving.cancel()
 
     async def receive_loop() -> None:
@@ -408,7 +481,7 @@ async def _serve_session(
                 if on_capacity is not None:
                     on_capacity(session, message)
             elif isinstance(message, wire.NodeDraining) and not session.draining:
-                session.draining = True
+                session.draining, session.drain_grace = True, message.grace
                 log.info(
                     "node %s is draining (grace %.1f s): routing nothing new to it",
                     session.node_id,
@@ -429,11 +502,10 @@ async def _serve_session(
             except _Closing as exc:
                 end(exc)
             except ConnectionClosed as exc:
-                end(_Closing(CLOSE_GOING_AWAY, f"connection lost: {exc.reason}"))
+                end(_connection_ended(exc))
         # Ending: the writer finishes the frame it is writing rather than have it cut (a
         # write cut half-way aborts the connection, and the close frame saying why with it).
         session.stop_writing()
         with trio.move_on_after(WRITER_STOP_TIMEOUT):
             await writer_stopped.wait()
         nursery.cancel_scope.cancel()
-    return closing or _Closing(CLOSE_GOING_AWAY, "session ended")

@@ -62,8 +62,11 @@ MAX_OUTBOX = 65536
 session then ends (the node is dropped) rather than the edge buffering without bound."""
 
 
-LostCode = Literal["node_lost", "stale_generation"]
-"""Why a session's runs and tunnels were ended for it: the node left, or it reconnected."""
+LostCode = Literal["node_lost", "node_draining", "shutting_down", "stale_generation"]
+"""Why a session's runs and tunnels were ended for it, as their (synthesized, retryable)
+failure's code: the node was lost (its connection closed or broke, or the edge dropped it),
+it left while draining (its operator stopped it), the edge itself is shutting down, or the
+node reconnected (a new session replaced this one)."""
 
 
 class NodeGone(Exception):
@@ -188,6 +191,13 @@ class Subscription:
         self._put(event)
         if self.terminal is not None:
             self._end()
+
+    def deliver_as(self, event: wire.RunCancelled, shown: wire.RunFailed) -> None:
+        """The node ended the run with ``event``; its consumer is shown ``shown`` instead
+        (why it ended, as the edge knows it). The usage ``event`` carries still counts."""
+        if self.terminal is None and event.usage is not None:
+            self.usage = event.usage
+        self.deliver(shown)
 
     def _put(self, event: wire.RunEvent) -> None:
         if self._ended:
@@ -329,6 +339,10 @@ class NodeSession:
     with the same credential may supersede this session."""
     draining: bool = False
     """The node said it is draining (``node.draining``): nothing new is routed to it."""
+    drain_grace: float = 0.0
+    """The grace the node gave its work when it said it is draining."""
+    end_code: LostCode | None = None
+    """Why the session ended (set with :attr:`closed_reason`)."""
     ended: trio.Event = attrs.field(factory=trio.Event)
     """Set when the session is over (disconnected or superseded)."""
     frames_written: int = 0
@@ -485,7 +499,10 @@ class NodeSession:
             if isinstance(message, _RUN_EVENTS):
                 subscription = self.runs.get(message.run_id)
                 if subscription is not None:
-                    subscription.deliver(message)
+                    if isinstance(message, wire.RunCancelled) and self.draining:
+                        subscription.deliver_as(message, self._drain_cut(message.run_id))
+                    else:
+                        subscription.deliver(message)
             elif isinstance(message, _TUNNEL_FRAMES):
                 route = self.tunnels.get(message.tunnel_id)
                 if route is not None:
@@ -514,6 +531,22 @@ class NodeSession:
             return None
         return verdict if isinstance(verdict, wire.ProtocolError) else None
 
+    def _drain_cut(self, run_id: str) -> wire.RunFailed:
+        """What a run's client is told when the node's own drain cancelled it. Only the
+        node's drain can: the edge asks for a cancel only as it leaves the run's block, which
+        closes the subscription, so a ``run.cancelled`` arriving while it is open was not
+        asked for."""
+        return wire.RunFailed(
+            run_id=run_id,
+            seq=-1,
+            code="node_draining",
+            message=(
+                f"node {self.node_id} is draining (its operator stopped it): its drain grace "
+                f"of {self.drain_grace:g} s ended before this run did"
+            ),
+            retryable=True,
+        )
+
     def fail_all(self, code: LostCode, message: str) -> None:
         """End every open run and tunnel with a synthesized retryable failure (the node is
         gone), and settle the runs that ended here unconfirmed: their confirmation will
@@ -541,6 +574,9 @@ class Registry:
     _joined: list[Callable[[NodeSession], None]] = attrs.field(factory=list)
     _left: list[Callable[[NodeSession], None]] = attrs.field(factory=list)
     _changed: trio.Event = attrs.field(factory=trio.Event)
+    closing: bool = False
+    """The edge is shutting down: a session that ends from here on ends for that reason
+    (``shutting_down``), whatever its connection did meanwhile."""
 
     def on_join(self, callback: Callable[[NodeSession], None]) -> None:
         self._joined.append(callback)
@@ -564,7 +600,11 @@ class Registry:
         if old is not None:
             if old.credential != credential:
                 raise NodeIdInUse(f"node id {hello.node_id!r} is in use by another credential")
-            self._end(old, "stale_generation", "superseded by a reconnect of the same node")
+            self._end(
+                old,
+                "stale_generation",
+                f"node {old.node_id} reconnected: its session {old.generation} was superseded",
+            )
         if protocol is None:
             protocol = wire.EdgeProtocol()
             verdict = protocol.receive(hello)
@@ -584,13 +624,19 @@ class Registry:
         self._notify()
         return session
 
-    def unregister(self, session: NodeSession, reason: str = "node disconnected") -> None:
-        """End ``session`` (idempotent); its runs fail as ``node_lost``."""
+    def unregister(
+        self, session: NodeSession, reason: str | None = None, code: LostCode = "node_lost"
+    ) -> None:
+        """End ``session`` (idempotent); its runs and tunnels fail with ``code`` and
+        ``reason``, a sentence naming the node and why (default: the node was lost)."""
         if session.closed_reason is None:
-            self._end(session, "node_lost", reason)
+            if reason is None:
+                reason = f"node {session.node_id} was lost: it disconnected"
+            self._end(session, code, reason)
 
     def _end(self, session: NodeSession, code: LostCode, reason: str) -> None:
         session.closed_reason = reason
+        session.end_code = code
         session.ended.set()
         if self.sessions.get(session.node_id) is session:
             del self.sessions[session.node_id]
@@ -598,7 +644,7 @@ class Registry:
         # below are void and cannot admit a waiter onto the session that just ended.
         for callback in self._left:
             callback(session)
-        session.fail_all(code, f"node {session.node_id}: {reason}")
+        session.fail_all(code, reason)
         self._notify()
 
     def current(self, node_id: str, generation: int) -> NodeSession | None:

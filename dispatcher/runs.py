@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 import attrs
 
@@ -33,11 +33,9 @@ from .registry import LostCode, NodeSession, Subscription
 
 __all__ = ["EndReason", "Run", "RunSpec", "RunStatistics", "Runs"]
 
-_LOST_CODES: Final[dict[str, LostCode]] = {
-    "node_lost": "node_lost",
-    "stale_generation": "stale_generation",
-}
-"""The ``run.failed`` codes of the end the registry synthesizes for a lost session."""
+_LOST_CODES: Final[dict[str, LostCode]] = {code: code for code in get_args(LostCode)}
+"""The ``run.failed`` codes of the end the registry synthesizes when a session ends (or a
+draining node's grace cut the run)."""
 
 
 @attrs.frozen(kw_only=True)

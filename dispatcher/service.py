@@ -381,7 +381,7 @@ class Dispatcher:
 
     def _cut_off(self) -> None:
         self.start_draining(0)
-        self.shutting_down = True
+        self.shutting_down = self.registry.closing = True
         for scope in list(self._stream_scopes):
             scope.cancel(reason="dispatcher shutting down")
         for work in list(self._work):
@@ -526,6 +526,7 @@ async def open_dispatcher_of(
         try:
             yield dispatcher
         finally:
+            registry.closing = True  # the node sessions end as the edge's, not as lost nodes
             nursery.cancel_scope.cancel(reason="dispatcher closed")
 
 

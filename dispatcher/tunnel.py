@@ -29,8 +29,9 @@ a quarter window. A node that sends more than granted breaks the protocol and it
 closed. The node's receive loop therefore never waits on a slow client, and one tunnel never
 holds more than a window of body bytes on the edge.
 
-A session lost mid-tunnel ends it with a synthesized, retryable error (``node_lost`` /
-``stale_generation``), like runs.
+A session that ends mid-tunnel ends it with a synthesized, retryable error whose code says
+why (``node_lost``, ``node_draining``, ``shutting_down``, ``stale_generation``: a
+:data:`~dispatcher.registry.LostCode`), like runs.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class _Route:
     start: wire.TunnelStart | None = None
     end: wire.TunnelEnd | None = None
     lost_code: LostCode | None = None
-    """``node_lost`` / ``stale_generation`` when the end was synthesized."""
+    """Why the session ended, when the end was synthesized."""
     on_late_end: Callable[[], None] | None = None
     _lot: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
 

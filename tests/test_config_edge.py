@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dispatcher.admission import MODEL_LINGER_S
+from dispatcher.catalog import policy_snapshot_from_config
 from dispatcher.config import (
     ConfigError,
     EdgeConfig,
@@ -84,6 +86,12 @@ def test_a_secret_is_never_echoed_in_an_error(tmp_path: Path) -> None:
         (
             "api_keys_env = 'sk-abc'",
             "api_keys_env: expected the name of an environment variable, got 'sk-abc'",
+        ),
+        ("[admission]\nmodel_linger_s = -1", "admission.model_linger_s: must be >= 0"),
+        (
+            "[models.echo]\nmodel_linger_s = 10",
+            "models.echo.model_linger_s: only in [admission]: a model named in [models] "
+            "always waits for a node",
         ),
     ],
 )
@@ -301,3 +309,23 @@ def test_a_value_reported_is_not_judged_again(tmp_path: Path) -> None:
     # reported waits for the next run).
     text = '[[keys]]\nid = "a"\nkey_sha256 = 5\n'
     assert error(tmp_path, text) == "keys[0].key_sha256: expected a string, got 5"
+
+
+def test_what_admission_takes_of_models_nobody_serves(tmp_path: Path) -> None:
+    """``[admission] model_linger_s``, and the models each key's ``models`` names exactly
+    (not a pattern): while no node serves one, that key's requests for it are 503
+    ``model_unavailable`` rather than 404."""
+    digest = "0" * 64
+    config = load(
+        tmp_path,
+        "[admission]\nmodel_linger_s = 12.5\n"
+        f'[[keys]]\nid = "team"\nkey_sha256 = "{digest}"\nmodels = ["gpt-x", "llama-*"]\n'
+        f'[[keys]]\nid = "all"\nkey_sha256 = "{"1" * 64}"\n'
+        '[prices."claude-y"]\ninput_per_mtok = 1.0\n'
+        "[models.echo]\nqueue_timeout_s = 5.0\n",
+    )
+    snapshot = policy_snapshot_from_config(config)
+    assert snapshot.model_linger_s == 12.5
+    assert snapshot.tenant_models == {"team": {"gpt-x"}, "all": set()}
+    assert snapshot.policy_for("echo").queue_timeout_s == 5.0
+    assert policy_snapshot_from_config(EdgeConfig()).model_linger_s == MODEL_LINGER_S == 60

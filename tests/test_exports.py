@@ -25,6 +25,7 @@ PUBLIC = {
     "DispatcherError",
     "EdgeConfig",
     "GateRequest",
+    "ModelUnavailable",
     "NoCapableCandidate",
     "NodeUnavailable",
     "NotFound",

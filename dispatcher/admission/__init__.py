@@ -39,6 +39,7 @@ from ._core import RejectCause as RejectCause
 from ._core import SlotId as SlotId
 from ._core import WaiterId as WaiterId
 from ._errors import AdmissionError as AdmissionError
+from ._errors import ModelUnavailable as ModelUnavailable
 from ._errors import NoCapableCandidate as NoCapableCandidate
 from ._errors import QueueFull as QueueFull
 from ._errors import QueueTimeout as QueueTimeout
@@ -46,6 +47,7 @@ from ._errors import UnknownModel as UnknownModel
 from ._errors import error_for as error_for
 from ._fair import DEFAULT_SHARE as DEFAULT_SHARE
 from ._fair import Share as Share
+from ._policy import MODEL_LINGER_S as MODEL_LINGER_S
 from ._policy import Policy as Policy
 from ._policy import PolicySnapshot as PolicySnapshot
 from ._queue import Admission as Admission

@@ -81,7 +81,9 @@ from ._policy import Policy, PolicySnapshot
 WaiterId: TypeAlias = int | str
 SlotId: TypeAlias = int
 AdmitReason: TypeAlias = Literal["immediate", "queued", "requeued"]
-RejectCause: TypeAlias = Literal["queue_full", "timeout", "no_capable_candidate", "unknown_model"]
+RejectCause: TypeAlias = Literal[
+    "queue_full", "timeout", "no_capable_candidate", "unknown_model", "model_unavailable"
+]
 HealthState: TypeAlias = Literal["healthy", "ejected", "probing"]
 
 ADMIT_REASONS: Final[tuple[AdmitReason, ...]] = ("immediate", "queued", "requeued")
@@ -90,6 +92,7 @@ REJECT_CAUSES: Final[tuple[RejectCause, ...]] = (
     "timeout",
     "no_capable_candidate",
     "unknown_model",
+    "model_unavailable",
 )
 HEALTH_STATES: Final[tuple[HealthState, ...]] = ("healthy", "ejected", "probing")
 SESSION_MEMORY: Final = 10_000
@@ -100,6 +103,10 @@ the one that left first is forgotten (it comes back healthy)."""
 NODE_MEMORY: Final = 10_000
 """Departed nodes whose newest generation the core remembers (to ignore their stale
 announcements); beyond that the one that left first is forgotten."""
+MODEL_MEMORY: Final = 10_000
+"""Dropped groups whose last candidate's departure the core remembers (a request for one
+within ``model_linger_s`` is ``model_unavailable``, not ``unknown_model``); beyond that the
+one dropped first is forgotten, as is any older than the linger."""
 
 
 @attrs.frozen(kw_only=True)
@@ -373,6 +380,8 @@ class _Group:
     depth: list[int] = attrs.Factory(lambda: [0, 0])
     fallbacks: dict[tuple[int, bool, int], int] = attrs.Factory(dict)
     """Per queue key, how many of its live waiters are flagged ``fallback`` (no zeros)."""
+    left_at: float | None = None
+    """When its last candidate left (None: it never lost one)."""
 
     def waiters(self) -> list[_Waiter]:
         """Live waiters in queue order (O(n); for rare operations only)."""
@@ -398,6 +407,10 @@ class AdmissionCore:
         """node id -> (newest generation seen, still joined?)"""
         self._gone_nodes: OrderedDict[str, None] = OrderedDict()
         """The departed nodes of ``_nodes``, in the order they left."""
+        self._gone_groups: OrderedDict[str, float] = OrderedDict()
+        """Dropped groups that had a candidate -> when their last one left, in the order
+        they were dropped (at most MODEL_MEMORY, none much older than the linger)."""
+        self._gone_groups_peak = 0
         self._by_node: dict[tuple[str, int], list[_CandidateState]] = {}
         self._waiters: dict[WaiterId, _Waiter] = {}
         self._slots: dict[SlotId, _Slot] = {}
@@ -453,14 +466,7 @@ class AdmissionCore:
         decisions = self._advance(now)
         name = self._policy.resolve(model)
         if name not in self._groups and name not in self._known:
-            self._reject(
-                decisions,
-                Reject(
-                    waiter_id=waiter_id,
-                    cause="unknown_model",
-                    message=f"model {model!r} does not exist",
-                ),
-            )
+            self._reject(decisions, self._not_served(waiter_id, model, name, share))
             return decisions
         group = self._group(name)
         policy = group.policy
@@ -793,7 +799,11 @@ class AdmissionCore:
     def _group(self, name: str) -> _Group:
         group = self._groups.get(name)
         if group is None:
-            group = self._groups[name] = _Group(name=name, policy=self._policy.policy_for(name))
+            group = self._groups[name] = _Group(
+                name=name,
+                policy=self._policy.policy_for(name),
+                left_at=self._gone_groups.pop(name, None),
+            )
             self._groups_peak = max(self._groups_peak, len(self._groups))
         return group
 
@@ -806,11 +816,62 @@ class AdmissionCore:
         if name in self._known or self._groups.get(name) is not group:
             return
         del self._groups[name]
+        if group.left_at is not None:
+            self._remember_gone_group(name, group.left_at)
         group.queues.clear()  # only ended waiters are left in them
         group.fallbacks.clear()
         if self._groups_peak > _SHRINK_MIN and len(self._groups) * 4 < self._groups_peak:
             self._groups = dict(self._groups)
             self._groups_peak = len(self._groups)
+
+    def _not_served(self, waiter_id: WaiterId, model: str, name: str, share: Share) -> Reject:
+        """The rejection of a request for a group the core does not hold: unavailable (a
+        node may come back: retry) while a node served it within the linger or the
+        requesting tenant's allowed models name it, else unknown."""
+        policy = self._policy
+        left_at = self._gone_groups.get(name)
+        if left_at is not None and self._now < left_at + policy.model_linger_s:
+            ago = self._now - left_at
+            when = f"{ago:.0f} s ago" if ago >= 1 else "less than a second ago"
+            why = f"a node served it until {when}"
+        elif name in policy.tenant_models.get(share.tenant, ()):
+            why = "your key's allowed models name it"
+        else:
+            return Reject(
+                waiter_id=waiter_id,
+                cause="unknown_model",
+                message=f"model {model!r} does not exist",
+            )
+        return Reject(
+            waiter_id=waiter_id,
+            cause="model_unavailable",
+            message=f"no node serves model {model!r} right now ({why}); retry shortly",
+            retry_after=policy.unavailable_retry_after_s,
+        )
+
+    def _remember_gone_group(self, name: str, left_at: float) -> None:
+        """A group that had a candidate was dropped: remember when its last one left, among
+        the last MODEL_MEMORY."""
+        if self._now >= left_at + self._policy.model_linger_s:
+            return  # its waiters kept it past the linger: nothing to remember
+        gone = self._gone_groups
+        gone[name] = left_at
+        gone.move_to_end(name)
+        if len(gone) > MODEL_MEMORY:
+            gone.popitem(last=False)
+        self._gone_groups_peak = max(self._gone_groups_peak, len(gone))
+
+    def _forget_gone_groups(self) -> None:
+        """Forget the dropped groups whose linger is over, from the first dropped on, and
+        give the table's memory back once it shrank to a quarter of its peak (each input;
+        O(1) when there is nothing to forget)."""
+        gone = self._gone_groups
+        linger = self._policy.model_linger_s
+        while gone and self._now >= next(iter(gone.values())) + linger:
+            gone.popitem(last=False)
+        if self._gone_groups_peak > _SHRINK_MIN and len(gone) * 4 < self._gone_groups_peak:
+            self._gone_groups = OrderedDict(gone)
+            self._gone_groups_peak = len(gone)
 
     def _depart_node(self, node_id: str) -> None:
         """``node_id`` left: remember it (its generation) among the last NODE_MEMORY."""
@@ -1104,6 +1165,8 @@ class AdmissionCore:
             if group.candidates.get(state.key) is state:
                 del group.candidates[state.key]
                 groups.add(group.name)
+                if not group.candidates:
+                    group.left_at = self._now
             health = state.health
             if health.probe in state.slot_ids:
                 health.probe = None
@@ -1265,6 +1328,7 @@ class AdmissionCore:
         deadline goes first (nobody is admitted at or after its deadline), then a drain
         deadline, then the end of a cool-down."""
         self._now = max(self._now, float(now))
+        self._forget_gone_groups()
         decisions: list[Decision] = []
         while True:
             waiter_due = self._peek_deadline()

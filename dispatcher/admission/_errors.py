@@ -5,6 +5,7 @@
     DispatcherError (dispatcher.errors)
     AdmissionError          .status .code .retry_after
      +-- UnknownModel         404  model_not_found
+     +-- ModelUnavailable     503  model_unavailable      (.retry_after)
      +-- NoCapableCandidate   400  no_capable_candidate   (.reasons: one per candidate)
      +-- QueueFull            429  queue_full             (.retry_after)
      +-- QueueTimeout         503  queue_timeout          (.retry_after)
@@ -42,6 +43,12 @@ class UnknownModel(
     """No node serves the model and the config does not name it."""
 
 
+class ModelUnavailable(AdmissionError, status=503, code="model_unavailable"):
+    """No node serves the model now, and one may soon: a node served it within the linger
+    (``model_linger_s``; it may be restarting), or the client's key names it (503,
+    ``Retry-After``)."""
+
+
 class NoCapableCandidate(
     AdmissionError, status=400, error_type="invalid_request_error", code="no_capable_candidate"
 ):
@@ -59,6 +66,7 @@ class QueueTimeout(AdmissionError, status=503, code="queue_timeout"):
 
 _BY_CAUSE: dict[str, type[AdmissionError]] = {
     "unknown_model": UnknownModel,
+    "model_unavailable": ModelUnavailable,
     "no_capable_candidate": NoCapableCandidate,
     "queue_full": QueueFull,
     "timeout": QueueTimeout,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -55,18 +55,43 @@ class Policy:
         return min(self.eject_max_s, self.eject_base_s * 2.0 ** min(ejections - 1, 60))
 
 
+def _frozen_tenant_models(value: Mapping[str, Iterable[str]]) -> Mapping[str, frozenset[str]]:
+    return MappingProxyType({tenant: frozenset(names) for tenant, names in value.items()})
+
+
 def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(value))
+
+
+MODEL_LINGER_S: Final = 60.0
+"""How long a model stays *unavailable* (503, retry) rather than *unknown* (404) after the
+last node that served it left: long enough for its node to restart."""
+UNAVAILABLE_RETRY_AFTER_S: Final = 2.0
+"""The ``Retry-After`` of ``model_unavailable``: the SDKs' default two retries then cover
+about 4 s of a node's restart."""
 
 
 @attrs.frozen(kw_only=True)
 class PolicySnapshot:
     """The whole admission configuration at one moment: a default policy, per-group
-    overrides, and aliases (public name -> group). Replaced as a unit."""
+    overrides, and aliases (public name -> group). Replaced as a unit.
+
+    ``model_linger_s`` and ``tenant_models`` say what a request for a model that no group
+    holds gets: *unavailable* (503 with ``Retry-After``: a node may come back) if a node
+    served it less than ``model_linger_s`` ago or the requesting tenant's own allowed models
+    name it exactly (``tenant_models``, by ``Share.tenant``: another tenant's list never
+    changes the answer, so a key learns nothing of the others'), else *unknown* (404)."""
 
     default: Policy = Policy()
     groups: Mapping[str, Policy] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
     aliases: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_mapping, hash=False)
+    model_linger_s: float = attrs.field(default=MODEL_LINGER_S, validator=_non_negative)
+    tenant_models: Mapping[str, frozenset[str]] = attrs.field(
+        factory=dict, converter=_frozen_tenant_models, hash=False
+    )
+    unavailable_retry_after_s: float = attrs.field(
+        default=UNAVAILABLE_RETRY_AFTER_S, validator=_non_negative
+    )
 
     def policy_for(self, group: str) -> Policy:
         return self.groups.get(group, self.default)

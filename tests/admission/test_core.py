@@ -7,12 +7,16 @@ from collections.abc import Mapping
 import pytest
 
 from dispatcher.admission import (
+    MODEL_LINGER_S,
     AdmissionCore,
     Candidate,
     Needs,
     Policy,
     PolicySnapshot,
+    Share,
+    _core,
 )
+from dispatcher.admission._policy import UNAVAILABLE_RETRY_AFTER_S
 
 from .helpers import admits, cand, only_admit, only_reject, rejects
 
@@ -79,7 +83,11 @@ def test_unconfigured_group_is_dropped_with_its_last_candidate() -> None:
     assert core.node_left("node-a", 1, 1.0) == []
     assert "m" not in core.statistics().groups
     assert not core.knows_model("m")
-    assert only_reject(core.submit(1, "m", Needs(), 2.0)).cause == "unknown_model"
+    # unavailable (a node may come back) for the linger, then unknown
+    assert only_reject(core.submit(1, "m", Needs(), 2.0)).cause == "model_unavailable"
+    assert only_reject(core.submit(2, "m", Needs(), 1.0 + MODEL_LINGER_S)).cause == (
+        "unknown_model"
+    )
     assert set(core.statistics().groups) == {"other"}
 
 
@@ -98,7 +106,9 @@ def test_unconfigured_group_without_candidates_lives_while_someone_waits(end: st
     else:
         assert core.cancel(3, 4.0) == []
     assert "m" not in core.statistics().groups
-    assert only_reject(core.submit(4, "m", Needs(), 40.0)).cause == "unknown_model"
+    # the linger counts from its last candidate leaving (at 1), not its last waiter
+    assert only_reject(core.submit(4, "m", Needs(), 40.0)).cause == "model_unavailable"
+    assert only_reject(core.submit(5, "m", Needs(), 61.0)).cause == "unknown_model"
 
 
 def test_a_superseding_session_that_drops_a_model_drops_its_group() -> None:
@@ -127,6 +137,95 @@ def test_an_alias_keeps_its_target_known() -> None:
     assert core.knows_model("fast")
     assert core.knows_model("m")
     assert core.submit(1, "fast", Needs(), 2.0) == []
+
+
+# ------------------------------------------------------------------ models no node serves now
+
+
+def test_a_model_whose_node_left_is_unavailable_for_the_linger_then_unknown() -> None:
+    """Its only node restarting: a retryable 503 (with Retry-After), not a 404, while a node
+    that served it may come back; after the linger, 404 as for a name never seen."""
+    core = core_with(cand(), aliases={})
+    core.node_left("node-a", 1, 10.0)
+    just_left = only_reject(core.submit(1, "m", Needs(), 10.5))
+    assert "until less than a second ago" in just_left.message
+    reject = only_reject(core.submit(2, "m", Needs(), 22.4))
+    assert (reject.cause, reject.retry_after) == ("model_unavailable", UNAVAILABLE_RETRY_AFTER_S)
+    assert reject.message == (
+        "no node serves model 'm' right now (a node served it until 12 s ago); retry shortly"
+    )
+    assert not core.is_queued(2)
+    assert only_reject(core.submit(3, "m", Needs(), 69.99)).cause == "model_unavailable"
+    assert only_reject(core.submit(4, "m", Needs(), 70.0)).cause == "unknown_model"
+
+
+def test_the_linger_is_the_policys() -> None:
+    core = AdmissionCore(PolicySnapshot(model_linger_s=5.0, unavailable_retry_after_s=3.0))
+    core.node_joined([cand()], 0.0)
+    core.node_left("node-a", 1, 1.0)
+    assert only_reject(core.submit(1, "m", Needs(), 5.9)).retry_after == 3.0
+    assert only_reject(core.submit(2, "m", Needs(), 6.0)).cause == "unknown_model"
+    off = AdmissionCore(PolicySnapshot(model_linger_s=0))
+    off.node_joined([cand()], 0.0)
+    off.node_left("node-a", 1, 1.0)
+    assert only_reject(off.submit(1, "m", Needs(), 1.0)).cause == "unknown_model"
+
+
+def test_a_model_that_comes_back_is_served_and_lingers_again_from_its_next_leave() -> None:
+    core = core_with(cand())
+    core.node_left("node-a", 1, 1.0)
+    core.node_joined([cand(generation=2)], 5.0)
+    only_admit(core.submit(1, "m", Needs(), 6.0))
+    core.node_left("node-a", 2, 50.0)
+    assert only_reject(core.submit(2, "m", Needs(), 100.0)).cause == "model_unavailable"
+    assert only_reject(core.submit(3, "m", Needs(), 110.0)).cause == "unknown_model"
+
+
+def test_a_model_the_tenants_own_key_names_is_unavailable_while_no_node_serves_it() -> None:
+    """Named exactly by the requesting tenant's allowed models though no node ever served
+    it: 503, whatever the time. Another tenant's list changes nothing (a key learns nothing
+    of the others' models), nor does a name nobody's list has: 404."""
+    core = AdmissionCore(PolicySnapshot(tenant_models={"team": {"gpt-x"}}))
+    team, other = Share(tenant="team"), Share(tenant="other")
+    reject = only_reject(core.submit(1, "gpt-x", Needs(), 1e6, share=team))
+    assert (reject.cause, reject.message) == (
+        "model_unavailable",
+        "no node serves model 'gpt-x' right now (your key's allowed models name it); retry shortly",
+    )
+    assert only_reject(core.submit(2, "gpt-x", Needs(), 1e6, share=other)).cause == (
+        "unknown_model"
+    )
+    assert only_reject(core.submit(3, "gpt-x", Needs(), 1e6)).cause == "unknown_model"
+    assert only_reject(core.submit(4, "gpt-y", Needs(), 1e6, share=team)).cause == ("unknown_model")
+    assert not core.knows_model("gpt-x")  # no group: /metrics and /v1/models as before
+    assert core.statistics().rejections["model_unavailable"] == 1
+
+
+def test_a_reload_that_unnames_a_served_model_keeps_its_linger() -> None:
+    core = AdmissionCore(PolicySnapshot(groups={"m": Policy()}))
+    core.node_joined([cand()], 0.0)
+    core.node_left("node-a", 1, 1.0)  # kept: the policy names it
+    core.set_policy(PolicySnapshot(), 2.0)  # dropped now; its node left at 1
+    assert only_reject(core.submit(1, "m", Needs(), 60.9)).cause == "model_unavailable"
+    assert only_reject(core.submit(2, "m", Needs(), 61.0)).cause == "unknown_model"
+
+
+def test_departed_models_are_remembered_up_to_a_bound_and_the_linger(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_core, "MODEL_MEMORY", 2)
+    core = core_with(*(cand(f"node-{m}", model=m) for m in "abc"))
+    for m in "abc":
+        core.node_left(f"node-{m}", 1, 1.0)
+    # b and c are remembered; a, the first to go, is forgotten at once
+    assert [only_reject(core.submit(m, m, Needs(), 2.0)).cause for m in "abc"] == [
+        "unknown_model",
+        "model_unavailable",
+        "model_unavailable",
+    ]
+    assert list(core._gone_groups) == ["b", "c"]
+    core.tick(61.0)  # any input forgets what is past the linger
+    assert not core._gone_groups
 
 
 # --------------------------------------------------------------------------- capability
@@ -696,6 +795,7 @@ def test_statistics_count_admissions_and_rejections() -> None:
         "timeout": 1,
         "no_capable_candidate": 1,
         "unknown_model": 1,
+        "model_unavailable": 0,
     }
 
 

@@ -24,6 +24,9 @@ every decision the core returns against the rules of ``docs/admission.md``:
   the policy names it (so one with none of them is gone after the input that emptied it),
   and ``knows_model`` says so; an identity's health is forgotten when it has no joined
   candidate and nothing to remember (its ``ejections_total`` starts again from 0);
+* a request for a group that does not exist is ``model_unavailable`` while its last
+  candidate left less than the linger ago or the requesting tenant's allowed models name
+  it (``tenant_models``), else ``unknown_model``;
 * teardown: after releasing everything and letting time pass, nothing is in use, draining
   or queued.
 """
@@ -100,11 +103,16 @@ def _policy(
     )
 
 
+LINGER = 5.0
+"""Every policy's ``model_linger_s`` (the unit tests change it; one value here keeps the
+model of what the core remembers exact)."""
+
 POLICIES = (
     PolicySnapshot(
         default=_policy(),
         groups={"g3": _policy(timeout=4.0)},
         aliases={"alias1": "g1"},
+        model_linger_s=LINGER,
     ),
     PolicySnapshot(
         default=_policy(
@@ -112,10 +120,13 @@ POLICIES = (
         ),
         groups={"g2": _policy(max_queue=1, timeout=0.0, eject_after=0), "g3": _policy()},
         aliases={"alias1": "g2"},
+        model_linger_s=LINGER,
     ),
     PolicySnapshot(
         default=_policy(max_queue=0, cap=2, long_tokens=5000, eject_base=1.0, eject_max=3.0),
         groups={"g1": _policy(max_queue=4, timeout=2.0, long_tokens=1000, eject_after=3)},
+        model_linger_s=LINGER,
+        tenant_models={"": {"nope"}, "someone-else": {"g3"}},
     ),
 )
 
@@ -190,6 +201,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.health: dict[CandidateIdentity, MHealth] = {}
         self.cool_seq = itertools.count()
         self.ejections = 0
+        self.left_at: dict[str, float] = {}
+        """group -> when its last candidate left (the latest time it lost its last one)."""
 
     # ------------------------------------------------------------------ model helpers
 
@@ -305,6 +318,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         for key in [k for k in self.candidates if (k.node_id, k.generation) == (node, generation)]:
             del self.candidates[key]
             self.over.discard(key)
+            if not self.group_candidates(key.model):
+                self.left_at[key.model] = self.now
         for slot_id in [i for i, s in self.slots.items() if s.key.node_id == node]:
             if self.slots[slot_id].key.generation == generation:
                 self.drop_slot(slot_id)
@@ -496,7 +511,15 @@ class AdmissionMachine(RuleBasedStateMachine):
         if not known_before:
             [reject] = own
             assert isinstance(reject, Reject), reject
-            assert reject.cause == "unknown_model", reject
+            left_at = self.left_at.get(group)
+            lingering = left_at is not None and self.now < left_at + LINGER
+            if lingering or group in self.policy.tenant_models.get("", ()):
+                assert reject.cause == "model_unavailable", reject
+                assert reject.retry_after == self.policy.unavailable_retry_after_s
+                event("submit -> model_unavailable" + (" (named)" if not lingering else ""))
+            else:
+                assert reject.cause == "unknown_model", reject
+                assert reject.retry_after is None
             self.end(waiter_id)
         elif candidates and not any(self.fits(waiter, c) for c in candidates):
             [reject] = own

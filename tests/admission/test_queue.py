@@ -9,8 +9,10 @@ import trio
 import trio.testing
 
 from dispatcher.admission import (
+    MODEL_LINGER_S,
     Admission,
     AdmissionError,
+    ModelUnavailable,
     Needs,
     NoCapableCandidate,
     Policy,
@@ -160,6 +162,28 @@ async def test_unknown_model_and_incapable_requests_raise(
     assert isinstance(incapable.value, AdmissionError)
     stats = admission.statistics()
     assert (stats.in_use, stats.waiting) == (0, 0)
+
+
+async def test_a_model_whose_node_left_raises_model_unavailable_for_the_linger(
+    admission: Admission, autojump_clock: trio.testing.MockClock
+) -> None:
+    """In virtual time: the model's only node leaves; 59 s later a request is refused with
+    a retryable 503 (``Retry-After``) at once, without queueing; 60 s after, a 404."""
+    admission.node_left("node-a", 1)
+    await trio.sleep(MODEL_LINGER_S - 1)
+    start = trio.current_time()
+    with pytest.raises(ModelUnavailable) as unavailable:
+        async with admission.open_slot("m", Needs()):
+            pass
+    assert trio.current_time() == start
+    error = unavailable.value
+    assert (error.status, error.code, error.retry_after) == (503, "model_unavailable", 2.0)
+    assert "a node served it until 59 s ago" in error.message
+    await trio.sleep(1)
+    with pytest.raises(UnknownModel):
+        async with admission.open_slot("m", Needs()):
+            pass
+    assert admission.statistics().rejections["model_unavailable"] == 1
 
 
 async def test_node_joining_admits_a_parked_waiter(

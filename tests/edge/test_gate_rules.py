@@ -3,11 +3,14 @@ failure kind x committed x attempts x deadline -> retry / error / row outcome / 
 
 from __future__ import annotations
 
+from typing import get_args
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dispatcher import gate_rules as rules
 from dispatcher.gate import MAX_STATISTICS, Gate
+from dispatcher.registry import LostCode
 
 CODES = st.sampled_from(
     [
@@ -17,6 +20,7 @@ CODES = st.sampled_from(
         "node_lost",
         "stale_generation",
         "node_draining",
+        "shutting_down",
         "request_timeout",
         "tunnel_unsupported",
         "cancelled_by_node",
@@ -95,6 +99,19 @@ def test_health_never_blames_a_candidate_for_the_client_or_the_request(
         assert verdict == "none"
     else:
         assert verdict == "failure"
+
+
+def test_a_node_sessions_end_never_counts_against_its_candidates() -> None:
+    """However a node's session ended (``registry.LostCode``: lost, drained, the edge
+    shutting down, superseded), the runs it ended say nothing about the candidate."""
+    for code in get_args(LostCode):
+        assert rules.health(rules.Failure(code, retryable=True)) == "none", code
+    assert set(get_args(LostCode)) == {
+        "node_lost",
+        "node_draining",
+        "shutting_down",
+        "stale_generation",
+    }
 
 
 @given(status=st.none() | st.integers(100, 599), retryable=st.booleans())

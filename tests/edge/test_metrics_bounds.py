@@ -2,9 +2,11 @@
 
 A node may announce hundreds of models and reconnect with new names each time. Once the
 last candidate of a model no config names has left (and nobody waits for it), admission has
-no group for it, ``/metrics`` has no series naming it or its node, and the admission core is
-back to its size before (within what it remembers of departed nodes: their newest
-generation, a few hundred bytes each, at most ``NODE_MEMORY`` of them).
+no group for it and ``/metrics`` has no series naming it or its node; once the linger has
+passed too (``model_linger_s``: until then the core remembers when each left, at most
+``MODEL_MEMORY`` of them), the admission core is back to its size before (within what it
+remembers of departed nodes: their newest generation, a few hundred bytes each, at most
+``NODE_MEMORY`` of them).
 """
 
 from __future__ import annotations
@@ -14,19 +16,24 @@ import sys
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 
 import attrs
+import pytest
 import trio
 import trio.testing
 from prometheus_client import generate_latest
 
 from dispatcher import wire
 from dispatcher.admission import (
+    MODEL_LINGER_S,
     Admission,
     AdmissionCore,
     CandidateKey,
+    ModelUnavailable,
     Needs,
     Policy,
     PolicySnapshot,
+    UnknownModel,
 )
+from dispatcher.admission._core import MODEL_MEMORY
 from dispatcher.config import EdgeConfig, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.metrics import UNKNOWN_MODEL, Metrics
@@ -94,6 +101,12 @@ async def one_request(dispatcher: Dispatcher, node: ScriptedNode, model: str) ->
     dispatcher.metrics.count_request(dispatcher.metric_model_label(model), "completed")
 
 
+async def admit(dispatcher: Dispatcher, model: str) -> None:
+    """Ask admission for a slot of ``model`` (and give it back)."""
+    async with dispatcher.admission.open_slot(model, Needs()):
+        pass
+
+
 def series_naming(text: str, word: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("#") and word in line]
 
@@ -135,6 +148,19 @@ async def test_nodes_with_many_models_leave_no_groups_series_or_memory(
             after = dispatcher.metrics.render().decode()
             assert series_naming(after, "hostile") == []
             assert 'model="m"' in after  # the configured model keeps its series
+            # For the linger a request for one of them is a retryable 503, not a 404: the
+            # core remembers when each left (at most MODEL_MEMORY), and forgets it after.
+            assert len(core._gone_groups) == min(NODES * MODELS_PER_NODE, MODEL_MEMORY)
+            with pytest.raises(ModelUnavailable):
+                await admit(dispatcher, f"hostile-{round_}-5-7")
+            async with trio.open_nursery() as pinging:  # the steady node stays
+                pinging.start_soon(steady.answer_pings)
+                await trio.sleep(MODEL_LINGER_S)
+                pinging.cancel_scope.cancel()
+            await one_request(dispatcher, steady, "m")  # an input: the core forgets them
+            assert not core._gone_groups
+            with pytest.raises(UnknownModel):
+                await admit(dispatcher, f"hostile-{round_}-5-7")
             gc.collect()
             sizes.append(deep_size(core))
         assert sizes[0] <= size_before + NODES * DEPARTED_NODE_BYTES, (size_before, sizes)

@@ -376,3 +376,31 @@ async def test_usage_a_key_sees_its_own_and_the_admin_key_everything() -> None:
     assert [(g["key"], g["requests"]) for g in one["groups"]] == [("bob", 1)]
     assert bad.status_code == 400
     assert "group_by" in bad.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ models between nodes
+
+
+async def test_a_model_a_key_names_is_unavailable_to_it_and_unknown_to_others() -> None:
+    """No node serves ``gpt-x``: alice's key names it exactly, so she gets a retryable 503
+    ``model_unavailable`` (it is hers, it may come); bob's key may use any model and gets
+    the 404 a name nobody configured gets -- alice's list tells him nothing."""
+    keys = (alice(models=("gpt-x", "echo")), KeySettings(id="bob", key=BOB))
+    async with open_edge(*keys) as edge, httpx.AsyncClient(base_url=edge.url) as client:
+        answers = {
+            key: await client.post(
+                "/v1/chat/completions",
+                json={"model": "gpt-x", "messages": MESSAGES},
+                headers={"authorization": f"Bearer {key}"},
+            )
+            for key in (ALICE, BOB)
+        }
+    assert answers[ALICE].status_code == 503, answers[ALICE].text
+    assert answers[ALICE].headers["retry-after"] == "2"
+    error = answers[ALICE].json()["error"]
+    assert error["code"] == "model_unavailable"
+    assert error["message"] == (
+        "no node serves model 'gpt-x' right now (your key's allowed models name it); retry shortly"
+    )
+    assert answers[BOB].status_code == 404, answers[BOB].text
+    assert answers[BOB].json()["error"]["code"] == "model_not_found"

@@ -24,7 +24,7 @@ import orjson
 import trio
 
 from ... import wire
-from ...admission import Candidate, QueueTimeout
+from ...admission import Candidate, ModelUnavailable, QueueTimeout
 from ...errors import DispatcherError, NotFound, RunError, ShuttingDown
 from ...gate import Answer
 from ...http import PeerGone, Request, Responder
@@ -75,11 +75,12 @@ ERROR_TYPES: Final = {
 }
 """Anthropic's error type for each status it documents."""
 
-OVERLOADED: Final = (QueueTimeout, ShuttingDown, RunError)
+OVERLOADED: Final = (QueueTimeout, ModelUnavailable, ShuttingDown, RunError)
 """The errors of an edge that cannot answer now, retryable later: 529 ``overloaded_error``
-(a queue wait that timed out, a draining edge, every attempt failed -- ``RunError`` covers
-``AllAttemptsFailed`` -- or a node lost at send). A full queue is 429 ``rate_limit_error``,
-as Anthropic's docs answer a client over its rate."""
+(a queue wait that timed out, a model whose node may come back, a draining edge, every
+attempt failed -- ``RunError`` covers ``AllAttemptsFailed`` -- or a node lost at send). A
+full queue is 429 ``rate_limit_error``, as Anthropic's docs answer a client over its
+rate."""
 
 
 def anthropic_error(exc: BaseException) -> RenderedError:
