@@ -10,12 +10,14 @@ and the node's tunnel runner against the fake with no credit granted.
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import attrs
+import h11
 import httpx
 import openai
 import orjson
@@ -652,6 +654,123 @@ async def test_client_disconnect_closes_the_provider_stream_and_frees_the_slot(
             (end,) = env.watch.messages(wire.TunnelEnd)
             assert end.error == "cancelled"
             assert env.dispatcher.admission.statistics().drains_expired == 0
+
+
+@attrs.define(eq=False)
+class HoldingUpstream:
+    """An upstream that treats a non-streamed request as llama-server does (issue #21): it
+    keeps connections alive, answers a short request (``max_tokens`` <= 8) at once, with
+    ``Content-Length``, and holds a long one's answer -- head and all -- until it is done,
+    which here is never; it learns that its client left only from the socket ending (EOF or
+    reset), the only thing llama-server looks at. Raw h11 over TCP on 127.0.0.1."""
+
+    port: int = 0
+    accepted: int = 0
+    """TCP connections accepted so far."""
+    held: list[tuple[int, trio.Event]] = attrs.Factory(list)
+    """Per long request held: the connection it came on (1, 2, ...) and an event set when
+    that connection's client ends it."""
+    changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        self.accepted += 1
+        number = self.accepted
+        self.changed.unpark_all()
+        connection = h11.Connection(h11.SERVER)
+        body = b""
+        async with stream:
+            while True:
+                event = connection.next_event()
+                if event is h11.NEED_DATA:
+                    try:
+                        data = await stream.receive_some(65536)
+                    except trio.BrokenResourceError:
+                        data = b""
+                    if not data:
+                        return
+                    connection.receive_data(data)
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    if orjson.loads(body).get("max_tokens", 0) > 8:
+                        await self._hold(stream, number)
+                        return
+                    answer = orjson.dumps({"choices": [{"message": {"content": "hi"}}]})
+                    await stream.send_all(
+                        connection.send(
+                            h11.Response(
+                                status_code=200,
+                                headers=[
+                                    ("content-type", "application/json"),
+                                    ("content-length", str(len(answer))),
+                                ],
+                            )
+                        )
+                        + connection.send(h11.Data(data=answer))
+                        + connection.send(h11.EndOfMessage())
+                    )
+                    connection.start_next_cycle()
+                    body = b""
+                elif isinstance(event, h11.ConnectionClosed):
+                    return
+
+    async def _hold(self, stream: trio.SocketStream, number: int) -> None:
+        left = trio.Event()
+        self.held.append((number, left))
+        self.changed.unpark_all()
+        try:
+            while await stream.receive_some(65536):
+                pass  # a client's further bytes are not its leaving
+        except trio.BrokenResourceError:
+            pass
+        left.set()
+        self.changed.unpark_all()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self.changed.park()
+
+
+async def test_a_client_leaving_a_held_whole_answer_closes_the_reused_upstream_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue #21, on the node's pooled connection: a client leaves a non-streamed request
+    whose answer the upstream holds (no head yet) on a connection an earlier request left
+    in the pool. The node closes that connection -- the upstream's only sign -- and does not
+    give it back to the pool: the next request comes on a new one."""
+    upstream = HoldingUpstream()
+    async with trio.open_nursery() as nursery:
+        (listener,) = await nursery.start(
+            functools.partial(trio.serve_tcp, upstream.serve, 0, host="127.0.0.1")
+        )
+        upstream.port = listener.socket.getsockname()[1]
+        async with (
+            open_env(monkeypatch, base_url=f"http://127.0.0.1:{upstream.port}/v1") as env,
+            env.client() as client,
+        ):
+            with trio.fail_after(10):
+                short = await client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+                assert short.status_code == 200, short.text
+                assert upstream.accepted == 1
+                stream = await trio.open_tcp_stream("127.0.0.1", env.port)
+                async with stream:
+                    await stream.send_all(
+                        raw_post("/v1/chat/completions", chat_body(max_tokens=1500))
+                    )
+                    await upstream.wait_for(lambda: bool(upstream.held))
+                    ((number, left),) = upstream.held
+                    assert number == 1, "the long request did not reuse the pooled connection"
+                # The client is gone: the node closes the upstream connection.
+                await left.wait()
+                await env.wait_slots_free()
+                assert env.dispatcher.tunnels.statistics().ended == {
+                    "completed": 1,
+                    "cancelled": 1,
+                }
+                again = await client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
+                assert again.status_code == 200, again.text
+                assert upstream.accepted == 2, "a closed connection came back from the pool"
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_slow_reader_keeps_every_buffer_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

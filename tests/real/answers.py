@@ -181,6 +181,12 @@ CANCELS: dict[str, tuple[float, int, int]] = {}
 slot idle, tokens the engine decoded, tokens asked for)."""
 
 
+GAVE_UP: dict[str, tuple[float, int, int]] = {}
+"""``test_giving_up``'s findings: "route, streamed|whole, after N s" -> (seconds from the
+client closing its socket to the engine's slot free, tokens the slot decoded after that,
+tokens it had decoded before)."""
+
+
 @attrs.frozen
 class Timing:
     ttft: float

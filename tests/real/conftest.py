@@ -21,7 +21,7 @@ import pytest
 
 from tests.optional import deselect_unless
 
-from .answers import CANCELS, NUMBERS, client
+from .answers import CANCELS, GAVE_UP, NUMBERS, client
 from .stack import Stack, busy_slots, start_edge_and_node, start_engine
 
 ENGINE_ENV = "DISPATCHER_REAL_ENGINE"
@@ -95,7 +95,7 @@ def idle_engine(stack: Stack) -> Stack:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not NUMBERS and not CANCELS:
+    if not NUMBERS and not CANCELS and not GAVE_UP:
         return
     terminalreporter.section("real engine: direct vs through the edge")
     if NUMBERS:
@@ -104,6 +104,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"client left mid-stream ({route}): the engine's slot idle {seconds:.2f} s later, "
             f"{decoded} tokens decoded of {asked}"
+        )
+    for route, (seconds, after, before) in GAVE_UP.items():
+        terminalreporter.write_line(
+            f"client gave up ({route}): the engine's slot idle {seconds:.2f} s "
+            f"later, {after} tokens decoded after it left ({before} before)"
         )
 
 
