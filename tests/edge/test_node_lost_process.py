@@ -10,9 +10,8 @@ while draining. Bounds are generous; the naming itself is tested in virtual time
 
 from __future__ import annotations
 
-import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,46 +23,12 @@ import trio
 
 from dispatcher.config import EdgeConfig
 from dispatcher.gate import RunAttempt
-from dispatcher.logs import FIELDS
 
 from .fakes import ServedEdge, serve_edge
+from .logs import Captured
 from .test_drain_process import Proc, dispatcher_process, wait_for
 
 WORDS = 60
-
-
-class Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def messages(self, logger: str) -> list[str]:
-        return [r.getMessage() for r in self.records if r.name == logger]
-
-    def access(self, path: str) -> dict[str, Any]:
-        [line] = [
-            dict(getattr(r, FIELDS))
-            for r in self.records
-            if r.name == "dispatcher.access" and getattr(r, FIELDS)["path"] == path
-        ]
-        return line
-
-
-@pytest.fixture
-def logs() -> Iterator[Captured]:
-    logger = logging.getLogger("dispatcher")
-    handler = Captured()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 @asynccontextmanager
@@ -180,7 +145,7 @@ async def test_a_node_killed_mid_stream_is_named_lost(
         "node node-a generation 1 left: node node-a was lost: its connection broke"
         in logs.messages("dispatcher.nodes")
     )
-    line = logs.access(path)
+    line = logs.line_for(path)
     assert (line["outcome"], line["error_code"]) == ("failed", "node_lost")
     assert "node node-a was lost" in line["error"]
     [row] = served.rows
@@ -222,7 +187,7 @@ async def test_a_node_killed_before_its_first_token_is_named_lost_in_the_502(
     assert error["code"] == "node_lost"
     assert "node node-a was lost: its connection broke" in error["message"]
     assert "client disconnected" not in error["message"]
-    line = logs.access("/v1/chat/completions")
+    line = logs.line_for("/v1/chat/completions")
     assert (line["status"], line["error_code"]) == (502, "node_lost")
     [row] = served.rows
     assert row.outcome == "aborted"
@@ -256,5 +221,5 @@ async def test_a_node_stopped_mid_stream_is_named_draining(
         in nodes_log
     )
     assert not any("was lost" in message for message in nodes_log)
-    line = logs.access(path)
+    line = logs.line_for(path)
     assert (line["outcome"], line["error_code"]) == ("failed", "node_draining")

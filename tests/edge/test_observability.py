@@ -10,7 +10,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from dispatcher.traffic import RECENT_FAILURES
 
 from . import test_admission_http, test_tunnel
 from .fakes import ScriptedNode, connect, hello, wait_until
+from .logs import Captured
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -67,38 +68,6 @@ ACCESS_FIELDS = (
     "dropped_tools",
     "started_at",
 )
-
-
-class Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def access(self) -> list[dict[str, Any]]:
-        return [dict(getattr(r, FIELDS)) for r in self.records if r.name == "dispatcher.access"]
-
-    def line_of(self, request_id: str) -> dict[str, Any]:
-        lines = [fields for fields in self.access() if fields["request_id"] == request_id]
-        assert len(lines) == 1, lines
-        return lines[0]
-
-
-@pytest.fixture
-def logs() -> Iterator[Captured]:
-    """Every record of the ``dispatcher`` loggers, DEBUG and up (the access log included)."""
-    logger = logging.getLogger("dispatcher")
-    handler = Captured()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 @attrs.frozen

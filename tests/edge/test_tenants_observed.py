@@ -8,12 +8,12 @@ import httpx
 
 from dispatcher.config import KeySettings
 
-from .test_observability import Captured, logs  # noqa: F401 (the fixture)
+from .logs import Captured
 from .test_tenants_http import ADMIN, ALICE, open_edge
 
 
 async def test_a_rate_limited_request_is_logged_with_its_model_and_not_as_a_queue_refusal(
-    logs: Captured,  # noqa: F811
+    logs: Captured,
 ) -> None:
     keys = KeySettings(id="alice", key=ALICE, rpm=1)
     async with open_edge(keys) as edge, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
