@@ -40,7 +40,9 @@ REASONING: Final = "reasoning"
 model table)."""
 
 
-async def effort_where_announced(_number: int, candidate: Candidate, spec: RunSpec) -> RunSpec:
+async def effort_where_announced(  # noqa: ASYNC124 (a PrepareAttempt is async; this one needs no I/O)
+    _number: int, candidate: Candidate, spec: RunSpec
+) -> RunSpec:
     """A translating front end's :data:`~dispatcher.gate.PrepareAttempt`: the attempt's body
     without :data:`REASONING_EFFORT` unless ``candidate`` announces :data:`REASONING`."""
     if REASONING_EFFORT not in spec.body or REASONING in candidate.capabilities:
