@@ -180,6 +180,8 @@ class Subscription:
             return
         if isinstance(event, wire.RunDelta):
             self.text_chars += len(event.text)
+            if event.usage is not None:  # counted before the first content
+                self.usage = event.usage
         elif isinstance(event, wire.RunUsage | wire.RunCancelled) and event.usage is not None:
             self.usage = event.usage
         if self.overflowed:

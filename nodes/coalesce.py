@@ -45,6 +45,8 @@ class RunPieces:
     next_seq: int = 0
     size: int = 0
     """Characters pending: text, plus the size given with each event."""
+    first_delta_usage: wire.Usage | None = None
+    """A usage counted before any content: the next ``run.delta`` made carries it."""
     _pending: collections.deque[str | EventFactory] = attrs.Factory(collections.deque)
 
     def __bool__(self) -> bool:
@@ -70,7 +72,11 @@ class RunPieces:
             if text:
                 self._add_deltas(messages, text)
                 text = []
-            messages.append(item(self._seq()))
+            message = item(self._seq())
+            if self.first_delta_usage is not None and isinstance(message, wire.RunDelta):
+                message = attrs.evolve(message, usage=self.first_delta_usage)
+                self.first_delta_usage = None
+            messages.append(message)
         if text:
             self._add_deltas(messages, text)
         self._pending.clear()
@@ -81,7 +87,10 @@ class RunPieces:
         joined = text[0] if len(text) == 1 else "".join(text)
         for start in range(0, len(joined), MAX_DELTA_CHARS):
             piece = joined[start : start + MAX_DELTA_CHARS]
-            messages.append(wire.RunDelta(run_id=self.run_id, seq=self._seq(), text=piece))
+            usage, self.first_delta_usage = self.first_delta_usage, None
+            messages.append(
+                wire.RunDelta(run_id=self.run_id, seq=self._seq(), text=piece, usage=usage)
+            )
 
     def _seq(self) -> int:
         seq = self.next_seq

@@ -98,8 +98,6 @@ class _Run:
     reported_usage: wire.Usage | None = None
     content_pushed: bool = False
     """A delta (text or tool calls) was pushed: a usage reported after it waits for the end."""
-    usage_announced: bool = False
-    """A usage reported before any content was sent ahead of it (:meth:`_Output.usage`)."""
     finish_reason: str = "stop"
     generated: TokenEstimator = attrs.Factory(TokenEstimator)
 
@@ -162,13 +160,11 @@ class _Output:
         usage = run.reported_usage = wire.Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, estimated=estimated
         )
-        if not (estimated or run.content_pushed or run.usage_announced):
-            # Counted before the first content: sent ahead of it, so the edge's answer can
-            # start with the run's own count (Anthropic's message_start) rather than its
-            # estimate. Later reports wait for the end (the last one is the run's usage).
-            run.usage_announced = True
-            run_id = run.run_id
-            self._runner._push(run, lambda seq: wire.RunUsage(run_id=run_id, seq=seq, usage=usage))
+        if not (estimated or run.content_pushed):
+            # Counted before the first content: the first run.delta carries it (no frame of
+            # its own), so the edge's answer can start with the run's own count (Anthropic's
+            # message_start) rather than its estimate. The run's usage is still its last.
+            run.pieces.first_delta_usage = usage
 
     def finish(self, reason: str) -> None:
         self._run.finish_reason = reason

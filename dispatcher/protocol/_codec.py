@@ -14,11 +14,12 @@ from typing import Any, Final
 
 import cattrs
 import orjson
+from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.preconf.orjson import make_converter
 from cattrs.strategies import configure_tagged_union
 
 from ._errors import ProtocolError
-from ._messages import MAX_FRAME_SIZE, MESSAGE_TYPES, JSONObject, Message, TunnelData
+from ._messages import MAX_FRAME_SIZE, MESSAGE_TYPES, JSONObject, Message, RunDelta, TunnelData
 
 
 def _strict(kind: type[Any]) -> Any:
@@ -44,6 +45,12 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook_func(lambda t: t == JSONObject, _structure_json_object)
     tags: dict[type[Any], str] = {cls: cls.TYPE for cls in MESSAGE_TYPES}
     configure_tagged_union(Message, converter, tag_generator=tags.__getitem__, tag_name="type")
+    # A delta's usage is on a run's first delta at most: left out of the others' frames
+    # (an edge of before it ignores the key, as any key it does not know).
+    converter.register_unstructure_hook(
+        RunDelta,
+        make_dict_unstructure_fn(RunDelta, converter, usage=override(omit_if_default=True)),
+    )
     return converter
 
 

@@ -138,11 +138,14 @@ class RunStarted(_RunEventFields):
 @attrs.frozen(kw_only=True)
 class RunDelta(_RunEventFields):
     """Generated text (one or more tokens). ``tool_calls`` is room for tool-call deltas in
-    OpenAI's chunk shape."""
+    OpenAI's chunk shape. ``usage``, on a run's first delta only: what the engine counted
+    before it produced anything (the prompt's tokens), so the edge knows it when the answer
+    starts; the run's usage is still its last ``run.usage``."""
 
     TYPE: ClassVar[str] = "run.delta"
     text: str = ""
     tool_calls: tuple[JSONObject, ...] = ()
+    usage: Usage | None = None
 
 
 @attrs.frozen(kw_only=True)

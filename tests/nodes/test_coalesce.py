@@ -123,6 +123,35 @@ def test_tool_call_deltas_are_never_merged() -> None:
     accepted_by_the_edge("r", messages)
 
 
+def test_a_usage_counted_before_any_content_rides_on_the_first_delta_only() -> None:
+    """No frame of its own: the first ``run.delta`` made carries it (text or tool calls),
+    no other does, and a take with no delta keeps it for the next one."""
+    counted = wire.Usage(prompt_tokens=7, completion_tokens=0)
+    pieces = RunPieces("r1")
+    pieces.first_delta_usage = counted
+    pieces.add_event(lambda seq: wire.RunStarted(run_id="r1", seq=seq))
+    (started,) = pieces.take()
+    assert isinstance(started, wire.RunStarted)
+    pieces.add_text("a ")
+    pieces.add_text("b")
+    pieces.add_text("c" * (MAX_DELTA_CHARS + 1))
+    first, second = pieces.take()
+    assert isinstance(first, wire.RunDelta)
+    assert isinstance(second, wire.RunDelta)
+    assert (first.usage, second.usage) == (counted, None)
+    pieces.add_text("more")
+    (third,) = pieces.take()
+    assert isinstance(third, wire.RunDelta)
+    assert third.usage is None
+
+    calls = RunPieces("r2")
+    calls.first_delta_usage = counted
+    calls.add_event(lambda seq: wire.RunDelta(run_id="r2", seq=seq, tool_calls=({"index": 0},)))
+    (call,) = calls.take()
+    assert isinstance(call, wire.RunDelta)
+    assert call.usage == counted
+
+
 def test_merged_text_is_split_past_the_frame_bound() -> None:
     pieces = RunPieces("r")
     pieces.add_event(started)

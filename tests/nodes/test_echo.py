@@ -29,17 +29,16 @@ async def run_echo(
 
 
 def usage_of(rec: Recorder, run_id: str = "r1") -> wire.Usage:
-    """The run's usage: its last ``run.usage``. Echo counts its prompt before its first
-    token, and a count made before any content goes ahead of it: then the first event after
-    ``run.started`` is that count, with no output tokens yet."""
+    """The run's usage: its one ``run.usage``. Echo counts its prompt before its first
+    token, so its first delta (if any) carries that count, with no output tokens yet."""
     events = rec.events(run_id)
-    usages = [e for e in events if isinstance(e, wire.RunUsage)]
-    assert 1 <= len(usages) <= 2, usages
-    last: wire.Usage = usages[-1].usage
-    if len(usages) == 2:
-        assert events.index(usages[0]) == 1
-        assert usages[0].usage == attrs.evolve(last, completion_tokens=0)
-    return last
+    (event,) = [e for e in events if isinstance(e, wire.RunUsage)]
+    usage: wire.Usage = event.usage
+    deltas = [e for e in events if isinstance(e, wire.RunDelta)]
+    if deltas:
+        assert deltas[0].usage == attrs.evolve(usage, completion_tokens=0)
+        assert all(delta.usage is None for delta in deltas[1:])
+    return usage
 
 
 @pytest.mark.parametrize(
@@ -256,7 +255,7 @@ async def test_echo_tool_call_option_and_per_request_override() -> None:
     # per request: another call, or none at all
     override = {"tool_call": {"name": "f", "arguments": "{}"}}
     rec = await run_echo(request("r2", "x", echo=override), options)
-    assert rec.events("r2")[2].tool_calls[0]["function"]["name"] == "f"
+    assert rec.events("r2")[1].tool_calls[0]["function"]["name"] == "f"
     rec = await run_echo(request("r3", "plain text", echo={"tool_call": None}), options)
     assert rec.text("r3") == "plain text"
     assert rec.terminal("r3").finish_reason == "stop"

@@ -106,12 +106,13 @@ async def test_runner_estimate_in_run_cancelled_is_marked_estimated() -> None:
 
 async def test_reported_usage_is_measured_even_when_the_runner_saw_more_text() -> None:
     # The adapter reported (prompt 11, completion 0) and then streamed without reporting
-    # again: the runner sends what was reported and does not estimate over it -- ahead of
-    # the first content (a count made before any) and again at the end.
+    # again: the runner sends what was reported and does not estimate over it -- on the first
+    # delta (a count made before any content) and as the run's usage at the end.
     rec = await run_one(Reporting("more text here"), request(provider_id="p"))
     reported = wire.Usage(prompt_tokens=11, completion_tokens=0, estimated=False)
-    assert usages(rec) == [reported, reported]
-    assert rec.types("r1")[:3] == ["run.started", "run.usage", "run.delta"]
+    assert usages(rec) == [reported]
+    first = next(e for e in rec.events("r1") if isinstance(e, wire.RunDelta))
+    assert first.usage == reported
     rec = await cancel_after_text(
         Reporting("partial ", stall=True), request(provider_id="p"), "partial "
     )
@@ -127,10 +128,9 @@ async def test_an_adapter_that_reports_an_estimate_says_so() -> None:
 async def test_echo_counts_its_own_tokens_so_its_usage_is_measured() -> None:
     adapter = EchoAdapter(EchoOptions())
     rec = await run_one(adapter, request(text="one two three"))
-    assert usages(rec) == [
-        wire.Usage(prompt_tokens=3, completion_tokens=0, estimated=False),  # before its text
-        wire.Usage(prompt_tokens=3, completion_tokens=3, estimated=False),
-    ]
+    assert usages(rec) == [wire.Usage(prompt_tokens=3, completion_tokens=3, estimated=False)]
+    first = next(e for e in rec.events("r1") if isinstance(e, wire.RunDelta))
+    assert first.usage == wire.Usage(prompt_tokens=3, completion_tokens=0)  # before its text
 
     stalling = EchoAdapter(EchoOptions(stall_after_tokens=2))
     rec = await cancel_after_text(stalling, request(text="one two three"), "one two ")

@@ -156,10 +156,11 @@ class EventWriter:
         self._tool_calls = False
 
     def start(self, head: Sequence[wire.RunEvent]) -> bytes:
-        """``message_start`` (its input usage: the run's, if ``head`` has it, else the
-        estimate) and a ``ping``."""
+        """``message_start`` (its input usage: the run's, if ``head`` has it -- a
+        ``run.usage``, or the count a first ``run.delta`` carries -- else the estimate) and a
+        ``ping``."""
         for item in head:
-            if isinstance(item, wire.RunUsage):
+            if isinstance(item, wire.RunUsage | wire.RunDelta) and item.usage is not None:
                 self.usage = item.usage
         usage = _usage(self.usage, self.input_estimate, 0)
         usage["output_tokens"] = 0
