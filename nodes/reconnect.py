@@ -100,24 +100,27 @@ def advice(cause: DialCause, url: str) -> str:
         )
     if cause.kind == "closed":
         text = f"{where} closed the connection during the websocket upgrade ({cause.detail})"
-        if parts.scheme.lower() == "ws":
-            tls = urllib.parse.urlunsplit(parts._replace(scheme="wss"))
-            return f"{text}: if the edge serves TLS, use wss:// ({tls})"
-        return f"{text}: is it the edge?"
+        return _upgrade_advice(text, parts)
     if cause.kind == "http":
         return _http_advice(cause, url)
     return cause.detail
 
 
+def _upgrade_advice(text: str, parts: urllib.parse.SplitResult) -> str:
+    """``text`` (what went wrong with the websocket upgrade) with what to try: over ``ws://``,
+    the edge may serve TLS (its ``wss://`` URL); over ``wss://``, it may not be the edge."""
+    if parts.scheme.lower() == "ws":
+        tls = urllib.parse.urlunsplit(parts._replace(scheme="wss"))
+        return f"{text}: if the edge serves TLS, use wss:// ({tls})"
+    return f"{text}: is it the edge?"
+
+
 def _timeout_advice(cause: DialCause, parts: urllib.parse.SplitResult) -> str:
     where = f"{cause.host}:{cause.port}"
     if cause.stage == "websocket upgrade":
+        # What an edge serving TLS does with a plain request: waits for a TLS hello.
         text = f"{where} took the connection but did not answer the websocket upgrade in time"
-        if parts.scheme.lower() == "ws":
-            # What an edge serving TLS does with a plain request: waits for a TLS hello.
-            tls = urllib.parse.urlunsplit(parts._replace(scheme="wss"))
-            return f"{text}: if the edge serves TLS, use wss:// ({tls})"
-        return f"{text}: is it the edge?"
+        return _upgrade_advice(text, parts)
     if cause.stage == "TLS handshake":
         return f"{where} did not answer the TLS handshake in time: is the edge serving TLS?"
     return (
