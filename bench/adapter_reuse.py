@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 from nodes.adapters import build_adapters
 from nodes.config import ModelConfig, ProviderConfig
 from nodes.runner import open_runner

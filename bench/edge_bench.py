@@ -61,7 +61,7 @@ from bench._load import (
     server_process,
 )
 from dispatcher import wire
-from dispatcher.transport import Connection, Frame
+from dispatcher.shared.transport import Connection, Frame
 
 if TYPE_CHECKING:
     from nodes.config import NodeConfig
@@ -488,7 +488,7 @@ class FrameWatch:
 
 
 class WatchedConnection:
-    """A node's :class:`~dispatcher.transport.Connection`, passed through, timestamping the
+    """A node's :class:`~dispatcher.shared.transport.Connection`, passed through, timestamping the
     frames :class:`FrameWatch` wants."""
 
     def __init__(self, inner: Connection, watch: FrameWatch) -> None:

@@ -17,9 +17,9 @@ import trio
 from bench import Table, fmt_int
 from dispatcher import wire
 from dispatcher.config import EdgeConfig
-from dispatcher.gate import Answer, GateRequest
-from dispatcher.pool import DispatchRequest
-from dispatcher.runs import RunSpec
+from dispatcher.gate.attempts import Answer, GateRequest
+from dispatcher.gate.pool import DispatchRequest
+from dispatcher.paths.runs import RunSpec
 from dispatcher.service import Dispatcher, open_dispatcher
 
 TIME_LIMIT = 60.0

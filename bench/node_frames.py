@@ -31,8 +31,8 @@ import orjson
 import trio
 import trio_websocket
 
-from dispatcher import protocol as wire
-from dispatcher.transport import Connection, Frame
+from dispatcher import wire
+from dispatcher.shared.transport import Connection, Frame
 from nodes.agent import serve_node_session
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 from nodes.dial import dial_edge

@@ -50,7 +50,7 @@ import orjson
 import trio
 
 from bench.node_frames import _cell, _Counting, _read_line
-from dispatcher.transport import Connection
+from dispatcher.shared.transport import Connection
 from nodes.adapters._client import Pool, Target
 from nodes.adapters._http import SSEDecoder, tls_context
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import trio
 
 from bench import Table, fmt_int
-from dispatcher.usage import USAGE_DB_NAME, UsageRow, open_usage_ledger
+from dispatcher.store.ledger import USAGE_DB_NAME, UsageRow, open_usage_ledger
 
 TIME_LIMIT = 20.0
 """The whole section is cut off after this many seconds."""

@@ -27,15 +27,15 @@ _EXPORTS: dict[str, str] = {
     "EdgeConfig": "dispatcher.config",
     "ConfigError": "dispatcher.config",
     "load_edge_config": "dispatcher.config",
-    "RunSpec": "dispatcher.runs",
-    "Run": "dispatcher.runs",
-    "GateRequest": "dispatcher.gate",
-    "DispatchRequest": "dispatcher.pool",
-    "UsageRow": "dispatcher.usage",
+    "RunSpec": "dispatcher.paths.runs",
+    "Run": "dispatcher.paths.runs",
+    "GateRequest": "dispatcher.gate.attempts",
+    "DispatchRequest": "dispatcher.gate.pool",
+    "UsageRow": "dispatcher.store.ledger",
     # connecting nodes
-    "Connection": "dispatcher.transport",
-    "ConnectionClosed": "dispatcher.transport",
-    "memory_connection_pair": "dispatcher.transport",
+    "Connection": "dispatcher.shared.transport",
+    "ConnectionClosed": "dispatcher.shared.transport",
+    "memory_connection_pair": "dispatcher.shared.transport",
     # the error tree
     "DispatcherError": "dispatcher.errors",
     "BadRequest": "dispatcher.errors",
@@ -74,24 +74,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .admission import (
-        AdmissionError as AdmissionError,
-    )
-    from .admission import (
-        ModelUnavailable as ModelUnavailable,
-    )
-    from .admission import (
-        NoCapableCandidate as NoCapableCandidate,
-    )
-    from .admission import (
-        QueueFull as QueueFull,
-    )
-    from .admission import (
-        QueueTimeout as QueueTimeout,
-    )
-    from .admission import (
-        UnknownModel as UnknownModel,
-    )
+    from .admission import AdmissionError as AdmissionError
+    from .admission import ModelUnavailable as ModelUnavailable
+    from .admission import NoCapableCandidate as NoCapableCandidate
+    from .admission import QueueFull as QueueFull
+    from .admission import QueueTimeout as QueueTimeout
+    from .admission import UnknownModel as UnknownModel
     from .config import ConfigError as ConfigError
     from .config import EdgeConfig as EdgeConfig
     from .config import load_edge_config as load_edge_config
@@ -109,11 +97,11 @@ if TYPE_CHECKING:
     from .errors import TunnelFailed as TunnelFailed
     from .errors import Unauthorized as Unauthorized
     from .errors import UpstreamRejected as UpstreamRejected
-    from .gate import GateRequest as GateRequest
-    from .pool import DispatchRequest as DispatchRequest
-    from .runs import Run as Run
-    from .runs import RunSpec as RunSpec
-    from .transport import Connection as Connection
-    from .transport import ConnectionClosed as ConnectionClosed
-    from .transport import memory_connection_pair as memory_connection_pair
-    from .usage import UsageRow as UsageRow
+    from .gate.attempts import GateRequest as GateRequest
+    from .gate.pool import DispatchRequest as DispatchRequest
+    from .paths.runs import Run as Run
+    from .paths.runs import RunSpec as RunSpec
+    from .shared.transport import Connection as Connection
+    from .shared.transport import ConnectionClosed as ConnectionClosed
+    from .shared.transport import memory_connection_pair as memory_connection_pair
+    from .store.ledger import UsageRow as UsageRow

@@ -47,11 +47,22 @@ from nodes.dial import edge_ssl_context
 from nodes.tunnel import tunnel_providers
 
 from . import __version__
-from .config import ConfigError, EdgeConfig, NodeToken, load_edge_config
-from .config_summary import KINDS, ConfigKind, config_kind, describe_edge, describe_node
-from .logs import LOG_FORMATS, configure_logging
-from .protocol.config_errors import ConfigFileError, Problem
-from .protocol.excgroups import first_leaf
+from .config import (
+    ConfigError,
+    EdgeConfig,
+    NodeToken,
+    load_edge_config,
+)
+from .config.summary import (
+    KINDS,
+    ConfigKind,
+    config_kind,
+    describe_edge,
+    describe_node,
+)
+from .observe.logs import LOG_FORMATS, configure_logging
+from .shared.config_errors import ConfigFileError, Problem
+from .shared.excgroups import first_leaf
 
 if TYPE_CHECKING:
     from .edge import Dispatcher as EdgeDispatcher

@@ -38,23 +38,28 @@ from nodes.config import NodeConfig, default_node_config
 
 from . import wire
 from .admission import Admission, Candidate, PolicySnapshot
-from .catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
 from .config import ConfigError, EdgeConfig, NodeToken
 from .errors import ShuttingDown
-from .forwarding import Forwarded
-from .gate import Gate
-from .metrics import Metrics
-from .nodelink import LOCAL_CREDENTIAL, NodeCredential, NodeLinkSettings, serve_node_connection
-from .pool import Dispatch, DispatchRequest, Pool
-from .registry import NodeSession, Registry
-from .responses_store import ResponseStore, beside_ledger, open_response_store
-from .runs import Run, Runs, RunSpec
-from .status import EdgeStatus, edge_status
+from .gate.attempts import Gate
+from .gate.catalog import candidates_for_session, gate_policies, policy_snapshot_from_config
+from .gate.pool import Dispatch, DispatchRequest, Pool
+from .link.registry import NodeSession, Registry
+from .link.session import (
+    LOCAL_CREDENTIAL,
+    NodeCredential,
+    NodeLinkSettings,
+    serve_node_connection,
+)
+from .observe.metrics import Metrics
+from .observe.status import EdgeStatus, edge_status
+from .observe.traffic import Traffic
+from .paths.runs import Run, Runs, RunSpec
+from .paths.tunnel import Tunnels
+from .shared.forwarding import Forwarded
+from .shared.transport import Connection, memory_connection_pair
+from .store.ledger import UsageLedger, open_usage_ledger
+from .store.responses import ResponseStore, beside_ledger, open_response_store
 from .tenants import Tenants, tenant_policy_from_config
-from .traffic import Traffic
-from .transport import Connection, memory_connection_pair
-from .tunnel import Tunnels
-from .usage import UsageLedger, open_usage_ledger
 
 log = logging.getLogger("dispatcher")
 
@@ -114,10 +119,10 @@ class Dispatcher:
     gate: Gate
     ledger: UsageLedger
     response_store: ResponseStore
-    """The Responses API's stored responses, beside the ledger (``dispatcher.responses_store``)."""
+    """The Responses API's stored responses, beside the ledger (``dispatcher.store.responses``)."""
     metrics: Metrics
     traffic: Traffic
-    """The requests in flight and what ended ones left (``dispatcher.traffic``)."""
+    """The requests in flight and what ended ones left (``dispatcher.observe.traffic``)."""
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
     tenants: Tenants = attrs.Factory(Tenants)
@@ -147,7 +152,7 @@ class Dispatcher:
 
     @asynccontextmanager
     async def open_run(self, spec: RunSpec) -> AsyncIterator[Run]:
-        """Queue, take a slot, subscribe, send; see :mod:`dispatcher.runs`. Raises
+        """Queue, take a slot, subscribe, send; see :mod:`dispatcher.paths.runs`. Raises
         :class:`ShuttingDown` once the dispatcher is draining, and out of the block when a
         drain's grace ran out before it was left."""
         with self.track_work() as work:
@@ -158,7 +163,7 @@ class Dispatcher:
     @asynccontextmanager
     async def open_dispatch(self, request: DispatchRequest) -> AsyncIterator[Dispatch]:
         """One admission over the model's provider pool, then the winning candidate's path
-        (see :mod:`dispatcher.pool`). Raises :class:`ShuttingDown` like :meth:`open_run`."""
+        (see :mod:`dispatcher.gate.pool`). Raises :class:`ShuttingDown` like :meth:`open_run`."""
         with self.track_work() as work:
             async with self.pool.open(request) as dispatch:
                 yield dispatch
@@ -282,7 +287,7 @@ class Dispatcher:
         return len(self.registry.sessions)
 
     def status(self) -> EdgeStatus:
-        """The edge at a glance (``GET /admin/status``; see ``dispatcher.status``)."""
+        """The edge at a glance (``GET /admin/status``; see ``dispatcher.observe.status``)."""
         return edge_status(
             sessions=self.registry.sessions.values(),
             stats=self.admission.statistics(),

@@ -65,9 +65,9 @@ from typing import Any, Final
 import attrs
 import trio
 
-from dispatcher import protocol as wire
-from dispatcher.protocol.excgroups import first_leaf
-from dispatcher.transport import Connection, ConnectionClosed
+from dispatcher import wire
+from dispatcher.shared.excgroups import first_leaf
+from dispatcher.shared.transport import Connection, ConnectionClosed
 from nodes.adapters import Adapter, DropConnection, build_adapters, open_adapters
 from nodes.config import NodeConfig, hello_from_config
 from nodes.dial import CLOSE_TIMEOUT, DialFailed, close_budget, edge_dial, explain
@@ -190,7 +190,7 @@ class _SendTurn:
 
 class _Link:
     """The connection to the edge, seen through this node's half of the protocol state machine
-    (:class:`~dispatcher.protocol.NodeProtocol`): every frame the edge sends is judged by it,
+    (:class:`~dispatcher.wire.NodeProtocol`): every frame the edge sends is judged by it,
     every frame this node sends is recorded in it, in wire order (under the one send lock
     that serializes the runner's writer, pongs and tunnels)."""
 

@@ -12,7 +12,7 @@ terminal event. A ``run.delta`` with any text is what the protocol allows; the c
 the same concatenated text, in fewer SSE events.
 
 Tunnels, :func:`take_body`: the body bytes buffered for a tunnel, as one binary frame of at
-most :data:`~dispatcher.protocol.MAX_TUNNEL_CHUNK` bytes and the credit the edge granted.
+most :data:`~dispatcher.wire.MAX_TUNNEL_CHUNK` bytes and the credit the edge granted.
 
 Neither waits for more: the callers take what is ready when the connection can take a frame,
 so the first piece of a stream goes out as soon as the connection is free, and only what
@@ -27,7 +27,7 @@ from typing import Final
 
 import attrs
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 
 MAX_DELTA_CHARS: Final = 64 * 1024
 """Most text in one coalesced ``run.delta`` frame (well under ``wire.MAX_FRAME_SIZE`` even

@@ -39,8 +39,8 @@ import attrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
-from dispatcher import protocol as wire
-from dispatcher.protocol.config_errors import (
+from dispatcher import wire
+from dispatcher.shared.config_errors import (
     ConfigFileError,
     Invalid,
     Problem,

@@ -26,9 +26,9 @@ import attrs
 import trio
 import trio_websocket
 
-from dispatcher import protocol as wire
-from dispatcher.protocol.excgroups import first_leaf, leaves
-from dispatcher.transport import Connection, ConnectionClosed, Frame
+from dispatcher import wire
+from dispatcher.shared.excgroups import first_leaf, leaves
+from dispatcher.shared.transport import Connection, ConnectionClosed, Frame
 from nodes.config import NodeConfig, check_edge_url
 from nodes.reconnect import DialCause, advice
 
@@ -76,7 +76,7 @@ def close_budget() -> float:
 
 
 class WebSocketClientConnection:
-    """A :class:`~dispatcher.transport.Connection` over a trio-websocket client connection:
+    """A :class:`~dispatcher.shared.transport.Connection` over a trio-websocket client connection:
     trio-websocket's ``ConnectionClosed``, ``HandshakeError`` and ``OSError`` become
     ``transport.ConnectionClosed`` (with the close code and reason when there is one)."""
 

@@ -41,9 +41,9 @@ import attrs
 import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 import trio
 
-from dispatcher import protocol as wire
-from dispatcher.protocol.excgroups import first_leaf
-from dispatcher.transport import ConnectionClosed
+from dispatcher import wire
+from dispatcher.shared.excgroups import first_leaf
+from dispatcher.shared.transport import ConnectionClosed
 from nodes.adapters._client import Pool, Response
 from nodes.adapters._http import (
     HTTPTimeouts,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dispatcher.config import ConfigError, load_edge_config
-from dispatcher.config_summary import ConfigKind, config_kind
+from dispatcher.config.summary import ConfigKind, config_kind
 from nodes import load_node_config
 from nodes.config import NodeConfigError
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from dispatcher.admission import MODEL_LINGER_S
-from dispatcher.catalog import policy_snapshot_from_config
 from dispatcher.config import (
     ConfigError,
     EdgeConfig,
@@ -18,6 +17,7 @@ from dispatcher.config import (
     load_edge_config,
     parse_edge_config,
 )
+from dispatcher.gate.catalog import policy_snapshot_from_config
 
 
 def load(tmp_path: Path, text: str, environ: dict[str, str] | None = None) -> EdgeConfig:

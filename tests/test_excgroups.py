@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher.protocol.excgroups import first_leaf, holds, leaves
+from dispatcher.shared.excgroups import first_leaf, holds, leaves
 
 
 class Closed(Exception):

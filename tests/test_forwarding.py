@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from dispatcher.forwarding import Forwarded
+from dispatcher.shared.forwarding import Forwarded
 
 
 @attrs.frozen

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dispatcher.logs import (
+from dispatcher.observe.logs import (
     FIELDS,
     JsonFormatter,
     TextFormatter,

@@ -10,9 +10,14 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from dispatcher import series
 from dispatcher.admission import Admission, PolicySnapshot
-from dispatcher.metrics import REQUEST_DURATION_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS, Metrics
+from dispatcher.observe import series
+from dispatcher.observe.metrics import (
+    REQUEST_DURATION_BUCKETS,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    Metrics,
+)
 
 from .admission.helpers import cand
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import attrs
 
-from dispatcher.traffic import RequestRecord, RequestSummary
+from dispatcher.observe.traffic import RequestRecord, RequestSummary
 
 
 def test_fields_are_asdict_in_order() -> None:

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dispatcher.api.usage_report import parse_usage_query, usage_report_json
-from dispatcher.usage import (
+from dispatcher.store.ledger import (
     GROUP_BY,
     MAX_QUERY_LIMIT,
     RECENT_KEYS,

@@ -16,8 +16,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
-from dispatcher.protocol.tokens import tokens_for_chars
-from dispatcher.wire import ExecutionPath, ModelInfo, ProviderInfo
+from ..shared.tokens import tokens_for_chars
+from ..wire import ExecutionPath, ModelInfo, ProviderInfo
 
 RequestClass: TypeAlias = Literal["short", "long"]
 """``"long"`` for requests of at least the group's ``long_context_tokens`` estimated tokens."""

@@ -75,7 +75,15 @@ from ._candidates import (
     Needs,
     RequestClass,
 )
-from ._fair import DEFAULT_SHARE, REQUEUED, Lane, Lanes, Share, Tenant, Tenants
+from ._fair import (
+    DEFAULT_SHARE,
+    REQUEUED,
+    Lane,
+    Lanes,
+    Share,
+    Tenant,
+    Tenants,
+)
 from ._policy import Policy, PolicySnapshot
 
 WaiterId: TypeAlias = int | str

@@ -20,8 +20,13 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from ..forwarding import Forwarded
-from ._candidates import Candidate, CandidateKey, Needs, RequestClass
+from ..shared.forwarding import Forwarded
+from ._candidates import (
+    Candidate,
+    CandidateKey,
+    Needs,
+    RequestClass,
+)
 from ._core import (
     AdmissionCore,
     AdmissionStatistics,

@@ -1,5 +1,5 @@
 """The operator's routes: ``GET /admin/status``, the edge at a glance as JSON
-(``docs/status.md``; the document is built by :mod:`dispatcher.status`), and ``GET /``, the
+(``docs/status.md``; the document is built by :mod:`dispatcher.observe.status`), and ``GET /``, the
 status page that polls it. Access to the JSON is ``admin``: an admin key when any is
 configured; with none, open only if the client routes are open too (see
 ``app.make_handler``). The page itself is ``open``: it is a fixed document with no data in
@@ -15,7 +15,7 @@ import re
 from typing import Final
 
 from ..http import Request, Responder
-from ..status import status_json
+from ..observe.status import status_json
 from .common import JSON_HEADERS, openai_error
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices

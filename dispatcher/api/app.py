@@ -19,7 +19,13 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from ..admission import AdmissionError
-from ..errors import DispatcherError, NotFound, PayloadTooLarge, ShuttingDown, Unauthorized
+from ..errors import (
+    DispatcherError,
+    NotFound,
+    PayloadTooLarge,
+    ShuttingDown,
+    Unauthorized,
+)
 from ..http import (
     BodyTooLarge,
     Handler,
@@ -32,8 +38,21 @@ from ..http import (
 )
 from ..tenants import KeyDirectory, Tenant
 from ..tenants import legacy_key_id as key_id
-from . import admin, anthropic, openai, operations, responses
-from .front import Access, ErrorRenderer, FrontEnd, RenderedError, RouteContext, RouteSpec
+from . import (
+    admin,
+    anthropic,
+    openai,
+    operations,
+    responses,
+)
+from .front import (
+    Access,
+    ErrorRenderer,
+    FrontEnd,
+    RenderedError,
+    RouteContext,
+    RouteSpec,
+)
 from .recorded import RecordingResponder
 from .seam import ApiSettings, EdgeServices, WorkTicket
 

@@ -15,14 +15,35 @@ import attrs
 import trio
 
 from .. import wire
-from ..admission import DEFAULT_SHARE, AdmissionError, Candidate, Predicate
-from ..errors import RateLimited, RunError, ShuttingDown, error_status_and_body
-from ..gate import Answer, GateRequest, PrepareAttempt, RequestResult, TunnelCall
-from ..http import HTTPStream, PeerGone, Request, Responder
-from ..pool import DispatchRequest, DispatchResult
-from ..runs import RunSpec
+from ..admission import (
+    DEFAULT_SHARE,
+    AdmissionError,
+    Candidate,
+    Predicate,
+)
+from ..errors import (
+    RateLimited,
+    RunError,
+    ShuttingDown,
+    error_status_and_body,
+)
+from ..gate.attempts import (
+    Answer,
+    GateRequest,
+    PrepareAttempt,
+    RequestResult,
+    TunnelCall,
+)
+from ..gate.pool import DispatchRequest, DispatchResult
+from ..http import (
+    HTTPStream,
+    PeerGone,
+    Request,
+    Responder,
+)
+from ..observe.traffic import RequestRecord
+from ..paths.runs import RunSpec
 from ..tenants import Ticket
-from ..traffic import RequestRecord
 from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
 
@@ -43,8 +64,9 @@ model table)."""
 async def effort_where_announced(  # noqa: ASYNC124 (a PrepareAttempt is async; this one needs no I/O)
     _number: int, candidate: Candidate, spec: RunSpec
 ) -> RunSpec:
-    """A translating front end's :data:`~dispatcher.gate.PrepareAttempt`: the attempt's body
-    without :data:`REASONING_EFFORT` unless ``candidate`` announces :data:`REASONING`."""
+    """A translating front end's :data:`~dispatcher.gate.attempts.PrepareAttempt`: the
+    attempt's body without :data:`REASONING_EFFORT` unless ``candidate`` announces
+    :data:`REASONING`."""
     if REASONING_EFFORT not in spec.body or REASONING in candidate.capabilities:
         return spec
     body = dict(spec.body)

@@ -21,8 +21,8 @@ from typing import Literal
 import attrs
 
 from ..http import Request, Responder
+from ..observe.traffic import RequestRecord
 from ..tenants import Tenant
-from ..traffic import RequestRecord
 from .seam import ApiSettings, EdgeServices
 
 __all__ = [
@@ -49,7 +49,7 @@ class RouteContext:
     attribution: str | None
     """Who the request's usage is attributed to: the id of the client's API key."""
     record: RequestRecord | None = None
-    """The request's record (``dispatcher.traffic``), which a model route fills in."""
+    """The request's record (``dispatcher.observe.traffic``), which a model route fills in."""
     tenant: Tenant | None = None
     """The client key's tenant (its limits, priority and weight); None on routes that take
     no client key, and when client auth is off."""

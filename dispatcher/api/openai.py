@@ -22,9 +22,14 @@ import trio
 
 from .. import wire
 from ..errors import BadRequest, NotFound, openai_error_object
-from ..gate import Answer, GateRequest, TunnelAnswer
-from ..http import HTTPStream, PeerGone, Request, Responder
-from ..runs import Run
+from ..gate.attempts import Answer, GateRequest, TunnelAnswer
+from ..http import (
+    HTTPStream,
+    PeerGone,
+    Request,
+    Responder,
+)
+from ..paths.runs import Run
 from ..tenants import Tenant
 from . import schema
 from .common import (

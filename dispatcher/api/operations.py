@@ -8,10 +8,21 @@ import attrs
 import orjson
 
 from ..config import ConfigError
-from ..errors import BadRequest, Forbidden, NoConfigFile, ShuttingDown
-from ..http import PeerGone, Request, Responder, WebSocket, WebSocketClosed
-from ..metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from ..transport import ConnectionClosed
+from ..errors import (
+    BadRequest,
+    Forbidden,
+    NoConfigFile,
+    ShuttingDown,
+)
+from ..http import (
+    PeerGone,
+    Request,
+    Responder,
+    WebSocket,
+    WebSocketClosed,
+)
+from ..observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ..shared.transport import ConnectionClosed
 from .common import JSON_HEADERS, openai_error
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
@@ -30,7 +41,7 @@ METRICS_PATH = "/metrics"
 
 
 class ServerWebSocketConnection:
-    """A :class:`dispatcher.transport.Connection` over our server's websocket."""
+    """A :class:`dispatcher.shared.transport.Connection` over our server's websocket."""
 
     def __init__(self, ws: WebSocket) -> None:
         self._ws = ws

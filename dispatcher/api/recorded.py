@@ -1,10 +1,15 @@
 """The responder every request's handler answers through: it tells the request's record
-(:mod:`dispatcher.traffic`) the status its answer started with."""
+(:mod:`dispatcher.observe.traffic`) the status its answer started with."""
 
 from __future__ import annotations
 
-from ..http import Headers, HTTPStream, Responder, WebSocket
-from ..traffic import RequestRecord
+from ..http import (
+    Headers,
+    HTTPStream,
+    Responder,
+    WebSocket,
+)
+from ..observe.traffic import RequestRecord
 
 __all__ = ["RecordingResponder"]
 

@@ -19,14 +19,14 @@ import attrs
 import trio
 
 from ..config import EdgeConfig
-from ..gate import Gate
-from ..metrics import Metrics
-from ..responses_store import ResponseStore
-from ..status import EdgeStatus
+from ..gate.attempts import Gate
+from ..observe.metrics import Metrics
+from ..observe.status import EdgeStatus
+from ..observe.traffic import Traffic
+from ..shared.transport import Connection
+from ..store.ledger import UsageLedger
+from ..store.responses import ResponseStore
 from ..tenants import Tenants
-from ..traffic import Traffic
-from ..transport import Connection
-from ..usage import UsageLedger
 
 __all__ = ["ApiSettings", "EdgeServices", "RegistryView", "WorkTicket"]
 
@@ -80,7 +80,7 @@ class EdgeServices(Protocol):
     metrics: Metrics
     """The edge's metrics: every route's request is counted in them."""
     traffic: Traffic
-    """The request records: the handler opens one per request (``dispatcher.traffic``)."""
+    """The request records: the handler opens one per request (``dispatcher.observe.traffic``)."""
     ledger: UsageLedger
     """The usage ledger (routes only query it; the gate records)."""
     response_store: ResponseStore

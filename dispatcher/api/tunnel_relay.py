@@ -8,12 +8,12 @@ candidates served through a tunnel can take them; others are rejected with 400),
 What the provider receives and what the client receives -- the header rules, the SSE filter,
 usage sniffing -- and the pre-commit phase the gate runs inside its attempt (send the request,
 await the start, read up to the commit point; a 5xx / 429 fails the attempt and the gate
-recovers on another candidate) live in the core, :mod:`dispatcher.tunnel_http`. The API gives
+recovers on another candidate) live in the core, :mod:`dispatcher.paths.tunnel_http`. The API gives
 the gate what to relay of the client's request (:func:`dispatcher.api.common.gate_request`).
 
 :func:`relay` is the relay phase of the committed answer: its head, then the rest. An SSE
 response is streamed as it arrives; another body is answered whole (with ``Content-Length``)
-up to :data:`~dispatcher.tunnel_http.BUFFER_LIMIT` bytes, and streamed beyond. If an SSE
+up to :data:`~dispatcher.paths.tunnel_http.BUFFER_LIMIT` bytes, and streamed beyond. If an SSE
 stream breaks off (or stalls) after the commit, an SSE error event ends it; if another
 streamed body does, the connection is cut so the client sees the body is incomplete.
 
@@ -37,11 +37,10 @@ import trio
 
 from ..admission import Candidate
 from ..errors import TunnelFailed
-from ..gate import TunnelAnswer
+from ..gate.attempts import TunnelAnswer
 from ..http import PeerGone, Responder
-from ..protocol.tokens import estimate_prompt_tokens
-from ..tunnel import Tunnel
-from ..tunnel_http import (
+from ..paths.tunnel import Tunnel
+from ..paths.tunnel_http import (
     BUFFER_LIMIT,
     USAGE_TAIL,
     SSEFilter,
@@ -51,8 +50,14 @@ from ..tunnel_http import (
     client_headers,
     tail_usage,
 )
+from ..shared.tokens import estimate_prompt_tokens
 from . import schema
-from .common import CutResponse, ModelCall, dispatch_headers, model_route
+from .common import (
+    CutResponse,
+    ModelCall,
+    dispatch_headers,
+    model_route,
+)
 from .seam import EdgeServices
 
 log = logging.getLogger("dispatcher.api.tunnel")

@@ -1,7 +1,7 @@
 """``GET /v1/usage`` on the HTTP side: its query string parsed into the ledger's query and
 grouping (:func:`parse_usage_query`) and the report rendered as the response body
 (:func:`usage_report_json`). The ledger itself (rows, SQLite, queries) is
-:mod:`dispatcher.usage`."""
+:mod:`dispatcher.store.ledger`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Final, cast
 import attrs
 import orjson
 
-from ..usage import (
+from ..store.ledger import (
     DEFAULT_QUERY_LIMIT,
     GROUP_BY,
     MAX_QUERY_LIMIT,

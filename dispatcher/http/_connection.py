@@ -44,7 +44,12 @@ from ._types import (
     RequestTimeout,
     WebSocket,
 )
-from ._websocket import GOING_AWAY, INTERNAL_ERROR, NORMAL_CLOSURE, ServerWebSocket
+from ._websocket import (
+    GOING_AWAY,
+    INTERNAL_ERROR,
+    NORMAL_CLOSURE,
+    ServerWebSocket,
+)
 
 if TYPE_CHECKING:
     from ._server import Server

@@ -12,7 +12,13 @@ from typing import TypedDict, Unpack
 import trio
 
 from ._connection import CLOSE_TIMEOUT, Connection, logger
-from ._types import Address, ErrorPage, Handler, Limits, ShutdownHook
+from ._types import (
+    Address,
+    ErrorPage,
+    Handler,
+    Limits,
+    ShutdownHook,
+)
 from ._websocket import ServerWebSocket
 
 _DEFAULT_LIMITS = Limits()

@@ -23,9 +23,20 @@ import trio
 
 from ..admission import UnknownModel
 from ..errors import QuotaExceeded, RateLimited, TokenRateLimited
-from ..protocol.tokens import estimate_prompt_tokens
-from ..usage import BillableTo, GroupBy, UsageGroup, UsageRow
-from ._core import Refusal, TenantLimiter, Ticket, month_start, periods
+from ..shared.tokens import estimate_prompt_tokens
+from ..store.ledger import (
+    BillableTo,
+    GroupBy,
+    UsageGroup,
+    UsageRow,
+)
+from ._core import (
+    Refusal,
+    TenantLimiter,
+    Ticket,
+    month_start,
+    periods,
+)
 from ._policy import KeyDirectory, Tenant, TenantPolicy
 
 __all__ = ["SpendSource", "Tenants", "expected_output_tokens", "request_estimate"]
@@ -164,7 +175,7 @@ class Tenants:
     ) -> float | None:
         """A usage row's cost (at the prices its request was admitted under), billed to its
         tenant when it is billable to the client: the gate's pricing hook
-        (:data:`~dispatcher.accounting.UsagePricing`). Never raises into the gate's exit
+        (:data:`~dispatcher.gate.accounting.UsagePricing`). Never raises into the gate's exit
         path (None: the row is recorded unpriced)."""
         try:
             names: tuple[str, ...] = (model_group,)

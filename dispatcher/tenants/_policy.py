@@ -12,7 +12,13 @@ from collections.abc import Mapping
 import attrs
 
 from ..admission import Share
-from ..config import EdgeConfig, KeySettings, Limits, key_digest, tenant_digest
+from ..config import (
+    EdgeConfig,
+    KeySettings,
+    Limits,
+    key_digest,
+    tenant_digest,
+)
 
 __all__ = [
     "UNLIMITED",

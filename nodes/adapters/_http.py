@@ -75,7 +75,7 @@ import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.tom
 import orjson
 import trio
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 from nodes.adapters._client import Pool, Response, Target
 from nodes.adapters.base import Adapter, AdapterError, RunOutput
 from nodes.config import OptionsError, ProviderConfig

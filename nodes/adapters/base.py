@@ -40,15 +40,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from dispatcher import protocol as wire
-from dispatcher.protocol.tokens import (
-    TokenEstimator as TokenEstimator,
-)
-from dispatcher.protocol.tokens import (
-    estimate_prompt_tokens as estimate_prompt_tokens,
-)
-from dispatcher.protocol.tokens import estimate_tokens as estimate_tokens
-from dispatcher.protocol.tokens import message_text as message_text
+from dispatcher import wire
+from dispatcher.shared.tokens import TokenEstimator as TokenEstimator
+from dispatcher.shared.tokens import estimate_prompt_tokens as estimate_prompt_tokens
+from dispatcher.shared.tokens import estimate_tokens as estimate_tokens
+from dispatcher.shared.tokens import message_text as message_text
 
 if TYPE_CHECKING:
     from nodes.config import ProviderConfig

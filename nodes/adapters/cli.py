@@ -37,7 +37,7 @@ from typing import Any, Final, Literal
 import attrs
 import trio
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 from nodes.adapters.base import (
     AdapterError,
     RunOutput,

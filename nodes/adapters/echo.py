@@ -44,7 +44,7 @@ import attrs
 import orjson
 import trio
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 from nodes.adapters.base import (
     AdapterError,
     DropConnection,

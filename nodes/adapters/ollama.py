@@ -44,7 +44,7 @@ from typing import Any, Final
 import attrs
 import orjson
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 from nodes.adapters import _http
 from nodes.adapters._client import Pool
 from nodes.adapters.base import (

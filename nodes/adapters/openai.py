@@ -32,7 +32,7 @@ from typing import Any, Final
 
 import attrs
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 from nodes.adapters import _http
 from nodes.adapters._client import Pool
 from nodes.adapters.base import AdapterError, RunOutput, message_text

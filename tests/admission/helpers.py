@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from dispatcher.admission import Admit, Candidate, Decision, Reject
+from dispatcher.admission import (
+    Admit,
+    Candidate,
+    Decision,
+    Reject,
+)
 
 
 def cand(

@@ -4,7 +4,13 @@ from typing import Any
 
 import pytest
 
-from dispatcher.admission import Candidate, CandidateIdentity, CandidateKey, Needs, needs_from_body
+from dispatcher.admission import (
+    Candidate,
+    CandidateIdentity,
+    CandidateKey,
+    Needs,
+    needs_from_body,
+)
 from dispatcher.wire import ModelInfo, ProviderInfo
 
 from .helpers import cand

@@ -34,7 +34,13 @@ from typing import Any, TextIO
 import orjson
 import trio
 
-from dispatcher.http import BadRequest, PeerGone, Request, Responder, serve_http
+from dispatcher.http import (
+    BadRequest,
+    PeerGone,
+    Request,
+    Responder,
+    serve_http,
+)
 
 _WORD = re.compile(r"\s*\S+\s*")
 

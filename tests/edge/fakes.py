@@ -17,8 +17,8 @@ from dispatcher.api.front import FrontEnd
 from dispatcher.config import EdgeConfig
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.transport import ConnectionClosed, MemoryConnection, memory_connection_pair
-from dispatcher.usage import UsageRow
+from dispatcher.shared.transport import ConnectionClosed, MemoryConnection, memory_connection_pair
+from dispatcher.store.ledger import UsageRow
 from nodes.config import NodeConfig
 
 

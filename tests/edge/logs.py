@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from dispatcher.logs import FIELDS
+from dispatcher.observe.logs import FIELDS
 
 
 class Captured(logging.Handler):

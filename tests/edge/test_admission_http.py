@@ -21,7 +21,7 @@ from dispatcher.admission import AdmissionStatistics
 from dispatcher.config import EdgeConfig, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.transport import ConnectionClosed
+from dispatcher.shared.transport import ConnectionClosed
 
 from .fakes import ScriptedNode, connect, hello, wait_until
 

@@ -16,7 +16,7 @@ from dispatcher.config import EdgeConfig, HTTPSettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import ShuttingDown
 from dispatcher.http import Server
-from dispatcher.runs import RunSpec
+from dispatcher.paths.runs import RunSpec
 
 from .fakes import connect, hello, wait_until
 

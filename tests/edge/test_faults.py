@@ -21,11 +21,11 @@ import trio.testing
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.gate import Answer, GateRequest
-from dispatcher.pool import DispatchRequest
-from dispatcher.runs import RunSpec
-from dispatcher.transport import Frame, MemoryConnection, memory_connection_pair
-from dispatcher.usage import UsageRow
+from dispatcher.gate.attempts import Answer, GateRequest
+from dispatcher.gate.pool import DispatchRequest
+from dispatcher.paths.runs import RunSpec
+from dispatcher.shared.transport import Frame, MemoryConnection, memory_connection_pair
+from dispatcher.store.ledger import UsageRow
 
 from .fakes import ScriptedNode, connect, hello, wait_until
 

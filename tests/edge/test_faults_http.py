@@ -16,7 +16,7 @@ import trio
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, HTTPSettings, QueuePolicySettings
-from dispatcher.runs import RunSpec
+from dispatcher.paths.runs import RunSpec
 
 from .fakes import ScriptedNode, ServedEdge, connect, hello, serve_edge, wait_until
 from .test_admission_http import metric

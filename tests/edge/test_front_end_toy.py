@@ -19,14 +19,19 @@ import trio
 
 from dispatcher import wire
 from dispatcher.api.app import FRONT_ENDS
-from dispatcher.api.front import FrontEnd, RenderedError, RouteContext, RouteSpec
+from dispatcher.api.front import (
+    FrontEnd,
+    RenderedError,
+    RouteContext,
+    RouteSpec,
+)
 from dispatcher.api.seam import EdgeServices
 from dispatcher.config import EdgeConfig
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import BadRequest, DispatcherError
-from dispatcher.gate import Answer, GateRequest
+from dispatcher.gate.attempts import Answer, GateRequest
+from dispatcher.gate.pool import DispatchRequest
 from dispatcher.http import Request, Responder
-from dispatcher.pool import DispatchRequest
 
 PING_PATH = "/v1/ping-completions"
 

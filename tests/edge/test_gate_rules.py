@@ -8,9 +8,9 @@ from typing import get_args
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher import gate_rules as rules
-from dispatcher.gate import MAX_STATISTICS, Gate
-from dispatcher.registry import LostCode
+from dispatcher.gate import rules
+from dispatcher.gate.attempts import MAX_STATISTICS, Gate
+from dispatcher.link.registry import LostCode
 
 CODES = st.sampled_from(
     [

@@ -20,10 +20,10 @@ from dispatcher import wire
 from dispatcher.admission import Needs, NoCapableCandidate
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.gate import AllAttemptsFailed, Answer, GateRequest
-from dispatcher.pool import DispatchRequest
-from dispatcher.transport import ConnectionClosed
-from dispatcher.usage import UsageRow
+from dispatcher.gate.attempts import AllAttemptsFailed, Answer, GateRequest
+from dispatcher.gate.pool import DispatchRequest
+from dispatcher.shared.transport import ConnectionClosed
+from dispatcher.store.ledger import UsageRow
 
 from .fakes import ScriptedNode, connect, hello, wait_until
 
@@ -67,7 +67,7 @@ async def test_request_deadline_covers_queue_waits(autojump_clock: trio.testing.
 
 
 def d_spec() -> Any:
-    from dispatcher.runs import RunSpec
+    from dispatcher.paths.runs import RunSpec
 
     return RunSpec(model="m", body=BODY)
 

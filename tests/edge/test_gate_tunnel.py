@@ -17,10 +17,15 @@ import orjson
 import pytest
 import trio
 
-from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings, QueuePolicySettings
+from dispatcher.config import (
+    EdgeConfig,
+    HTTPSettings,
+    NodeSettings,
+    QueuePolicySettings,
+)
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import BadRequest, Responder, Server
-from dispatcher.usage import UsageRow
+from dispatcher.store.ledger import UsageRow
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 

@@ -11,8 +11,14 @@ import trio
 
 from dispatcher import wire
 from dispatcher.errors import TunnelFailed
-from dispatcher.lease import EndReason, LeaseStatistics, NodeEnd, SendFailure, end_reason
-from dispatcher.pool import DispatchRequest
+from dispatcher.gate.pool import DispatchRequest
+from dispatcher.paths.lease import (
+    EndReason,
+    LeaseStatistics,
+    NodeEnd,
+    SendFailure,
+    end_reason,
+)
 
 from .fakes import wait_until
 from .test_tunnel import closed_by_edge, open_scripted_tunnel, scripted_edge

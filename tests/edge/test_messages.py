@@ -23,7 +23,7 @@ from dispatcher import wire
 from dispatcher.api.anthropic import FRONT_END as MESSAGES
 from dispatcher.api.app import FRONT_ENDS
 from dispatcher.config import EdgeConfig
-from dispatcher.protocol.tokens import estimate_tokens
+from dispatcher.shared.tokens import estimate_tokens
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
 from .fakes import ServedEdge, connect, hello, serve_edge, wait_until

@@ -17,7 +17,7 @@ import trio
 
 from dispatcher import wire
 from dispatcher.config import QueuePolicySettings
-from dispatcher.runs import RunSpec
+from dispatcher.paths.runs import RunSpec
 
 from .fakes import connect, hello, wait_until
 from .test_messages import Edge, open_edge, sse_events, user

@@ -35,7 +35,7 @@ from dispatcher.errors import (
     Unauthorized,
     UpstreamRejected,
 )
-from dispatcher.protocol.tokens import estimate_tokens
+from dispatcher.shared.tokens import estimate_tokens
 
 
 def parse(**body: Any) -> dict[str, Any]:

@@ -36,8 +36,8 @@ from dispatcher.admission import (
 from dispatcher.admission._core import MODEL_MEMORY
 from dispatcher.config import EdgeConfig, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.metrics import UNKNOWN_MODEL, Metrics
-from dispatcher.pool import DispatchRequest
+from dispatcher.gate.pool import DispatchRequest
+from dispatcher.observe.metrics import UNKNOWN_MODEL, Metrics
 
 from ..admission.helpers import cand
 from .fakes import ScriptedNode, connect, hello, wait_until

@@ -15,7 +15,12 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher.config import ConfigError, EdgeConfig, MetricsSettings, load_edge_config
+from dispatcher.config import (
+    ConfigError,
+    EdgeConfig,
+    MetricsSettings,
+    load_edge_config,
+)
 from dispatcher.edge import open_dispatcher
 from dispatcher.http import Server
 

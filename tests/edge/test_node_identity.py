@@ -15,14 +15,14 @@ from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings, NodeToken
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.nodelink import (
+from dispatcher.link.session import (
     Authenticated,
     NodeCredential,
     Refused,
     authenticate,
 )
-from dispatcher.runs import RunSpec
-from dispatcher.transport import ConnectionClosed, memory_connection_pair
+from dispatcher.paths.runs import RunSpec
+from dispatcher.shared.transport import ConnectionClosed, memory_connection_pair
 from nodes.agent import dial_edge, serve_node, serve_node_session
 from nodes.config import default_node_config
 

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from dispatcher.config import EdgeConfig
-from dispatcher.gate import RunAttempt
+from dispatcher.gate.attempts import RunAttempt
 
 from .fakes import ServedEdge, serve_edge
 from .logs import Captured

@@ -14,8 +14,8 @@ import trio.testing
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings
 from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.runs import RunSpec
-from dispatcher.transport import ConnectionClosed, memory_connection_pair
+from dispatcher.paths.runs import RunSpec
+from dispatcher.shared.transport import ConnectionClosed, memory_connection_pair
 
 from .fakes import ScriptedNode, connect, hello
 

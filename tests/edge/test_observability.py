@@ -28,9 +28,9 @@ from dispatcher.api.app import key_id
 from dispatcher.config import EdgeConfig, QueuePolicySettings
 from dispatcher.edge import open_dispatcher
 from dispatcher.http import Server
-from dispatcher.logs import FIELDS, JsonFormatter, TextFormatter
-from dispatcher.status import MAX_IN_FLIGHT
-from dispatcher.traffic import RECENT_FAILURES
+from dispatcher.observe.logs import FIELDS, JsonFormatter, TextFormatter
+from dispatcher.observe.status import MAX_IN_FLIGHT
+from dispatcher.observe.traffic import RECENT_FAILURES
 
 from . import test_admission_http, test_tunnel
 from .fakes import ScriptedNode, connect, hello, wait_until

@@ -21,9 +21,9 @@ from dispatcher.admission import QueueTimeout
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import StaleGeneration
-from dispatcher.registry import MAX_UNYIELDED, SUBSCRIPTION_BUFFER, Subscription
-from dispatcher.runs import RunSpec
-from dispatcher.transport import memory_connection_pair
+from dispatcher.link.registry import MAX_UNYIELDED, SUBSCRIPTION_BUFFER, Subscription
+from dispatcher.paths.runs import RunSpec
+from dispatcher.shared.transport import memory_connection_pair
 
 from ..scheduling import ticks_seen
 from .fakes import connect, hello, wait_until

@@ -13,8 +13,8 @@ from dispatcher import wire
 from dispatcher.admission import Share
 from dispatcher.config import EdgeConfig, QueuePolicySettings
 from dispatcher.edge import open_dispatcher
-from dispatcher.pool import DispatchRequest
-from dispatcher.runs import RunSpec
+from dispatcher.gate.pool import DispatchRequest
+from dispatcher.paths.runs import RunSpec
 
 from .fakes import connect, hello
 

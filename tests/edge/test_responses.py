@@ -32,11 +32,16 @@ from dispatcher.api.responses import (
     make_front_end,
     parse_responses_request,
 )
-from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings, ResponsesSettings
+from dispatcher.config import (
+    EdgeConfig,
+    HTTPSettings,
+    NodeSettings,
+    ResponsesSettings,
+)
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.responses_store import ResponseStore, open_response_store
-from dispatcher.usage import UsageRow
+from dispatcher.store.ledger import UsageRow
+from dispatcher.store.responses import ResponseStore, open_response_store
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 

@@ -16,7 +16,7 @@ import trio
 from dispatcher.api.responses import RESPONSES_PATH, parse_responses_request
 from dispatcher.api.responses._request import chat_body
 from dispatcher.config import ResponsesSettings
-from dispatcher.logs import FIELDS
+from dispatcher.observe.logs import FIELDS
 
 from .fakes import connect, hello
 from .test_responses import open_edge, sse

@@ -13,7 +13,7 @@ import trio
 
 from dispatcher.config import EdgeConfig, ResponsesSettings
 from dispatcher.edge import open_dispatcher
-from dispatcher.responses_store import beside_ledger, open_response_store
+from dispatcher.store.responses import beside_ledger, open_response_store
 
 
 def test_the_store_sits_beside_the_ledger() -> None:

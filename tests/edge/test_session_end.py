@@ -16,9 +16,14 @@ import trio.testing
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings
 from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.nodelink import Parting, SessionEnd, connection_parting, session_end
-from dispatcher.runs import RunSpec
-from dispatcher.transport import ConnectionClosed
+from dispatcher.link.session import (
+    Parting,
+    SessionEnd,
+    connection_parting,
+    session_end,
+)
+from dispatcher.paths.runs import RunSpec
+from dispatcher.shared.transport import ConnectionClosed
 
 from .fakes import ScriptedNode, connect, hello, wait_until
 

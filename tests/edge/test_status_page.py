@@ -20,9 +20,10 @@ import httpx
 import pytest
 import trio
 
-from dispatcher import status, wire
+from dispatcher import wire
 from dispatcher.api.admin import PAGE
-from dispatcher.traffic import RequestSummary
+from dispatcher.observe import status
+from dispatcher.observe.traffic import RequestSummary
 
 from .fakes import connect, hello, wait_until
 from .test_observability import ADMIN_KEY, CLIENT_KEY, chat, open_edge

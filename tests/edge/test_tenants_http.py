@@ -17,7 +17,12 @@ import pytest
 import trio
 
 from dispatcher import wire
-from dispatcher.config import EdgeConfig, KeySettings, PriceSettings, QueuePolicySettings
+from dispatcher.config import (
+    EdgeConfig,
+    KeySettings,
+    PriceSettings,
+    QueuePolicySettings,
+)
 
 from .fakes import ScriptedNode, ServedEdge, connect, hello, serve_edge, wait_until
 

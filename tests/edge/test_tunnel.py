@@ -28,10 +28,21 @@ from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import TunnelFailed
-from dispatcher.http import Headers, HTTPStream, Responder, Server, WebSocket
-from dispatcher.pool import DispatchRequest
-from dispatcher.transport import Connection, ConnectionClosed, Frame
-from dispatcher.tunnel_http import ModelRewrite, SSEFilter, upstream_body, upstream_headers
+from dispatcher.gate.pool import DispatchRequest
+from dispatcher.http import (
+    Headers,
+    HTTPStream,
+    Responder,
+    Server,
+    WebSocket,
+)
+from dispatcher.paths.tunnel_http import (
+    ModelRewrite,
+    SSEFilter,
+    upstream_body,
+    upstream_headers,
+)
+from dispatcher.shared.transport import Connection, ConnectionClosed, Frame
 from nodes.agent import dial_edge, serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 from nodes.tunnel import MAX_PENDING, TunnelProvider, open_tunnels

@@ -10,9 +10,9 @@ import pytest
 import trio
 import trio.testing
 
-from dispatcher.accounting import Attempted, Counts, usage_row
 from dispatcher.admission import Candidate
-from dispatcher.pool import DispatchRequest, DispatchResult
+from dispatcher.gate.accounting import Attempted, Counts, usage_row
+from dispatcher.gate.pool import DispatchRequest, DispatchResult
 
 from ..admission.helpers import cand
 

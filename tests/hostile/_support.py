@@ -43,7 +43,13 @@ from wsproto.events import Event as WSEvent
 from wsproto.events import Request as WSRequest
 
 from dispatcher import wire
-from dispatcher.config import EdgeConfig, HTTPSettings, MetricsSettings, NodeSettings, NodeToken
+from dispatcher.config import (
+    EdgeConfig,
+    HTTPSettings,
+    MetricsSettings,
+    NodeSettings,
+    NodeToken,
+)
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Limits, Server
 from nodes.agent import serve_node

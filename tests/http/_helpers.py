@@ -12,7 +12,13 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import Event as WSEvent
 from wsproto.events import Request as WSRequest
 
-from dispatcher.http import Handler, Request, Responder, Server, serve_http
+from dispatcher.http import (
+    Handler,
+    Request,
+    Responder,
+    Server,
+    serve_http,
+)
 
 BOUND = 10.0
 """Generous bound on anything that should happen at once (a hang fails instead)."""

@@ -9,7 +9,13 @@ import httpx
 import pytest
 import trio
 
-from dispatcher.http import BodyTooLarge, Limits, PeerGone, Request, Responder
+from dispatcher.http import (
+    BodyTooLarge,
+    Limits,
+    PeerGone,
+    Request,
+    Responder,
+)
 from dispatcher.http._connection import Connection
 
 from ._helpers import (

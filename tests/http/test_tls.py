@@ -10,7 +10,12 @@ import trio
 import trio_websocket
 import trustme
 
-from dispatcher.http import Limits, Request, Responder, Server
+from dispatcher.http import (
+    Limits,
+    Request,
+    Responder,
+    Server,
+)
 
 from ._helpers import BOUND, connect, read_until_eof, start_server
 

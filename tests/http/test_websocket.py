@@ -16,7 +16,12 @@ from wsproto.events import (
 )
 from wsproto.frame_protocol import FrameProtocol, Opcode
 
-from dispatcher.http import Limits, Request, Responder, WebSocketClosed
+from dispatcher.http import (
+    Limits,
+    Request,
+    Responder,
+    WebSocketClosed,
+)
 from dispatcher.http._websocket import MAX_UNYIELDED
 
 from ..scheduling import ticks_seen

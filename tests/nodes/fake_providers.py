@@ -50,7 +50,15 @@ import attrs
 import orjson
 import trio
 
-from dispatcher.http import BadRequest, HTTPStream, PeerGone, Request, Responder, Server, serve_http
+from dispatcher.http import (
+    BadRequest,
+    HTTPStream,
+    PeerGone,
+    Request,
+    Responder,
+    Server,
+    serve_http,
+)
 
 _TOKEN = re.compile(r"\s*\S+\s*")
 _CLIENT_GONE = frozenset(

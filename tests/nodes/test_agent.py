@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from dispatcher import wire
-from dispatcher.transport import ConnectionClosed, MemoryConnection, memory_connection_pair
+from dispatcher.shared.transport import ConnectionClosed, MemoryConnection, memory_connection_pair
 from nodes.agent import NodeRejected, serve_node_session
 from nodes.config import NodeConfig, default_node_config
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 import trio
 
-from dispatcher import protocol as wire
+from dispatcher import wire
 from nodes.adapters import RunOutput
 from nodes.coalesce import MAX_DELTA_CHARS, RunPieces, take_body
 from nodes.runner import MAX_UNYIELDED, open_runner

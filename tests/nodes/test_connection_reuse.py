@@ -23,8 +23,7 @@ import orjson
 import pytest
 import trio
 
-from dispatcher import EdgeConfig, open_dispatcher
-from dispatcher import protocol as wire
+from dispatcher import EdgeConfig, open_dispatcher, wire
 from nodes.adapters import HasLifetime, build_adapters, open_adapters
 from nodes.adapters._http import tls_context
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig

@@ -20,7 +20,7 @@ import trustme
 from dispatcher.config import EdgeConfig, HTTPSettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.transport import ConnectionClosed
+from dispatcher.shared.transport import ConnectionClosed
 from nodes.agent import serve_node
 from nodes.config import NodeConfig, default_node_config
 from nodes.dial import dial_edge, edge_dial

@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from dispatcher import wire
-from dispatcher.transport import (
+from dispatcher.shared.transport import (
     Connection,
     ConnectionClosed,
     MemoryConnection,

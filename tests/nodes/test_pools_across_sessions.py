@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from dispatcher import wire
-from dispatcher.transport import Connection, MemoryConnection, memory_connection_pair
+from dispatcher.shared.transport import Connection, MemoryConnection, memory_connection_pair
 from nodes.agent import serve_node
 from nodes.config import NodeConfig
 from tests.nodes.test_connection_reuse import (

@@ -14,7 +14,7 @@ import trio
 import trio_websocket
 
 from dispatcher import wire
-from dispatcher.transport import ConnectionClosed
+from dispatcher.shared.transport import ConnectionClosed
 from nodes.agent import serve_node
 from nodes.config import NodeConfig, default_node_config
 from nodes.dial import NodeRejected, dial_edge

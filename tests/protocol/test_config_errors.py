@@ -9,7 +9,7 @@ import cattrs
 import pytest
 from cattrs.preconf.tomllib import make_converter
 
-from dispatcher.protocol.config_errors import (
+from dispatcher.shared.config_errors import (
     ConfigFileError,
     Invalid,
     Problem,

@@ -35,7 +35,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from dispatcher import protocol as p
+from dispatcher import wire as p
 from tests.test_wire import message_strategy
 
 RECENT = 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dispatcher import protocol as p
 from dispatcher import wire
+from dispatcher import wire as p
 
 HELLO = p.Hello(protocol=p.PROTOCOL_VERSION, node_id="n")
 WELCOME = p.Welcome(protocol=p.PROTOCOL_VERSION, generation=1, heartbeat_interval=5.0)

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from dispatcher.config import EdgeConfig, KeySettings
-from dispatcher.tenants import Limits, Price, legacy_key_id, tenant_policy_from_config
+from dispatcher.tenants import (
+    Limits,
+    Price,
+    legacy_key_id,
+    tenant_policy_from_config,
+)
 
 from ..test_config_edge import error, load
 

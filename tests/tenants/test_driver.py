@@ -13,6 +13,7 @@ import trio.testing
 
 from dispatcher.admission import UnknownModel
 from dispatcher.errors import QuotaExceeded, RateLimited, TokenRateLimited
+from dispatcher.store.ledger import UsageRow, open_usage_ledger
 from dispatcher.tenants import (
     KeyDirectory,
     Limits,
@@ -24,7 +25,6 @@ from dispatcher.tenants import (
     expected_output_tokens,
     request_estimate,
 )
-from dispatcher.usage import UsageRow, open_usage_ledger
 
 NOON = datetime.datetime(2026, 12, 15, 12, 0, tzinfo=datetime.UTC).timestamp()
 BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}

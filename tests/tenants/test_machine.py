@@ -25,7 +25,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from dispatcher.tenants import WINDOW, Limits, PriceTable, Refusal, Tenant, TenantLimiter, Ticket
+from dispatcher.tenants import (
+    WINDOW,
+    Limits,
+    PriceTable,
+    Refusal,
+    Tenant,
+    TenantLimiter,
+    Ticket,
+)
 
 WALL = 1_800_000_000.0
 

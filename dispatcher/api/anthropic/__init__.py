@@ -3,7 +3,8 @@
 
 A Messages request is validated strictly and translated to an OpenAI chat body
 (:mod:`._request`), then served like a chat completion: one typed
-:class:`~dispatcher.gate.GateRequest` on route ``/v1/messages`` (the usage rows say so), the
+:class:`~dispatcher.gate.attempts.GateRequest` on route ``/v1/messages`` (the usage rows
+say so), the
 same gate, recovery before the commit, cancellation and usage rows. The committed answer is
 rendered back as a ``message`` or its SSE events (:mod:`._answer`).
 
@@ -25,8 +26,13 @@ import trio
 
 from ... import wire
 from ...admission import Candidate, ModelUnavailable, QueueTimeout
-from ...errors import DispatcherError, NotFound, RunError, ShuttingDown
-from ...gate import Answer
+from ...errors import (
+    DispatcherError,
+    NotFound,
+    RunError,
+    ShuttingDown,
+)
+from ...gate.attempts import Answer
 from ...http import PeerGone, Request, Responder
 from ..common import (
     JSON_HEADERS,
@@ -37,9 +43,19 @@ from ..common import (
     model_route,
     relay_rest,
 )
-from ..front import FrontEnd, RenderedError, RouteContext, RouteSpec
+from ..front import (
+    FrontEnd,
+    RenderedError,
+    RouteContext,
+    RouteSpec,
+)
 from ..seam import EdgeServices
-from ._answer import SSE_HEADERS, EventWriter, error_event, message_body
+from ._answer import (
+    SSE_HEADERS,
+    EventWriter,
+    error_event,
+    message_body,
+)
 from ._request import (
     MessagesRequest,
     count_input_tokens,

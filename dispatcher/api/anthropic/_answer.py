@@ -21,7 +21,7 @@ from typing import Any, Final, Literal
 import orjson
 
 from ... import wire
-from ...protocol.tokens import TokenEstimator, estimate_tokens
+from ...shared.tokens import TokenEstimator, estimate_tokens
 from ..openai import collect
 
 __all__ = [

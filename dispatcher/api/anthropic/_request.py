@@ -34,7 +34,7 @@ import attrs
 import orjson
 
 from ...errors import BadRequest
-from ...protocol.tokens import estimate_tokens
+from ...shared.tokens import estimate_tokens
 from .. import schema
 from ..common import REASONING_EFFORT
 from ..schema import (
@@ -627,7 +627,7 @@ def _function_tool(tool: JSONObject) -> JSONObject:
 
 def count_input_tokens(body: JSONObject) -> int:
     """The estimate of a validated Messages (or count_tokens) body's input, by the one token
-    estimator (:func:`~dispatcher.protocol.tokens.estimate_tokens`): ``system``, each
+    estimator (:func:`~dispatcher.shared.tokens.estimate_tokens`): ``system``, each
     message's text, tool uses (name and input JSON) and tool results, and each tool's name,
     description and input schema."""
     tokens = 0

@@ -1,7 +1,8 @@
 """The OpenAI Responses front end: ``POST /v1/responses``, ``GET`` and ``DELETE
 /v1/responses/{id}`` (see ``docs/responses.md``).
 
-A Responses request is translated into the typed :class:`~dispatcher.gate.GateRequest` with an
+A Responses request is translated into the typed
+:class:`~dispatcher.gate.attempts.GateRequest` with an
 OpenAI chat body (``instructions`` and the ``input`` items as ``messages``, function ``tools``,
 ``tool_choice``, ``max_output_tokens`` as ``max_tokens`` ...), so it takes the same gate,
 recovery, cancellation and usage rows as chat completions; the ledger's row records the route
@@ -15,7 +16,7 @@ before it is still an HTTP status (and recovered by the gate). After it, a failu
 ``response.completed``.
 
 Stored responses (``store``, true unless the client says false) live in the edge's
-:class:`~dispatcher.responses_store.ResponseStore` (SQLite beside the usage ledger, bounded by
+:class:`~dispatcher.store.responses.ResponseStore` (SQLite beside the usage ledger, bounded by
 count, bytes and age), reached through the seam (``EdgeServices.response_store``);
 ``previous_response_id`` prepends the stored conversation.
 """
@@ -31,9 +32,9 @@ import trio
 
 from ... import wire
 from ...errors import BadRequest, NotFound
-from ...gate import Answer
+from ...gate.attempts import Answer
 from ...http import PeerGone, Request, Responder
-from ...responses_store import ResponseStore, StoredResponse
+from ...store.responses import ResponseStore, StoredResponse
 from ..common import (
     JSON_HEADERS,
     ModelCall,
@@ -43,10 +44,20 @@ from ..common import (
     openai_error,
     relay_rest,
 )
-from ..front import FrontEnd, Route, RouteContext, RouteSpec
+from ..front import (
+    FrontEnd,
+    Route,
+    RouteContext,
+    RouteSpec,
+)
 from ..schema import JSONObject
 from ..seam import EdgeServices
-from ._answer import Events, Turn, error_code, final_event
+from ._answer import (
+    Events,
+    Turn,
+    error_code,
+    final_event,
+)
 from ._request import (
     ParsedResponsesRequest,
     chat_body,

@@ -13,7 +13,12 @@ import orjson
 
 from ... import wire
 from ..schema import JSONObject
-from ._request import ParsedResponsesRequest, ToolPlan, custom_tool_input, message_item
+from ._request import (
+    ParsedResponsesRequest,
+    ToolPlan,
+    custom_tool_input,
+    message_item,
+)
 
 __all__ = ["Events", "Turn", "error_code", "final_event"]
 

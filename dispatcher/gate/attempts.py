@@ -26,8 +26,8 @@ silent clean end.
 A tunnel attempt runs its pre-commit phase inside the attempt loop: the API puts a
 :class:`TunnelCall` (what to relay of the client's HTTP request) on the request; the gate
 sends it and reads the response up to its commit point
-(:func:`dispatcher.tunnel_http.commit_tunnel`) under the request deadline and the first-token
-timeout, fails the attempt on a 5xx / 429 (:func:`dispatcher.gate_rules.tunnel_status_failure`)
+(:func:`dispatcher.paths.tunnel_http.commit_tunnel`) under the request deadline and the first-token
+timeout, fails the attempt on a 5xx / 429 (:func:`dispatcher.gate.rules.tunnel_status_failure`)
 and yields a :class:`TunnelAnswer` with what it buffered (``head``) for the relay to send,
 then the rest.
 
@@ -37,9 +37,9 @@ request deadline, its ``pool.open``, its usage row, nested) on the request's ``_
 block as it raises, so it holds only the one that committed, and the gate yields its
 answer once, after the loop, so the caller's block runs inside its scopes. Every dispatched
 attempt (its run or tunnel request was sent) gets exactly one usage row when its scopes end,
-however they end (:mod:`dispatcher.accounting`). The decisions -- retry or not, how a scope
+however they end (:mod:`dispatcher.gate.accounting`). The decisions -- retry or not, how a scope
 ended, the row's outcome, the candidate's health -- are pure functions in
-:mod:`dispatcher.gate_rules`.
+:mod:`dispatcher.gate.rules`.
 """
 
 from __future__ import annotations
@@ -54,17 +54,44 @@ from typing import Final, Generic, TypedDict, TypeVar
 import attrs
 import trio
 
-from . import gate_rules as rules
-from . import wire
-from .accounting import SETTLE_TIMEOUT, Accounting, Attempted, UsagePricing, UsageSink
-from .admission import AdmissionError, Candidate, CandidateKey, NoCapableCandidate
-from .errors import AllAttemptsFailed, NodeUnavailable, RunError, TunnelFailed, UpstreamRejected
-from .pool import Dispatch, DispatchRequest, DispatchResult, Pool
-from .protocol.excgroups import holds
-from .runs import Run, RunSpec
-from .tunnel import Tunnel
-from .tunnel_http import PreCommit, TunnelCall, TunnelHead, commit_tunnel
-from .usage import ExecutionPath
+from .. import wire
+from ..admission import (
+    AdmissionError,
+    Candidate,
+    CandidateKey,
+    NoCapableCandidate,
+)
+from ..errors import (
+    AllAttemptsFailed,
+    NodeUnavailable,
+    RunError,
+    TunnelFailed,
+    UpstreamRejected,
+)
+from ..paths.runs import Run, RunSpec
+from ..paths.tunnel import Tunnel
+from ..paths.tunnel_http import (
+    PreCommit,
+    TunnelCall,
+    TunnelHead,
+    commit_tunnel,
+)
+from ..shared.excgroups import holds
+from ..store.ledger import ExecutionPath
+from . import rules
+from .accounting import (
+    SETTLE_TIMEOUT,
+    Accounting,
+    Attempted,
+    UsagePricing,
+    UsageSink,
+)
+from .pool import (
+    Dispatch,
+    DispatchRequest,
+    DispatchResult,
+    Pool,
+)
 
 log = logging.getLogger("dispatcher.gate")
 
@@ -165,8 +192,8 @@ class Attempt:
         return AttemptFailed(code, message, retryable=retryable, candidate=self.result.candidate)
 
     def ending(self, ended: rules.Ended) -> _Ending:
-        """What both paths' end records (:class:`~dispatcher.gate_rules.RunEnd`,
-        :class:`~dispatcher.gate_rules.TunnelEnd`) take of the attempt, its scope ended so."""
+        """What both paths' end records (:class:`~dispatcher.gate.rules.RunEnd`,
+        :class:`~dispatcher.gate.rules.TunnelEnd`) take of the attempt, its scope ended so."""
         return {"committed": self.committed, "ended": ended, "client_gone": self.client_gone}
 
     def attempted(self, path: ExecutionPath, outcome: Outcome) -> Attempted:
@@ -192,7 +219,7 @@ class RunAttempt(Attempt):
 
     def observe(self, event: wire.RunEvent) -> None:
         """The consumer took ``event`` (usage is read from the run itself, consumed or
-        not: see :attr:`dispatcher.runs.Run.usage`)."""
+        not: see :attr:`dispatcher.paths.runs.Run.usage`)."""
         if self.output_at is None and _is_content(event):
             self.output_at = trio.current_time()
 

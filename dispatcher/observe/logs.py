@@ -3,7 +3,7 @@
 Both are stdlib :class:`logging.Formatter` subclasses, so every logger in the process (ours,
 Trio's, trio-websocket's) goes through them unchanged; a record may carry structured
 fields under :data:`FIELDS` (``log.info(msg, extra={FIELDS: {...}})``), as the access log
-(``dispatcher.access``, :mod:`dispatcher.traffic`) does.
+(``dispatcher.access``, :mod:`dispatcher.observe.traffic`) does.
 
 * ``text``: ``<time> <LEVEL> <logger>: <message> key=value ...``. A value is written bare when
   it is made only of :data:`_BARE` characters, else double-quoted with ``"``, ``\\`` and every

@@ -21,7 +21,7 @@ byte-level substitution, no re-serializing).
 The pre-commit phase (:func:`commit_tunnel`): send the request, await the start, and read up
 to the commit point -- the first SSE event that carries content, or a whole body (up to
 :data:`BUFFER_LIMIT` bytes). Whether the status itself fails the attempt (5xx / 429) is the
-gate's decision (:func:`dispatcher.gate_rules.tunnel_status_failure`); the body of such a
+gate's decision (:func:`dispatcher.gate.rules.tunnel_status_failure`); the body of such a
 status is not read.
 
 Usage: read from the JSON body or the stream's usage chunk without altering the bytes
@@ -39,8 +39,8 @@ import attrs
 import orjson
 import trio
 
-from . import wire
-from .errors import TunnelFailed
+from .. import wire
+from ..errors import TunnelFailed
 from .tunnel import Tunnel
 
 BUFFER_LIMIT: Final = 256 * 1024

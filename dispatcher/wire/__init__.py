@@ -24,11 +24,7 @@ from ._codec import (
     encode,
     encode_tunnel_data,
 )
-from ._errors import (
-    LocalProtocolError,
-    ProtocolError,
-    UnsupportedVersion,
-)
+from ._errors import LocalProtocolError, ProtocolError, UnsupportedVersion
 from ._messages import (
     DEFAULT_TUNNEL_WINDOW,
     EDGE_MESSAGE_TYPES,

@@ -1,5 +1,6 @@
 """Leases: the design's ownership rule, written once, for both paths to a node -- a normalized
-run (:mod:`dispatcher.runs`) and a tunnel (:mod:`dispatcher.tunnel`). This module is the rule;
+run (:mod:`dispatcher.paths.runs`) and a tunnel (:mod:`dispatcher.paths.tunnel`). This module
+is the rule;
 those two are the path-specific handles on top (what the route holds, what the request and the
 cancel say, how the node's end is told).
 
@@ -22,9 +23,10 @@ at the first of the node's end arriving (the route calls ``slot.release``) or th
 exiting. A send cancelled before the session's writer took the request withdraws it: the
 node never hears of it and there is nothing to cancel (``withdrawn``).
 
-A path subclasses :class:`Lease` (its handle: :class:`~dispatcher.runs.Run`,
-:class:`~dispatcher.tunnel.Tunnel`) and :class:`Leases` (the opener:
-:class:`~dispatcher.runs.Runs`, :class:`~dispatcher.tunnel.Tunnels`), filling in the hooks
+A path subclasses :class:`Lease` (its handle: :class:`~dispatcher.paths.runs.Run`,
+:class:`~dispatcher.paths.tunnel.Tunnel`) and :class:`Leases` (the opener:
+:class:`~dispatcher.paths.runs.Runs`, :class:`~dispatcher.paths.tunnel.Tunnels`), filling in the
+hooks
 marked abstract here. Every path counts the same :class:`LeaseStatistics`.
 """
 
@@ -41,10 +43,20 @@ from typing import ClassVar, Generic, Literal, TypeVar
 import attrs
 import trio
 
-from . import wire
-from .admission import Admission, Candidate, Slot, SlotId
-from .errors import NodeUnavailable, StaleGeneration
-from .registry import LostCode, NodeGone, NodeSession, Registry
+from .. import wire
+from ..admission import (
+    Admission,
+    Candidate,
+    Slot,
+    SlotId,
+)
+from ..errors import NodeUnavailable, StaleGeneration
+from ..link.registry import (
+    LostCode,
+    NodeGone,
+    NodeSession,
+    Registry,
+)
 
 SendFailure = Literal[
     "send_error",  # the request could not be sent (the node's session ended first)

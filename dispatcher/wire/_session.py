@@ -5,8 +5,8 @@ machine decides.
 
 Two halves, one per side, each tracking both directions:
 
-* :class:`EdgeProtocol` -- the edge's side of one node connection (``dispatcher.nodelink``
-  and ``dispatcher.registry`` drive it);
+* :class:`EdgeProtocol` -- the edge's side of one node connection (``dispatcher.link.session``
+  and ``dispatcher.link.registry`` drive it);
 * :class:`NodeProtocol` -- the node's side (for ``nodes.agent``).
 
 Session states (:class:`State`), the same on both sides::
@@ -34,7 +34,7 @@ Per tunnel (``tunnel.request`` registers it): ``tunnel.start`` at most once and 
 body frame, exactly one ``tunnel.end``, nothing after it; late frames for a tunnel the edge
 ended early are tolerated, as for runs. Flow control (``window`` and ``tunnel.credit``)
 is *not* here: the edge's tunnel route owns the buffer the credit protects
-(``dispatcher.tunnel._Route``).
+(``dispatcher.paths.tunnel._Route``).
 
 ``receive()`` returns :data:`ACCEPTED`, a :class:`Tolerated`, or a :class:`ProtocolError`
 (returned, not raised) whose text is the reason to close the session with; it never raises.
@@ -56,7 +56,12 @@ import attrs
 
 from . import _messages as m
 from ._errors import LocalProtocolError, ProtocolError, UnsupportedVersion
-from ._messages import PROTOCOL_VERSION, Message, RunEvent, TunnelData
+from ._messages import (
+    PROTOCOL_VERSION,
+    Message,
+    RunEvent,
+    TunnelData,
+)
 
 RECENT_RUNS: Final = 4096
 """How many finished run ids a session remembers (an event after a run's terminal is then

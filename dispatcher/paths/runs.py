@@ -1,5 +1,5 @@
-"""Normalized runs: the run path's handle on the ownership rule of :mod:`dispatcher.lease`
-(the rule itself is written there, once, for runs and tunnels; :mod:`dispatcher.tunnel` is
+"""Normalized runs: the run path's handle on the ownership rule of :mod:`dispatcher.paths.lease`
+(the rule itself is written there, once, for runs and tunnels; :mod:`dispatcher.paths.tunnel` is
 the other path).
 
 ::
@@ -10,7 +10,7 @@ the other path).
     # however the block is left, the node is told to cancel if the run is not finished
     # (posted, never waits), the subscription is closed, and the slot is released -- once.
 
-What is the run path's: the route is the run's :class:`~dispatcher.registry.Subscription`,
+What is the run path's: the route is the run's :class:`~dispatcher.link.registry.Subscription`,
 the request (``run.request``) is sent on entry, the node's end is its terminal event, the
 cancel is ``run.cancel``. A run left unfinished hands its slot to admission as *draining*
 until the node confirms the cancel (``run.cancelled``) or the drain deadline passes, so the
@@ -26,10 +26,16 @@ from typing import Any, Final, get_args
 
 import attrs
 
-from . import wire
-from .admission import Needs, Slot, needs_from_body
-from .lease import EndReason, Lease, Leases, LeaseStatistics, NodeEnd
-from .registry import LostCode, NodeSession, Subscription
+from .. import wire
+from ..admission import Needs, Slot, needs_from_body
+from ..link.registry import LostCode, NodeSession, Subscription
+from .lease import (
+    EndReason,
+    Lease,
+    Leases,
+    LeaseStatistics,
+    NodeEnd,
+)
 
 __all__ = ["EndReason", "Run", "RunSpec", "RunStatistics", "Runs"]
 
@@ -190,7 +196,7 @@ class Runs(Leases[Run]):
     @asynccontextmanager
     async def open_on_slot(self, spec: RunSpec, slot: Slot) -> AsyncIterator[Run]:
         """Subscribe and send the run on the candidate ``slot`` holds (the rest of
-        ``open_run`` after admission; ``dispatcher.pool`` uses it after its hooks)."""
+        ``open_run`` after admission; ``dispatcher.gate.pool`` uses it after its hooks)."""
         async with self.open_lease(slot) as run:
             candidate = slot.candidate
             # The session's writer sends it; this block only waits until it is taken, so a

@@ -18,7 +18,7 @@ from typing import Any, Final, Literal
 
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
-from .config import EdgeConfig, QueuePolicySettings
+from . import EdgeConfig, QueuePolicySettings
 
 __all__ = ["KINDS", "ConfigKind", "config_kind", "describe_edge", "describe_node"]
 

@@ -5,7 +5,7 @@ admissions by reason, rejections by cause, ejections) are read from
 ``Admission.statistics()`` at scrape time, so nothing is counted twice and a departed
 candidate or dropped group has no series left; only what has no other home -- the queue-wait
 histogram, request outcomes, and each ended request's duration, time to first token, tokens
-and attempts (observed by its record, :mod:`dispatcher.traffic`) -- is recorded as it
+and attempts (observed by its record, :mod:`dispatcher.observe.traffic`) -- is recorded as it
 happens, and those series of a model admission no longer knows (no node serves it, no config
 names it) are removed (see :meth:`Metrics.prune`). Each dispatcher has its own registry (no
 process-global state), so several dispatchers in one process, as in the tests, do not mix.
@@ -21,9 +21,19 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..admission import (
+    ADMIT_REASONS,
+    HEALTH_STATES,
+    REJECT_CAUSES,
+    Admission,
+)
 from . import series
-from .admission import ADMIT_REASONS, HEALTH_STATES, REJECT_CAUSES, Admission
-from .series import CounterSeries, Family, HistogramSeries, S
+from .series import (
+    CounterSeries,
+    Family,
+    HistogramSeries,
+    S,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,6 +1,7 @@
 """The stream gate's decisions, as pure functions over typed inputs (no event loop, no clock).
 
-The gate (:mod:`dispatcher.gate`) carries out what these return: whether a failed attempt is
+The gate (:mod:`dispatcher.gate.attempts`) carries out what these return: whether a failed
+attempt is
 retried (:func:`after_failure`; the request deadline is the final :data:`REQUEST_TIMEOUT`), what
 an admission error means once an attempt has failed, whether a tunnel's status fails its
 attempt, how an attempt's scope ended (:func:`scope_ended`), what its usage row says

@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from .admission import (
+from ..admission import (
     DEFAULT_SHARE,
     Admission,
     Candidate,
@@ -32,12 +32,12 @@ from .admission import (
     Slot,
     needs_from_body,
 )
-from .admission._candidates import RequestClass
-from .errors import TunnelUnavailable
-from .forwarding import Forwarded
-from .runs import Run, Runs, RunSpec
-from .tunnel import Tunnel
-from .wire import ExecutionPath
+from ..admission._candidates import RequestClass
+from ..errors import TunnelUnavailable
+from ..paths.runs import Run, Runs, RunSpec
+from ..paths.tunnel import Tunnel
+from ..shared.forwarding import Forwarded
+from ..wire import ExecutionPath
 
 
 @attrs.frozen(kw_only=True)
@@ -102,7 +102,7 @@ class Dispatch:
 PrepareRun = Callable[[Candidate, RunSpec], Awaitable[RunSpec]]
 PrepareTunnel = Callable[[Candidate, DispatchRequest], Awaitable[DispatchRequest]]
 OpenTunnel = Callable[[Slot], AbstractAsyncContextManager[Tunnel]]
-"""Opens a tunnel on the slot's candidate (``dispatcher.tunnel.Tunnels.open_tunnel``)."""
+"""Opens a tunnel on the slot's candidate (``dispatcher.paths.tunnel.Tunnels.open_tunnel``)."""
 
 
 @attrs.define(eq=False)
@@ -112,7 +112,7 @@ class Pool:
     prepare_run: PrepareRun | None = None
     prepare_tunnel: PrepareTunnel | None = None
     open_tunnel: OpenTunnel | None = None
-    """The tunnel transport (``dispatcher.tunnel``); None until one is installed."""
+    """The tunnel transport (``dispatcher.paths.tunnel``); None until one is installed."""
     on_admitted: Callable[[str, str, float], None] | None = None
     """Told (model group, request class, queue wait) of every admission, for metrics."""
 

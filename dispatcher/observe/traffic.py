@@ -10,19 +10,20 @@ it in as they learn more:
 * the handler: the route (the route table's path, so a bounded value), the key id, the HTTP
   status the answer started with, the error it answered;
 * a model route (``api.common``): the gate request it built -- its model, stream flag, and the
-  gate's :class:`~dispatcher.gate.RequestResult` (attempts, the latest attempt with its node,
+  gate's :class:`~dispatcher.gate.attempts.RequestResult` (attempts, the latest attempt with
+  its node,
   queue wait and first output, the admission wait under way) -- and the outcome it counted.
 
 Nothing is counted twice: the tokens are what the attempt's usage row says (read with the
-accounting's own :func:`~dispatcher.accounting.counts_so_far` /
-:func:`~dispatcher.accounting.tunnel_counts`, live while the request runs), the time to first
+accounting's own :func:`~dispatcher.gate.accounting.counts_so_far` /
+:func:`~dispatcher.gate.accounting.tunnel_counts`, live while the request runs), the time to first
 output is the attempt's ``output_at``, the outcome is the one ``dispatcher_requests_total``
 counts.
 
 The access log is the logger ``dispatcher.access``: one record per request, at INFO (at DEBUG
 for a successful probe, scrape or status poll: :data:`QUIET_ROUTES`), its message
 ``METHOD PATH STATUS`` and its fields (:meth:`RequestSummary.fields`) under
-:data:`dispatcher.logs.FIELDS`, which both log formats render escaped.
+:data:`dispatcher.observe.logs.FIELDS`, which both log formats render escaped.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ from typing import Final, Literal
 import attrs
 import trio
 
-from . import wire
-from .accounting import Counts, counts_so_far, tunnel_counts
-from .gate import GateRequest, RunAttempt, TunnelAttempt
+from .. import wire
+from ..gate.accounting import Counts, counts_so_far, tunnel_counts
+from ..gate.attempts import GateRequest, RunAttempt, TunnelAttempt
+from ..shared.excgroups import holds
 from .logs import FIELDS
 from .metrics import UNKNOWN_MODEL, Metrics
-from .protocol.excgroups import holds
 
 __all__ = [
     "QUIET_ROUTES",

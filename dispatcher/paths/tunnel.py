@@ -1,6 +1,6 @@
 """Tunnels: the edge's end of one raw HTTP request relayed by a node to its provider -- the
-tunnel path's handle on the ownership rule of :mod:`dispatcher.lease` (the rule itself is
-written there, once, for runs and tunnels; :mod:`dispatcher.runs` is the other path)::
+tunnel path's handle on the ownership rule of :mod:`dispatcher.paths.lease` (the rule itself is
+written there, once, for runs and tunnels; :mod:`dispatcher.paths.runs` is the other path)::
 
     async with tunnels.open_tunnel(slot) as tunnel:   # route registered
         await tunnel.send_request(method="POST", path="/v1/embeddings", headers=..., body=...)
@@ -20,7 +20,7 @@ A tunnel left before its request was sent just gives its slot back (``unsent``).
 
 Which frames the node may send in which order (``tunnel.start`` once and before any body
 frame, one ``tunnel.end``, nothing after it) is the session's protocol machine's call
-(:class:`dispatcher.protocol.EdgeProtocol`); the route only sees what it accepted.
+(:class:`dispatcher.wire.EdgeProtocol`); the route only sees what it accepted.
 
 Flow control is the route's: the node may send at most ``window`` body bytes
 (:attr:`Tunnels.window`, sent in ``tunnel.request``) beyond what the edge has consumed; the
@@ -31,7 +31,7 @@ holds more than a window of body bytes on the edge.
 
 A session that ends mid-tunnel ends it with a synthesized, retryable error whose code says
 why (``node_lost``, ``node_draining``, ``shutting_down``, ``stale_generation``: a
-:data:`~dispatcher.registry.LostCode`), like runs.
+:data:`~dispatcher.link.registry.LostCode`), like runs.
 """
 
 from __future__ import annotations
@@ -44,11 +44,17 @@ from contextlib import AbstractAsyncContextManager, contextmanager
 import attrs
 import trio
 
-from . import wire
-from .admission import Slot
-from .errors import TunnelFailed
-from .lease import EndReason, Lease, Leases, LeaseStatistics, NodeEnd
-from .registry import LostCode, NodeSession, SessionProtocolError
+from .. import wire
+from ..admission import Slot
+from ..errors import TunnelFailed
+from ..link.registry import LostCode, NodeSession, SessionProtocolError
+from .lease import (
+    EndReason,
+    Lease,
+    Leases,
+    LeaseStatistics,
+    NodeEnd,
+)
 
 __all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels", "UsageSink"]
 
@@ -62,7 +68,7 @@ ledger); ``reported`` is False when the tokens are the edge's estimate."""
 @attrs.define(eq=False)
 class _Route:
     """One tunnel's messages from the session's receive loop (a
-    :class:`~dispatcher.registry.TunnelRoute`). Never blocks; buffers at most ``window``
+    :class:`~dispatcher.link.registry.TunnelRoute`). Never blocks; buffers at most ``window``
     body bytes because the node may not send more than it was granted."""
 
     tunnel_id: str

@@ -3,8 +3,8 @@
 The gate tells :class:`Accounting` how an attempt ended (:class:`Attempted`: its outcome,
 whether it was committed, its times) with the handle its counts come from: a normalized run
 (:meth:`Accounting.record_run`) or a tunnel (:meth:`Accounting.record_tunnel`). Each becomes
-exactly one :class:`~dispatcher.usage.UsageRow` (:func:`usage_row`), with the counts the node
-or provider reported, or the edge's estimate (:mod:`dispatcher.protocol.tokens`, the one
+exactly one :class:`~dispatcher.store.ledger.UsageRow` (:func:`usage_row`), with the counts the node
+or provider reported, or the edge's estimate (:mod:`dispatcher.shared.tokens`, the one
 estimator) when it reported none -- or reported nonsense.
 
 A run abandoned unfinished (its cancel sent, its slot draining) waits for the node's end,
@@ -27,10 +27,16 @@ from typing import Final, Protocol
 import attrs
 import trio
 
-from . import wire
+from .. import wire
+from ..shared.tokens import estimate_prompt_tokens, tokens_for_chars
+from ..store.ledger import (
+    BillableTo,
+    ExecutionPath,
+    Outcome,
+    UsageRow,
+    UsageSource,
+)
 from .pool import DispatchRequest, DispatchResult
-from .protocol.tokens import estimate_prompt_tokens, tokens_for_chars
-from .usage import BillableTo, ExecutionPath, Outcome, UsageRow, UsageSource
 
 log = logging.getLogger("dispatcher.gate")
 
@@ -58,7 +64,7 @@ class Accounted(Protocol):
 
 
 class RunCounts(Protocol):
-    """What accounting reads of a normalized run (:class:`dispatcher.runs.Run`)."""
+    """What accounting reads of a normalized run (:class:`dispatcher.paths.runs.Run`)."""
 
     @property
     def usage(self) -> wire.Usage | None: ...
@@ -71,7 +77,7 @@ class RunCounts(Protocol):
 
 
 class TunnelCounts(Protocol):
-    """What accounting reads of a tunnel (:class:`dispatcher.tunnel.Tunnel`)."""
+    """What accounting reads of a tunnel (:class:`dispatcher.paths.tunnel.Tunnel`)."""
 
     @property
     def usage(self) -> tuple[int, int, bool] | None: ...

@@ -8,10 +8,15 @@ from collections.abc import Callable
 
 import attrs
 
-from .admission import MODEL_LINGER_S, Candidate, Policy, PolicySnapshot
-from .config import EdgeConfig, QueuePolicySettings
-from .gate_rules import GatePolicy
-from .registry import NodeSession
+from ..admission import (
+    MODEL_LINGER_S,
+    Candidate,
+    Policy,
+    PolicySnapshot,
+)
+from ..config import EdgeConfig, QueuePolicySettings
+from ..link.registry import NodeSession
+from .rules import GatePolicy
 
 
 def candidates_for_session(session: NodeSession) -> list[Candidate]:

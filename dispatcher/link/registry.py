@@ -8,9 +8,9 @@ sent on it. A connection claiming a live session's node id with another credenti
 make you every node.
 
 A session routes what its node sends (:meth:`NodeSession.receive`) to the subscription of that
-run or the route of that tunnel (each registered by its lease, :mod:`dispatcher.lease`, before
+run or the route of that tunnel (each registered by its lease, :mod:`dispatcher.paths.lease`, before
 the request is sent, so no event can be missed). Whether the node may send it is the
-session's protocol state machine's call (:class:`dispatcher.protocol.EdgeProtocol`, fed every
+session's protocol state machine's call (:class:`dispatcher.wire.EdgeProtocol`, fed every
 message both ways): an event for a run the edge never gave this session, a ``seq`` out of
 order, an event after the run's terminal, a tunnel's frames out of order are protocol errors;
 late events for a run that recently ended here (a cancel confirmation after the client left)
@@ -41,9 +41,9 @@ from typing import Literal, Protocol
 import attrs
 import trio
 
-from . import wire
-from .errors import StaleGeneration
-from .transport import Connection
+from .. import wire
+from ..errors import StaleGeneration
+from ..shared.transport import Connection
 
 log = logging.getLogger("dispatcher.registry")
 
@@ -297,7 +297,7 @@ class Subscription:
 
 
 class TunnelRoute(Protocol):
-    """Where a session delivers one tunnel's messages (implemented by ``dispatcher.tunnel``).
+    """Where a session delivers one tunnel's messages (implemented by ``dispatcher.paths.tunnel``).
     Called from the session's receive loop, for messages the protocol machine accepted:
     never blocks; raises :class:`SessionProtocolError` for a message that breaks the
     protocol (flow control is the route's)."""

@@ -4,8 +4,8 @@ Trio's nurseries wrap what their tasks raise in (possibly nested) exception grou
 must ask "does this hold a ``ConnectionClosed``?" or "which errors are really in here?" uses
 these helpers instead of walking ``.exceptions`` by hand: a hand-written walker that looks at
 one level only is how a nested group turned into an ``AssertionError`` on the node.
-Sans-IO; ``nodes/`` imports it too (it lives in ``dispatcher.protocol``, the one package of the
-edge a node may import besides ``dispatcher.transport``).
+Sans-IO; ``nodes/`` imports it too (it lives in ``dispatcher.wire``, the one package of the
+edge a node may import besides ``dispatcher.shared.transport``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ A config error names the file, the key path and the reason, in the same style as
 and the daemon refuses to start. A :class:`ConfigError` holds every problem of the file
 (``problems``), not just the first: the values' (types, unknown keys), then what the checks
 across values and the secrets find in the rest
-(:func:`~dispatcher.protocol.config_errors.structure_all`). Every key has a default, so an
+(:func:`~dispatcher.shared.config_errors.structure_all`). Every key has a default, so an
 empty file (or no file) is a working edge.
 
 **Secrets.** Client keys, admin keys and node tokens are arrays of strings (a bare string is
@@ -46,7 +46,7 @@ import attrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
-from .protocol.config_errors import (
+from ..shared.config_errors import (
     ConfigFileError,
     Invalid,
     Problem,
@@ -56,7 +56,7 @@ from .protocol.config_errors import (
     structure_each,
     structure_named,
 )
-from .protocol.config_errors import key as toml_key
+from ..shared.config_errors import key as toml_key
 
 DEFAULT_API_KEYS_ENV: Final = "DISPATCHER_API_KEYS"
 DEFAULT_ADMIN_KEYS_ENV: Final = "DISPATCHER_ADMIN_KEYS"

@@ -1,7 +1,7 @@
 """The edge at a glance: the document ``GET /admin/status`` answers (``docs/status.md``).
 
 :func:`edge_status` builds it from what the edge holds now -- the node sessions, admission's
-statistics, the request records (:mod:`dispatcher.traffic`) -- as frozen attrs classes, so
+statistics, the request records (:mod:`dispatcher.observe.traffic`) -- as frozen attrs classes, so
 its field names are fixed in one place; :func:`status_json` serialises it. Every list is
 bounded (the in-flight list at :data:`MAX_IN_FLIGHT`, the failures at the traffic's ring,
 nodes and models by what admission and the hello limits hold), and it holds no secret:
@@ -17,9 +17,9 @@ from typing import Final
 import attrs
 import orjson
 
-from .admission import AdmissionStatistics
-from .catalog import candidates_for_session
-from .registry import NodeSession
+from ..admission import AdmissionStatistics
+from ..gate.catalog import candidates_for_session
+from ..link.registry import NodeSession
 from .traffic import REFUSAL_WINDOW, RequestSummary, Traffic
 
 __all__ = [

@@ -5,7 +5,7 @@ agnostic: the HTTP endpoint runs it over our server's websocket, and embedded ap
 run it over an in-memory connection. Whatever the node sends that breaks the protocol closes
 *that* session (code 1002, with the reason) and is logged; nothing it sends can hurt the edge
 or other nodes. What the node may send when is not decided here: every message is judged by
-the session's protocol state machine (:class:`dispatcher.protocol.EdgeProtocol`, via
+the session's protocol state machine (:class:`dispatcher.wire.EdgeProtocol`, via
 :meth:`NodeSession.receive`); this module owns the policy on top (tokens, identities, the
 limits of a ``hello`` or ``capacity``, heartbeats).
 
@@ -33,9 +33,15 @@ from typing import Final, Literal
 import attrs
 import trio
 
-from . import wire
-from .registry import LostCode, NodeGone, NodeIdInUse, NodeSession, Registry
-from .transport import Connection, ConnectionClosed
+from .. import wire
+from ..shared.transport import Connection, ConnectionClosed
+from .registry import (
+    LostCode,
+    NodeGone,
+    NodeIdInUse,
+    NodeSession,
+    Registry,
+)
 
 log = logging.getLogger("dispatcher.nodes")
 
@@ -209,7 +215,7 @@ def _connection_ended(exc: ConnectionClosed) -> _Closing:
 @attrs.frozen
 class SessionEnd:
     """Why a node session ended: the code its runs and tunnels in flight fail with (a
-    :data:`~dispatcher.registry.LostCode`) and the sentence their clients and the edge's
+    :data:`~dispatcher.link.registry.LostCode`) and the sentence their clients and the edge's
     log are told."""
 
     code: LostCode

@@ -19,7 +19,14 @@ from cattrs.preconf.orjson import make_converter
 from cattrs.strategies import configure_tagged_union
 
 from ._errors import ProtocolError
-from ._messages import MAX_FRAME_SIZE, MESSAGE_TYPES, JSONObject, Message, RunDelta, TunnelData
+from ._messages import (
+    MAX_FRAME_SIZE,
+    MESSAGE_TYPES,
+    JSONObject,
+    Message,
+    RunDelta,
+    TunnelData,
+)
 
 
 def _strict(kind: type[Any]) -> Any:
