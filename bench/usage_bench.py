@@ -25,7 +25,9 @@ from pathlib import Path
 import trio
 
 from bench import Table, fmt_int
-from dispatcher.store.ledger import USAGE_DB_NAME, UsageRow, open_usage_ledger
+from dispatcher.store.ledger import open_usage_ledger
+from dispatcher.store.usage import UsageRow
+from dispatcher.store.usage_sqlite import USAGE_DB_NAME
 
 TIME_LIMIT = 20.0
 """The whole section is cut off after this many seconds."""

@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "Run": "dispatcher.paths.runs",
     "GateRequest": "dispatcher.gate.attempts",
     "DispatchRequest": "dispatcher.gate.pool",
-    "UsageRow": "dispatcher.store.ledger",
+    "UsageRow": "dispatcher.store.usage",
     # connecting nodes
     "Connection": "dispatcher.shared.transport",
     "ConnectionClosed": "dispatcher.shared.transport",
@@ -104,4 +104,4 @@ if TYPE_CHECKING:
     from .shared.transport import Connection as Connection
     from .shared.transport import ConnectionClosed as ConnectionClosed
     from .shared.transport import memory_connection_pair as memory_connection_pair
-    from .store.ledger import UsageRow as UsageRow
+    from .store.usage import UsageRow as UsageRow

@@ -57,9 +57,10 @@ from .paths.runs import Run, Runs, RunSpec
 from .paths.tunnel import Tunnels
 from .shared.forwarding import Forwarded
 from .shared.transport import Connection, memory_connection_pair
-from .store.ledger import UsageLedger, open_usage_ledger
-from .store.responses import ResponseStore, beside_ledger, open_response_store
-from .tenants import Tenants, tenant_policy_from_config
+from .store.backends import open_stores
+from .store.limits import MemoryLimits
+from .store.seam import ResponseStore, UsageLedger
+from .tenants import TenantPolicy, Tenants, tenant_policy_from_config
 
 log = logging.getLogger("dispatcher")
 
@@ -125,7 +126,7 @@ class Dispatcher:
     """The requests in flight and what ended ones left (``dispatcher.observe.traffic``)."""
     nodelink_settings: NodeLinkSettings
     _nursery: trio.Nursery
-    tenants: Tenants = attrs.Factory(Tenants)
+    tenants: Tenants = attrs.Factory(lambda: Tenants(TenantPolicy(), MemoryLimits()))
     """The client keys as tenants: their limits, budgets and prices (``dispatcher.tenants``)."""
     config_source: ConfigSource | None = None
     """Where :meth:`reload_config` reads the config again (``dispatcher serve``: its file);
@@ -491,17 +492,9 @@ async def open_dispatcher_of(
     pool = Pool(
         runs, admission, open_tunnel=tunnels.open_tunnel, on_admitted=metrics.observe_admission
     )
-    tenants = Tenants(tenant_policy_from_config(config))
-    async with (
-        open_usage_ledger(config.usage_db or ":memory:") as ledger,
-        open_response_store(
-            beside_ledger(config.usage_db),
-            max_entries=config.responses.max_stored,
-            max_bytes=config.responses.max_stored_bytes,
-            max_age=config.responses.max_age_s,
-        ) as response_store,
-        trio.open_nursery() as nursery,
-    ):
+    async with open_stores(config) as stores, trio.open_nursery() as nursery:
+        ledger = stores.ledger
+        tenants = Tenants(tenant_policy_from_config(config), stores.limits)
         dispatcher = kind(
             config=config,
             registry=registry,
@@ -516,7 +509,7 @@ async def open_dispatcher_of(
                 price_usage=tenants.price,
             ),
             ledger=ledger,
-            response_store=response_store,
+            response_store=stores.responses,
             metrics=metrics,
             traffic=Traffic(metrics),
             nodelink_settings=settings,

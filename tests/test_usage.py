@@ -18,19 +18,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dispatcher.api.usage_report import parse_usage_query, usage_report_json
-from dispatcher.store.ledger import (
+from dispatcher.store.ledger import RECENT_KEYS, open_usage_ledger
+from dispatcher.store.seam import UsageLedger
+from dispatcher.store.usage import (
     GROUP_BY,
     MAX_QUERY_LIMIT,
-    RECENT_KEYS,
-    USAGE_DB_NAME,
     DuplicateUsageRow,
     TokenTotals,
     UsageFilter,
-    UsageLedger,
     UsageQuery,
     UsageRow,
-    open_usage_ledger,
 )
+from dispatcher.store.usage_sqlite import USAGE_DB_NAME
 
 T0 = 1_700_000_000.0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import AsyncExitStack
 from typing import Any, Final
 
 import attrs
@@ -226,7 +226,7 @@ class ModelCall:
     counted: RequestOutcome
     tenancy: Tenancy
 
-    def gate_request(
+    async def gate_request(
         self,
         body: dict[str, Any],
         *,
@@ -251,7 +251,7 @@ class ModelCall:
         tenancy.gated = True
         ticket = None
         if tenancy.held is not None:
-            tenancy.ticket = ticket = tenancy.held.enter_context(
+            tenancy.ticket = ticket = await tenancy.held.enter_async_context(
                 self.edge.tenants.admitted(ctx.request_id, ctx.tenant, body["model"], body)
             )
         session = request.header(b"x-session-id")
@@ -308,7 +308,7 @@ class Tenancy:
     :func:`model_route`'s block leaves however the route ends (None without a tenant to
     admit: nothing to hold)."""
 
-    held: ExitStack | None
+    held: AsyncExitStack | None
     ticket: Ticket | None = None
     gated: bool = False
     """:meth:`ModelCall.gate_request` was called (it is called once)."""
@@ -323,10 +323,13 @@ def model_route(serve: ServeModel) -> Route:
     async def route(
         edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
     ) -> None:
-        # client auth off (or an admin's call): no tenant to admit, nothing to hold
-        holding = ExitStack() if ctx.tenant is not None else nullcontext()
-        with CountedRequest(edge, ctx.record) as counted, holding as held:
-            call = ModelCall(edge, request, ctx, counted, Tenancy(held))
-            counted.outcome = await serve(call, responder)
+        with CountedRequest(edge, ctx.record) as counted:
+            if ctx.tenant is None:  # client auth off (or an admin's call): nothing to hold
+                call = ModelCall(edge, request, ctx, counted, Tenancy(None))
+                counted.outcome = await serve(call, responder)
+                return
+            async with AsyncExitStack() as held:
+                call = ModelCall(edge, request, ctx, counted, Tenancy(held))
+                counted.outcome = await serve(call, responder)
 
     return route

@@ -87,7 +87,7 @@ def _usage_object(usage: wire.Usage | None) -> dict[str, int]:
 @model_route
 async def chat_completions(call: ModelCall, responder: Responder) -> str:
     chat = parse_chat_request(await call.request.body())
-    gated = call.gate_request(chat.body, stream=chat.stream)
+    gated = await call.gate_request(chat.body, stream=chat.stream)
     return await _chat(call.edge, chat, gated, responder, call.ctx)
 
 

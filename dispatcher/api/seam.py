@@ -24,8 +24,7 @@ from ..observe.metrics import Metrics
 from ..observe.status import EdgeStatus
 from ..observe.traffic import Traffic
 from ..shared.transport import Connection
-from ..store.ledger import UsageLedger
-from ..store.responses import ResponseStore
+from ..store.seam import ResponseStore, UsageLedger
 from ..tenants import Tenants
 
 __all__ = ["ApiSettings", "EdgeServices", "RegistryView", "WorkTicket"]

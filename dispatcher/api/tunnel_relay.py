@@ -254,7 +254,9 @@ async def tunnel_route(call: ModelCall, responder: Responder) -> str:
     """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
     route = call.request.path
     body = parse_tunnel_body(await call.request.body(), route=route)
-    gated = call.gate_request(body, stream=body.get("stream") is True, predicate=tunnel_only(route))
+    gated = await call.gate_request(
+        body, stream=body.get("stream") is True, predicate=tunnel_only(route)
+    )
     async with call.edge.gate.open(gated) as answer:
         assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
         return await relay(call.edge, answer, body, responder, call.ctx.headers)

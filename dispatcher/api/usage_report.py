@@ -14,7 +14,7 @@ from typing import Any, Final, cast
 import attrs
 import orjson
 
-from ..store.ledger import (
+from ..store.usage import (
     DEFAULT_QUERY_LIMIT,
     GROUP_BY,
     MAX_QUERY_LIMIT,

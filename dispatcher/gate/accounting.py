@@ -29,22 +29,17 @@ import trio
 
 from .. import wire
 from ..shared.tokens import estimate_prompt_tokens, tokens_for_chars
-from ..store.ledger import (
-    BillableTo,
-    ExecutionPath,
-    Outcome,
-    UsageRow,
-    UsageSource,
-)
+from ..store.usage import BillableTo, ExecutionPath, Outcome, UsageRow, UsageSource
 from .pool import DispatchRequest, DispatchResult
 
 log = logging.getLogger("dispatcher.gate")
 
 UsageSink = Callable[[UsageRow], None]
-UsagePricing = Callable[[str, str, str | None, BillableTo, int, int], float | None]
-"""A row's ``cost_usd`` from its ``request_id``, ``model_group``, ``attribution``,
-``billable_to``, ``prompt_tokens`` and ``completion_tokens``, asked before the row is built
-(the tenants' :meth:`~dispatcher.tenants.Tenants.price`, which bills it too); never raises."""
+UsagePricing = Callable[[str, int, str, str | None, BillableTo, int, int], float | None]
+"""A row's ``cost_usd`` from its ``request_id``, ``attempt``, ``model_group``,
+``attribution``, ``billable_to``, ``prompt_tokens`` and ``completion_tokens``, asked before
+the row is built (the tenants' :meth:`~dispatcher.tenants.Tenants.price`, which settles the
+request's reservation too, once per attempt); never raises."""
 
 SETTLE_TIMEOUT: Final = 10.0
 """How long an abandoned run's usage row waits for the node's cancel confirmation."""
@@ -118,6 +113,7 @@ def usage_row(
     if price is not None:
         cost = price(
             request.request_id,
+            attempt.number,
             result.model_group,
             request.attribution,
             billable_to,

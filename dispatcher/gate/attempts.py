@@ -77,7 +77,7 @@ from ..paths.tunnel_http import (
     commit_tunnel,
 )
 from ..shared.excgroups import holds
-from ..store.ledger import ExecutionPath
+from ..store.usage import ExecutionPath
 from . import rules
 from .accounting import (
     SETTLE_TIMEOUT,

@@ -1,4 +1,6 @@
-"""The usage ledger: one SQLite row per attempt, written off the event loop in batches.
+"""The embedded usage ledger: :class:`BatchedLedger`, an outbox of rows written off the event
+loop in batches to a :class:`~dispatcher.store.seam.UsageDatabase` (SQLite,
+:class:`~dispatcher.store.usage_sqlite.SQLiteUsage`, by default).
 
 ::
 
@@ -11,7 +13,7 @@
     # deadline) and closes the database
 
 A row is one *attempt* of a request, keyed by ``(request_id, attempt)`` and recorded exactly
-once, when the attempt ends. :meth:`UsageLedger.record` only appends the row to an in-memory
+once, when the attempt ends. :meth:`BatchedLedger.record` only appends the row to an in-memory
 batch; a writer task owned by the ledger writes batches in one transaction each, in a worker
 thread (a ``CapacityLimiter(1)`` keeps the single connection to one thread at a time; queries
 go through the same limiter).
@@ -19,7 +21,7 @@ go through the same limiter).
 Exactly once: ``record`` refuses a key this ledger already holds -- pending, being written, or
 among the last ``recent_keys`` written -- with :class:`DuplicateUsageRow`. Older duplicates
 (and rows already in the file from an earlier run) meet the table's primary key at write time:
-the new row is dropped with an error log and counted in :meth:`UsageLedger.statistics`, and
+the new row is dropped with an error log and counted in :meth:`BatchedLedger.statistics`, and
 the other rows of its batch are written as usual.
 
 Write failures never reach the caller of ``record``: a failed transaction is retried with backoff,
@@ -31,542 +33,65 @@ from __future__ import annotations
 
 import collections
 import logging
-import operator
 import os
-import sqlite3
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any, Final, Literal, TypedDict, Unpack, get_args
+from typing import Final, Unpack
 
 import attrs
 import trio
 
+from .seam import UsageDatabase
+from .usage import (
+    DEFAULT_QUERY_LIMIT,
+    EVERY_ROW,
+    GROUP_BY,
+    MAX_QUERY_LIMIT,
+    DuplicateUsageRow,
+    FilterFields,
+    GroupBy,
+    UsageFilter,
+    UsageGroup,
+    UsageLedgerStatistics,
+    UsageReport,
+    UsageRow,
+)
+from .usage_sqlite import SQLiteUsage
+
 __all__ = [
-    "BILLABLE_TO",
-    "DEFAULT_QUERY_LIMIT",
-    "EVERY_ROW",
     "FLUSH_TIMEOUT",
-    "GROUP_BY",
     "MAX_PENDING",
-    "MAX_QUERY_LIMIT",
-    "OUTCOMES",
     "RECENT_KEYS",
-    "USAGE_DB_NAME",
-    "BillableTo",
-    "DuplicateUsageRow",
-    "ExecutionPath",
-    "GroupBy",
-    "Outcome",
-    "TokenTotals",
-    "UsageFilter",
-    "UsageGroup",
-    "UsageLedger",
-    "UsageLedgerStatistics",
-    "UsageQuery",
-    "UsageReport",
-    "UsageRow",
-    "UsageSource",
-    "UsageTotals",
+    "BatchedLedger",
     "open_usage_ledger",
 ]
 
 log = logging.getLogger("dispatcher.usage")
 
-USAGE_DB_NAME: Final = "usage.sqlite3"
-"""The ledger's file name in the edge's data directory."""
 FLUSH_TIMEOUT: Final = 10.0
 """Seconds the ledger may spend writing pending rows when its block is left."""
-CLOSE_TIMEOUT: Final = 5.0
+_CLOSE_TIMEOUT: Final = 5.0
 """Seconds for closing the database after that (a WAL checkpoint)."""
 RECENT_KEYS: Final = 4096
 """Default number of written keys ``record`` still refuses as duplicates by itself."""
 MAX_PENDING: Final = 100_000
 """Default bound on rows waiting to be written."""
-MAX_QUERY_LIMIT: Final = 10_000
-"""The most rows one query returns (totals always cover every matching row)."""
-DEFAULT_QUERY_LIMIT: Final = 1000
-"""The rows a query returns when it does not say."""
-WRITE_ATTEMPTS: Final = 5
+_WRITE_ATTEMPTS: Final = 5
 """Tries of one batch's transaction before its rows are given up."""
-RETRY_DELAY: Final = 0.1
+_RETRY_DELAY: Final = 0.1
 """Seconds before the first retry of a failed transaction; doubles each time."""
-SCHEMA_VERSION: Final = 3
-
-ExecutionPath = Literal["normalized", "tunnel"]
-UsageSource = Literal["reported", "estimated"]
-Outcome = Literal["completed", "failed", "aborted", "cancelled"]
-"""How the attempt ended; ``cancelled`` is the client going away."""
-BillableTo = Literal["client", "operator"]
-
-OUTCOMES: Final[tuple[Outcome, ...]] = get_args(Outcome)
-BILLABLE_TO: Final[tuple[BillableTo, ...]] = get_args(BillableTo)
-
-
-class DuplicateUsageRow(ValueError):
-    """``record`` was given a ``(request_id, attempt)`` this ledger already has."""
-
-    def __init__(self, request_id: str, attempt: int) -> None:
-        super().__init__(f"usage of request {request_id!r} attempt {attempt} was already recorded")
-        self.request_id = request_id
-        self.attempt = attempt
-
-
-def _at_least(minimum: int) -> Any:
-    return attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(minimum))
-
-
-@attrs.frozen(kw_only=True)
-class UsageRow:
-    """One attempt of one request, as it ended."""
-
-    request_id: str
-    attempt: int = attrs.field(validator=_at_least(1))
-    """1-based: the first try is 1, each recovery on another candidate adds one."""
-    model_group: str
-    """The public model name the client asked for."""
-    served_model: str
-    """The model name the provider served it under."""
-    provider_id: str
-    node_id: str
-    path: ExecutionPath = attrs.field(validator=attrs.validators.in_(get_args(ExecutionPath)))
-    attribution: str | None
-    """Whom the usage is for: the client's API key id, or what the embedder passes."""
-    prompt_tokens: int = attrs.field(validator=_at_least(0))
-    completion_tokens: int = attrs.field(validator=_at_least(0))
-    usage_source: UsageSource = attrs.field(validator=attrs.validators.in_(get_args(UsageSource)))
-    """``reported`` by the upstream, or ``estimated`` by the edge."""
-    outcome: Outcome = attrs.field(validator=attrs.validators.in_(OUTCOMES))
-    billable_to: BillableTo = attrs.field(validator=attrs.validators.in_(BILLABLE_TO))
-    """``client`` for the committed attempt, ``operator`` for attempts the client never saw."""
-    queue_wait_s: float
-    ttft_s: float | None
-    """Time to first token; None if the attempt produced none."""
-    duration_s: float
-    ended_at: float
-    """Unix time the attempt ended."""
-    client_request_id: str | None = None
-    """The client's own ``x-request-id``, if it sent one: searchable, never the key (the
-    edge generates ``request_id``, so reusing an id cannot hide a request from the ledger)."""
-    route: str | None = None
-    """The API route the request came in on (``/v1/chat/completions``, ...)."""
-    cost_usd: float | None = None
-    """What its tokens cost at the price table its request was admitted under
-    (``dispatcher.tenants``); None when nothing priced it (rows of older versions)."""
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.request_id, self.attempt)
-
-
-_COLUMNS: Final = tuple(field.name for field in attrs.fields(UsageRow))
-_row_values = operator.attrgetter(*_COLUMNS)
-
-
-@attrs.frozen
-class TokenTotals:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def __add__(self, other: TokenTotals) -> TokenTotals:
-        return TokenTotals(
-            self.prompt_tokens + other.prompt_tokens,
-            self.completion_tokens + other.completion_tokens,
-        )
-
-
-@attrs.frozen(kw_only=True)
-class UsageTotals:
-    """Sums over every row matching a query (not only the rows returned)."""
-
-    requests: int
-    """Distinct request ids."""
-    attempts: int
-    prompt_tokens: int
-    completion_tokens: int
-    client: TokenTotals
-    """Tokens of attempts billable to the client (the committed ones)."""
-    operator: TokenTotals
-    """Tokens of attempts the client never saw."""
-    estimated: TokenTotals
-    """Tokens, of either kind, the edge estimated because the upstream reported none."""
-    outcomes: Mapping[Outcome, int]
-    """Attempts by outcome; every outcome is present."""
-    cost_usd: float = 0.0
-    """The cost of the tokens billable to the client."""
-
-
-GroupBy = Literal["key", "model", "route", "day"]
-GROUP_BY: Final[tuple[GroupBy, ...]] = get_args(GroupBy)
-_GROUP_COLUMNS: Final[Mapping[GroupBy, str]] = {
-    "key": "attribution",
-    "model": "model_group",
-    "route": "route",
-    "day": "date(ended_at, 'unixepoch')",
-}
-
-
-@attrs.frozen(kw_only=True)
-class UsageGroup:
-    """Sums over the rows of one group of :meth:`UsageLedger.query_groups`: the group's
-    values for the dimensions grouped by (the others None), then the sums."""
-
-    key: str | None = None
-    """The attribution (the tenant's id)."""
-    model: str | None = None
-    route: str | None = None
-    day: str | None = None
-    """The UTC day the attempts ended, ``YYYY-MM-DD``."""
-    requests: int
-    attempts: int
-    prompt_tokens: int
-    completion_tokens: int
-    client: TokenTotals
-    """Tokens billable to the client."""
-    cost_usd: float
-    """The cost of the tokens billable to the client."""
-
-
-def _not_before_since(
-    instance: UsageFilter, _: attrs.Attribute[float | None], until: float | None
-) -> None:
-    if until is not None and instance.since is not None and until < instance.since:
-        raise ValueError(f"until: before since ({until} < {instance.since})")
-
-
-@attrs.frozen(kw_only=True)
-class UsageFilter:
-    """Which rows a query covers: attempts that ended in ``[since, until)`` (unix seconds),
-    for one ``attribution``, one model group ``model`` (``model_group``, the name clients
-    use) and the client's own request id ``client_request_id``; a filter left None matches
-    every row."""
-
-    since: float | None = None
-    until: float | None = attrs.field(default=None, validator=_not_before_since)
-    attribution: str | None = None
-    model: str | None = None
-    client_request_id: str | None = None
-
-
-EVERY_ROW: Final = UsageFilter()
-"""The filter that matches every row."""
-
-
-class FilterFields(TypedDict, total=False):
-    """:class:`UsageFilter`'s fields as keyword arguments of the ledger's queries
-    (``query(since=t0, model="llama")``), so that mypy checks their names and types."""
-
-    since: float | None
-    until: float | None
-    attribution: str | None
-    model: str | None
-    client_request_id: str | None
-
-
-@attrs.frozen(kw_only=True)
-class UsageQuery:
-    """A question to the ledger, as ``GET /v1/usage`` asks it
-    (``dispatcher.api.usage_report.parse_usage_query``): the rows ``filter`` covers, at most
-    ``limit`` of them (:meth:`UsageLedger.query`), and their sums grouped by ``group_by``
-    (:meth:`UsageLedger.query_groups`)."""
-
-    filter: UsageFilter = EVERY_ROW
-    limit: int = DEFAULT_QUERY_LIMIT
-    group_by: tuple[GroupBy, ...] = GROUP_BY
-
-
-@attrs.frozen(kw_only=True)
-class UsageReport:
-    """What :meth:`UsageLedger.query` found: the filter and limit it was asked, the totals
-    over every matching row, and the rows (newest first), as ``GET /v1/usage`` shows them."""
-
-    filter: UsageFilter
-    limit: int
-    totals: UsageTotals
-    rows: tuple[UsageRow, ...]
-
-    @property
-    def truncated(self) -> bool:
-        """More rows matched than ``limit``; the totals still cover all of them."""
-        return self.totals.attempts > len(self.rows)
-
-
-@attrs.frozen(kw_only=True)
-class UsageLedgerStatistics:
-    rows_recorded: int
-    """Rows ``record`` accepted."""
-    rows_written: int
-    """Rows now in the database."""
-    rows_pending: int
-    """Rows accepted and not yet written (nor given up)."""
-    rows_lost: int
-    """Rows never written: beyond ``max_pending``, given up after failed retries, or still
-    pending when the closing flush ran out of time."""
-    batches: int
-    """Committed transactions."""
-    duplicates_refused: int
-    """``record`` calls that raised :class:`DuplicateUsageRow`."""
-    duplicates_dropped: int
-    """Rows that met an existing row's primary key at write time and were dropped."""
-    write_errors: int
-    """Failed transactions (each retry counts) and rows the database refused."""
-
-
-# --------------------------------------------------------------------------- the database
-# Synchronous; every call below runs in the ledger's worker thread.
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage (
-    request_id TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    model_group TEXT NOT NULL,
-    served_model TEXT NOT NULL,
-    provider_id TEXT NOT NULL,
-    node_id TEXT NOT NULL,
-    path TEXT NOT NULL,
-    attribution TEXT,
-    prompt_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL,
-    usage_source TEXT NOT NULL,
-    outcome TEXT NOT NULL,
-    billable_to TEXT NOT NULL,
-    queue_wait_s REAL NOT NULL,
-    ttft_s REAL,
-    duration_s REAL NOT NULL,
-    ended_at REAL NOT NULL,
-    client_request_id TEXT,
-    route TEXT,
-    cost_usd REAL,
-    PRIMARY KEY (request_id, attempt)
-);
-CREATE INDEX IF NOT EXISTS usage_ended_at ON usage (ended_at);
-CREATE INDEX IF NOT EXISTS usage_client_request_id ON usage (client_request_id);
-CREATE INDEX IF NOT EXISTS usage_attribution ON usage (attribution, ended_at);
-CREATE INDEX IF NOT EXISTS usage_model_group ON usage (model_group, ended_at);
-"""
-
-_INSERT = (
-    f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
-    "ON CONFLICT (request_id, attempt) DO NOTHING"
-)
-
-
-@attrs.frozen
-class _WriteResult:
-    inserted: int
-    duplicates: list[tuple[str, int]]
-    refused: list[tuple[tuple[str, int], str]]
-
-
-def _is_memory(path: str | os.PathLike[str] | None) -> bool:
-    return path is None or os.fspath(path) == ":memory:"
-
-
-class _Database:
-    """The one sqlite3 connection, used by one thread at a time."""
-
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
-        if _is_memory(path):
-            target = ":memory:"
-        else:
-            assert path is not None
-            file = Path(path).expanduser()
-            file.parent.mkdir(parents=True, exist_ok=True)
-            target = str(file)
-        # isolation_level=None: no implicit transactions, we BEGIN and COMMIT ourselves.
-        self._conn = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
-        try:
-            self._setup(memory=target == ":memory:", name=target)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    def _setup(self, *, memory: bool, name: str) -> None:
-        conn = self._conn
-        (version,) = conn.execute("PRAGMA user_version").fetchone()
-        if version > SCHEMA_VERSION:
-            raise RuntimeError(
-                f"{name}: usage ledger schema version {version} is newer than this "
-                f"dispatcher's ({SCHEMA_VERSION})"
-            )
-        if not memory:
-            (mode,) = conn.execute("PRAGMA journal_mode=WAL").fetchone()
-            if str(mode).lower() != "wal":
-                log.warning("%s: journal_mode is %s, not WAL", name, mode)
-        conn.execute("PRAGMA synchronous=NORMAL")
-        migrate = ""
-        if version == 1:
-            # Version 2 added the client's own request id and the route.
-            migrate = (
-                "ALTER TABLE usage ADD COLUMN client_request_id TEXT; "
-                "ALTER TABLE usage ADD COLUMN route TEXT;"
-            )
-        if version in (1, 2):
-            # Version 3 added the cost.
-            migrate += "ALTER TABLE usage ADD COLUMN cost_usd REAL;"
-        conn.executescript(
-            f"BEGIN; {migrate} {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;"
-        )
-
-    def write(self, rows: Sequence[UsageRow]) -> _WriteResult:
-        """Insert ``rows`` in one transaction. A row whose key is already there is skipped and
-        reported, as is a row the database refuses; the others are written. Any other error
-        rolls the whole batch back and is raised."""
-        cursor = self._conn.cursor()
-        inserted = 0
-        duplicates: list[tuple[str, int]] = []
-        refused: list[tuple[tuple[str, int], str]] = []
-        cursor.execute("BEGIN")
-        try:
-            for row in rows:
-                try:
-                    cursor.execute(_INSERT, _row_values(row))
-                except sqlite3.IntegrityError as exc:
-                    refused.append((row.key, str(exc)))
-                    continue
-                if cursor.rowcount == 1:
-                    inserted += 1
-                else:
-                    duplicates.append(row.key)
-            cursor.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.rollback()
-            raise
-        finally:
-            cursor.close()
-        return _WriteResult(inserted, duplicates, refused)
-
-    def query(self, matching: UsageFilter, limit: int) -> UsageReport:
-        where, params = _where(matching)
-        conn = self._conn
-        conn.execute("BEGIN")  # one snapshot for the rows and the totals
-        try:
-            found = conn.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM usage {where} "
-                "ORDER BY ended_at DESC, request_id DESC, attempt DESC LIMIT ?",
-                [*params, limit],
-            ).fetchall()
-            (requests,) = conn.execute(
-                f"SELECT COUNT(DISTINCT request_id) FROM usage {where}", params
-            ).fetchone()
-            groups = conn.execute(
-                "SELECT billable_to, outcome, usage_source, COUNT(*), "
-                "SUM(prompt_tokens), SUM(completion_tokens), SUM(COALESCE(cost_usd, 0)) "
-                f"FROM usage {where} "
-                "GROUP BY billable_to, outcome, usage_source",
-                params,
-            ).fetchall()
-        finally:
-            conn.execute("COMMIT")
-        return UsageReport(
-            filter=matching,
-            limit=limit,
-            totals=_fold_totals(requests, groups),
-            rows=tuple(UsageRow(**dict(zip(_COLUMNS, values, strict=True))) for values in found),
-        )
-
-    def query_groups(
-        self, matching: UsageFilter, group_by: Sequence[GroupBy], billable: bool
-    ) -> list[UsageGroup]:
-        where, params = _where(matching)
-        if billable:
-            where = (
-                f"{where} AND billable_to = 'client'" if where else ("WHERE billable_to = 'client'")
-            )
-        dimensions = [_GROUP_COLUMNS[name] for name in group_by]
-        selected = "".join(f"{column}, " for column in dimensions)
-        grouping = f"GROUP BY {', '.join(dimensions)} ORDER BY {', '.join(dimensions)}"
-        found = self._conn.execute(
-            f"SELECT {selected}COUNT(DISTINCT request_id), COUNT(*), "
-            "SUM(prompt_tokens), SUM(completion_tokens), "
-            "SUM(CASE WHEN billable_to = 'client' THEN prompt_tokens ELSE 0 END), "
-            "SUM(CASE WHEN billable_to = 'client' THEN completion_tokens ELSE 0 END), "
-            "SUM(CASE WHEN billable_to = 'client' THEN COALESCE(cost_usd, 0) ELSE 0 END) "
-            f"FROM usage {where} {grouping if dimensions else ''}",
-            params,
-        ).fetchall()
-        groups = []
-        for values in found:
-            named = dict(zip(group_by, values, strict=False))
-            rest = values[len(group_by) :]
-            if not rest[1]:
-                continue  # no row matched (an aggregate without GROUP BY has one row)
-            groups.append(
-                UsageGroup(
-                    **named,
-                    requests=rest[0],
-                    attempts=rest[1],
-                    prompt_tokens=rest[2],
-                    completion_tokens=rest[3],
-                    client=TokenTotals(rest[4], rest[5]),
-                    cost_usd=rest[6],
-                )
-            )
-        return groups
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-def _where(matching: UsageFilter) -> tuple[str, list[object]]:
-    clauses: list[str] = []
-    params: list[object] = []
-    for clause, value in (
-        ("ended_at >= ?", matching.since),
-        ("ended_at < ?", matching.until),
-        ("attribution = ?", matching.attribution),
-        ("model_group = ?", matching.model),
-        ("client_request_id = ?", matching.client_request_id),
-    ):
-        if value is not None:
-            clauses.append(clause)
-            params.append(value)
-    return (f"WHERE {' AND '.join(clauses)}" if clauses else ""), params
-
-
-def _fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
-    attempts = 0
-    billable = {who: TokenTotals() for who in BILLABLE_TO}
-    estimated = TokenTotals()
-    outcomes: dict[Outcome, int] = dict.fromkeys(OUTCOMES, 0)
-    cost = 0.0
-    for billable_to, outcome, source, count, prompt, completion, row_cost in groups:
-        tokens = TokenTotals(prompt, completion)
-        attempts += count
-        billable[billable_to] += tokens
-        if billable_to == "client":
-            cost += row_cost
-        if source == "estimated":
-            estimated += tokens
-        outcomes[outcome] = outcomes.get(outcome, 0) + count
-    everything = billable["client"] + billable["operator"]
-    return UsageTotals(
-        requests=requests,
-        attempts=attempts,
-        prompt_tokens=everything.prompt_tokens,
-        completion_tokens=everything.completion_tokens,
-        client=billable["client"],
-        operator=billable["operator"],
-        estimated=estimated,
-        outcomes=outcomes,
-        cost_usd=cost,
-    )
 
 
 # --------------------------------------------------------------------------- the ledger
 
 
-class UsageLedger:
-    """Records attempts and answers usage queries. Create it with :func:`open_usage_ledger`."""
+class BatchedLedger:
+    """Records attempts and answers usage queries: the embedded
+    :class:`~dispatcher.store.seam.UsageLedger`. Create it with :func:`open_usage_ledger`."""
 
     def __init__(
         self,
-        database: _Database,
+        database: UsageDatabase,
         *,
         batch_interval: float,
         max_batch: int,
@@ -694,6 +219,10 @@ class UsageLedger:
             self._db.query_groups, where, tuple(group_by), billable, limiter=self._limiter
         )
 
+    async def billable_spend(self, since: float) -> list[UsageGroup]:
+        """What was billed to clients since ``since``, per key and UTC day."""
+        return await self.query_groups(group_by=("key", "day"), since=since, billable=True)
+
     def statistics(self) -> UsageLedgerStatistics:
         return UsageLedgerStatistics(
             rows_recorded=self._accepted,
@@ -733,11 +262,11 @@ class UsageLedger:
         batch = self._pending[: self._max_batch]
         try:
             result = await trio.to_thread.run_sync(self._db.write, batch, limiter=self._limiter)
-        except sqlite3.Error as exc:
+        except self._db.errors as exc:
             self._write_errors += 1
             self._failures += 1
-            if self._failures < WRITE_ATTEMPTS:
-                delay = RETRY_DELAY * 2 ** (self._failures - 1)
+            if self._failures < _WRITE_ATTEMPTS:
+                delay = _RETRY_DELAY * 2 ** (self._failures - 1)
                 log.warning(
                     "usage ledger: writing %d rows failed (%s); retrying in %.1f s",
                     len(batch),
@@ -811,7 +340,7 @@ async def open_usage_ledger(
     max_batch: int = 500,
     recent_keys: int = RECENT_KEYS,
     max_pending: int = MAX_PENDING,
-) -> AsyncIterator[UsageLedger]:
+) -> AsyncIterator[BatchedLedger]:
     """A usage ledger on the SQLite file ``path`` (created, with its directory, if missing),
     or on a private in-memory database for ``":memory:"`` or None.
 
@@ -825,8 +354,8 @@ async def open_usage_ledger(
         raise ValueError(
             "batch_interval must be >= 0, max_batch >= 1, recent_keys >= 0, max_pending >= 1"
         )
-    database = await trio.to_thread.run_sync(_Database, path)
-    ledger = UsageLedger(
+    database = await trio.to_thread.run_sync(SQLiteUsage, path)
+    ledger = BatchedLedger(
         database,
         batch_interval=batch_interval,
         max_batch=max_batch,
@@ -856,7 +385,7 @@ async def open_usage_ledger(
         with trio.move_on_after(FLUSH_TIMEOUT, shield=True):
             await ledger._drain()
         ledger._close()
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True) as closing:
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True) as closing:
             await trio.to_thread.run_sync(database.close, limiter=ledger._limiter)
         if closing.cancelled_caught:
-            log.error("usage ledger: the database was not closed in %g s", CLOSE_TIMEOUT)
+            log.error("usage ledger: the database was not closed in %g s", _CLOSE_TIMEOUT)

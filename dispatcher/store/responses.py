@@ -38,13 +38,14 @@ import attrs
 import orjson
 import trio
 
+from ..wire import JSONObject
+from .seam import ResponseStoreStatistics, StoredResponse
+
 __all__ = [
     "MAX_STORED",
     "MAX_STORED_AGE",
     "MAX_STORED_BYTES",
-    "ResponseStore",
-    "ResponseStoreStatistics",
-    "StoredResponse",
+    "SQLiteResponseStore",
     "beside_ledger",
     "open_response_store",
 ]
@@ -57,12 +58,10 @@ MAX_STORED_BYTES: Final = 64 * 1024 * 1024
 """Default bound on the stored responses' size (their JSON, conversation included)."""
 MAX_STORED_AGE: Final = 24 * 3600.0
 """Default age in seconds past which a stored response is forgotten."""
-CLOSE_TIMEOUT: Final = 5.0
+_CLOSE_TIMEOUT: Final = 5.0
 """Seconds for closing the database when the store's block is left."""
-SCHEMA_VERSION: Final = 1
+_SCHEMA_VERSION: Final = 1
 _EVICT_BATCH: Final = 64
-
-JSONObject = dict[str, Any]
 
 
 def beside_ledger(usage_db: str | None) -> str:
@@ -73,29 +72,6 @@ def beside_ledger(usage_db: str | None) -> str:
         return ":memory:"
     path = Path(usage_db)
     return str(path.with_name(f"{path.stem}.responses{path.suffix}"))
-
-
-@attrs.frozen
-class StoredResponse:
-    response: JSONObject
-    """The response object as ``GET`` answers it."""
-    conversation: tuple[JSONObject, ...]
-    """The input items of the whole chain (without instructions) and this response's output
-    items: what a later ``previous_response_id`` prepends."""
-    size: int
-    stored_at: float
-    owner: str | None = None
-    """Whose it is: the id of the API key that created it (None when the edge has none)."""
-
-
-@attrs.frozen(kw_only=True)
-class ResponseStoreStatistics:
-    entries: int
-    """Responses held now (some may be past their age until the next write forgets them;
-    no read finds those)."""
-    bytes: int
-    evicted: int
-    """Responses forgotten for a bound (not deleted by a client) since the store opened."""
 
 
 # --------------------------------------------------------------------------- the database
@@ -129,16 +105,16 @@ class _Database:
         self._conn = sqlite3.connect(target, check_same_thread=False, isolation_level=None)
         try:
             (version,) = self._conn.execute("PRAGMA user_version").fetchone()
-            if version > SCHEMA_VERSION:
+            if version > _SCHEMA_VERSION:
                 raise RuntimeError(
                     f"{target}: response store schema version {version} is newer than this "
-                    f"dispatcher's ({SCHEMA_VERSION})"
+                    f"dispatcher's ({_SCHEMA_VERSION})"
                 )
             if not memory:
                 self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.executescript(
-                f"BEGIN; {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;"
+                f"BEGIN; {_SCHEMA} PRAGMA user_version={_SCHEMA_VERSION}; COMMIT;"
             )
             entries, size = self._conn.execute(
                 "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses"
@@ -245,8 +221,9 @@ class _Database:
 
 
 @attrs.define(eq=False)
-class ResponseStore:
-    """Stored responses (see the module docstring). Create it with
+class SQLiteResponseStore:
+    """Stored responses on SQLite, the embedded :class:`~dispatcher.store.seam.ResponseStore`
+    (see the module docstring). Create it with
     :func:`open_response_store`."""
 
     _db: _Database = attrs.field(alias="database")
@@ -324,22 +301,22 @@ async def open_response_store(
     max_bytes: int = MAX_STORED_BYTES,
     max_age: float = MAX_STORED_AGE,
     clock: Callable[[], float] = time.time,
-) -> AsyncIterator[ResponseStore]:
+) -> AsyncIterator[SQLiteResponseStore]:
     """A response store on the SQLite file ``path`` (created, with its directory, if
     missing; what it held before is kept within the bounds), or on a private in-memory
     database for ``":memory:"``. Leaving the block closes the database (shielded, at most
-    :data:`CLOSE_TIMEOUT` seconds, after any call in flight)."""
+    :data:`_CLOSE_TIMEOUT` seconds, after any call in flight)."""
     if max_entries < 1 or max_bytes < 1 or max_age <= 0:
         raise ValueError("max_entries and max_bytes must be >= 1, max_age > 0")
     database = await trio.to_thread.run_sync(_Database, path)
-    store = ResponseStore(
+    store = SQLiteResponseStore(
         database, max_entries=max_entries, max_bytes=max_bytes, max_age=max_age, clock=clock
     )
     try:
         yield store
     finally:
         store._closed = True
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True) as closing:
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True) as closing:
             await trio.to_thread.run_sync(database.close, limiter=store._limiter)
         if closing.cancelled_caught:
-            log.error("response store: the database was not closed in %g s", CLOSE_TIMEOUT)
+            log.error("response store: the database was not closed in %g s", _CLOSE_TIMEOUT)

@@ -1,22 +1,27 @@
-"""The thin driver of the tenant limits: the clocks, the errors, the ledger.
+"""The tenants' driver: the policy in force, the tickets, the errors, the ledger, over a
+:class:`~dispatcher.store.seam.LimitStore` (in one process,
+:class:`~dispatcher.store.limits.MemoryLimits`).
 
-* :meth:`Tenants.admitted` is the one check of a client request, before the gate: a context
-  manager that raises the refusal (429, or 404 for a model the key may not use) or holds the
-  request's :class:`~dispatcher.tenants.Ticket` until it is left, however it is left.
+* :meth:`Tenants.admitted` is the one check of a client request, before the gate: an async
+  context manager that raises the refusal (429, or 404 for a model the key may not use) or
+  holds the request's :class:`Ticket` (its reservation in the store) until it is left,
+  however it is left.
 * :meth:`Tenants.price` is the gate's pricing hook: each usage row gets its cost as it is
-  built, and a billable row bills its request's ticket (:meth:`Tenants.recorder`: the same
-  in front of a sink of rows built unpriced).
-* :meth:`Tenants.seed` reads this month's billable spend from the ledger at start-up (a
-  restart does not reset a budget); :meth:`Tenants.swap` is a reload's part.
+  built, and a billable row settles its request's reservation, keyed by request and attempt
+  (:meth:`Tenants.recorder`: the same in front of a sink of rows built unpriced). A ticket
+  whose billable row may still come after its request ended (a cancelled stream's waits for
+  the node's confirmation) is remembered until then, at most :data:`TICKET_MEMORY` seconds.
+* :meth:`Tenants.seed` has the store seed its budgets from the ledger at start-up (a restart
+  does not reset a budget); :meth:`Tenants.swap` is a reload's part.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from typing import Any, Final
 
 import attrs
 import trio
@@ -24,24 +29,31 @@ import trio
 from ..admission import UnknownModel
 from ..errors import QuotaExceeded, RateLimited, TokenRateLimited
 from ..shared.tokens import estimate_prompt_tokens
-from ..store.ledger import (
-    BillableTo,
-    GroupBy,
-    UsageGroup,
-    UsageRow,
-)
-from ._core import (
+from ..store.seam import (
+    Hold,
+    LimitStore,
+    RateHeaders,
     Refusal,
-    TenantLimiter,
-    Ticket,
-    month_start,
-    periods,
+    Reservation,
+    UsageLedger,
 )
-from ._policy import KeyDirectory, Tenant, TenantPolicy
+from ..store.usage import BillableTo, UsageRow
+from ._policy import KeyDirectory, PriceTable, Tenant, TenantPolicy
 
-__all__ = ["SpendSource", "Tenants", "expected_output_tokens", "request_estimate"]
+__all__ = [
+    "TICKET_MEMORY",
+    "Tenants",
+    "Ticket",
+    "expected_output_tokens",
+    "refusal_error",
+    "request_estimate",
+]
 
 log = logging.getLogger("dispatcher.tenants")
+
+TICKET_MEMORY: Final = 120.0
+"""Seconds a released request's ticket waits for its billable usage row (the gate's
+accounting waits at most ``SETTLE_TIMEOUT``, 10 s, for an abandoned run's)."""
 
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
@@ -75,29 +87,47 @@ def refusal_error(refusal: Refusal) -> RateLimited:
     return kind(refusal.message, retry_after=refusal.retry_after, headers=refusal.headers)
 
 
-class SpendSource(Protocol):
-    """What seeding reads of the ledger."""
+@attrs.define(eq=False, slots=True)
+class Ticket:
+    """An admitted request: the tenant and prices it was admitted under, and its
+    reservation in the limit store."""
 
-    async def query_groups(
-        self,
-        *,
-        group_by: Sequence[GroupBy] = ...,
-        since: float | None = None,
-        until: float | None = None,
-        attribution: str | None = None,
-        model: str | None = None,
-        billable: bool = False,
-    ) -> list[UsageGroup]: ...
+    request_id: str
+    tenant: Tenant
+    """The tenant as the request was admitted: its limits for this request's life."""
+    prices: PriceTable
+    """The prices in force at admission: what its usage costs."""
+    model: str
+    reservation: Reservation
+    answered: bool = False
+    """Set when the answer started: from then on a billable row is expected."""
+    billed: bool = False
+    released: bool = False
+
+    @property
+    def headers(self) -> RateHeaders:
+        """The ``x-ratelimit-*`` headers of its answer (empty when no rate limit is set)."""
+        return self.reservation.headers
+
+    @property
+    def estimate(self) -> int:
+        return self.reservation.hold.tokens
 
 
 @attrs.define(eq=False)
 class Tenants:
-    """The tenant policy in force and every tenant's counters."""
+    """The tenant policy in force and the tickets of the requests it admitted."""
 
-    policy: TenantPolicy = attrs.Factory(TenantPolicy)
-    limiter: TenantLimiter = attrs.Factory(TenantLimiter)
+    policy: TenantPolicy
+    limits: LimitStore[Any]
+    """Where the windows and budgets are kept (the storage seam; the edge's
+    :func:`~dispatcher.store.backends.open_stores` chooses it)."""
     clock: Callable[[], float] = trio.current_time
-    wall: Callable[[], float] = time.time
+    """When a remembered ticket is forgotten (monotonic)."""
+    _tickets: dict[str, Ticket] = attrs.field(factory=dict, init=False)
+    _forget: collections.deque[tuple[float, str]] = attrs.field(
+        factory=collections.deque, init=False
+    )
 
     @property
     def keys(self) -> KeyDirectory:
@@ -111,7 +141,7 @@ class Tenants:
 
     def admitted(
         self, request_id: str, tenant: Tenant | None, model: str, body: dict[str, Any]
-    ) -> AbstractContextManager[Ticket | None]:
+    ) -> AbstractAsyncContextManager[Ticket | None]:
         """Check and hold one client request (``tenant`` None: client auth is off, nothing
         is limited). Raises :class:`~dispatcher.admission.UnknownModel` for a model the
         tenant may not use (as if it did not exist), the 429s for a refusal."""
@@ -119,29 +149,56 @@ class Tenants:
             return nullcontext()  # nothing to hold: no generator per request
         return self._admitted(request_id, tenant, model, body)
 
-    @contextmanager
-    def _admitted(
+    @asynccontextmanager
+    async def _admitted(
         self, request_id: str, tenant: Tenant, model: str, body: dict[str, Any]
-    ) -> Iterator[Ticket]:
+    ) -> AsyncIterator[Ticket]:
         policy = self.policy  # one snapshot: the tenant and the prices of the same config
         tenant = policy.current(tenant)
         if not tenant.allows(model):
             raise UnknownModel(f"model {model!r} does not exist")
-        decision = self.limiter.admit(
+        estimate = request_estimate(body)
+        hold = Hold(
             request_id,
-            tenant,
-            policy.prices,
-            model,
-            request_estimate(body),
-            now=self.clock(),
-            wall=self.wall(),
+            tenant.id,
+            tenant.limits,
+            estimate,
+            policy.prices.cost((model,), estimate, 0),
         )
+        decision = await self.limits.admit(hold)
         if isinstance(decision, Refusal):
             raise refusal_error(decision)
+        ticket = Ticket(request_id, tenant, policy.prices, model, decision)
+        self._tickets[request_id] = ticket
         try:
-            yield decision
+            yield ticket
         finally:
-            self.limiter.release(decision, now=self.clock(), wall=self.wall())
+            self._release(ticket)
+
+    def _release(self, ticket: Ticket) -> None:
+        ticket.released = True
+        self.limits.release(ticket.reservation, answered=ticket.answered)
+        if ticket.billed or not ticket.answered:
+            # Billed, or nothing committed: no row is to come for it (a row that comes all
+            # the same is spent without a ticket, at the prices in force).
+            self._tickets.pop(ticket.request_id, None)
+        else:
+            self._forget.append((self.clock() + TICKET_MEMORY, ticket.request_id))
+
+    def ticket(self, request_id: str) -> Ticket | None:
+        """The ticket of a request in flight, or ended with its billable row still to come."""
+        now = self.clock()
+        forget = self._forget
+        while forget and forget[0][0] <= now:
+            _, forgotten = forget.popleft()
+            ticket = self._tickets.get(forgotten)
+            if ticket is not None and ticket.released:
+                del self._tickets[forgotten]
+        return self._tickets.get(request_id)
+
+    def tickets(self) -> int:
+        """Tickets remembered (in flight, or waiting for their row)."""
+        return len(self._tickets)
 
     def recorder(self, record: Callable[[UsageRow], None]) -> Callable[[UsageRow], None]:
         """A usage sink in front of ``record``: the row with its cost (:meth:`price`, which
@@ -156,6 +213,7 @@ class Tenants:
         """``row`` with its cost (:meth:`price`)."""
         cost = self.price(
             row.request_id,
+            row.attempt,
             row.model_group,
             row.attribution,
             row.billable_to,
@@ -167,53 +225,42 @@ class Tenants:
     def price(
         self,
         request_id: str,
+        attempt: int,
         model_group: str,
         attribution: str | None,
         billable_to: BillableTo,
         prompt_tokens: int,
         completion_tokens: int,
     ) -> float | None:
-        """A usage row's cost (at the prices its request was admitted under), billed to its
-        tenant when it is billable to the client: the gate's pricing hook
-        (:data:`~dispatcher.gate.accounting.UsagePricing`). Never raises into the gate's exit
-        path (None: the row is recorded unpriced)."""
+        """A usage row's cost (at the prices its request was admitted under); a row billable
+        to the client settles its request's reservation (once per attempt): the gate's
+        pricing hook (:data:`~dispatcher.gate.accounting.UsagePricing`). Never raises into
+        the gate's exit path (None: the row is recorded unpriced)."""
         try:
             names: tuple[str, ...] = (model_group,)
-            ticket = self.limiter.ticket(request_id)
+            ticket = self.ticket(request_id)
             if ticket is not None:
                 names = (model_group, ticket.model)
             if billable_to != "client":
                 prices = ticket.prices if ticket is not None else self.policy.prices
                 return prices.cost(names, prompt_tokens, completion_tokens)
+            tokens = prompt_tokens + completion_tokens
             if ticket is not None:
-                return self.limiter.bill(
-                    ticket,
-                    prompt_tokens,
-                    completion_tokens,
-                    names,
-                    now=self.clock(),
-                    wall=self.wall(),
-                )
+                cost = ticket.prices.cost(names, prompt_tokens, completion_tokens)
+                self.limits.settle(ticket.reservation, attempt, tokens, cost)
+                ticket.billed = True
+                if ticket.released:
+                    self._tickets.pop(request_id, None)
+                return cost
             cost = self.policy.prices.cost(names, prompt_tokens, completion_tokens)
             if attribution is not None:
-                tokens = prompt_tokens + completion_tokens
-                self.limiter.spend(attribution, tokens, cost, now=self.clock(), wall=self.wall())
+                self.limits.spend(attribution, tokens, cost)
             return cost
         except Exception:  # the accounting must never break a request's exit path
             log.exception("tenant accounting failed for request %s", request_id)
             return None
 
-    async def seed(self, ledger: SpendSource) -> None:
-        """This month's billable spend per tenant (and today's), from the ledger: what was
-        spent before a restart still counts against the budgets."""
-        wall = self.wall()
-        day, month = periods(wall)
-        since = month_start(wall)
-        groups = await ledger.query_groups(group_by=("key", "day"), since=since, billable=True)
-        for group in groups:
-            if group.key is None or group.day is None or not group.day.startswith(month):
-                continue
-            tokens = group.prompt_tokens + group.completion_tokens
-            # Spend of an earlier day counts in the month only.
-            at = wall if group.day == day else since
-            self.limiter.spend(group.key, tokens, group.cost_usd, now=self.clock(), wall=at)
+    async def seed(self, ledger: UsageLedger) -> None:
+        """What was spent before a restart still counts against the budgets: the store
+        seeds them from the ledger (:meth:`~dispatcher.store.seam.LimitStore.seed`)."""
+        await self.limits.seed(ledger)

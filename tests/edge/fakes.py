@@ -18,7 +18,7 @@ from dispatcher.config import EdgeConfig
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
 from dispatcher.shared.transport import ConnectionClosed, MemoryConnection, memory_connection_pair
-from dispatcher.store.ledger import UsageRow
+from dispatcher.store.usage import UsageRow
 from nodes.config import NodeConfig
 
 

@@ -25,7 +25,7 @@ from dispatcher.gate.attempts import Answer, GateRequest
 from dispatcher.gate.pool import DispatchRequest
 from dispatcher.paths.runs import RunSpec
 from dispatcher.shared.transport import Frame, MemoryConnection, memory_connection_pair
-from dispatcher.store.ledger import UsageRow
+from dispatcher.store.usage import UsageRow
 
 from .fakes import ScriptedNode, connect, hello, wait_until
 

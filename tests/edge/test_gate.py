@@ -23,7 +23,7 @@ from dispatcher.config import (
 )
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.store.ledger import UsageRow
+from dispatcher.store.usage import UsageRow
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 

@@ -23,7 +23,7 @@ from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.gate.attempts import AllAttemptsFailed, Answer, GateRequest
 from dispatcher.gate.pool import DispatchRequest
 from dispatcher.shared.transport import ConnectionClosed
-from dispatcher.store.ledger import UsageRow
+from dispatcher.store.usage import UsageRow
 
 from .fakes import ScriptedNode, connect, hello, wait_until
 

@@ -40,8 +40,9 @@ from dispatcher.config import (
 )
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
-from dispatcher.store.ledger import UsageRow
-from dispatcher.store.responses import ResponseStore, open_response_store
+from dispatcher.store.responses import open_response_store
+from dispatcher.store.seam import ResponseStore
+from dispatcher.store.usage import UsageRow
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
@@ -294,7 +295,7 @@ async def test_sdk_function_tool_round_trip_non_streamed() -> None:
         assert second.usage.input_tokens == 3 + 3 + 2
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)  # store=false kept nothing
-    assert len(edge.store) == 0
+    assert edge.store.statistics().entries == 0
 
 
 async def test_sdk_function_tool_call_streamed() -> None:
@@ -371,7 +372,7 @@ async def test_previous_response_id_get_and_delete() -> None:
         unstored = await client.responses.create(model="echo", input="gone", store=False)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(unstored.id)
-    assert len(edge.store) == 3  # second, third, fourth
+    assert edge.store.statistics().entries == 3  # second, third, fourth
 
 
 async def test_the_store_bounds_answer_404_and_400_past_them() -> None:
@@ -509,7 +510,7 @@ async def test_client_disconnect_cancels_the_node_run() -> None:
         assert edge.dispatcher.runs.stats.ended.get("cancelled") == 1
         (row,) = await edge.rows("leaver", 1)
         assert (row.route, row.outcome) == (RESPONSES_PATH, "cancelled")
-        assert len(edge.store) == 0  # an answer the client left is not stored
+        assert edge.store.statistics().entries == 0  # an answer the client left is not stored
 
 
 async def test_tunnel_candidates_are_excluded_at_admission() -> None:

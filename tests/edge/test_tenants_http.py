@@ -154,7 +154,7 @@ async def test_concurrency_limit_holds_for_the_whole_request() -> None:
         assert "in flight" in error.message
         await held.aclose()
         # The client left: the request ended, its place is free again.
-        await wait_until(lambda: edge.dispatcher.tenants.limiter.in_flight("alice") == 0)
+        await wait_until(lambda: edge.dispatcher.tenants.limits.in_flight("alice") == 0)
         _, completion = await in_thread(chat, edge, ALICE)
         assert completion.choices[0].message.content == "one two three four"
 

@@ -13,8 +13,11 @@ import trio.testing
 
 from dispatcher.admission import UnknownModel
 from dispatcher.errors import QuotaExceeded, RateLimited, TokenRateLimited
-from dispatcher.store.ledger import UsageRow, open_usage_ledger
+from dispatcher.store.ledger import open_usage_ledger
+from dispatcher.store.limits import MemoryLimits
+from dispatcher.store.usage import UsageRow
 from dispatcher.tenants import (
+    TICKET_MEMORY,
     KeyDirectory,
     Limits,
     Price,
@@ -35,7 +38,7 @@ def tenant(**limits: Any) -> Tenant:
 
 
 def tenants(prices: PriceTable | None = None) -> Tenants:
-    return Tenants(TenantPolicy(prices=prices or PriceTable()), wall=lambda: NOON)
+    return Tenants(TenantPolicy(prices=prices or PriceTable()), MemoryLimits(wall=lambda: NOON))
 
 
 def row(
@@ -74,7 +77,7 @@ async def test_retry_after_is_honest_in_virtual_time(
     start = trio.current_time()
     while admitted < 5:
         try:
-            with driver.admitted(f"r{admitted}", who, "m", BODY):
+            async with driver.admitted(f"r{admitted}", who, "m", BODY):
                 admitted += 1
         except RateLimited as exc:
             refusals.append(exc)
@@ -92,29 +95,26 @@ async def test_the_ticket_is_released_however_the_block_is_left(
     driver = tenants()
     who = tenant(max_concurrent=1)
     with trio.move_on_after(5):
-        with driver.admitted("r1", who, "m", BODY):
+        async with driver.admitted("r1", who, "m", BODY):
             await trio.sleep_forever()
-    with pytest.raises(ValueError, match="boom"), driver.admitted("r2", who, "m", BODY):
-        raise ValueError("boom")
-    with (
-        driver.admitted("r3", who, "m", BODY),
-        pytest.raises(RateLimited),
-        driver.admitted("r4", who, "m", BODY),
-    ):
-        pass
-    assert driver.limiter.in_flight("t1") == 0
+    with pytest.raises(ValueError, match="boom"):
+        async with driver.admitted("r2", who, "m", BODY):
+            raise ValueError("boom")
+    async with driver.admitted("r3", who, "m", BODY):
+        with pytest.raises(RateLimited):
+            async with driver.admitted("r4", who, "m", BODY):
+                pass
+    assert driver.limits.in_flight("t1") == 0
 
 
 async def test_a_model_outside_the_patterns_is_unknown() -> None:
     driver = tenants()
-    with (
-        pytest.raises(UnknownModel, match=r"^model 'other' does not exist$"),
-        driver.admitted("r1", tenant(), "other", BODY),
-    ):
-        pass
-    with driver.admitted("r2", tenant(), "n-7b", BODY) as ticket:
+    with pytest.raises(UnknownModel, match=r"^model 'other' does not exist$"):
+        async with driver.admitted("r1", tenant(), "other", BODY):
+            pass
+    async with driver.admitted("r2", tenant(), "n-7b", BODY) as ticket:
         assert ticket is not None
-    with driver.admitted("r3", None, "anything", BODY) as none:
+    async with driver.admitted("r3", None, "anything", BODY) as none:
         assert none is None  # client auth off: nothing is limited
 
 
@@ -125,19 +125,20 @@ async def test_billable_rows_bill_their_request_at_its_admitted_prices(
     who = tenant(tpm=1000, budget_usd_day=100.0)
     recorded: list[UsageRow] = []
     record = driver.recorder(recorded.append)
-    with driver.admitted("r1", who, "m", BODY):
+    async with driver.admitted("r1", who, "m", BODY):
         driver.swap(TenantPolicy(prices=PriceTable({"m": Price(9e6, 9e6)})))
         record(row("r1", billable=False, prompt=3, completion=0))
         record(row("r1", attempt=2, prompt=10, completion=5))
     failed, billed = recorded
     assert failed.cost_usd == pytest.approx(3.0)
     assert billed.cost_usd == pytest.approx(20.0)  # the prices of admission, not 9 USD
-    assert driver.limiter.spent("t1", now=trio.current_time(), wall=NOON)[:2] == (15, 20.0)
+    spent = driver.limits.spent("t1")
+    assert (spent.tokens_day, spent.usd_day) == (15, 20.0)
     # A row of a request this edge has no ticket of (another edge's, an old one) is spent
     # at the prices in force.
     record(row("elsewhere", prompt=1, completion=0))
     assert recorded[-1].cost_usd == pytest.approx(9.0)
-    assert driver.limiter.spent("t1", now=trio.current_time(), wall=NOON)[1] == 29.0
+    assert driver.limits.spent("t1").usd_day == 29.0
 
 
 async def test_a_restart_keeps_the_month_spent(tmp_path: Any) -> None:
@@ -152,15 +153,53 @@ async def test_a_restart_keeps_the_month_spent(tmp_path: Any) -> None:
     driver = tenants()
     async with open_usage_ledger(path) as ledger:
         await driver.seed(ledger)
-    day_tokens, day_usd, month_tokens, month_usd = driver.limiter.spent("t1", now=0.0, wall=NOON)
-    assert (day_tokens, day_usd) == (15, 1.0)
-    assert (month_tokens, month_usd) == (30, 3.0)
-    with (
-        pytest.raises(QuotaExceeded) as info,
-        driver.admitted("r", tenant(budget_usd_month=3.0), "m", BODY),
-    ):
-        pass
+    spent = driver.limits.spent("t1")
+    assert (spent.tokens_day, spent.usd_day) == (15, 1.0)
+    assert (spent.tokens_month, spent.usd_month) == (30, 3.0)
+    with pytest.raises(QuotaExceeded) as info:
+        async with driver.admitted("r", tenant(budget_usd_month=3.0), "m", BODY):
+            pass
     assert info.value.code == "insufficient_quota"
+
+
+async def test_only_a_ticket_whose_row_may_still_come_is_remembered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    driver = tenants()
+    who = tenant()
+    async with driver.admitted("waiting", who, "m", BODY) as waiting:
+        assert waiting is not None
+        waiting.answered = True  # and not billed yet: its row is on its way
+    async with driver.admitted("failed", who, "m", BODY):
+        pass  # nothing committed: no row is to come
+    async with driver.admitted("billed", who, "m", BODY) as billed:
+        assert billed is not None
+        billed.answered = True
+        driver.price("billed", 1, "m", "t1", "client", 1, 1)
+    assert driver.tickets() == 1
+    await trio.sleep(TICKET_MEMORY - 0.5)
+    assert driver.ticket("waiting") is waiting
+    await trio.sleep(0.5)
+    assert driver.ticket("waiting") is None
+    async with driver.admitted("late", who, "m", BODY) as late:
+        assert late is not None
+        late.answered = True
+    driver.price("late", 1, "m", "t1", "client", 1, 1)  # its row came: forgotten
+    assert driver.ticket("late") is None
+
+
+async def test_a_row_priced_twice_settles_its_attempt_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The settle is keyed by request and attempt: pricing one attempt's row again (a
+    retried settle) spends nothing more; another attempt's row does."""
+    driver = tenants(PriceTable({"m": Price(1e6, 1e6)}))
+    async with driver.admitted("r1", tenant(), "m", BODY):
+        assert driver.price("r1", 1, "m", "t1", "client", 2, 3) == pytest.approx(5.0)
+        assert driver.price("r1", 1, "m", "t1", "client", 2, 3) == pytest.approx(5.0)
+        assert driver.limits.spent("t1").usd_day == pytest.approx(5.0)
+        driver.price("r1", 2, "m", "t1", "client", 1, 0)
+        assert driver.limits.spent("t1").usd_day == pytest.approx(6.0)
 
 
 def test_the_estimate_counts_the_declared_output() -> None:
@@ -175,12 +214,10 @@ def test_the_estimate_counts_the_declared_output() -> None:
 async def test_tpm_refusal_is_the_tokens_error(autojump_clock: trio.testing.MockClock) -> None:
     driver = tenants()
     who = tenant(tpm=60)
-    with (
-        driver.admitted("r1", who, "m", {**BODY, "max_tokens": 50}),
-        pytest.raises(TokenRateLimited) as info,
-        driver.admitted("r2", who, "m", {**BODY, "max_tokens": 50}),
-    ):
-        pass
+    async with driver.admitted("r1", who, "m", {**BODY, "max_tokens": 50}):
+        with pytest.raises(TokenRateLimited) as info:
+            async with driver.admitted("r2", who, "m", {**BODY, "max_tokens": 50}):
+                pass
     assert info.value.error_type == "tokens"
     assert info.value.status == 429
 
@@ -191,13 +228,15 @@ async def test_a_request_authenticated_before_a_reload_is_admitted_as_the_reload
     admitted after it."""
     old = Tenant(id="t1", name="t1", limits=Limits(rpm=10))
     new = Tenant(id="t1", name="t1", limits=Limits(rpm=5))
-    driver = Tenants(TenantPolicy(KeyDirectory({"digest": old}), PriceTable({"m": Price(1, 1)})))
+    driver = Tenants(
+        TenantPolicy(KeyDirectory({"digest": old}), PriceTable({"m": Price(1, 1)})), MemoryLimits()
+    )
     driver.swap(TenantPolicy(KeyDirectory({"digest": new}), PriceTable({"m": Price(3, 3)})))
-    with driver.admitted("r1", old, "m", BODY) as ticket:
+    async with driver.admitted("r1", old, "m", BODY) as ticket:
         assert ticket is not None
         assert ticket.tenant is new
         assert ticket.prices.price("m") == Price(3, 3)
     gone = Tenant(id="removed", name="removed")
-    with driver.admitted("r2", gone, "m", BODY) as ticket:
+    async with driver.admitted("r2", gone, "m", BODY) as ticket:
         assert ticket is not None
         assert ticket.tenant is gone  # removed meanwhile: it keeps what it was

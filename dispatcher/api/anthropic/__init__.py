@@ -135,7 +135,7 @@ async def messages(call: ModelCall, responder: Responder) -> str:
     """``POST /v1/messages``."""
     parsed = parse_messages_request(await call.request.body())
     chat = to_chat_body(parsed.body)
-    gated = call.gate_request(
+    gated = await call.gate_request(
         chat, stream=parsed.stream, predicate=normalized_only, prepare=fit_effort(chat)
     )
     estimate = count_input_tokens(parsed.body)

@@ -34,7 +34,7 @@ from ... import wire
 from ...errors import BadRequest, NotFound
 from ...gate.attempts import Answer
 from ...http import PeerGone, Request, Responder
-from ...store.responses import ResponseStore, StoredResponse
+from ...store.seam import ResponseStore, StoredResponse
 from ..common import (
     JSON_HEADERS,
     ModelCall,
@@ -129,7 +129,7 @@ def _create_route(store_of: StoreOf) -> Route:
         store = store_of(call.edge)
         history = await _history(store, previous, owner)
         chat = chat_body(request, history)
-        gated = call.gate_request(
+        gated = await call.gate_request(
             chat, stream=request.stream, predicate=normalized_only, prepare=fit_effort(chat)
         )
         turn = Turn(request, previous)

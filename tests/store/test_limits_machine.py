@@ -1,5 +1,6 @@
-"""The tenant limiter under arbitrary arrivals, bills, releases, reloads and the passing of
-time (a Hypothesis state machine, no event loop). A model of the windows, kept by the test
+"""The tenants' limits (:class:`~dispatcher.store.limits.LimitCounters`) under arbitrary
+arrivals, settles (retried ones too), releases, reloads and the passing of time (a Hypothesis
+state machine, no event loop). A model of the windows, kept by the test
 from what was admitted and billed, checks every decision:
 
 * no more than ``rpm`` admissions in any window; a refusal for ``rpm`` only when full;
@@ -25,15 +26,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from dispatcher.tenants import (
-    WINDOW,
-    Limits,
-    PriceTable,
-    Refusal,
-    Tenant,
-    TenantLimiter,
-    Ticket,
-)
+from dispatcher.store.limits import WINDOW, Held, LimitCounters
+from dispatcher.store.seam import Hold, Refusal
+from dispatcher.tenants import Limits, Tenant
 
 WALL = 1_800_000_000.0
 
@@ -49,7 +44,7 @@ class LimiterMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.limiter = TenantLimiter()
+        self.limiter = LimitCounters()
         self.now = 0.0
         self.admitted: list[float] = []
         self.charges: dict[str, Charge] = {}
@@ -85,19 +80,16 @@ class LimiterMachine(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------
 
+    def hold(self, request_id: str, estimate: int) -> Hold:
+        return Hold(request_id, self.tenant.id, self.tenant.limits, estimate, 0.0)
+
     @rule(target=tickets, estimate=st.integers(0, 150))
-    def admit(self, estimate: int) -> Ticket | None:
+    def admit(self, estimate: int) -> Held | None:
         self.count += 1
         limits = self.tenant.limits
         requests, tokens, flying = len(self.in_window()), self.window_tokens(), len(self.open)
         decision = self.limiter.admit(
-            f"r{self.count}",
-            self.tenant,
-            PriceTable(),
-            "m",
-            estimate,
-            now=self.now,
-            wall=WALL,
+            self.hold(f"r{self.count}", estimate), now=self.now, wall=WALL
         )
         if isinstance(decision, Refusal):
             assert decision.retry_after >= 0
@@ -120,8 +112,8 @@ class LimiterMachine(RuleBasedStateMachine):
         if limits.max_concurrent is not None:
             assert flying < limits.max_concurrent
         self.admitted.append(self.now)
-        self.charges[decision.request_id] = Charge(self.now, estimate)
-        self.open.add(decision.request_id)
+        self.charges[decision.hold.request_id] = Charge(self.now, estimate)
+        self.open.add(decision.hold.request_id)
         headers = dict(decision.headers)
         if limits.rpm is not None:
             left = max(0, limits.rpm - len(self.in_window()))
@@ -131,23 +123,29 @@ class LimiterMachine(RuleBasedStateMachine):
             assert headers[b"x-ratelimit-remaining-tokens"] == str(left).encode()
         return decision
 
-    @rule(ticket=tickets, prompt=st.integers(0, 100), completion=st.integers(0, 100))
-    def bill(self, ticket: Ticket | None, prompt: int, completion: int) -> None:
+    @rule(
+        ticket=tickets,
+        tokens=st.integers(0, 200),
+        attempt=st.integers(1, 3),
+    )
+    def settle(self, ticket: Held | None, tokens: int, attempt: int) -> None:
+        """One attempt's billable row; a second settle of the same attempt (a retry) is no
+        change."""
         if ticket is None:
             return
-        charge = self.charges[ticket.request_id]
-        charge.tokens = prompt + completion + (charge.tokens if ticket.billed else 0)
-        self.limiter.bill(ticket, prompt, completion, ("m",), now=self.now, wall=WALL)
+        charge = self.charges[ticket.hold.request_id]
+        if attempt not in ticket.settled:
+            charge.tokens = tokens + (charge.tokens if ticket.settled else 0)
+        self.limiter.settle(ticket, attempt, tokens, 0.0, now=self.now, wall=WALL)
 
     @rule(ticket=consumes(tickets), answered=st.booleans())
-    def release(self, ticket: Ticket | None, answered: bool) -> None:
-        if ticket is None or ticket.request_id not in self.open:
+    def release(self, ticket: Held | None, answered: bool) -> None:
+        if ticket is None or ticket.hold.request_id not in self.open:
             return
-        ticket.answered = ticket.answered or answered
-        if not ticket.billed and not ticket.answered:
-            self.charges[ticket.request_id].tokens = 0
-        self.open.discard(ticket.request_id)
-        self.limiter.release(ticket, now=self.now, wall=WALL)
+        if not ticket.settled and not answered:
+            self.charges[ticket.hold.request_id].tokens = 0
+        self.open.discard(ticket.hold.request_id)
+        self.limiter.release(ticket, answered=answered, now=self.now, wall=WALL)
 
     @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 7.0, 30.0, 59.0, 60.0, 61.0]))
     def advance(self, seconds: float) -> None:
@@ -158,24 +156,20 @@ class LimiterMachine(RuleBasedStateMachine):
     def retry_after_is_honest(self, estimate: int) -> None:
         """After ``Retry-After``, the same request is not refused for the same rate limit
         (when nothing else was admitted meanwhile)."""
-        probe = self.limiter.admit(
-            "probe", self.tenant, PriceTable(), "m", estimate, now=self.now, wall=WALL
-        )
-        if isinstance(probe, Ticket):
-            self.limiter.release(probe, now=self.now, wall=WALL)
+        probe = self.limiter.admit(self.hold("probe", estimate), now=self.now, wall=WALL)
+        if isinstance(probe, Held):
+            self.limiter.release(probe, answered=False, now=self.now, wall=WALL)
             self.admitted.append(self.now)
             self.charges[f"probe-{self.count}"] = Charge(self.now, 0)
             return
         if probe.limit not in ("rpm", "tpm"):
             return
         self.now += probe.retry_after
-        again = self.limiter.admit(
-            "probe-again", self.tenant, PriceTable(), "m", estimate, now=self.now, wall=WALL
-        )
+        again = self.limiter.admit(self.hold("probe-again", estimate), now=self.now, wall=WALL)
         if isinstance(again, Refusal):
             assert again.limit != probe.limit, (probe, again)
         else:
-            self.limiter.release(again, now=self.now, wall=WALL)
+            self.limiter.release(again, answered=False, now=self.now, wall=WALL)
             self.admitted.append(self.now)
             self.charges[f"probe-again-{self.count}"] = Charge(self.now, 0)
 

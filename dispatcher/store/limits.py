@@ -1,20 +1,19 @@
-"""The tenant limits, sans-IO: windows and counters as plain state, every input carrying the
-time, every answer a decision.
+"""The tenants' limits in one process: :class:`MemoryLimits`, the embedded
+:class:`~dispatcher.store.seam.LimitStore`, over :class:`LimitCounters`, its sans-IO core:
+windows and counters as plain state, every input carrying the time, every answer a decision.
 
-* ``now`` is the monotonic clock (``trio.current_time()`` in the driver, virtual in the
-  tests): the per-minute windows. ``wall`` is Unix time: the UTC day and month of budgets.
-* :meth:`TenantLimiter.admit` answers a :class:`Ticket` (the request may go; it holds a
-  concurrency place, its token estimate in the minute window and in the budgets' reservation,
-  and the tenant *as it was admitted*, limits and prices included) or a :class:`Refusal`
-  (which limit, when to retry, the ``x-ratelimit-*`` header values).
-* :meth:`TenantLimiter.bill` is the usage row of the request's committed attempt: the
-  estimate in the window becomes the tokens used, the spend is added to the budgets.
-* :meth:`TenantLimiter.release` ends the request: its concurrency place and its reservation
-  go; if it never answered and no row billed it, its estimate leaves the window (a request
-  that failed before its answer costs its tenant nothing). An answered request's billable
-  row may still come (a cancelled stream's row waits for the node's confirmation): its
-  ticket is remembered until then, at most :data:`TICKET_MEMORY` seconds
-  (:meth:`TenantLimiter.ticket` finds it); any other ticket is forgotten when released.
+* ``now`` is the monotonic clock (``trio.current_time()`` in :class:`MemoryLimits`, virtual in
+  the tests): the per-minute windows. ``wall`` is Unix time: the UTC day and month of budgets.
+* :meth:`LimitCounters.admit` answers a :class:`Held` reservation (the request may go; it
+  holds a concurrency place, its token estimate in the minute window and in the budgets'
+  reservation) or a :class:`~dispatcher.store.seam.Refusal` (which limit, when to retry, the
+  ``x-ratelimit-*`` header values).
+* :meth:`LimitCounters.settle` is the usage row of one billable attempt: the estimate in the
+  window becomes the tokens used (a second attempt's row adds to them), the spend is added to
+  the budgets. A ``(request, attempt)`` settled once is not settled again.
+* :meth:`LimitCounters.release` ends the request: its concurrency place and its reservation
+  go; if it never answered and nothing settled it, its estimate leaves the window (a request
+  that failed before its answer costs its tenant nothing).
 
 Windows are sliding logs over :data:`WINDOW` seconds: one timestamp per request, one
 :class:`_Charge` per request's tokens (corrected in place when its row comes). Counters are
@@ -26,21 +25,22 @@ from __future__ import annotations
 import collections
 import datetime
 import functools
-from typing import Final, Literal
+import time
+from collections.abc import Callable
+from typing import Final
 
 import attrs
+import trio
 
-from ._policy import Limits, PriceTable, Tenant
+from ..config import Limits
+from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, UsageLedger
 
 __all__ = [
     "CONCURRENCY_RETRY_AFTER",
-    "TICKET_MEMORY",
     "WINDOW",
-    "Headers",
-    "LimitName",
-    "Refusal",
-    "TenantLimiter",
-    "Ticket",
+    "Held",
+    "LimitCounters",
+    "MemoryLimits",
     "format_reset",
     "month_start",
     "periods",
@@ -51,20 +51,6 @@ WINDOW: Final = 60.0
 """Seconds of the requests-per-minute and tokens-per-minute windows."""
 CONCURRENCY_RETRY_AFTER: Final = 1.0
 """``Retry-After`` of a refusal for concurrency (when a place frees is not known)."""
-TICKET_MEMORY: Final = 120.0
-"""Seconds a released request's ticket waits for its billable usage row (the gate's
-accounting waits at most ``SETTLE_TIMEOUT``, 10 s, for an abandoned run's)."""
-
-LimitName = Literal[
-    "rpm",
-    "tpm",
-    "max_concurrent",
-    "budget_tokens_day",
-    "budget_tokens_month",
-    "budget_usd_day",
-    "budget_usd_month",
-]
-Headers = tuple[tuple[bytes, bytes], ...]
 
 
 def format_reset(seconds: float) -> str:
@@ -175,185 +161,155 @@ class _Counters:
 
 
 @attrs.define(eq=False, slots=True)
-class Ticket:
-    """An admitted request (see the module docstring)."""
+class Held:
+    """An admitted request's reservation (a :class:`~dispatcher.store.seam.Reservation`)."""
 
-    request_id: str
-    tenant: Tenant
-    """The tenant as the request was admitted: its limits for this request's life."""
-    prices: PriceTable
-    """The prices in force at admission: what its usage costs."""
-    model: str
-    estimate: int
-    cost_estimate: float
-    headers: Headers
+    hold: Hold
+    headers: RateHeaders
     """The ``x-ratelimit-*`` headers of its answer (empty when no rate limit is set)."""
     charge: _Charge = attrs.field(repr=False)
-    answered: bool = False
-    """Set by the driver when the answer started: from then on a billable row is expected."""
-    billed: bool = False
+    settled: set[int] = attrs.field(factory=set, repr=False)
+    """The attempts whose rows settled it."""
     reserved: bool = True
     released: bool = False
 
 
-@attrs.frozen
-class Refusal:
-    """A request refused before admission."""
-
-    limit: LimitName
-    message: str
-    retry_after: float
-    headers: Headers
-
-    @property
-    def quota(self) -> bool:
-        """A budget is spent (429 ``insufficient_quota``), not a rate."""
-        return self.limit.startswith("budget_")
-
-
-class TenantLimiter:
-    """Every tenant's counters and the tickets in flight (see the module docstring)."""
+class LimitCounters:
+    """Every tenant's counters (see the module docstring)."""
 
     def __init__(self) -> None:
         self._counters: dict[str, _Counters] = {}
-        self._tickets: dict[str, Ticket] = {}
-        self._forget: collections.deque[tuple[float, str]] = collections.deque()
 
     def _of(self, tenant_id: str, now: float, wall: float) -> _Counters:
         counters = self._counters.get(tenant_id)
         if counters is None:
             counters = self._counters[tenant_id] = _Counters()
         counters.advance(now, wall)
-        while self._forget and self._forget[0][0] <= now:
-            _, request_id = self._forget.popleft()
-            ticket = self._tickets.get(request_id)
-            if ticket is not None and ticket.released:
-                del self._tickets[request_id]
         return counters
 
     # -- decisions ---------------------------------------------------------------------
 
-    def admit(
-        self,
-        request_id: str,
-        tenant: Tenant,
-        prices: PriceTable,
-        model: str,
-        estimate: int,
-        *,
-        now: float,
-        wall: float,
-    ) -> Ticket | Refusal:
-        """Admit one client request of ``estimate`` tokens (input + expected output)."""
-        counters = self._of(tenant.id, now, wall)
-        limits = tenant.limits
-        cost_estimate = prices.cost((model,), estimate, 0)
+    def admit(self, hold: Hold, *, now: float, wall: float) -> Held | Refusal:
+        """Admit one client request of ``hold.tokens`` tokens (input + expected output)."""
+        counters = self._of(hold.tenant_id, now, wall)
+        limits = hold.limits
         refusal = (
             _over_budget(counters, limits, wall)
             or _over_concurrency(counters, limits)
             or _over_rpm(counters, limits, now)
-            or _over_tpm(counters, limits, estimate, now)
+            or _over_tpm(counters, limits, hold.tokens, now)
         )
         if refusal is not None:
             limit, message, retry_after = refusal
             return Refusal(limit, message, retry_after, _headers(counters, limits, now))
         counters.requests.append(now)
-        charge = _Charge(now, estimate)
+        charge = _Charge(now, hold.tokens)
         counters.charges.append(charge)
-        counters.charged += estimate
+        counters.charged += hold.tokens
         counters.in_flight += 1
-        counters.reserved_tokens += estimate
-        counters.reserved_usd += cost_estimate
-        ticket = Ticket(
-            request_id,
-            tenant,
-            prices,
-            model,
-            estimate,
-            cost_estimate,
-            _headers(counters, limits, now),
-            charge,
-        )
-        self._tickets[request_id] = ticket
-        return ticket
+        counters.reserved_tokens += hold.tokens
+        counters.reserved_usd += hold.usd
+        return Held(hold, _headers(counters, limits, now), charge)
 
-    def bill(
-        self,
-        ticket: Ticket,
-        prompt_tokens: int,
-        completion_tokens: int,
-        names: tuple[str, ...],
-        *,
-        now: float,
-        wall: float,
-    ) -> float:
-        """The request's billable usage row: its tokens replace the estimate in the window
-        (a second billable row adds to them), its cost (at the ticket's prices, the first of
-        ``names`` priced) is spent. Returns the cost."""
-        counters = self._of(ticket.tenant.id, now, wall)
-        tokens = prompt_tokens + completion_tokens
-        counters.recharge(ticket.charge, tokens + (ticket.charge.tokens if ticket.billed else 0))
-        ticket.billed = True
-        self._unreserve(counters, ticket)
-        if ticket.released:
-            self._tickets.pop(ticket.request_id, None)
-        cost = ticket.prices.cost(names, prompt_tokens, completion_tokens)
-        self._spend(counters, tokens, cost, wall)
-        return cost
+    def settle(
+        self, held: Held, attempt: int, tokens: int, usd: float, *, now: float, wall: float
+    ) -> bool:
+        """The billable usage row of ``attempt``: its tokens replace the estimate in the
+        window (another attempt's add to them), ``usd`` is spent. False, and nothing
+        changes, if this attempt settled it before."""
+        if attempt in held.settled:
+            return False
+        counters = self._of(held.hold.tenant_id, now, wall)
+        counters.recharge(held.charge, tokens + (held.charge.tokens if held.settled else 0))
+        held.settled.add(attempt)
+        self._unreserve(counters, held)
+        self._spend(counters, tokens, usd, wall)
+        return True
 
-    def release(self, ticket: Ticket, *, now: float, wall: float) -> None:
+    def release(self, held: Held, *, answered: bool, now: float, wall: float) -> None:
         """The request ended (however it ended); idempotent."""
-        if ticket.released:
+        if held.released:
             return
-        ticket.released = True
-        counters = self._of(ticket.tenant.id, now, wall)
+        held.released = True
+        counters = self._of(held.hold.tenant_id, now, wall)
         counters.in_flight -= 1
-        self._unreserve(counters, ticket)
-        if ticket.billed or not ticket.answered:
-            # Billed, or nothing committed: no row is to come for it (a row that comes all
-            # the same is spent without a ticket, at the prices in force).
-            if not ticket.billed:
-                counters.recharge(ticket.charge, 0)
-            self._tickets.pop(ticket.request_id, None)
-        else:
-            self._forget.append((now + TICKET_MEMORY, ticket.request_id))
+        self._unreserve(counters, held)
+        if not held.settled and not answered:
+            counters.recharge(held.charge, 0)  # nothing committed: it costs nothing
 
     def spend(self, tenant_id: str, tokens: int, usd: float, *, now: float, wall: float) -> None:
-        """Spend without a ticket: rows recorded before a restart (seeding the budgets from
-        the ledger), or a row whose request's ticket is forgotten."""
+        """Spend without a reservation: rows recorded before a restart (seeding the budgets
+        from the ledger), or a row whose request is long gone."""
         self._spend(self._of(tenant_id, now, wall), tokens, usd, wall)
-
-    def ticket(self, request_id: str) -> Ticket | None:
-        """The ticket of a request in flight or recently ended."""
-        return self._tickets.get(request_id)
 
     def in_flight(self, tenant_id: str) -> int:
         counters = self._counters.get(tenant_id)
         return 0 if counters is None else counters.in_flight
 
-    def spent(self, tenant_id: str, *, now: float, wall: float) -> tuple[int, float, int, float]:
+    def spent(self, tenant_id: str, *, now: float, wall: float) -> Spent:
         """Tokens and USD spent today, then this month (UTC)."""
         counters = self._of(tenant_id, now, wall)
-        return counters.day.tokens, counters.day.usd, counters.month.tokens, counters.month.usd
-
-    def tickets(self) -> int:
-        """Tickets remembered (in flight, or waiting for their row)."""
-        return len(self._tickets)
+        return Spent(
+            counters.day.tokens, counters.day.usd, counters.month.tokens, counters.month.usd
+        )
 
     # -- internals ---------------------------------------------------------------------
 
     @staticmethod
-    def _unreserve(counters: _Counters, ticket: Ticket) -> None:
-        if ticket.reserved:
-            ticket.reserved = False
-            counters.reserved_tokens -= ticket.estimate
-            counters.reserved_usd -= ticket.cost_estimate
+    def _unreserve(counters: _Counters, held: Held) -> None:
+        if held.reserved:
+            held.reserved = False
+            counters.reserved_tokens -= held.hold.tokens
+            counters.reserved_usd -= held.hold.usd
 
     @staticmethod
     def _spend(counters: _Counters, tokens: int, usd: float, wall: float) -> None:
         day, month = periods(wall)
         counters.day.add(day, tokens, usd)
         counters.month.add(month, tokens, usd)
+
+
+@attrs.define(eq=False)
+class MemoryLimits:
+    """The embedded :class:`~dispatcher.store.seam.LimitStore`: :class:`LimitCounters` on
+    this process's clocks. Nothing is shared; nothing blocks."""
+
+    clock: Callable[[], float] = trio.current_time
+    wall: Callable[[], float] = time.time
+    counters: LimitCounters = attrs.Factory(LimitCounters)
+
+    async def admit(self, hold: Hold) -> Held | Refusal:
+        """Decided in memory: no I/O and no checkpoint (the request's path has its own)."""
+        return self.counters.admit(hold, now=self.clock(), wall=self.wall())
+
+    def settle(self, reservation: Held, attempt: int, tokens: int, usd: float) -> None:
+        self.counters.settle(reservation, attempt, tokens, usd, now=self.clock(), wall=self.wall())
+
+    def release(self, reservation: Held, *, answered: bool) -> None:
+        self.counters.release(reservation, answered=answered, now=self.clock(), wall=self.wall())
+
+    def spend(self, tenant_id: str, tokens: int, usd: float) -> None:
+        self.counters.spend(tenant_id, tokens, usd, now=self.clock(), wall=self.wall())
+
+    def spent(self, tenant_id: str) -> Spent:
+        return self.counters.spent(tenant_id, now=self.clock(), wall=self.wall())
+
+    def in_flight(self, tenant_id: str) -> int:
+        return self.counters.in_flight(tenant_id)
+
+    async def seed(self, ledger: UsageLedger) -> None:
+        """This month's billable spend per tenant (and today's), from the ledger: what was
+        spent before a restart still counts against the budgets."""
+        wall = self.wall()
+        day, month = periods(wall)
+        since = month_start(wall)
+        for group in await ledger.billable_spend(since):
+            if group.key is None or group.day is None or not group.day.startswith(month):
+                continue
+            tokens = group.prompt_tokens + group.completion_tokens
+            # Spend of an earlier day counts in the month only.
+            at = wall if group.day == day else since
+            self.counters.spend(group.key, tokens, group.cost_usd, now=self.clock(), wall=at)
 
 
 _Over = tuple[LimitName, str, float] | None
@@ -431,7 +387,7 @@ def _over_tpm(counters: _Counters, limits: Limits, estimate: int, now: float) ->
     )
 
 
-def _headers(counters: _Counters, limits: Limits, now: float) -> Headers:
+def _headers(counters: _Counters, limits: Limits, now: float) -> RateHeaders:
     """OpenAI's ``x-ratelimit-*`` headers for the limits set: the limit, what is left, and
     when the oldest request (or tokens) in the window leave it."""
     headers: list[tuple[bytes, bytes]] = []

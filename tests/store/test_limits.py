@@ -1,31 +1,32 @@
-"""The tenant limits without an event loop: every input carries ``now`` (the minute windows)
-and ``wall`` (the UTC budget periods), every answer is a decision."""
+"""The tenants' limits without an event loop (:class:`~dispatcher.store.limits.LimitCounters`,
+the core of the embedded limit store): every input carries ``now`` (the minute windows) and
+``wall`` (the UTC budget periods), every answer is a decision."""
 
 from __future__ import annotations
 
 import datetime
+import itertools
 
 import pytest
 
-from dispatcher.tenants import (
+from dispatcher.store.limits import (
     CONCURRENCY_RETRY_AFTER,
-    TICKET_MEMORY,
-    Limits,
-    Price,
-    PriceTable,
-    Refusal,
-    Tenant,
-    TenantLimiter,
-    Ticket,
+    Held,
+    LimitCounters,
     format_reset,
+    month_start,
+    periods,
+    seconds_to_next,
 )
-from dispatcher.tenants._core import month_start, periods, seconds_to_next
+from dispatcher.store.seam import Hold, RateHeaders, Refusal
+from dispatcher.tenants import Limits, Price, PriceTable, Tenant
 
 NOON = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC).timestamp()
 """A wall clock: noon UTC on the first of December."""
 NO_PRICES = PriceTable()
 PRICES = PriceTable({"m": Price(input_per_mtok=1_000_000.0, output_per_mtok=2_000_000.0)})
 """One USD per input token, two per output token: costs that are easy to count."""
+_attempts = itertools.count(1)
 
 
 def tenant(**limits: int | float) -> Tenant:
@@ -33,7 +34,7 @@ def tenant(**limits: int | float) -> Tenant:
 
 
 def admit(
-    limiter: TenantLimiter,
+    limiter: LimitCounters,
     who: Tenant,
     now: float,
     estimate: int = 10,
@@ -41,22 +42,42 @@ def admit(
     wall: float = NOON,
     request_id: str | None = None,
     prices: PriceTable = NO_PRICES,
-) -> Ticket | Refusal:
+) -> Held | Refusal:
     rid = request_id or f"r-{now}-{estimate}-{id(object())}"
-    return limiter.admit(rid, who, prices, "m", estimate, now=now, wall=wall)
+    hold = Hold(rid, who.id, who.limits, estimate, prices.cost(("m",), estimate, 0))
+    return limiter.admit(hold, now=now, wall=wall)
 
 
-def ticket(decision: Ticket | Refusal) -> Ticket:
-    assert isinstance(decision, Ticket), decision
+def bill(
+    limiter: LimitCounters,
+    held: Held,
+    prompt: int,
+    completion: int,
+    *,
+    now: float,
+    wall: float = NOON,
+    prices: PriceTable = NO_PRICES,
+    attempt: int | None = None,
+) -> float:
+    """One billable usage row of ``held``'s request (a new attempt unless ``attempt``), at
+    ``prices``: what the tenants' driver settles. Returns its cost."""
+    usd = prices.cost(("m",), prompt, completion)
+    number = next(_attempts) if attempt is None else attempt
+    limiter.settle(held, number, prompt + completion, usd, now=now, wall=wall)
+    return usd
+
+
+def ticket(decision: Held | Refusal) -> Held:
+    assert isinstance(decision, Held), decision
     return decision
 
 
-def refusal(decision: Ticket | Refusal) -> Refusal:
+def refusal(decision: Held | Refusal) -> Refusal:
     assert isinstance(decision, Refusal), decision
     return decision
 
 
-def header(headers: tuple[tuple[bytes, bytes], ...], name: str) -> str:
+def header(headers: RateHeaders, name: str) -> str:
     return dict(headers)[name.encode()].decode()
 
 
@@ -64,7 +85,7 @@ def header(headers: tuple[tuple[bytes, bytes], ...], name: str) -> str:
 
 
 def test_rpm_refuses_the_request_over_the_limit_until_the_oldest_leaves_the_window() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(rpm=3)
     for now in (0.0, 1.0, 2.0):
         ticket(admit(limiter, who, now))
@@ -80,7 +101,7 @@ def test_rpm_refuses_the_request_over_the_limit_until_the_oldest_leaves_the_wind
 
 
 def test_a_refused_request_is_not_counted() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(rpm=1)
     ticket(admit(limiter, who, 0.0))
     for now in range(1, 60):
@@ -92,30 +113,30 @@ def test_a_refused_request_is_not_counted() -> None:
 
 
 def test_tpm_counts_the_estimate_until_the_usage_row_corrects_it() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(tpm=100)
     first = ticket(admit(limiter, who, 0.0, estimate=60))
     over = refusal(admit(limiter, who, 1.0, estimate=60))
     assert over.limit == "tpm"
     assert over.retry_after == pytest.approx(59.0)
     assert header(over.headers, "x-ratelimit-remaining-tokens") == "40"
-    limiter.bill(first, 5, 5, ("m",), now=2.0, wall=NOON)  # it used 10, not 60
+    bill(limiter, first, 5, 5, now=2.0)  # it used 10, not 60
     second = ticket(admit(limiter, who, 2.0, estimate=60))
     assert header(second.headers, "x-ratelimit-remaining-tokens") == "30"
 
 
 def test_a_request_larger_than_the_whole_limit_goes_when_the_window_is_empty() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(tpm=100)
     big = ticket(admit(limiter, who, 0.0, estimate=500))
-    limiter.release(big, now=1.0, wall=NOON)
+    limiter.release(big, answered=False, now=1.0, wall=NOON)
     # Unanswered and unbilled: its estimate left the window with it.
     ticket(admit(limiter, who, 1.0, estimate=500))
     refusal(admit(limiter, who, 2.0, estimate=1))  # the window is over the limit now
 
 
 def test_tpm_retry_after_is_when_enough_tokens_leave_the_window() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(tpm=100)
     for now in (0.0, 10.0, 20.0):
         ticket(admit(limiter, who, now, estimate=30))
@@ -124,65 +145,56 @@ def test_tpm_retry_after_is_when_enough_tokens_leave_the_window() -> None:
 
 
 def test_a_request_that_failed_before_answering_costs_no_tokens() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(tpm=100)
     failed = ticket(admit(limiter, who, 0.0, estimate=90))
-    limiter.release(failed, now=1.0, wall=NOON)
+    limiter.release(failed, answered=False, now=1.0, wall=NOON)
     ticket(admit(limiter, who, 1.0, estimate=90))
 
 
 def test_an_answered_request_keeps_its_estimate_until_its_row_comes() -> None:
     """A cancelled stream: the request is released before its row (which waits for the
     node's confirmation) arrives; until then its estimate counts, then what it used."""
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(tpm=100)
     streamed = ticket(admit(limiter, who, 0.0, estimate=90))
-    streamed.answered = True
-    limiter.release(streamed, now=1.0, wall=NOON)
+    limiter.release(streamed, answered=True, now=1.0, wall=NOON)
     refusal(admit(limiter, who, 2.0, estimate=20))
-    assert limiter.ticket(streamed.request_id) is streamed
-    limiter.bill(streamed, 30, 40, ("m",), now=3.0, wall=NOON)
+    bill(limiter, streamed, 30, 40, now=3.0)
     after = ticket(admit(limiter, who, 3.0, estimate=20))
     assert header(after.headers, "x-ratelimit-remaining-tokens") == "10"
 
 
-def test_only_a_ticket_whose_row_may_still_come_is_remembered() -> None:
-    limiter = TenantLimiter()
-    who = tenant()
-    waiting = ticket(admit(limiter, who, 0.0))
-    waiting.answered = True  # and not billed yet: its row is on its way
-    limiter.release(waiting, now=1.0, wall=NOON)
-    failed = ticket(admit(limiter, who, 1.0))
-    limiter.release(failed, now=1.0, wall=NOON)  # nothing committed: no row is to come
-    billed = ticket(admit(limiter, who, 1.0))
-    billed.answered = True
-    limiter.bill(billed, 1, 1, ("m",), now=1.0, wall=NOON)
-    limiter.release(billed, now=1.0, wall=NOON)
-    assert limiter.tickets() == 1
-    admit(limiter, who, 1.0 + TICKET_MEMORY - 0.5)
-    assert limiter.ticket(waiting.request_id) is waiting
-    admit(limiter, who, 1.0 + TICKET_MEMORY)
-    assert limiter.ticket(waiting.request_id) is None
-    late = ticket(admit(limiter, who, 200.0))
-    late.answered = True
-    limiter.release(late, now=201.0, wall=NOON)
-    limiter.bill(late, 1, 1, ("m",), now=202.0, wall=NOON)  # its row came: forgotten
-    assert limiter.ticket(late.request_id) is None
+def test_a_settle_is_counted_once_per_attempt() -> None:
+    """Settling is keyed by request and attempt: a retried settle of one attempt changes
+    nothing; another attempt's row adds to the tokens."""
+    limiter = LimitCounters()
+    who = tenant(tpm=100, budget_tokens_day=1000)
+    held = ticket(admit(limiter, who, 0.0, estimate=60))
+    assert limiter.settle(held, 1, 10, 0.0, now=1.0, wall=NOON)
+    assert not limiter.settle(held, 1, 10, 0.0, now=1.0, wall=NOON)  # a retry: no change
+    after = ticket(admit(limiter, who, 1.0, estimate=0))
+    assert header(after.headers, "x-ratelimit-remaining-tokens") == "90"
+    assert limiter.spent("t1", now=1.0, wall=NOON).tokens_day == 10
+    assert limiter.settle(held, 2, 5, 0.0, now=2.0, wall=NOON)  # a second attempt's row
+    last = ticket(admit(limiter, who, 2.0, estimate=0))
+    assert header(last.headers, "x-ratelimit-remaining-tokens") == "85"
+    assert limiter.spent("t1", now=2.0, wall=NOON).tokens_day == 15
 
 
 # ------------------------------------------------------------------ concurrency
 
 
 def test_concurrency_holds_a_place_until_the_request_is_released() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(max_concurrent=2)
     first = ticket(admit(limiter, who, 0.0))
     ticket(admit(limiter, who, 0.0))
     over = refusal(admit(limiter, who, 0.0))
     assert over.limit == "max_concurrent"
     assert over.retry_after == CONCURRENCY_RETRY_AFTER
-    limiter.release(first, now=1.0, wall=NOON)
-    limiter.release(first, now=1.0, wall=NOON)  # idempotent: one place, not two
+    limiter.release(first, answered=False, now=1.0, wall=NOON)
+    limiter.release(first, answered=False, now=1.0, wall=NOON)  # idempotent: one place, not two
     ticket(admit(limiter, who, 1.0))
     refusal(admit(limiter, who, 1.0))
     assert limiter.in_flight("t1") == 2
@@ -191,14 +203,14 @@ def test_concurrency_holds_a_place_until_the_request_is_released() -> None:
 def test_a_request_keeps_the_limits_it_was_admitted_under() -> None:
     """A reload lowers the limit: the counters are the tenant id's, so what is in flight
     counts against the new limit; the ticket keeps the tenant it was admitted as."""
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     before = tenant(max_concurrent=5)
     held = [ticket(admit(limiter, before, 0.0)) for _ in range(3)]
     after = tenant(max_concurrent=2)
     refusal(admit(limiter, after, 1.0))
-    assert all(t.tenant.limits.max_concurrent == 5 for t in held)
+    assert all(t.hold.limits.max_concurrent == 5 for t in held)
     for t in held[:2]:
-        limiter.release(t, now=2.0, wall=NOON)
+        limiter.release(t, answered=False, now=2.0, wall=NOON)
     ticket(admit(limiter, after, 2.0))
 
 
@@ -206,11 +218,11 @@ def test_a_request_keeps_the_limits_it_was_admitted_under() -> None:
 
 
 def test_a_token_budget_is_spent_by_billed_usage_and_renews_at_utc_midnight() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(budget_tokens_day=100)
     first = ticket(admit(limiter, who, 0.0, estimate=10))
-    limiter.bill(first, 60, 40, ("m",), now=1.0, wall=NOON)
-    limiter.release(first, now=1.0, wall=NOON)
+    bill(limiter, first, 60, 40, now=1.0)
+    limiter.release(first, answered=False, now=1.0, wall=NOON)
     over = refusal(admit(limiter, who, 2.0))
     assert over.limit == "budget_tokens_day"
     assert over.quota
@@ -220,31 +232,32 @@ def test_a_token_budget_is_spent_by_billed_usage_and_renews_at_utc_midnight() ->
 
 
 def test_in_flight_estimates_count_against_a_budget() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(budget_tokens_month=100)
     ticket(admit(limiter, who, 0.0, estimate=100))
     assert refusal(admit(limiter, who, 0.0)).limit == "budget_tokens_month"
 
 
-def test_a_money_budget_is_spent_at_the_prices_the_request_was_admitted_under() -> None:
-    limiter = TenantLimiter()
+def test_a_money_budget_is_spent_by_what_the_rows_cost() -> None:
+    """The driver prices each row (at the prices of its request's admission); the store
+    spends what it is told."""
+    limiter = LimitCounters()
     who = tenant(budget_usd_day=10.0)
     first = ticket(admit(limiter, who, 0.0, estimate=1, prices=PRICES))
-    # A reload after admission changes nothing for this request: it costs 2 * 1 + 3 * 2.
-    cost = limiter.bill(first, 2, 3, ("m",), now=1.0, wall=NOON)
+    cost = bill(limiter, first, 2, 3, now=1.0, prices=PRICES)  # 2 * 1 + 3 * 2
     assert cost == pytest.approx(8.0)
-    limiter.release(first, now=1.0, wall=NOON)
-    assert limiter.spent("t1", now=1.0, wall=NOON)[1] == pytest.approx(8.0)
+    limiter.release(first, answered=False, now=1.0, wall=NOON)
+    assert limiter.spent("t1", now=1.0, wall=NOON).usd_day == pytest.approx(8.0)
     second = ticket(admit(limiter, who, 2.0, estimate=1, prices=PRICES))
-    limiter.bill(second, 2, 0, ("m",), now=3.0, wall=NOON)
-    limiter.release(second, now=3.0, wall=NOON)
+    bill(limiter, second, 2, 0, now=3.0, prices=PRICES)
+    limiter.release(second, answered=False, now=3.0, wall=NOON)
     over = refusal(admit(limiter, who, 4.0, prices=PRICES))
     assert over.limit == "budget_usd_day"
     assert over.quota
 
 
 def test_spend_before_a_restart_counts_and_an_earlier_month_does_not() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(budget_tokens_month=100)
     last_month = month_start(NOON) - 3600
     limiter.spend("t1", 1000, 0.0, now=0.0, wall=last_month)
@@ -257,7 +270,7 @@ def test_spend_before_a_restart_counts_and_an_earlier_month_does_not() -> None:
 
 
 def test_success_headers_say_what_is_left() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     who = tenant(rpm=10, tpm=1000)
     ticket(admit(limiter, who, 0.0, estimate=100))
     second = ticket(admit(limiter, who, 15.0, estimate=100))
@@ -298,21 +311,8 @@ def test_budget_periods_are_utc_days_and_months() -> None:
     assert NOON + seconds_to_next(NOON, month=True) == pytest.approx(new_year)
 
 
-def test_prices_exact_names_first_then_patterns_in_order() -> None:
-    table = PriceTable(
-        {"llama-70b": Price(1.0, 1.0)},
-        (("llama-*", Price(2.0, 2.0)), ("*", Price(3.0, 3.0))),
-    )
-    assert table.price("llama-70b") == Price(1.0, 1.0)
-    assert table.price("llama-8b") == Price(2.0, 2.0)
-    assert table.price("qwen") == Price(3.0, 3.0)
-    assert table.price("llama-8b", "llama-70b") == Price(1.0, 1.0)  # exact before pattern
-    assert PriceTable().cost(("m",), 10, 10) == 0.0
-    assert Price(2.0, 4.0).cost(500_000, 250_000) == pytest.approx(2.0)
-
-
 def test_rpm_retry_after_when_a_reload_lowered_the_limit_below_the_window() -> None:
-    limiter = TenantLimiter()
+    limiter = LimitCounters()
     for now in range(5):
         ticket(admit(limiter, tenant(rpm=5), float(now)))
     # Limit 2 with 5 in the window: the requests of t=0..3 must leave, the last at t=63.

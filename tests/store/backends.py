@@ -1,0 +1,74 @@
+"""Every backend of the storage seam (``dispatcher/store/seam.py``), as the contract suite opens
+it. A new backend is one entry here; it must pass every test of ``tests/store/test_contract_*``
+(the shared ones -- Redis, PostgreSQL -- start their own real server in a fixture)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from dispatcher.store.ledger import open_usage_ledger
+from dispatcher.store.limits import MemoryLimits
+from dispatcher.store.responses import open_response_store
+from dispatcher.store.seam import LimitStore, ResponseStore, UsageLedger
+
+Clock = Callable[[], float]
+
+
+@attrs.frozen
+class LedgerBackend:
+    name: str
+    persistent: bool
+    """Reopened on the same place, it holds what was committed before."""
+    open: Callable[[Path], AbstractAsyncContextManager[UsageLedger]]
+
+
+@attrs.frozen
+class ResponseBackend:
+    name: str
+    persistent: bool
+    open: Callable[..., AbstractAsyncContextManager[ResponseStore]]
+    """``open(place, max_entries=, max_bytes=, max_age=, clock=)``."""
+
+
+@attrs.frozen
+class LimitBackend:
+    name: str
+    open: Callable[[Clock, Clock], AbstractAsyncContextManager[LimitStore[Any]]]
+    """``open(clock, wall)``: the store on the test's monotonic and wall clocks."""
+
+
+def _sqlite_file(place: Path) -> AbstractAsyncContextManager[UsageLedger]:
+    return open_usage_ledger(place / "usage.sqlite3")
+
+
+def _sqlite_memory(place: Path) -> AbstractAsyncContextManager[UsageLedger]:
+    return open_usage_ledger(":memory:")
+
+
+def _responses_file(place: Path, **bounds: Any) -> AbstractAsyncContextManager[ResponseStore]:
+    return open_response_store(place / "usage.responses.sqlite3", **bounds)
+
+
+def _responses_memory(place: Path, **bounds: Any) -> AbstractAsyncContextManager[ResponseStore]:
+    return open_response_store(":memory:", **bounds)
+
+
+@asynccontextmanager
+async def _memory_limits(clock: Clock, wall: Clock) -> AsyncIterator[LimitStore[Any]]:
+    yield MemoryLimits(clock=clock, wall=wall)
+
+
+LEDGERS = (
+    LedgerBackend("sqlite-file", persistent=True, open=_sqlite_file),
+    LedgerBackend("sqlite-memory", persistent=False, open=_sqlite_memory),
+)
+RESPONSES = (
+    ResponseBackend("sqlite-file", persistent=True, open=_responses_file),
+    ResponseBackend("sqlite-memory", persistent=False, open=_responses_memory),
+)
+LIMITS = (LimitBackend("memory", open=_memory_limits),)
