@@ -406,7 +406,7 @@ class Dispatcher:
         policy they were admitted under. Returns the :data:`RESTART_ONLY` settings that
         differ, which are not applied."""
         admission = policy_snapshot_from_config(config)
-        gate = gate_policies(config)
+        gate = gate_policies(config, admission)
         tenants = tenant_policy_from_config(config)
         kept = tuple(
             name for name in RESTART_ONLY if _setting(config, name) != _setting(self.config, name)
@@ -479,7 +479,8 @@ async def open_dispatcher_of(
     ``dispatcher.edge.Dispatcher``)."""
     config = config or EdgeConfig()
     registry = Registry()
-    admission = Admission(policy_snapshot_from_config(config))
+    snapshot = policy_snapshot_from_config(config)
+    admission = Admission(snapshot)
     settings = NodeLinkSettings(
         node_tokens=tuple(_credential(token) for token in config.node_tokens()),
         hello_timeout=config.nodes.hello_timeout,
@@ -503,7 +504,7 @@ async def open_dispatcher_of(
             tunnels=tunnels,
             gate=Gate(
                 pool,
-                gate_policies(config),
+                gate_policies(config, snapshot),
                 record_usage=ledger.record,
                 nursery=nursery,
                 price_usage=tenants.price,

@@ -17,7 +17,7 @@ from dispatcher.config import (
     load_edge_config,
     parse_edge_config,
 )
-from dispatcher.gate.catalog import policy_snapshot_from_config
+from dispatcher.gate.catalog import gate_policies, policy_snapshot_from_config
 
 
 def load(tmp_path: Path, text: str, environ: dict[str, str] | None = None) -> EdgeConfig:
@@ -329,3 +329,20 @@ def test_what_admission_takes_of_models_nobody_serves(tmp_path: Path) -> None:
     assert snapshot.tenant_models == {"team": {"gpt-x"}, "all": set()}
     assert snapshot.policy_for("echo").queue_timeout_s == 5.0
     assert policy_snapshot_from_config(EdgeConfig()).model_linger_s == MODEL_LINGER_S == 60
+
+
+def test_an_alias_has_its_groups_gate_policy_through_the_one_resolver() -> None:
+    """The gate's policy of an alias is its group's, resolved by the admission policy of the
+    same config (one alias map for admission, the gate and the metrics' label)."""
+    config = parse_edge_config(
+        {
+            "admission": {"max_attempts": 2},
+            "models": {"llama": {"aliases": ["gpt-4o"], "max_attempts": 5}},
+        }
+    )
+    snapshot = policy_snapshot_from_config(config)
+    policy_for = gate_policies(config, snapshot)
+    assert snapshot.resolve("gpt-4o") == "llama"
+    assert policy_for("gpt-4o").max_attempts == 5
+    assert policy_for("llama").max_attempts == 5
+    assert policy_for("other").max_attempts == 2

@@ -66,19 +66,19 @@ _GLOB = re.compile(r"[*?\[]")
 """What makes a name an ``fnmatch`` pattern rather than one model's name."""
 
 
-def gate_policies(config: EdgeConfig) -> Callable[[str], GatePolicy]:
+def gate_policies(config: EdgeConfig, snapshot: PolicySnapshot) -> Callable[[str], GatePolicy]:
     """The gate policy of a model (or alias): ``[admission]`` gate fields as defaults,
-    ``[models.NAME]`` overriding them."""
+    ``[models.NAME]`` overriding them. An alias is resolved by ``snapshot`` (the admission
+    policy of the same config): one alias map, one resolver, for admission, the gate and
+    the metrics' model label."""
     default = attrs.evolve(GatePolicy(), **config.admission.gate_overrides())
     groups = {
         name: attrs.evolve(default, **settings.gate_overrides())
         for name, settings in config.models.items()
     }
-    aliases = {
-        alias: name for name, settings in config.models.items() for alias in settings.aliases
-    }
+    resolve = snapshot.resolve
 
     def policy_for(model: str) -> GatePolicy:
-        return groups.get(aliases.get(model, model), default)
+        return groups.get(resolve(model), default)
 
     return policy_for
