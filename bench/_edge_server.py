@@ -49,7 +49,7 @@ async def serve_edge() -> None:
 
 
 async def serve_direct(spec_path: str) -> None:
-    from dispatcher.http import Limits, serve_http
+    from dispatcher.http import ServerLimits, serve_http
 
     spec = orjson.loads(Path(spec_path).read_bytes())
     headers = [(name.encode(), value.encode()) for name, value in spec["headers"]]
@@ -64,7 +64,7 @@ async def serve_direct(spec_path: str) -> None:
 
     async with trio.open_nursery() as nursery:
         server: Server = await nursery.start(
-            partial(serve_http, handler, port=0, limits=Limits(shutdown_grace=SHUTDOWN_GRACE))
+            partial(serve_http, handler, port=0, limits=ServerLimits(shutdown_grace=SHUTDOWN_GRACE))
         )
         announce_port(server.address.port)
         await _until_signal(server)

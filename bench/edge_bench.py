@@ -61,7 +61,7 @@ from bench._load import (
     server_process,
 )
 from dispatcher import wire
-from dispatcher.shared.transport import Connection, Frame
+from dispatcher.shared.transport import Connection, RawFrame
 
 if TYPE_CHECKING:
     from nodes.config import NodeConfig
@@ -495,7 +495,7 @@ class WatchedConnection:
         self._inner = inner
         self._watch = watch
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: RawFrame) -> None:
         await self._inner.send(frame)
         if isinstance(frame, str) and '"run.cancelled"' in frame:
             at = time.perf_counter()
@@ -503,7 +503,7 @@ class WatchedConnection:
             if isinstance(message, wire.RunCancelled):
                 self._watch.mark("cancelled", message.run_id, at)
 
-    async def receive(self) -> Frame:
+    async def receive(self) -> RawFrame:
         frame = await self._inner.receive()
         if isinstance(frame, str) and '"run.cancel"' in frame:
             at = time.perf_counter()

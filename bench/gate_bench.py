@@ -20,7 +20,7 @@ from dispatcher.config import EdgeConfig
 from dispatcher.gate.attempts import Answer, GateRequest
 from dispatcher.gate.pool import DispatchRequest
 from dispatcher.paths.runs import RunSpec
-from dispatcher.service import Dispatcher, open_dispatcher
+from dispatcher.service import Service, open_service
 
 TIME_LIMIT = 60.0
 ROUNDS = 5
@@ -28,14 +28,14 @@ PER_ROUND = 400
 BODY = {"model": "echo", "messages": [{"role": "user", "content": "hello there general"}]}
 
 
-async def _direct(dispatcher: Dispatcher) -> None:
+async def _direct(dispatcher: Service) -> None:
     async with dispatcher.open_run(RunSpec(model="echo", body=BODY)) as run:
         async for event in run:
             if wire.is_terminal(event):
                 assert isinstance(event, wire.RunCompleted)
 
 
-async def _through_gate(dispatcher: Dispatcher, index: int) -> None:
+async def _through_gate(dispatcher: Service, index: int) -> None:
     request = GateRequest(
         request_id=f"bench-{index}",
         dispatch=DispatchRequest(model="echo", body=BODY),
@@ -55,7 +55,7 @@ async def run() -> Sequence[Table]:
     direct: list[float] = []
     gated: list[float] = []
     counter = 0
-    async with open_dispatcher(EdgeConfig(local_node=False)) as dispatcher:
+    async with open_service(EdgeConfig(local_node=False)) as dispatcher:
         await dispatcher.attach_local_node()
         for _ in range(50):  # warm-up
             await _direct(dispatcher)

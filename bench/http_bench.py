@@ -109,7 +109,7 @@ async def ours_handler(request: Request, responder: Responder) -> None:
 
 
 async def _serve_ours() -> None:
-    from dispatcher.http import Limits, Server, serve_http
+    from dispatcher.http import Server, ServerLimits, serve_http
 
     async with trio.open_nursery() as nursery:
         server: Server = await nursery.start(
@@ -118,7 +118,7 @@ async def _serve_ours() -> None:
                 ours_handler,
                 host="127.0.0.1",
                 port=0,
-                limits=Limits(shutdown_grace=1.0),
+                limits=ServerLimits(shutdown_grace=1.0),
             )
         )
         announce_port(server.address.port)

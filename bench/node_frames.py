@@ -32,7 +32,7 @@ import trio
 import trio_websocket
 
 from dispatcher import wire
-from dispatcher.shared.transport import Connection, Frame
+from dispatcher.shared.transport import Connection, RawFrame
 from nodes.agent import serve_node_session
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 from nodes.dial import dial_edge
@@ -183,12 +183,12 @@ class _Counting:
     def on_stop(self) -> None:
         """The measured window closed."""
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: RawFrame) -> None:
         if self.counting:
             self.frames += 1
         await self._inner.send(frame)
 
-    async def receive(self) -> Frame:
+    async def receive(self) -> RawFrame:
         frame = await self._inner.receive()
         if isinstance(frame, str) and '"ping"' in frame:
             ping = wire.decode(frame)

@@ -98,7 +98,7 @@ async def serve_provider() -> None:
     """The fake vLLM (see the module docstring) until SIGTERM."""
     import signal
 
-    from dispatcher.http import Limits, serve_http
+    from dispatcher.http import ServerLimits, serve_http
 
     async def handler(request: Request, responder: Responder) -> None:
         if (request.method, request.path) != ("POST", CHAT_PATH):
@@ -135,7 +135,7 @@ async def serve_provider() -> None:
 
     async with trio.open_nursery() as nursery:
         server: Server = await nursery.start(
-            partial(serve_http, handler, port=0, limits=Limits(shutdown_grace=1.0))
+            partial(serve_http, handler, port=0, limits=ServerLimits(shutdown_grace=1.0))
         )
         announce_port(server.address.port)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -37,6 +37,7 @@ from nodes import load_node_config
 from nodes.adapters import build_adapters
 from nodes.agent import run_node
 from nodes.config import (
+    DEFAULT_EDGE_URL,
     DEFAULT_GIVE_UP_AFTER,
     NodeConfig,
     NodeConfigError,
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dispatcher.cli")
 
-DEFAULT_EDGE_URL = "ws://127.0.0.1:8700/v1/nodes/connect"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 

@@ -1,4 +1,4 @@
-"""The edge: a :class:`~dispatcher.service.Dispatcher` serving its HTTP front ends.
+"""The edge: a :class:`~dispatcher.service.Service` serving its HTTP front ends.
 
 Serving HTTP lives here, above both the API and the dispatcher, so that
 ``dispatcher.service`` imports neither ``dispatcher.api`` nor ``dispatcher.http``:
@@ -18,13 +18,13 @@ nursery is cancelled.
 Why ``dispatcher.serve`` still works, and by a subclass: embedders and the tests call
 ``await dispatcher.serve(...)`` / ``nursery.start(dispatcher.serve)``, so this module's
 :func:`open_dispatcher` (the one ``dispatcher.open_dispatcher`` names) yields a
-:class:`Dispatcher` that adds ``serve`` (and ``serve_metrics``) to the service's and nothing
-else. A serving function
-plugged into the service's class instead would have to be typed in ``service.py``, which may
-not name ``http.Limits`` or ``http.Server`` (what ``task_status`` reports): the plug's type
-would erase both, and mypy could no longer check ``await dispatcher.serve(limits=...,
+:class:`Dispatcher` that adds ``serve`` (and ``serve_metrics``) to the
+:class:`~dispatcher.service.Service` and nothing else. A serving function plugged into the
+service's class instead would have to be typed in ``service.py``, which may not name
+``http.ServerLimits`` or ``http.Server`` (what ``task_status`` reports): the plug's type would
+erase both, and mypy could no longer check ``await dispatcher.serve(limits=...,
 task_status=...)``. The subclass keeps every type, and ``service.py`` builds it through
-:func:`~dispatcher.service.open_dispatcher_of` without knowing it exists.
+:func:`~dispatcher.service.open_service_of` without knowing it exists.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .api.front import FrontEnd
 from .api.operations import SCRAPE_FRONT_END
 from .api.seam import ApiSettings
 from .config import EdgeConfig
-from .http import Limits, Server, serve_http
+from .http import Server, ServerLimits, serve_http
 
 __all__ = [
     "SERVING_FULL_COLLECTION_THRESHOLD",
@@ -104,13 +104,14 @@ async def collect_young_generation(interval: float = YOUNG_COLLECTION_INTERVAL) 
         gc.collect(0)
 
 
-_IS_LIMIT = attrs.filters.include(*(field.name for field in attrs.fields(Limits)))
+_IS_LIMIT = attrs.filters.include(*(field.name for field in attrs.fields(ServerLimits)))
 
 
-def limits_from_config(config: EdgeConfig) -> Limits:
-    """The server limits ``config.http`` sets: its settings named after a ``Limits`` field
-    (all but the TLS files), which have the field's type; the rest are ``Limits``' defaults."""
-    return Limits(**attrs.asdict(config.http, filter=_IS_LIMIT))
+def limits_from_config(config: EdgeConfig) -> ServerLimits:
+    """The server limits ``config.http`` sets: its settings named after a ``ServerLimits``
+    field (all but the TLS files), which have the field's type; the rest are
+    ``ServerLimits``' defaults."""
+    return ServerLimits(**attrs.asdict(config.http, filter=_IS_LIMIT))
 
 
 def _ssl_context(config: EdgeConfig) -> ssl.SSLContext | None:
@@ -123,11 +124,11 @@ def _ssl_context(config: EdgeConfig) -> ssl.SSLContext | None:
 
 
 async def serve_edge(  # noqa: ASYNC128 (task_status is passed on to serve_http)
-    dispatcher: service.Dispatcher,
+    dispatcher: service.Service,
     *,
     host: str | None = None,
     port: int | None = None,
-    limits: Limits | None = None,
+    limits: ServerLimits | None = None,
     front_ends: Sequence[FrontEnd] = FRONT_ENDS,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -158,7 +159,7 @@ async def serve_edge(  # noqa: ASYNC128 (task_status is passed on to serve_http)
 
 
 async def serve_metrics(  # noqa: ASYNC128 (task_status is passed on to serve_http)
-    dispatcher: service.Dispatcher,
+    dispatcher: service.Service,
     *,
     host: str | None = None,
     port: int | None = None,
@@ -186,7 +187,7 @@ async def serve_metrics(  # noqa: ASYNC128 (task_status is passed on to serve_ht
     )
 
 
-class Dispatcher(service.Dispatcher):
+class Dispatcher(service.Service):
     """The dispatcher with its HTTP front ends: what :func:`open_dispatcher` yields."""
 
     __slots__ = ()
@@ -203,5 +204,5 @@ class Dispatcher(service.Dispatcher):
 async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dispatcher]:
     """The embedding entry point: a running dispatcher that can :meth:`~Dispatcher.serve`,
     stopped when the block exits."""
-    async with service.open_dispatcher_of(Dispatcher, config) as dispatcher:
+    async with service.open_service_of(Dispatcher, config) as dispatcher:
         yield dispatcher

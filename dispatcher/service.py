@@ -1,24 +1,25 @@
-"""The :class:`Dispatcher` and ``open_dispatcher``: the embedding entry point.
+"""The :class:`Service` and :func:`open_service`: the dispatcher without its HTTP front ends.
 
-``open_dispatcher`` owns the root nursery: the admission driver and the node sessions attached
+``open_service`` owns the root nursery: the admission driver and the node sessions attached
 in memory live in it, so leaving the ``async with`` stops everything::
 
-    async with open_dispatcher(EdgeConfig()) as dispatcher:
-        await dispatcher.attach_local_node()          # the built-in echo model, no sockets
-        async with dispatcher.open_run(RunSpec(model="echo", body=body)) as run:
+    async with open_service(EdgeConfig()) as service:
+        await service.attach_local_node()          # the built-in echo model, no sockets
+        async with service.open_run(RunSpec(model="echo", body=body)) as run:
             async for event in run:
                 ...
 
-Draining (:meth:`Dispatcher.drain`, what ``dispatcher serve`` does on SIGTERM): admit nothing
+Draining (:meth:`Service.drain`, what ``dispatcher serve`` does on SIGTERM): admit nothing
 new (new requests get 503 ``shutting_down``, ``/readyz`` answers 503), tell every node session
 ``edge.draining``, let in-flight requests, runs and tunnels finish within the grace, then end
 what is left: a stream with a final ``shutting_down`` event, an unanswered request with 503.
 
 This module knows nothing of HTTP: it imports neither ``dispatcher.api`` nor
 ``dispatcher.http``. Serving the HTTP front ends is :mod:`dispatcher.edge`, whose
-``open_dispatcher`` (the one ``dispatcher.open_dispatcher`` names) yields this class with a
-``serve`` method (built here by :func:`open_dispatcher_of`); this module's ``open_dispatcher``
-yields a dispatcher without one, for embedders that bring their own front end.
+``Dispatcher`` (a subclass of :class:`Service` with a ``serve`` method) is what
+``dispatcher.open_dispatcher``, the embedding entry point, yields (built here by
+:func:`open_service_of`); :func:`open_service` yields a service without one, for embedders
+that bring their own front end.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ ConfigSource = Callable[[], EdgeConfig]
 
 @attrs.define(eq=False)
 class Work:
-    """One request being served (see :meth:`Dispatcher.track_work`)."""
+    """One request being served (see :meth:`Service.track_work`)."""
 
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     answered: bool = False
@@ -109,8 +110,9 @@ class Work:
 
 
 @attrs.define(eq=False)
-class Dispatcher:
-    """The edge. Create it with :func:`open_dispatcher`."""
+class Service:
+    """The edge without its HTTP front ends. Create it with :func:`open_service` (or, with
+    the front ends, ``dispatcher.open_dispatcher``)."""
 
     config: EdgeConfig
     registry: Registry
@@ -460,22 +462,22 @@ def _credential(token: str | NodeToken) -> str | NodeCredential:
     return NodeCredential(token.value, token.ids)
 
 
-DispatcherT = TypeVar("DispatcherT", bound=Dispatcher)
+ServiceT = TypeVar("ServiceT", bound=Service)
 
 
 @asynccontextmanager
-async def open_dispatcher(config: EdgeConfig | None = None) -> AsyncIterator[Dispatcher]:
-    """A running dispatcher without a front end, stopped when the block exits (with the
+async def open_service(config: EdgeConfig | None = None) -> AsyncIterator[Service]:
+    """A running service without a front end, stopped when the block exits (with the
     HTTP front ends: ``dispatcher.open_dispatcher``, from :mod:`dispatcher.edge`)."""
-    async with open_dispatcher_of(Dispatcher, config) as dispatcher:
-        yield dispatcher
+    async with open_service_of(Service, config) as service:
+        yield service
 
 
 @asynccontextmanager
-async def open_dispatcher_of(
-    kind: type[DispatcherT], config: EdgeConfig | None = None
-) -> AsyncIterator[DispatcherT]:
-    """:func:`open_dispatcher`, yielding a ``kind`` (a subclass that adds a front end, such as
+async def open_service_of(
+    kind: type[ServiceT], config: EdgeConfig | None = None
+) -> AsyncIterator[ServiceT]:
+    """:func:`open_service`, yielding a ``kind`` (a subclass that adds a front end, such as
     ``dispatcher.edge.Dispatcher``)."""
     config = config or EdgeConfig()
     registry = Registry()
@@ -529,4 +531,4 @@ async def open_dispatcher_of(
             nursery.cancel_scope.cancel(reason="dispatcher closed")
 
 
-__all__ = ["Dispatcher", "ShuttingDown", "Work", "open_dispatcher", "open_dispatcher_of"]
+__all__ = ["Service", "ShuttingDown", "Work", "open_service", "open_service_of"]

@@ -35,7 +35,7 @@ def load_node_config(
     """Load and validate a node configuration file (``docs/node.md``), its provider types
     checked against ``adapters`` (the built-in registry unless given). Raises
     :class:`NodeConfigError`."""
-    return _config.load_node_config(path, environ=environ, adapters=adapters)
+    return _config.read_node_config(path, environ=environ, adapters=adapters)
 
 
 __all__ = [

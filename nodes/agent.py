@@ -68,9 +68,10 @@ import trio
 from dispatcher import wire
 from dispatcher.shared.excgroups import first_leaf
 from dispatcher.shared.transport import Connection, ConnectionClosed
+from dispatcher.wire import CLOSE_GOING_AWAY, CLOSE_NODE_ID_IN_USE, CLOSE_PROTOCOL_ERROR
 from nodes.adapters import Adapter, DropConnection, build_adapters, open_adapters
 from nodes.config import NodeConfig, hello_from_config
-from nodes.dial import CLOSE_TIMEOUT, DialFailed, close_budget, edge_dial, explain
+from nodes.dial import WEBSOCKET_CLOSE_TIMEOUT, DialFailed, close_budget, edge_dial, explain
 from nodes.dial import Dial as Dial
 from nodes.dial import NodeRejected as NodeRejected
 from nodes.dial import dial_edge as dial_edge
@@ -88,11 +89,7 @@ from nodes.tunnel import (
 log = logging.getLogger("nodes.agent")
 
 CLOSE_NORMAL: Final = 1000
-CLOSE_GOING_AWAY: Final = 1001
-CLOSE_PROTOCOL_ERROR: Final = 1002
 CLOSE_INTERNAL_ERROR: Final = 1011
-CLOSE_ID_IN_USE: Final = 4004
-"""Before welcome: a live session holds this node id under another credential (transient)."""
 
 PERMANENT_CLOSE_CODES: Final = frozenset({1002, 1003, 1007, 4001})
 """Close codes that, received *before* ``welcome``, mean the edge refuses this node for good:
@@ -318,7 +315,7 @@ async def _handshake(conn: Connection, link: _Link, config: NodeConfig) -> wire.
     except ConnectionClosed as exc:
         if exc.code in PERMANENT_CLOSE_CODES:
             raise NodeRejected(f"{exc.reason} (close code {exc.code})") from None
-        if exc.code == CLOSE_ID_IN_USE:
+        if exc.code == CLOSE_NODE_ID_IN_USE:
             log.warning(
                 "the edge refused node id %s: %s; another node with another token holds it "
                 "(retrying with backoff)",
@@ -327,7 +324,7 @@ async def _handshake(conn: Connection, link: _Link, config: NodeConfig) -> wire.
             )
         raise
     except wire.UnsupportedVersion as exc:
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+        with trio.move_on_after(WEBSOCKET_CLOSE_TIMEOUT, shield=True):
             await conn.aclose(CLOSE_PROTOCOL_ERROR, "protocol version mismatch")
         raise NodeRejected(str(exc)) from None
     except wire.ProtocolError as exc:

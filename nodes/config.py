@@ -1,11 +1,11 @@
 """A node's configuration: who it is, where the edge is, which providers and models it serves.
 
 Build a :class:`NodeConfig` in Python, take :func:`default_node_config` (one built-in ``echo``
-model), or load a TOML file with :func:`load_node_config`. Loading validates everything and
-reports every problem (not just the first) in one :class:`NodeConfigError`, each naming the
-file, the key and the reason, for example ``node.toml: providers[1].models[0].slots: expected
-a positive integer, got 'x'``. Unknown keys are errors too (a typo must not silently fall back
-to a default).
+model), or load a TOML file with ``nodes.load_node_config`` (:func:`read_node_config` here,
+given the adapter registry). Loading validates everything and reports every problem (not just
+the first) in one :class:`NodeConfigError`, each naming the file, the key and the reason, for
+example ``node.toml: providers[1].models[0].slots: expected a positive integer, got 'x'``.
+Unknown keys are errors too (a typo must not silently fall back to a default).
 
 Loading is attrs + cattrs, like the edge's (``dispatcher.config``): the file is structured into
 the frozen classes below, each field's annotation says what the loader accepts (a
@@ -50,10 +50,9 @@ from dispatcher.shared.config_errors import (
     structure_each,
 )
 
-NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
-"""The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy
-may put a prefix before it)."""
-DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + NODE_CONNECT_PATH
+DEFAULT_EDGE_URL: Final = "ws://127.0.0.1:8700" + wire.NODE_CONNECT_PATH
+"""Where a node dials when its configuration names no edge (an edge on this machine, on
+``dispatcher serve``'s default port)."""
 DEFAULT_GIVE_UP_AFTER: Final = 60.0
 """Seconds after which a node that never got in to its edge gives up (``give_up_after``)."""
 
@@ -263,9 +262,9 @@ class NodeConfig:
 
 
 _ENDPOINT_SEGMENTS: Final = frozenset({"v1", "node", "nodes", "connect"})
-"""Path segments that are (a misspelling of) part of :data:`NODE_CONNECT_PATH`: where the
-endpoint's path starts in a URL a person typed; what comes before is a reverse proxy's
-prefix."""
+"""Path segments that are (a misspelling of) part of
+:data:`~dispatcher.wire.NODE_CONNECT_PATH`: where the endpoint's path starts in a URL a person
+typed; what comes before is a reverse proxy's prefix."""
 
 
 def suggest_edge_url(url: str) -> str | None:
@@ -273,8 +272,9 @@ def suggest_edge_url(url: str) -> str | None:
 
     The host, port and query as given; the scheme ``ws`` (``wss`` for ``https`` and
     ``wss``; a URL without one gets ``ws://``); the path replaced by
-    :data:`NODE_CONNECT_PATH`, after the reverse proxy's prefix if there is one (the
-    segments before the first of ``v1``, ``node``, ``nodes``, ``connect``, in any case)::
+    :data:`~dispatcher.wire.NODE_CONNECT_PATH`, after the reverse proxy's prefix if there is
+    one (the segments before the first of ``v1``, ``node``, ``nodes``, ``connect``, in any
+    case)::
 
         ws://edge:8700/v1/node/connect    -> ws://edge:8700/v1/nodes/connect
         http://edge:8700                  -> ws://edge:8700/v1/nodes/connect
@@ -296,7 +296,7 @@ def suggest_edge_url(url: str) -> str | None:
         (i for i, segment in enumerate(segments) if segment.lower() in _ENDPOINT_SEGMENTS),
         len(segments),
     )
-    path = "".join(f"/{segment}" for segment in segments[:cut]) + NODE_CONNECT_PATH
+    path = "".join(f"/{segment}" for segment in segments[:cut]) + wire.NODE_CONNECT_PATH
     return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
@@ -312,8 +312,8 @@ def check_edge_url(url: str) -> str | None:
     fix = f" (try {suggestion})" if suggestion is not None else ""
     if parts.scheme.lower() not in ("ws", "wss") or not parts.hostname:
         return f"expected a ws:// or wss:// URL, got {url!r}{fix}"
-    if not parts.path.endswith(NODE_CONNECT_PATH):
-        return f"expected a URL ending in {NODE_CONNECT_PATH}, got {url!r}{fix}"
+    if not parts.path.endswith(wire.NODE_CONNECT_PATH):
+        return f"expected a URL ending in {wire.NODE_CONNECT_PATH}, got {url!r}{fix}"
     return None
 
 
@@ -460,18 +460,18 @@ _converter.register_structure_hook_factory(attrs.has, _table_hook)
 # --------------------------------------------------------------------------- loading TOML
 
 
-def load_node_config(
+def read_node_config(
     path: str | os.PathLike[str],
     *,
     environ: Mapping[str, str] | None = None,
     adapters: Mapping[str, AdapterKind],
 ) -> NodeConfig:
-    """Load and validate a node configuration file; see ``docs/node.md`` for the format.
+    """Read and validate a node configuration file; see ``docs/node.md`` for the format.
 
     ``environ`` (default ``os.environ``) resolves ``node.token_env``. ``adapters`` is the
-    adapter registry that provider types are checked against (``nodes.load_node_config``
-    passes the built-in ``nodes.adapters.ADAPTERS``: the adapters import this module, so it
-    names none of them). Raises :class:`NodeConfigError`.
+    adapter registry that provider types are checked against, and must be given: the adapters
+    import this module, so it names none of them. ``nodes.load_node_config`` is this with the
+    built-in ``nodes.adapters.ADAPTERS`` by default. Raises :class:`NodeConfigError`.
     """
     source = str(path)
     try:

@@ -6,7 +6,7 @@ every websocket, stream and socket failure into ``transport.ConnectionClosed``. 
 upgrade is ``ConnectionClosed`` too, except 401 and 403, which are :class:`NodeRejected` (the
 edge does not let this node in; retrying cannot help).
 
-Every close here is bounded: :data:`CLOSE_TIMEOUT` for a closing handshake, and
+Every close here is bounded: :data:`WEBSOCKET_CLOSE_TIMEOUT` for a closing handshake, and
 :func:`close_budget` when the closer is being cancelled.
 """
 
@@ -28,7 +28,7 @@ import trio_websocket
 
 from dispatcher import wire
 from dispatcher.shared.excgroups import first_leaf, leaves
-from dispatcher.shared.transport import Connection, ConnectionClosed, Frame
+from dispatcher.shared.transport import Connection, ConnectionClosed, RawFrame
 from nodes.config import NodeConfig, check_edge_url
 from nodes.reconnect import DialCause, advice
 
@@ -38,7 +38,7 @@ Dial = Callable[[], AbstractAsyncContextManager[Connection]]
 REJECTED_HTTP_STATUSES: Final = frozenset({401, 403})
 """HTTP statuses of a refused websocket upgrade that mean the node is not allowed in."""
 
-CLOSE_TIMEOUT: Final = 5.0
+WEBSOCKET_CLOSE_TIMEOUT: Final = 5.0
 """Bound on closing a connection (our close frame, the peer's answer)."""
 CANCELLED_CLOSE_TIMEOUT: Final = 0.1
 """Bound on closing when cancelled: enough to write our close frame, no wait for the answer."""
@@ -72,7 +72,7 @@ def close_budget() -> float:
     be read: send the close frame, then drop the connection at once."""
     if trio.current_effective_deadline() == -math.inf:
         return CANCELLED_CLOSE_TIMEOUT
-    return CLOSE_TIMEOUT
+    return WEBSOCKET_CLOSE_TIMEOUT
 
 
 class WebSocketClientConnection:
@@ -83,22 +83,22 @@ class WebSocketClientConnection:
     def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
         self._ws = ws
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: RawFrame) -> None:
         try:
             await self._ws.send_message(frame)
         except _WEBSOCKET_ERRORS as exc:
             raise _closed(exc) from None
 
-    async def receive(self) -> Frame:
+    async def receive(self) -> RawFrame:
         try:
-            message: Frame = await self._ws.get_message()
+            message: RawFrame = await self._ws.get_message()
             return message
         except _WEBSOCKET_ERRORS as exc:
             raise _closed(exc) from None
 
     async def aclose(self, code: int = 1000, reason: str = "") -> None:
         try:
-            with trio.move_on_after(CLOSE_TIMEOUT):
+            with trio.move_on_after(WEBSOCKET_CLOSE_TIMEOUT):
                 await self._ws.aclose(code, reason or None)
         except _WEBSOCKET_ERRORS:
             pass
@@ -160,7 +160,7 @@ async def dial_edge(
     """The default dial: a websocket to ``config.edge_url`` (trio-websocket over a TCP or TLS
     stream this function owns), with explicit limits: frames up to ``wire.MAX_FRAME_SIZE``,
     :data:`WEBSOCKET_QUEUE_SIZE` queued messages, :data:`CONNECT_TIMEOUT` for TCP + upgrade,
-    :data:`CLOSE_TIMEOUT` for the closing handshake.
+    :data:`WEBSOCKET_CLOSE_TIMEOUT` for the closing handshake.
 
     Why not ``trio_websocket.open_websocket_url``: in trio-websocket 0.12.2 it leaves the TCP
     socket open (a ``ResourceWarning`` and a file descriptor held until garbage collection)

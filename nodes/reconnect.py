@@ -34,7 +34,8 @@ from typing import Final, Literal
 
 import attrs
 
-from nodes.config import NODE_CONNECT_PATH, suggest_edge_url
+from dispatcher.wire import NODE_CONNECT_PATH
+from nodes.config import suggest_edge_url
 
 WARN_AFTER_FAILURES: Final = 3
 """Failed attempts in a row after which the node warns (at WARNING, naming the cause)."""

@@ -25,7 +25,7 @@ Guarantees:
   for more. The first piece of a burst is never held back: ``out.delta()`` on an idle writer
   lets it run (and take what is there) before the adapter goes on; while the writer is
   sending, ``out.delta()`` is only a cancel point (a schedule point every
-  :data:`MAX_UNYIELDED` pieces), so what the adapter has ready -- the rest of one upstream
+  :data:`MAX_UNYIELDED_PIECES` pieces), so what the adapter has ready -- the rest of one upstream
   read -- queues behind the send in flight and leaves as one frame. Unsent text is bounded
   per run (:data:`MAX_PENDING_CHARS`): past it, ``out.delta()`` waits for the connection;
 * ``out.tool_calls()`` becomes its own ``run.delta`` with ``tool_calls`` (split only when
@@ -71,7 +71,7 @@ Send = Callable[[wire.NodeMessage], Awaitable[None]]
 
 MAX_PENDING_CHARS: Final = 64 * 1024
 """Unsent text per run (characters) beyond which ``out.delta()`` waits for the connection."""
-MAX_UNYIELDED: Final = 64
+MAX_UNYIELDED_PIECES: Final = 64
 """Pieces a run may add in a row, while the writer is sending, before ``out.delta()`` is a
 schedule point again (a bound on how long an adapter with everything ready runs on)."""
 
@@ -148,7 +148,7 @@ class _Output:
             # The first piece of a burst: the writer runs and takes it before we go on.
             await runner._writer_woke.park()
             run.unyielded = 0
-        elif run.unyielded >= MAX_UNYIELDED:
+        elif run.unyielded >= MAX_UNYIELDED_PIECES:
             await trio.lowlevel.cancel_shielded_checkpoint()
             run.unyielded = 0
         else:

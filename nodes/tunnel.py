@@ -77,7 +77,7 @@ DEFAULT_BASE_URLS: Final[Mapping[str, str]] = {
     "ollama": "http://127.0.0.1:11434",
 }
 
-HOP_BY_HOP: Final = frozenset(
+_HOP_BY_HOP: Final = frozenset(
     {
         "connection",
         "keep-alive",
@@ -92,14 +92,14 @@ HOP_BY_HOP: Final = frozenset(
     }
 )
 """Headers that describe one hop, never relayed (RFC 9110 section 7.6.1)."""
-_REQUEST_DROP: Final = HOP_BY_HOP | {
+_REQUEST_DROP: Final = _HOP_BY_HOP | {
     "host",
     "content-length",
     "authorization",
     "accept-encoding",
     "expect",
 }
-_RESPONSE_DROP: Final = HOP_BY_HOP | {"content-length"}
+_RESPONSE_DROP: Final = _HOP_BY_HOP | {"content-length"}
 
 CANCELLED: Final = "cancelled"
 """``tunnel.end.error`` confirming a ``tunnel.cancel``."""
@@ -230,7 +230,7 @@ def response_headers(response: Response) -> tuple[tuple[str, str], ...]:
 
 
 @attrs.frozen
-class TunnelStatistics:
+class TunnelRunnerStatistics:
     active_tunnels: int
     peak_pending: int
     """The most upstream body bytes any tunnel held unsent at once."""
@@ -304,8 +304,8 @@ class TunnelRunner:
         if tunnel is not None:
             tunnel.scope.cancel(reason="tunnel.cancel")
 
-    def statistics(self) -> TunnelStatistics:
-        return TunnelStatistics(
+    def statistics(self) -> TunnelRunnerStatistics:
+        return TunnelRunnerStatistics(
             active_tunnels=len(self._tunnels),
             peak_pending=self._peak_pending,
             frames_sent=self._frames_sent,

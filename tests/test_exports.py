@@ -105,7 +105,7 @@ def test_the_dispatcher_core_loads_no_http() -> None:
 
 def test_the_storefront_dispatcher_serves() -> None:
     assert dispatcher.Dispatcher is dispatcher.edge.Dispatcher
-    assert issubclass(dispatcher.Dispatcher, dispatcher.service.Dispatcher)
+    assert issubclass(dispatcher.Dispatcher, dispatcher.service.Service)
     assert dispatcher.open_dispatcher is dispatcher.edge.open_dispatcher
     assert callable(dispatcher.Dispatcher.serve)
-    assert not hasattr(dispatcher.service.Dispatcher, "serve")
+    assert not hasattr(dispatcher.service.Service, "serve")

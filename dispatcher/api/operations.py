@@ -23,6 +23,7 @@ from ..http import (
 )
 from ..observe.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ..shared.transport import ConnectionClosed
+from ..wire import NODE_CONNECT_PATH
 from .common import JSON_HEADERS, openai_error
 from .front import FrontEnd, RouteContext, RouteSpec
 from .seam import EdgeServices
@@ -31,12 +32,10 @@ from .usage_report import parse_usage_query, usage_report_json
 __all__ = [
     "FRONT_END",
     "METRICS_PATH",
-    "NODE_CONNECT_PATH",
     "SCRAPE_FRONT_END",
     "ServerWebSocketConnection",
 ]
 
-NODE_CONNECT_PATH = "/v1/nodes/connect"
 METRICS_PATH = "/metrics"
 
 

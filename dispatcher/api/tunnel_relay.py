@@ -44,8 +44,8 @@ from ..paths.tunnel_http import (
     BUFFER_LIMIT,
     USAGE_TAIL,
     SSEFilter,
+    TokenCounts,
     TunnelHead,
-    Usage,
     body_usage,
     client_headers,
     tail_usage,
@@ -86,7 +86,7 @@ async def relay(
     is) or ``failed``; an error delivered to the client is marked on ``answer``."""
     tunnel = answer.tunnel
     head = answer.head
-    usage: Usage | None = None
+    usage: TokenCounts | None = None
     completion_estimate = 0
     names = {name.lower() for name, _ in headers}
     own = [
@@ -184,7 +184,7 @@ async def _relay_body(
     headers: Sequence[tuple[bytes, bytes]],
     head: TunnelHead,
     stall: float,
-) -> Usage | None:
+) -> TokenCounts | None:
     """Relay a body that is not an event stream: whole when it fits in
     :data:`BUFFER_LIMIT`, streamed beyond. Returns its usage for a 2xx answer."""
     status, parse = head.start.status, head.ok

@@ -92,14 +92,13 @@ from .pool import (
     DispatchResult,
     Pool,
 )
+from .rules import GatePolicy, Outcome
 
 log = logging.getLogger("dispatcher.gate")
 
 MAX_STATISTICS: Final = 256
 """Distinct keys :attr:`Gate.statistics` holds (failure codes are the node's words)."""
 
-Outcome = rules.Outcome
-GatePolicy = rules.GatePolicy
 PrepareAttempt = Callable[[int, Candidate, RunSpec], Awaitable[RunSpec]]
 
 
@@ -193,7 +192,8 @@ class Attempt:
 
     def ending(self, ended: rules.Ended) -> _Ending:
         """What both paths' end records (:class:`~dispatcher.gate.rules.RunEnd`,
-        :class:`~dispatcher.gate.rules.TunnelEnd`) take of the attempt, its scope ended so."""
+        :class:`~dispatcher.gate.rules.TunnelAttemptEnd`) take of the attempt, its scope ended
+        so."""
         return {"committed": self.committed, "ended": ended, "client_gone": self.client_gone}
 
     def attempted(self, path: ExecutionPath, outcome: Outcome) -> Attempted:
@@ -249,7 +249,7 @@ class TunnelAttempt(Attempt):
     def record(self, accounting: Accounting, request: GateRequest, ended: rules.Ended) -> Outcome:
         tunnel = self.tunnel
         outcome = rules.tunnel_outcome(
-            rules.TunnelEnd(
+            rules.TunnelAttemptEnd(
                 **self.ending(ended),
                 relay_failed=self.failed,
                 delivered=self.delivered,

@@ -152,7 +152,7 @@ def run_outcome(end: RunEnd) -> Outcome:
 
 
 @attrs.frozen(kw_only=True)
-class TunnelEnd:
+class TunnelAttemptEnd:
     """How a tunnel attempt's scope ended, as its usage row sees it."""
 
     committed: bool
@@ -169,7 +169,7 @@ class TunnelEnd:
     status: int | None
 
 
-def tunnel_outcome(end: TunnelEnd) -> Outcome:
+def tunnel_outcome(end: TunnelAttemptEnd) -> Outcome:
     """The row outcome of a tunnel attempt."""
     if end.delivered and not end.relay_failed:
         return "completed"
@@ -199,7 +199,7 @@ __all__ = [
     "RunEnd",
     "Step",
     "Terminal",
-    "TunnelEnd",
+    "TunnelAttemptEnd",
     "after_admission_error",
     "after_failure",
     "health",

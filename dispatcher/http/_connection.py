@@ -9,8 +9,8 @@ upgrade the reader feeds wsproto instead. The reader stops reading while enough 
 bytes (or unread websocket messages) are waiting, so a pipelining client cannot grow the
 buffer without bound.
 
-Every write goes through :meth:`Connection.send_bytes`: a checkpoint, bounded by
-``Limits.write_timeout``; a failed or timed-out write cuts the connection off (the handler
+Every write goes through :meth:`HTTPConnection.send_bytes`: a checkpoint, bounded by
+``ServerLimits.write_timeout``; a failed or timed-out write cuts the connection off (the handler
 is cancelled) and raises :class:`PeerGone`.
 """
 
@@ -34,14 +34,14 @@ from wsproto.utilities import generate_accept_token
 from ._sync import Waiter
 from ._types import (
     Address,
-    BadRequest,
     BodyTooLarge,
     Headers,
     HTTPError,
     HTTPStream,
-    Limits,
+    MalformedBody,
     PeerGone,
     RequestTimeout,
+    ServerLimits,
     WebSocket,
 )
 from ._websocket import (
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dispatcher.http")
 
-CLOSE_TIMEOUT: Final = 1.0
-"""Bound on closing a stream gracefully (a TLS close_notify)."""
+STREAM_CLOSE_TIMEOUT: Final = 1.0
+"""Bound on closing a stream gracefully (a TLS close_notify), and the listeners at shutdown."""
 
 _REASONS: Final = {status.value: status.phrase.encode("ascii") for status in HTTPStatus}
 
@@ -71,7 +71,7 @@ _CLOSED_STATES: Final = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
 
 _BLANK_LINE: Final = re.compile(rb"\n\r?\n")
 """The end of a request head (h11 accepts a bare LF as a line end too)."""
-MAX_MESSAGE: Final = 200
+_MAX_MESSAGE: Final = 200
 """Longest message given to the error page."""
 
 
@@ -120,7 +120,7 @@ def _head_lines(buffer: bytes | bytearray) -> list[bytes] | None:
 
 
 def _framing_problem(
-    event: h11.Request, lines: list[bytes] | None, limits: Limits
+    event: h11.Request, lines: list[bytes] | None, limits: ServerLimits
 ) -> tuple[int, str] | None:
     """Why a request h11 parsed must still be refused, and the connection closed, or None.
 
@@ -182,8 +182,8 @@ def _origin_form(target: str) -> str:
 def _message(status: int, detail: str | None) -> str:
     phrase = _reason(status).decode("ascii")
     message = f"{phrase}: {detail}" if detail else phrase
-    if len(message) > MAX_MESSAGE:
-        message = message[: MAX_MESSAGE - 3] + "..."
+    if len(message) > _MAX_MESSAGE:
+        message = message[: _MAX_MESSAGE - 3] + "..."
     return message
 
 
@@ -211,12 +211,12 @@ def _status_for(exc: BaseException) -> int | None:
         return 413
     if isinstance(exc, RequestTimeout):
         return 408
-    if isinstance(exc, BadRequest):
+    if isinstance(exc, MalformedBody):
         return 400
     return 500
 
 
-class Connection:
+class HTTPConnection:
     """The driver of one client connection (see the module docstring)."""
 
     __slots__ = (
@@ -294,13 +294,15 @@ class Connection:
                     await self._raw.aclose()
                     closed = True
                 else:
-                    with trio.move_on_after(min(CLOSE_TIMEOUT, self.server.limits.write_timeout)):
+                    with trio.move_on_after(
+                        min(STREAM_CLOSE_TIMEOUT, self.server.limits.write_timeout)
+                    ):
                         await self._stream.aclose()
         finally:
             if not closed:
                 if self._aborted:
                     self._reset_on_close()
-                with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                with trio.move_on_after(STREAM_CLOSE_TIMEOUT, shield=True):
                     await trio.aclose_forcefully(self._stream)
 
     async def _tls_handshake(self) -> bool:
@@ -576,7 +578,7 @@ class Connection:
             except h11.RemoteProtocolError as exc:
                 if self._eof:
                     raise PeerGone("the client left in the middle of the body") from exc
-                raise BadRequest(f"malformed request body: {exc}") from exc
+                raise MalformedBody(f"malformed request body: {exc}") from exc
             if type(event) is h11.Data:
                 return bytes(event.data)
             if event is h11.NEED_DATA:
@@ -764,13 +766,13 @@ class _Request:
     headers: Headers
     client: Address | None
     declared_too_large: bool
-    _conn: Connection
+    _conn: HTTPConnection
     _body: bytes | None
     _started: bool
     _done: bool
     _received: int
 
-    def __init__(self, conn: Connection, event: h11.Request) -> None:
+    def __init__(self, conn: HTTPConnection, event: h11.Request) -> None:
         self._conn = conn
         self.method = event.method.decode("ascii")
         self.target = event.target.decode("latin-1")
@@ -897,7 +899,7 @@ class _Responder:
 
     __slots__ = ("_conn", "_request", "state", "stream")
 
-    def __init__(self, conn: Connection, request: _Request) -> None:
+    def __init__(self, conn: HTTPConnection, request: _Request) -> None:
         self._conn = conn
         self._request = request
         self.state = _NOT_STARTED
@@ -1001,7 +1003,7 @@ class _HTTPStream:
 
     __slots__ = ("_conn", "_ended", "_framing")
 
-    def __init__(self, conn: Connection, framing: int) -> None:
+    def __init__(self, conn: HTTPConnection, framing: int) -> None:
         self._conn = conn
         self._framing = framing
         self._ended = False

@@ -11,17 +11,17 @@ from typing import TypedDict, Unpack
 
 import trio
 
-from ._connection import CLOSE_TIMEOUT, Connection, logger
+from ._connection import STREAM_CLOSE_TIMEOUT, HTTPConnection, logger
 from ._types import (
     Address,
     ErrorPage,
     Handler,
-    Limits,
+    ServerLimits,
     ShutdownHook,
 )
 from ._websocket import ServerWebSocket
 
-_DEFAULT_LIMITS = Limits()
+_DEFAULT_LIMITS = ServerLimits()
 
 _ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _ACCEPT_RETRY_DELAY = 0.1
@@ -34,7 +34,7 @@ class Server:
         self,
         *,
         handler: Handler,
-        limits: Limits,
+        limits: ServerLimits,
         address: Address,
         ssl_context: ssl.SSLContext | None,
         error_page: ErrorPage | None = None,
@@ -52,8 +52,8 @@ class Server:
         self._shutdown_requested = trio.Event()
         self._all_closed = trio.Event()
         self._stopped = trio.Event()
-        self._connections: set[Connection] = set()
-        self._writing: set[Connection] = set()
+        self._connections: set[HTTPConnection] = set()
+        self._writing: set[HTTPConnection] = set()
         """Connections with a write in progress (watched for the write timeout)."""
         self._slots = trio.Semaphore(limits.max_connections)
 
@@ -130,7 +130,7 @@ class Server:
                 connections.start_soon(self._run_connection, stream)
 
     async def _run_connection(self, stream: trio.SocketStream) -> None:
-        conn = Connection(self, stream)
+        conn = HTTPConnection(self, stream)
         self._connections.add(conn)
         try:
             await conn.run()
@@ -181,7 +181,7 @@ class Server:
             # What the drain left gets its last words (a final event, a close frame).
             deadline = max(deadline, trio.current_time() + self.limits.linger_timeout)
         accept_scope.cancel(reason="server shutting down")
-        with trio.move_on_after(CLOSE_TIMEOUT):
+        with trio.move_on_after(STREAM_CLOSE_TIMEOUT):
             for listener in listeners:
                 await listener.aclose()
         for conn in list(self._connections):
@@ -223,7 +223,7 @@ async def serve_http(  # noqa: ASYNC114
     *,
     host: str = "127.0.0.1",
     port: int = 0,
-    limits: Limits = _DEFAULT_LIMITS,
+    limits: ServerLimits = _DEFAULT_LIMITS,
     ssl_context: ssl.SSLContext | None = None,
     on_shutdown: ShutdownHook | None = None,
     on_drain: ShutdownHook | None = None,
@@ -259,7 +259,7 @@ async def serve_http(  # noqa: ASYNC114
             connections.cancel_scope.cancel(reason="shutdown grace period is over")
     finally:
         server._stopped.set()
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+        with trio.move_on_after(STREAM_CLOSE_TIMEOUT, shield=True):
             for listener in listeners:
                 await trio.aclose_forcefully(listener)
 
@@ -270,7 +270,7 @@ class ServeOptions(TypedDict, total=False):
 
     host: str
     port: int
-    limits: Limits
+    limits: ServerLimits
     ssl_context: ssl.SSLContext | None
     on_shutdown: ShutdownHook | None
     on_drain: ShutdownHook | None

@@ -40,15 +40,15 @@ class PeerGone(trio.BrokenResourceError, HTTPError):
 
 
 class BodyTooLarge(HTTPError):
-    """The request body is over ``Limits.max_body_size``; the driver answers 413."""
+    """The request body is over ``ServerLimits.max_body_size``; the driver answers 413."""
 
 
 class RequestTimeout(HTTPError):
-    """The request body stalled for longer than ``Limits.body_timeout``; the driver answers
+    """The request body stalled for longer than ``ServerLimits.body_timeout``; the driver answers
     408."""
 
 
-class BadRequest(HTTPError):
+class MalformedBody(HTTPError):
     """The request body is malformed (e.g. broken chunked framing); the driver answers 400."""
 
 
@@ -62,7 +62,7 @@ class WebSocketClosed(HTTPError):
 
 
 @attrs.frozen(kw_only=True)
-class Limits:
+class ServerLimits:
     """Every limit and timeout of the driver. Times are in seconds."""
 
     max_header_size: int = 16 * 1024

@@ -31,7 +31,7 @@ INTERNAL_ERROR = 1011
 
 _MAX_QUEUED_MESSAGES = 64
 """The reader stops reading while this many received messages wait for ``receive``."""
-MAX_UNYIELDED = 16
+MAX_UNYIELDED_MESSAGES = 16
 """Messages ``receive`` may return in a row from its queue (they had arrived) before it is a
 schedule point again: a bound on how long a reader with everything ready runs on."""
 
@@ -125,7 +125,7 @@ class ServerWebSocket:
 
     async def receive(self) -> str | bytes:
         """The next message. Always a cancel point (a cancelled task takes no message); a
-        schedule point when it waits, and at least every :data:`MAX_UNYIELDED` messages
+        schedule point when it waits, and at least every :data:`MAX_UNYIELDED_MESSAGES` messages
         taken from the queue in a row -- not for each: a message that already arrived is
         taken without a trip through the scheduler."""
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -135,7 +135,7 @@ class ServerWebSocket:
                 self._queued -= len(message)
                 self._transport.resume_reading()
                 self._unyielded += 1
-                if self._unyielded >= MAX_UNYIELDED:
+                if self._unyielded >= MAX_UNYIELDED_MESSAGES:
                     self._unyielded = 0
                     await trio.lowlevel.cancel_shielded_checkpoint()
                 return message

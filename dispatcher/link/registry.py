@@ -50,13 +50,9 @@ log = logging.getLogger("dispatcher.registry")
 SUBSCRIPTION_BUFFER = 4096
 """Events buffered per run before the run is failed as too slow to consume. Bounded so a
 stuck consumer can neither grow memory nor stall the node's whole connection."""
-MAX_UNYIELDED = 16
+MAX_UNYIELDED_EVENTS = 16
 """Buffered events a subscription's ``receive`` may return in a row before it is a schedule
 point again (a bound on how long a consumer with everything ready runs on)."""
-RECENT_RUNS = wire.RECENT_RUNS
-"""How many ended run ids a session remembers, to tolerate their late events."""
-RECENT_TUNNELS = wire.RECENT_TUNNELS
-"""How many ended tunnel ids a session remembers, to tolerate their late frames."""
 MAX_OUTBOX = 65536
 """Frames a session's outbox may hold before the node is deemed not to be reading: its
 session then ends (the node is dropped) rather than the edge buffering without bound."""
@@ -242,7 +238,7 @@ class Subscription:
     async def receive(self) -> wire.RunEvent:
         """The next event. If the stream overflowed, a synthesized ``run.failed``. Always a
         cancel point (a cancelled task takes no event); a schedule point when it waits, and
-        at least every :data:`MAX_UNYIELDED` buffered events in a row -- not for each: an
+        at least every :data:`MAX_UNYIELDED_EVENTS` buffered events in a row -- not for each: an
         event that already arrived is taken without a trip through the scheduler."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._closed:
@@ -251,7 +247,7 @@ class Subscription:
         if buffer:
             event = buffer.popleft()
             self._unyielded += 1
-            if self._unyielded >= MAX_UNYIELDED:
+            if self._unyielded >= MAX_UNYIELDED_EVENTS:
                 self._unyielded = 0
                 await trio.lowlevel.cancel_shielded_checkpoint()
             if not buffer:

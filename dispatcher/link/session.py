@@ -35,6 +35,15 @@ import trio
 
 from .. import wire
 from ..shared.transport import Connection, ConnectionClosed
+from ..wire import (
+    CLOSE_AUTH_FAILED,
+    CLOSE_GOING_AWAY,
+    CLOSE_HEARTBEAT,
+    CLOSE_NODE_ID_IN_USE,
+    CLOSE_POLICY,
+    CLOSE_PROTOCOL_ERROR,
+    CLOSE_SUPERSEDED,
+)
 from .registry import (
     LostCode,
     NodeGone,
@@ -45,16 +54,9 @@ from .registry import (
 
 log = logging.getLogger("dispatcher.nodes")
 
-CLOSE_PROTOCOL_ERROR = 1002
-CLOSE_POLICY = 1008
-CLOSE_GOING_AWAY = 1001
 CLOSE_ABNORMAL = 1006
-"""Not sent: the code a websocket reports for a connection lost without a close frame."""
-CLOSE_AUTH_FAILED = 4001
-CLOSE_SUPERSEDED = 4002
-CLOSE_HEARTBEAT = 4003
-CLOSE_NODE_ID_IN_USE = 4004
-"""The node id is held by a live session that authenticated with another credential."""
+"""Not sent: the code a websocket reports for a connection lost without a close frame (the
+codes a session is closed with are the wire protocol's, ``wire.CLOSE_*``)."""
 
 LOCAL_CREDENTIAL: Final = "in-process"
 """The credential of the in-process node (``Dispatcher.attach_local_node``): trusted without

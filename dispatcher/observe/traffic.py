@@ -50,8 +50,8 @@ __all__ = [
     "RECENT_FAILURES",
     "Refusals",
     "RequestRecord",
+    "RequestState",
     "RequestSummary",
-    "State",
     "Traffic",
 ]
 
@@ -73,7 +73,7 @@ QUIET_ROUTES: Final = frozenset({"/healthz", "/readyz", "/metrics", "/admin/stat
 FAILED_OUTCOMES: Final = frozenset({"failed", "rejected", "shutting_down"})
 """Outcomes :attr:`Traffic.failures` keeps (and any answer of status 500 or above)."""
 
-State = Literal["received", "queued", "running", "answering"]
+RequestState = Literal["received", "queued", "running", "answering"]
 """Where an in-flight request is: its body being read and checked, waiting for admission,
 admitted and waiting for its first output, answering."""
 
@@ -115,7 +115,7 @@ class RequestSummary:
     """As the client asked for it (clipped)."""
     key_id: str | None
     stream: bool | None
-    state: State
+    state: RequestState
     """Where the request is (or was when it ended)."""
     node: str | None
     provider: str | None
@@ -235,7 +235,7 @@ class RequestRecord:
     def attempt(self) -> RunAttempt | TunnelAttempt | None:
         return None if self.gated is None else self.gated.result.attempt
 
-    def state(self) -> State:
+    def state(self) -> RequestState:
         gated = self.gated
         if gated is None:
             return "received"

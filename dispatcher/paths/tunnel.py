@@ -56,11 +56,11 @@ from .lease import (
     NodeEnd,
 )
 
-__all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels", "UsageSink"]
+__all__ = ["EndReason", "Tunnel", "TunnelStatistics", "TunnelUsageSink", "Tunnels"]
 
 log = logging.getLogger("dispatcher.tunnel")
 
-UsageSink = Callable[["Tunnel", int, int, bool], None]
+TunnelUsageSink = Callable[["Tunnel", int, int, bool], None]
 """``(tunnel, prompt_tokens, completion_tokens, reported)``: where tunnel usage goes (the usage
 ledger); ``reported`` is False when the tokens are the edge's estimate."""
 
@@ -292,7 +292,7 @@ class Tunnels(Leases[Tunnel]):
     kind = "tun"
 
     window: int = wire.DEFAULT_TUNNEL_WINDOW
-    usage_sink: UsageSink | None = None
+    usage_sink: TunnelUsageSink | None = None
     """Where each tunnel's usage goes besides the counters (the usage ledger)."""
     _peak_buffered: int = 0
     """The most body bytes a tunnel that ended held at once."""

@@ -51,7 +51,7 @@ MAX_SSE_EVENT: Final = 64 * 1024
 """An unfinished SSE event longer than this is passed on without waiting for its end (it
 cannot be the usage chunk)."""
 
-HOP_BY_HOP: Final = frozenset(
+_HOP_BY_HOP: Final = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -65,14 +65,14 @@ HOP_BY_HOP: Final = frozenset(
         b"upgrade",
     }
 )
-_REQUEST_DROP: Final = HOP_BY_HOP | {
+_REQUEST_DROP: Final = _HOP_BY_HOP | {
     b"host",
     b"content-length",
     b"authorization",
     b"accept-encoding",
     b"expect",
 }
-_RESPONSE_DROP: Final = HOP_BY_HOP | {b"content-length", b"date"}
+_RESPONSE_DROP: Final = _HOP_BY_HOP | {b"content-length", b"date"}
 _TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _FIELD_VALUE: Final = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")
 _SSE_BOUNDARY: Final = re.compile(rb"(?>\r\n|\n|\r)(?>\r\n|\n|\r)")
@@ -139,11 +139,11 @@ def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:
 # --------------------------------------------------------------------------- usage
 
 
-Usage = tuple[int, int]
-"""``(prompt_tokens, completion_tokens)``."""
+TokenCounts = tuple[int, int]
+"""A provider's usage as an OpenAI response reports it: ``(prompt_tokens, completion_tokens)``."""
 
 
-def usage_of(value: object) -> Usage | None:
+def usage_of(value: object) -> TokenCounts | None:
     """The ``usage`` of an OpenAI response object, if it has a well-formed one
     (``completion_tokens`` may be absent, as in embeddings)."""
     if not isinstance(value, dict):
@@ -160,14 +160,14 @@ def usage_of(value: object) -> Usage | None:
     return prompt, completion
 
 
-def body_usage(body: bytes) -> Usage | None:
+def body_usage(body: bytes) -> TokenCounts | None:
     try:
         return usage_of(orjson.loads(body))
     except orjson.JSONDecodeError:
         return None
 
 
-def tail_usage(tail: bytes) -> Usage | None:
+def tail_usage(tail: bytes) -> TokenCounts | None:
     """``usage`` from the end of a JSON body too large to keep whole (OpenAI puts it last)."""
     at = tail.rfind(_USAGE_KEY)
     if at < 0:
@@ -290,7 +290,7 @@ class SSEFilter:
         """Applied to what is passed on (the events are read as the provider sent them)."""
         self._pending = b""
         self._skip_next = False
-        self.usage: Usage | None = None
+        self.usage: TokenCounts | None = None
         self.stripped = False
         self.done = False
         """``data: [DONE]`` went through: the client has the whole answer once it is sent."""
@@ -542,16 +542,15 @@ async def _body_head(tunnel: Tunnel, start: wire.TunnelStart, pre_commit: PreCom
 
 __all__ = [
     "BUFFER_LIMIT",
-    "HOP_BY_HOP",
     "MAX_SSE_EVENT",
     "USAGE_TAIL",
     "ModelRewrite",
     "ModelRewriteStream",
     "PreCommit",
     "SSEFilter",
+    "TokenCounts",
     "TunnelCall",
     "TunnelHead",
-    "Usage",
     "body_usage",
     "client_headers",
     "commit_tunnel",

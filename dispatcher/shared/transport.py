@@ -16,7 +16,9 @@ from typing import Protocol
 import attrs
 import trio
 
-Frame = str | bytes
+RawFrame = str | bytes
+"""One frame as a connection carries it: ``str`` (a JSON text frame) or ``bytes`` (a binary
+tunnel frame); :mod:`dispatcher.wire` decodes it into a ``wire.Frame``."""
 
 
 class ConnectionClosed(Exception):
@@ -29,8 +31,8 @@ class ConnectionClosed(Exception):
 
 
 class Connection(Protocol):
-    async def send(self, frame: Frame) -> None: ...
-    async def receive(self) -> Frame: ...
+    async def send(self, frame: RawFrame) -> None: ...
+    async def receive(self) -> RawFrame: ...
     async def aclose(self, code: int = 1000, reason: str = "") -> None:
         """Close (idempotent). ``code``/``reason`` reach the peer where the transport can
         carry them (a websocket close frame)."""
@@ -40,12 +42,12 @@ class Connection(Protocol):
 class MemoryConnection:
     """One end of an in-memory connection pair."""
 
-    _send: trio.MemorySendChannel[Frame]
-    _receive: trio.MemoryReceiveChannel[Frame]
+    _send: trio.MemorySendChannel[RawFrame]
+    _receive: trio.MemoryReceiveChannel[RawFrame]
     _state: _PairState
     _closed: bool = False
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: RawFrame) -> None:
         if self._closed or self._state.close_reason is not None:
             await trio.lowlevel.checkpoint()
             raise ConnectionClosed(
@@ -58,7 +60,7 @@ class MemoryConnection:
                 self._state.close_reason or "connection closed", self._state.close_code
             ) from None
 
-    async def receive(self) -> Frame:
+    async def receive(self) -> RawFrame:
         try:
             return await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError, trio.BrokenResourceError):
@@ -86,7 +88,7 @@ class _PairState:
 def memory_connection_pair(buffer: float = math.inf) -> tuple[MemoryConnection, MemoryConnection]:
     """Two connected ends. ``buffer`` is each direction's channel size (unbounded by default,
     as a socket's buffers are effectively large relative to our frames)."""
-    a_send, b_receive = trio.open_memory_channel[Frame](buffer)
-    b_send, a_receive = trio.open_memory_channel[Frame](buffer)
+    a_send, b_receive = trio.open_memory_channel[RawFrame](buffer)
+    b_send, a_receive = trio.open_memory_channel[RawFrame](buffer)
     state = _PairState()
     return MemoryConnection(a_send, a_receive, state), MemoryConnection(b_send, b_receive, state)

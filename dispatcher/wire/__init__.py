@@ -7,12 +7,12 @@
 * the session state machine (:mod:`._session`): :class:`EdgeProtocol` and
   :class:`NodeProtocol`, one per side, judge what each side may send in which state, per run
   (``seq`` 0, 1, 2..., one terminal last) and per tunnel (start, body, one end);
-* what both sides share beyond the wire: :mod:`.tokens` (the token estimator),
-  :mod:`.excgroups` (exception-group walkers), :mod:`.config_errors` (a configuration
-  error's TOML key path and reason, from a cattrs structuring failure).
+* where it runs (:mod:`._endpoint`): the edge's websocket path for nodes
+  (:data:`NODE_CONNECT_PATH`) and the close codes a session ends with (``CLOSE_*``).
 
-``dispatcher.wire`` re-exports this module's names (the name the edge's code imports).
-Nothing here imports anything else of ours.
+What both sides share beyond the wire (the token estimator, exception-group walkers,
+configuration errors, the message connection) is :mod:`dispatcher.shared`. Nothing here
+imports anything else of ours.
 """
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ from ._codec import (
     decode_binary,
     encode,
     encode_tunnel_data,
+)
+from ._endpoint import (
+    CLOSE_AUTH_FAILED,
+    CLOSE_GOING_AWAY,
+    CLOSE_HEARTBEAT,
+    CLOSE_NODE_ID_IN_USE,
+    CLOSE_POLICY,
+    CLOSE_PROTOCOL_ERROR,
+    CLOSE_SUPERSEDED,
+    NODE_CONNECT_PATH,
 )
 from ._errors import LocalProtocolError, ProtocolError, UnsupportedVersion
 from ._messages import (
@@ -85,12 +95,20 @@ from ._session import (
 
 __all__ = [
     "ACCEPTED",
+    "CLOSE_AUTH_FAILED",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_HEARTBEAT",
+    "CLOSE_NODE_ID_IN_USE",
+    "CLOSE_POLICY",
+    "CLOSE_PROTOCOL_ERROR",
+    "CLOSE_SUPERSEDED",
     "DEFAULT_TUNNEL_WINDOW",
     "EDGE_MESSAGE_TYPES",
     "MAX_ABANDONED",
     "MAX_FRAME_SIZE",
     "MAX_TUNNEL_CHUNK",
     "MESSAGE_TYPES",
+    "NODE_CONNECT_PATH",
     "NODE_MESSAGE_TYPES",
     "PROTOCOL_VERSION",
     "RECENT_RUNS",

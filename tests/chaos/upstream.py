@@ -35,7 +35,7 @@ import orjson
 import trio
 
 from dispatcher.http import (
-    BadRequest,
+    MalformedBody,
     PeerGone,
     Request,
     Responder,
@@ -146,8 +146,8 @@ class ChaosUpstream:
         await stream.send(event({"role": "assistant", "content": ""}))
         if kind == "reset_before_first":
             # Failing after answering makes serve_http abort the connection (a TCP reset);
-            # BadRequest is the failure it does so for without logging a traceback.
-            raise BadRequest("chaos upstream: injected reset before the first token")
+            # MalformedBody is the failure it does so for without logging a traceback.
+            raise MalformedBody("chaos upstream: injected reset before the first token")
         if kind == "stall_before_first":
             await trio.sleep_forever()
         for index, word in enumerate(words):
@@ -157,7 +157,7 @@ class ChaosUpstream:
                     await stream.send(b"data: " + orjson.dumps(error) + b"\n\n")
                     return
                 if kind == "reset_mid_stream":
-                    raise BadRequest("chaos upstream: injected reset mid-stream")
+                    raise MalformedBody("chaos upstream: injected reset mid-stream")
                 await trio.sleep_forever()  # stall_mid_stream
             if delay:
                 await trio.sleep(delay)

@@ -24,7 +24,7 @@ from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.gate.attempts import Answer, GateRequest
 from dispatcher.gate.pool import DispatchRequest
 from dispatcher.paths.runs import RunSpec
-from dispatcher.shared.transport import Frame, MemoryConnection, memory_connection_pair
+from dispatcher.shared.transport import MemoryConnection, RawFrame, memory_connection_pair
 from dispatcher.store.usage import UsageRow
 
 from .fakes import ScriptedNode, connect, hello, wait_until
@@ -45,7 +45,7 @@ class ServerLikeConnection:
     in_flight: int = 0
     aborted: bool = False
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: RawFrame) -> None:
         self.in_flight += 1
         try:
             if self.hold is not None:
@@ -60,7 +60,7 @@ class ServerLikeConnection:
             self.in_flight -= 1
         await self.inner.send(frame)
 
-    async def receive(self) -> Frame:
+    async def receive(self) -> RawFrame:
         if self.receive_hold is not None:
             await self.receive_hold.wait()
         return await self.inner.receive()

@@ -192,7 +192,7 @@ def test_a_run_rows_outcome_is_what_its_client_saw(end: rules.RunEnd) -> None:
 
 
 TUNNEL_ENDS = st.builds(
-    rules.TunnelEnd,
+    rules.TunnelAttemptEnd,
     committed=st.booleans(),
     ended=ENDED,
     client_gone=st.booleans(),
@@ -205,7 +205,7 @@ TUNNEL_ENDS = st.builds(
 
 
 @given(end=TUNNEL_ENDS)
-def test_a_tunnel_rows_outcome_is_what_its_client_saw(end: rules.TunnelEnd) -> None:
+def test_a_tunnel_rows_outcome_is_what_its_client_saw(end: rules.TunnelAttemptEnd) -> None:
     outcome = rules.tunnel_outcome(end)
     left = end.client_gone or end.ended == "cancelled"
     if end.delivered and not end.relay_failed:

@@ -24,7 +24,7 @@ from dispatcher.config import (
     QueuePolicySettings,
 )
 from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.http import BadRequest, Responder, Server
+from dispatcher.http import MalformedBody, Responder, Server
 from dispatcher.store.usage import UsageRow
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
@@ -60,7 +60,7 @@ class BreakingFake(TunnelFake):
             stream = await responder.start_stream(200, [(b"content-type", b"application/json")])
             await stream.send(b'{"id":"chatcmpl-broken","object":"chat.completion","choi')
             # Raising after answering makes serve_http cut the connection.
-            raise BadRequest("fake provider: body broken off")
+            raise MalformedBody("fake provider: body broken off")
 
         return broken
 

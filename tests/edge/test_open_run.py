@@ -21,7 +21,7 @@ from dispatcher.admission import QueueTimeout
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.errors import StaleGeneration
-from dispatcher.link.registry import MAX_UNYIELDED, SUBSCRIPTION_BUFFER, Subscription
+from dispatcher.link.registry import MAX_UNYIELDED_EVENTS, SUBSCRIPTION_BUFFER, Subscription
 from dispatcher.paths.runs import RunSpec
 from dispatcher.shared.transport import memory_connection_pair
 
@@ -462,15 +462,15 @@ async def test_closing_wakes_a_waiting_consumer(autojump_clock: trio.testing.Moc
 
 
 async def test_buffered_events_are_taken_with_a_schedule_point_every_max_unyielded() -> None:
-    """A cancel point each time; a schedule point only every MAX_UNYIELDED events taken from
+    """A cancel point each time; a schedule point only every MAX_UNYIELDED_EVENTS events taken from
     the buffer in a row (another task runs then), not one per event."""
     subscription = Subscription("r")
-    count = 3 * MAX_UNYIELDED
+    count = 3 * MAX_UNYIELDED_EVENTS
     for seq in range(count):
         subscription.deliver(_delta("r", seq))
     seen = await ticks_seen(count, subscription.receive)
-    # one trip through the scheduler per MAX_UNYIELDED events (the ticker ran then), so
-    # the ticker's count took at most 3 + 1 values over the 3 * MAX_UNYIELDED receives
+    # one trip through the scheduler per MAX_UNYIELDED_EVENTS events (the ticker ran then), so
+    # the ticker's count took at most 3 + 1 values over the 3 * MAX_UNYIELDED_EVENTS receives
     assert 2 <= len(set(seen)) <= 4, seen
 
     with trio.CancelScope() as scope:  # a cancelled receive takes nothing

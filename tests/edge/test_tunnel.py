@@ -42,7 +42,7 @@ from dispatcher.paths.tunnel_http import (
     upstream_body,
     upstream_headers,
 )
-from dispatcher.shared.transport import Connection, ConnectionClosed, Frame
+from dispatcher.shared.transport import Connection, ConnectionClosed, RawFrame
 from nodes.agent import dial_edge, serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 from nodes.tunnel import MAX_PENDING, TunnelProvider, open_tunnels
@@ -237,7 +237,7 @@ class WireWatch:
     frames_with_needle: int = 0
     text_frames: list[str] = attrs.Factory(list)
 
-    def see(self, frame: Frame) -> None:
+    def see(self, frame: RawFrame) -> None:
         self.frames += 1
         raw = frame.encode() if isinstance(frame, str) else frame
         if self.needle in raw:
@@ -254,11 +254,11 @@ class WatchedConnection:
         self._inner = inner
         self._watch = watch
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: RawFrame) -> None:
         self._watch.see(frame)
         await self._inner.send(frame)
 
-    async def receive(self) -> Frame:
+    async def receive(self) -> RawFrame:
         frame = await self._inner.receive()
         self._watch.see(frame)
         return frame

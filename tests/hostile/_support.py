@@ -51,7 +51,7 @@ from dispatcher.config import (
     NodeToken,
 )
 from dispatcher.edge import Dispatcher, open_dispatcher
-from dispatcher.http import Limits, Server
+from dispatcher.http import Server, ServerLimits
 from nodes.agent import serve_node
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
@@ -603,11 +603,11 @@ def edge_config(*, short_timeouts: bool = False, **overrides: Any) -> EdgeConfig
     return EdgeConfig(**settings)
 
 
-def limits_for(config: EdgeConfig) -> Limits:
+def limits_for(config: EdgeConfig) -> ServerLimits:
     http = config.http
     # The body timeout is not in the config file's settings: short when the header's is.
     body_timeout = BODY_TIMEOUT if http.header_timeout == HEADER_TIMEOUT else GENEROUS_TIMEOUT
-    return Limits(
+    return ServerLimits(
         max_header_size=http.max_header_size,
         max_body_size=http.max_body_size,
         header_timeout=http.header_timeout,

@@ -8,14 +8,14 @@ import dispatcher.http
 
 PUBLIC = {
     "Address",
-    "BadRequest",
+    "MalformedBody",
     "BodyTooLarge",
     "ErrorPage",
     "HTTPError",
     "HTTPStream",
     "Handler",
     "Headers",
-    "Limits",
+    "ServerLimits",
     "PeerGone",
     "Request",
     "RequestTimeout",
@@ -49,12 +49,12 @@ def test_serve_http_signature() -> None:
     ]
     assert parameters["host"].default == "127.0.0.1"
     assert parameters["port"].default == 0
-    assert parameters["limits"].default == dispatcher.http.Limits()
+    assert parameters["limits"].default == dispatcher.http.ServerLimits()
 
 
 def test_errors() -> None:
     import trio
 
     assert issubclass(dispatcher.http.PeerGone, trio.BrokenResourceError)
-    for error in ("PeerGone", "BodyTooLarge", "WebSocketClosed", "RequestTimeout", "BadRequest"):
+    for error in ("PeerGone", "BodyTooLarge", "WebSocketClosed", "RequestTimeout", "MalformedBody"):
         assert issubclass(getattr(dispatcher.http, error), dispatcher.http.HTTPError)

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from dispatcher.http import (
     Address,
-    Limits,
     Request,
     Responder,
     Server,
+    ServerLimits,
     WebSocketClosed,
     serve_http,
 )
@@ -107,7 +107,7 @@ class LiveServer:
 
 
 def _run_server(ready: queue.Queue[tuple[Server, trio.lowlevel.TrioToken]]) -> None:
-    limits = Limits(
+    limits = ServerLimits(
         header_timeout=1.0,
         keepalive_timeout=1.0,
         body_timeout=1.0,

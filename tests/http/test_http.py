@@ -11,12 +11,12 @@ import trio
 
 from dispatcher.http import (
     BodyTooLarge,
-    Limits,
     PeerGone,
     Request,
     Responder,
+    ServerLimits,
 )
-from dispatcher.http._connection import Connection
+from dispatcher.http._connection import HTTPConnection
 
 from ._helpers import (
     BOUND,
@@ -123,7 +123,7 @@ async def test_chunked_request_and_response_bodies(nursery: trio.Nursery) -> Non
 
 
 async def test_chunked_upload_over_the_limit_is_413(nursery: trio.Nursery) -> None:
-    server = await start_server(nursery, app, limits=Limits(max_body_size=10))
+    server = await start_server(nursery, app, limits=ServerLimits(max_body_size=10))
     stream = await connect(server)
     await stream.send_all(
         b"POST /echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -226,7 +226,7 @@ async def test_a_body_arriving_after_an_answer_that_did_not_read_it_keeps_the_co
 
 
 async def test_an_unread_body_over_the_limit_still_closes(nursery: trio.Nursery) -> None:
-    server = await start_server(nursery, app, limits=Limits(max_body_size=1024))
+    server = await start_server(nursery, app, limits=ServerLimits(max_body_size=1024))
     stream = await connect(server)
     await stream.send_all(b"POST /ok HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n")
     reader = PipelineReader(stream)
@@ -245,7 +245,7 @@ async def test_expect_100_continue_over_the_limit_is_413_at_once(nursery: trio.N
         called = True
         await responder.respond(200)
 
-    server = await start_server(nursery, handler, limits=Limits(max_body_size=1024 * 1024))
+    server = await start_server(nursery, handler, limits=ServerLimits(max_body_size=1024 * 1024))
     stream = await connect(server)
     started = trio.current_time()
     await stream.send_all(
@@ -274,7 +274,7 @@ async def test_content_length_over_the_limit_is_the_handlers_to_answer(
             seen.append(exc)
             await responder.respond(413, [(b"content-type", b"application/json")], b"{}")
 
-    server = await start_server(nursery, handler, limits=Limits(max_body_size=1000))
+    server = await start_server(nursery, handler, limits=ServerLimits(max_body_size=1000))
     stream = await connect(server)
     await stream.send_all(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\n\r\n")
     raw = await read_until_eof(stream)  # answered and closed before the body was sent
@@ -305,7 +305,7 @@ async def test_error_page_hook_formats_driver_errors(nursery: trio.Nursery) -> N
 async def test_content_length_over_the_limit_is_413_without_reading(
     nursery: trio.Nursery,
 ) -> None:
-    server = await start_server(nursery, app, limits=Limits(max_body_size=1000))
+    server = await start_server(nursery, app, limits=ServerLimits(max_body_size=1000))
     stream = await connect(server)
     await stream.send_all(b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\n\r\n")
     await stream.send_all(b"x" * 5000)
@@ -326,7 +326,7 @@ async def test_garbage_request_line_is_400(nursery: trio.Nursery) -> None:
 
 @pytest.mark.parametrize("size", [100 * 1024, 20 * 1024])
 async def test_oversized_headers_are_431(nursery: trio.Nursery, size: int) -> None:
-    server = await start_server(nursery, app, limits=Limits(max_header_size=16 * 1024))
+    server = await start_server(nursery, app, limits=ServerLimits(max_header_size=16 * 1024))
     stream = await connect(server)
     request = b"GET /ok HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * size + b"\r\n\r\n"
     async with trio.open_nursery() as inner:
@@ -337,7 +337,7 @@ async def test_oversized_headers_are_431(nursery: trio.Nursery, size: int) -> No
 
 
 async def test_headers_just_under_the_limit_pass(nursery: trio.Nursery) -> None:
-    server = await start_server(nursery, app, limits=Limits(max_header_size=16 * 1024))
+    server = await start_server(nursery, app, limits=ServerLimits(max_header_size=16 * 1024))
     client = await HTTPClient.open(server)
     response, _ = await client.request("GET", "/ok", [("x-big", "a" * 15_000)])
     assert response.status_code == 200
@@ -345,7 +345,7 @@ async def test_headers_just_under_the_limit_pass(nursery: trio.Nursery) -> None:
 
 
 async def test_slowloris_headers_get_408(nursery: trio.Nursery) -> None:
-    server = await start_server(nursery, app, limits=Limits(header_timeout=0.5))
+    server = await start_server(nursery, app, limits=ServerLimits(header_timeout=0.5))
     stream = await connect(server)
     await stream.send_all(b"GET /ok HTTP/1.1\r\nhost: t\r\n")
     started = trio.current_time()
@@ -369,7 +369,7 @@ async def test_slowloris_headers_get_408(nursery: trio.Nursery) -> None:
 
 
 async def test_idle_keep_alive_connection_is_closed(nursery: trio.Nursery) -> None:
-    server = await start_server(nursery, app, limits=Limits(keepalive_timeout=0.3))
+    server = await start_server(nursery, app, limits=ServerLimits(keepalive_timeout=0.3))
     client = await HTTPClient.open(server)
     await client.request("GET", "/ok")
     started = trio.current_time()
@@ -378,7 +378,7 @@ async def test_idle_keep_alive_connection_is_closed(nursery: trio.Nursery) -> No
 
 
 async def test_stalled_body_is_408(nursery: trio.Nursery) -> None:
-    server = await start_server(nursery, app, limits=Limits(body_timeout=0.3))
+    server = await start_server(nursery, app, limits=ServerLimits(body_timeout=0.3))
     stream = await connect(server)
     await stream.send_all(b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: 10\r\n\r\n12345")
     assert status_of(await read_until_eof(stream)) == 408
@@ -386,7 +386,7 @@ async def test_stalled_body_is_408(nursery: trio.Nursery) -> None:
 
 
 async def test_max_connections_holds_back_the_next_one(nursery: trio.Nursery) -> None:
-    server = await start_server(nursery, app, limits=Limits(max_connections=2))
+    server = await start_server(nursery, app, limits=ServerLimits(max_connections=2))
     first = await HTTPClient.open(server)
     second = await HTTPClient.open(server)
     for client in (first, second):
@@ -462,16 +462,16 @@ async def test_a_crash_inside_the_driver_stays_with_its_connection(
     caplog: pytest.LogCaptureFixture,
     part: str,
 ) -> None:
-    original = getattr(Connection, part)
-    crashes: list[Connection] = []
+    original = getattr(HTTPConnection, part)
+    crashes: list[HTTPConnection] = []
 
-    async def crash_once(self: Connection) -> None:
+    async def crash_once(self: HTTPConnection) -> None:
         if not crashes:
             crashes.append(self)
             raise RuntimeError("a bug in the driver")
         await original(self)
 
-    monkeypatch.setattr(Connection, part, crash_once)
+    monkeypatch.setattr(HTTPConnection, part, crash_once)
     server = await start_server(nursery, app)
     with caplog.at_level(logging.ERROR, logger="dispatcher.http"):
         stream = await connect(server)

@@ -15,11 +15,11 @@ from wsproto.events import AcceptConnection, CloseConnection, TextMessage
 
 from dispatcher.http import (
     HTTPStream,
-    Limits,
     PeerGone,
     Request,
     Responder,
     Server,
+    ServerLimits,
     WebSocket,
     WebSocketClosed,
     serve_http_until_signal,
@@ -93,7 +93,7 @@ class FloodApp:
 @pytest.mark.parametrize("kind", ["sse", "ws"])
 async def test_client_that_stops_reading_is_cut_off(nursery: trio.Nursery, kind: str) -> None:
     write_timeout = 0.5
-    limits = Limits(write_timeout=write_timeout, shutdown_grace=30)
+    limits = ServerLimits(write_timeout=write_timeout, shutdown_grace=30)
     app = FloodApp(kind)
     stopped = Stopped()
     server: Server = await nursery.start(stopped.serve, app, {"limits": limits})
@@ -254,7 +254,7 @@ async def test_graceful_shutdown(nursery: trio.Nursery) -> None:
 
     grace = 5.0
     stopped = Stopped()
-    kwargs = {"limits": Limits(shutdown_grace=grace), "on_shutdown": on_shutdown}
+    kwargs = {"limits": ServerLimits(shutdown_grace=grace), "on_shutdown": on_shutdown}
     server: Server = await nursery.start(stopped.serve, handler, kwargs)
 
     idle = await HTTPClient.open(server)
@@ -319,7 +319,7 @@ async def test_shutdown_grace_cancels_what_is_left(nursery: trio.Nursery) -> Non
 
     stopped = Stopped()
     server: Server = await nursery.start(
-        stopped.serve, handler, {"limits": Limits(shutdown_grace=0.3)}
+        stopped.serve, handler, {"limits": ServerLimits(shutdown_grace=0.3)}
     )
     stream = await connect(server)
     await stream.send_all(b"GET /sse HTTP/1.1\r\nhost: t\r\n\r\n")
@@ -378,7 +378,7 @@ async def test_signals_shut_down_gracefully_then_hard() -> None:
 
     async def run(task_status: trio.TaskStatus[Server]) -> None:
         await serve_http_until_signal(
-            with_ok(handler), limits=Limits(shutdown_grace=30), task_status=task_status
+            with_ok(handler), limits=ServerLimits(shutdown_grace=30), task_status=task_status
         )
         returned_at.append(trio.current_time())
 

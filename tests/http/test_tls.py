@@ -11,10 +11,10 @@ import trio_websocket
 import trustme
 
 from dispatcher.http import (
-    Limits,
     Request,
     Responder,
     Server,
+    ServerLimits,
 )
 
 from ._helpers import BOUND, connect, read_until_eof, start_server
@@ -91,7 +91,7 @@ async def test_handshake_failures_are_contained(
     nursery: trio.Nursery, server_context: ssl.SSLContext, client_context: ssl.SSLContext
 ) -> None:
     server = await start_server(
-        nursery, app, ssl_context=server_context, limits=Limits(header_timeout=0.5)
+        nursery, app, ssl_context=server_context, limits=ServerLimits(header_timeout=0.5)
     )
     # Plain HTTP to the TLS port.
     stream = await connect(server)

@@ -17,12 +17,12 @@ from wsproto.events import (
 from wsproto.frame_protocol import FrameProtocol, Opcode
 
 from dispatcher.http import (
-    Limits,
     Request,
     Responder,
+    ServerLimits,
     WebSocketClosed,
 )
-from dispatcher.http._websocket import MAX_UNYIELDED
+from dispatcher.http._websocket import MAX_UNYIELDED_MESSAGES
 
 from ..scheduling import ticks_seen
 from ._helpers import WSClient, assert_serves, start_server
@@ -93,7 +93,7 @@ async def test_fragmented_message_is_reassembled(nursery: trio.Nursery) -> None:
 
 async def test_message_over_the_limit_closes_with_1009(nursery: trio.Nursery) -> None:
     app = EchoApp()
-    server = await start_server(nursery, app, limits=Limits(max_websocket_message_size=1000))
+    server = await start_server(nursery, app, limits=ServerLimits(max_websocket_message_size=1000))
     client, _ = await WSClient.connect(server)
     await client.send(BytesMessage(data=b"x" * 600, message_finished=False))
     await client.send(BytesMessage(data=b"x" * 600, message_finished=True))
@@ -194,9 +194,9 @@ async def test_messages_that_arrived_are_taken_with_a_schedule_point_every_max_u
     nursery: trio.Nursery,
 ) -> None:
     """``receive`` is a cancel point each time, but a schedule point only every
-    MAX_UNYIELDED messages taken in a row from those that already arrived (another task
+    MAX_UNYIELDED_MESSAGES messages taken in a row from those that already arrived (another task
     runs then), not one per message; a cancelled receive takes no message."""
-    count = 3 * MAX_UNYIELDED
+    count = 3 * MAX_UNYIELDED_MESSAGES
     seen: list[int] = []
     cancelled: list[bool] = []
     after: list[str | bytes] = []
@@ -218,7 +218,7 @@ async def test_messages_that_arrived_are_taken_with_a_schedule_point_every_max_u
     for text in ["first", *(f"m{i}" for i in range(count)), "after"]:
         await client.send(TextMessage(data=text))
     assert await client.next_event() == TextMessage(data="done")
-    # one trip through the scheduler per MAX_UNYIELDED messages (the ticker ran then)
+    # one trip through the scheduler per MAX_UNYIELDED_MESSAGES messages (the ticker ran then)
     assert 2 <= len(set(seen)) <= 4, seen
     assert cancelled == [True]
     assert after == ["after"]

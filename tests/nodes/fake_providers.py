@@ -51,8 +51,8 @@ import orjson
 import trio
 
 from dispatcher.http import (
-    BadRequest,
     HTTPStream,
+    MalformedBody,
     PeerGone,
     Request,
     Responder,
@@ -289,9 +289,9 @@ class FakeProvider:
                 if self.fail_mode == "error":
                     await send(error)
                     return
-                # Raising after answering makes serve_http cut the connection; BadRequest
+                # Raising after answering makes serve_http cut the connection; MalformedBody
                 # is the one failure it does so for without logging a traceback.
-                raise BadRequest("fake provider: injected mid-stream failure")
+                raise MalformedBody("fake provider: injected mid-stream failure")
             if index == len(tokens):
                 break
             await send(content(tokens[index]))

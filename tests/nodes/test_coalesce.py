@@ -18,7 +18,7 @@ import trio
 from dispatcher import wire
 from nodes.adapters import RunOutput
 from nodes.coalesce import MAX_DELTA_CHARS, RunPieces, take_body
-from nodes.runner import MAX_UNYIELDED, open_runner
+from nodes.runner import MAX_UNYIELDED_PIECES, open_runner
 from nodes.tunnel import TunnelProvider, open_tunnels
 from tests.nodes._helpers import Recorder, assert_well_formed, request
 from tests.nodes.fake_providers import FakeOpenAI, serve_fake_openai
@@ -236,7 +236,7 @@ async def test_a_burst_of_ready_deltas_is_the_first_alone_then_one_frame() -> No
 
 
 async def test_a_long_burst_still_lets_others_run(autojump_clock: trio.testing.MockClock) -> None:
-    """Past MAX_UNYIELDED pieces in a row the adapter yields once, and the pieces that wait
+    """Past MAX_UNYIELDED_PIECES pieces in a row the adapter yields once, and the pieces that wait
     behind a send in flight still leave as one frame, the same text.
 
     The send takes (virtual) time, so the writer is busy for the whole burst: with an instant
@@ -262,16 +262,16 @@ async def test_a_long_burst_still_lets_others_run(autojump_clock: trio.testing.M
             await trio.lowlevel.checkpoint()
 
     burst_done = trio.Event()
-    adapter = Watched(5 * MAX_UNYIELDED)
+    adapter = Watched(5 * MAX_UNYIELDED_PIECES)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
         events = await run_burst(adapter, Recorder(delay=0.01))
     deltas = [e.text for e in events if isinstance(e, wire.RunDelta)]
     assert deltas == [adapter.pieces[0], "".join(adapter.pieces[1:])]
-    # At most MAX_UNYIELDED calls in a row that are not a schedule point, and far from each
+    # At most MAX_UNYIELDED_PIECES calls in a row that are not a schedule point, and far from each
     # call one. The ticker runs once between two of the adapter's schedule points, give or
     # take one (the scheduler may run it before or after the adapter in each batch).
-    yields = (len(seen) - 1) // (MAX_UNYIELDED + 1)
+    yields = (len(seen) - 1) // (MAX_UNYIELDED_PIECES + 1)
     assert seen[-1] - seen[0] >= yields - 1, seen
     assert seen[-1] - seen[0] < len(seen) // 2, seen
 
