@@ -22,11 +22,12 @@ times per request in microseconds. ``--dump DIR`` also writes each cell's ``.pro
 fake provider in a child process (64-token SSE answers, one keep-alive connection, ``--runs``
 requests per turn, ``--rounds`` (3) rounds taking turns, then each one's min, median and max):
 CPU per request of httpx (what the node used before), h11 over a Trio stream, and the node's
-own client (``nodes.adapters._client``), each body split by the same
-:class:`~nodes.adapters._http.SSEDecoder` and decoded by orjson.
-``--baseline FILE...`` adds a turn for each other version of ``nodes/adapters/_client.py``
-(loaded from FILE, named by its stem), to compare a change in one process, e.g.
-``git show HEAD~1:nodes/adapters/_client.py > /tmp/before.py``.
+own client (``nodes.upstream.client``), each body split by the same
+:class:`~nodes.upstream.lines.SSEDecoder` and decoded by orjson.
+``--baseline FILE...`` adds a turn for each other version of ``nodes/upstream/client.py``
+(loaded from FILE, named by its stem; a version from before it moved there, when it was
+``nodes/adapters/_client.py`` and its pool ``Pool``, is measured too), to compare a change in
+one process, e.g. ``git show HEAD~1:nodes/upstream/client.py > /tmp/before.py``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ import trio
 
 from bench.node_frames import _cell, _Counting, _read_line
 from dispatcher.shared.transport import Connection
-from nodes.adapters._client import Pool, Target
-from nodes.adapters._http import SSEDecoder, tls_context
+from nodes.upstream.client import Target, UpstreamPool
+from nodes.upstream.lines import SSEDecoder
+from nodes.upstream.tls import tls_context
 
 
 class _Profiled(_Counting):
@@ -181,7 +183,11 @@ async def _via_h11(port: int) -> Callable[[], Awaitable[int]]:
 
 
 async def _via_pool(port: int, module: Any = None) -> Callable[[], Awaitable[int]]:
-    pool_class, target_class = (Pool, Target) if module is None else (module.Pool, module.Target)
+    if module is None:
+        pool_class, target_class = UpstreamPool, Target
+    else:  # a version from before the pool was named UpstreamPool calls it Pool
+        pool_class = getattr(module, "UpstreamPool", None) or module.Pool
+        target_class = module.Target
     pool = pool_class(
         connect=10, read=60, write=10, max_connections=1, tls_context=tls_context(), proxies={}
     )
@@ -215,7 +221,7 @@ class _Forgetful(list[Any]):
 
 
 def _load_client(path: str) -> Any:
-    """Another version of ``nodes.adapters._client``, from a file."""
+    """Another version of ``nodes.upstream.client``, from a file."""
     name = f"bench._baseline_{Path(path).stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None
@@ -281,7 +287,7 @@ def main() -> None:
         nargs="+",
         default=[],
         metavar="FILE",
-        help="with --clients: other versions of nodes/adapters/_client.py to measure too",
+        help="with --clients: other versions of nodes/upstream/client.py to measure too",
     )
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -9,7 +9,7 @@
 
 Each tunnel is a task with its own cancel scope in one nursery, keyed by tunnel id (like the
 runs of :mod:`nodes.runner`). It performs the request with the provider's pooled client
-(:class:`~nodes.adapters._client.Pool`) against its
+(:class:`~nodes.upstream.client.UpstreamPool`) against its
 ``base_url`` + path (+ query), with the edge's headers minus hop-by-hop ones and the
 provider's own ``Authorization: Bearer <key>`` (read from the environment variable the
 provider's ``api_key_env`` names; the key never leaves the node). The response comes back as
@@ -44,22 +44,15 @@ import trio
 from dispatcher import wire
 from dispatcher.shared.excgroups import first_leaf
 from dispatcher.shared.transport import ConnectionClosed
-from nodes.adapters._client import Pool, Response
-from nodes.adapters._http import (
-    HTTPTimeouts,
-    Redactor,
-    display_url,
-    finished,
-    open_client,
-    pool_size,
-    request_target,
-    shown_url,
-    split_timeouts,
-)
 from nodes.adapters.base import open_each
+from nodes.adapters.ollama import OLLAMA_BASE_URL
+from nodes.adapters.openai import OPENAI_BASE_URL
 from nodes.coalesce import take_body
 from nodes.config import NodeConfigError, ProviderConfig
 from nodes.runner import Send as SendMessage
+from nodes.upstream.client import Response, UpstreamPool, finished, request_target
+from nodes.upstream.pools import HTTPTimeouts, open_client, pool_size, split_timeouts
+from nodes.upstream.redact import Redactor, display_url, shown_url
 
 log = logging.getLogger("nodes.tunnel")
 
@@ -70,12 +63,13 @@ MAX_PENDING: Final = 64 * 1024
 """Upstream body bytes a tunnel buffers before it stops reading the upstream."""
 MAX_CONNECTIONS: Final = 256
 """Concurrent upstream connections of a provider built without a config (no slots known);
-one from the config gets its slots (:func:`~nodes.adapters._http.pool_size`)."""
+one from the config gets its slots (:func:`~nodes.upstream.pools.pool_size`)."""
 
 DEFAULT_BASE_URLS: Final[Mapping[str, str]] = {
-    "openai": "https://api.openai.com/v1",
-    "ollama": "http://127.0.0.1:11434",
+    "openai": OPENAI_BASE_URL,
+    "ollama": OLLAMA_BASE_URL,
 }
+"""A provider's ``base_url`` when its config has none: its adapter type's default."""
 
 _HOP_BY_HOP: Final = frozenset(
     {
@@ -138,7 +132,7 @@ class TunnelProvider:
 
     @asynccontextmanager
     async def open(self) -> AsyncIterator[PooledTunnelProvider]:
-        """The provider's pooled client for this block (:func:`~nodes.adapters._http.
+        """The provider's pooled client for this block (:func:`~nodes.upstream.pools.
         open_client`: :attr:`connections` connections kept alive, the shared TLS context),
         and the provider bound to it."""
         async with open_client(self.timeouts, max_connections=self.connections) as client:
@@ -162,7 +156,7 @@ class PooledTunnelProvider:
     (:func:`open_tunnel_pools`) leaves it as it is."""
 
     provider: TunnelProvider
-    client: Pool = attrs.field(repr=False)
+    client: UpstreamPool = attrs.field(repr=False)
 
 
 AnyTunnelProvider = TunnelProvider | PooledTunnelProvider

@@ -1,7 +1,7 @@
-"""The layers contracts of ``pyproject.toml`` are the map of ``dispatcher/``: every module and
-package of it sits in one layer of its container's contract -- the top level's, and each
-package's own -- so a new one is placed on purpose, not left out of the map (import-linter
-itself ignores a module no layer names)."""
+"""The layers contracts of ``pyproject.toml`` are the map of ``dispatcher/`` and of ``nodes/``:
+every module and package of them sits in one layer of its container's contract -- the top
+level's, and each package's own -- so a new one is placed on purpose, not left out of the map
+(import-linter itself ignores a module no layer names)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The packages whose modules are ordered by a contract of their own (the others -- api,
 # admission, tenants, http, wire, config -- hide their insides behind their __init__).
 LAYERED_PACKAGES = ("gate", "paths", "link", "observe", "store", "shared")
+# nodes/'s likewise: the adapters (the engines over their shared bases), the HTTP client to the
+# providers. Each container of nodes/ is checked as dispatcher's are.
+NODES_CONTAINERS = ("nodes", "nodes.adapters", "nodes.upstream")
 
 
 def layers_contracts() -> dict[str, list[str]]:
@@ -44,6 +47,15 @@ def children(package: Path) -> set[str]:
     "container", ["dispatcher", *(f"dispatcher.{p}" for p in LAYERED_PACKAGES)]
 )
 def test_every_module_is_in_one_layer(container: str) -> None:
+    assert_every_module_in_one_layer(container)
+
+
+@pytest.mark.parametrize("container", NODES_CONTAINERS)
+def test_every_module_of_nodes_is_in_one_layer(container: str) -> None:
+    assert_every_module_in_one_layer(container)
+
+
+def assert_every_module_in_one_layer(container: str) -> None:
     names = layers_contracts()[container]
     modules = children(ROOT.joinpath(*container.split(".")))
     assert sorted(modules - set(names)) == [], "modules in no layer (add them to pyproject.toml)"
@@ -53,7 +65,11 @@ def test_every_module_is_in_one_layer(container: str) -> None:
 
 def test_every_layered_package_has_its_contract() -> None:
     contracts = layers_contracts()
-    assert set(contracts) == {"dispatcher", *(f"dispatcher.{p}" for p in LAYERED_PACKAGES)}
+    assert set(contracts) == {
+        "dispatcher",
+        *(f"dispatcher.{p}" for p in LAYERED_PACKAGES),
+        *NODES_CONTAINERS,
+    }
 
 
 def test_the_top_level_holds_a_handful_of_modules() -> None:

@@ -49,9 +49,9 @@ from dispatcher.shared.tokens import message_text as message_text
 if TYPE_CHECKING:
     from nodes.config import ProviderConfig
 
-K = TypeVar("K")
-V = TypeVar("V")
-W = TypeVar("W")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+_W = TypeVar("_W")
 
 
 class AdapterError(Exception):
@@ -148,8 +148,8 @@ def _open_adapter(adapter: Adapter) -> AbstractAsyncContextManager[Adapter]:
 
 @asynccontextmanager
 async def open_each(
-    items: Mapping[K, V], open_one: Callable[[V], AbstractAsyncContextManager[W]]
-) -> AsyncIterator[dict[K, W]]:
+    items: Mapping[_K, _V], open_one: Callable[[_V], AbstractAsyncContextManager[_W]]
+) -> AsyncIterator[dict[_K, _W]]:
     """``items`` with each value replaced by what ``open_one`` opens for it, for this block:
     opened in order, closed in reverse order when the block is left (or when a later one
     fails to open). What :func:`open_adapters` and :func:`nodes.tunnel.open_tunnel_pools`

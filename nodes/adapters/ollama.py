@@ -28,11 +28,11 @@ run's calls from 0. The ``done: true`` line gives usage (``prompt_eval_count``, 
 estimated, and marked so, when missing)
 and ``done_reason`` (``length`` -> ``length``; ``stop``, ``load``, ``unload`` and anything
 else -> ``stop``, or ``tool_calls`` when the answer had tool calls). An ``{"error": ...}``
-line fails the run (code ``upstream_error``, retryable). A non-2xx answer fails as ``_http``
-maps it: Ollama's ``{"error": "..."}`` with 400, 413, 415 or 422 is the client's error (code
-``invalid_request``, the upstream's message and status, not retryable); its 404 for a model it
-does not have is ``upstream_not_found``, retryable elsewhere. Default ``base_url``:
-``http://127.0.0.1:11434``.
+line fails the run (code ``upstream_error``, retryable). A non-2xx answer fails as
+``_upstream_errors`` maps it: Ollama's ``{"error": "..."}`` with 400, 413, 415 or 422 is the
+client's error (code ``invalid_request``, the upstream's message and status, not retryable);
+its 404 for a model it does not have is ``upstream_not_found``, retryable elsewhere. Default
+``base_url``: ``http://127.0.0.1:11434`` (:data:`OLLAMA_BASE_URL`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ import attrs
 import orjson
 
 from dispatcher import wire
-from nodes.adapters import _http
-from nodes.adapters._client import Pool
+from nodes.adapters._http_adapter import HTTPAdapter, chat_url, parse_options
+from nodes.adapters._post import post_chunks
+from nodes.adapters._upstream_errors import error_event_failure, loads_object
 from nodes.adapters.base import (
     AdapterError,
     RunOutput,
@@ -55,8 +56,11 @@ from nodes.adapters.base import (
     message_text,
 )
 from nodes.config import OptionsError, ProviderConfig
+from nodes.upstream.client import UpstreamPool
+from nodes.upstream.lines import LineSplitter
+from nodes.upstream.pools import HTTPTimeouts, pool_size
 
-DEFAULT_BASE_URL: Final = "http://127.0.0.1:11434"
+OLLAMA_BASE_URL: Final = "http://127.0.0.1:11434"
 
 FINISH_REASONS: Final[Mapping[str, str]] = {
     "stop": "stop",
@@ -79,7 +83,7 @@ _SAME_NAME_OPTIONS: Final = (
 class OllamaOptions:
     """The ``options`` table of an ``ollama`` provider."""
 
-    timeouts: _http.HTTPTimeouts = attrs.field(factory=_http.HTTPTimeouts)
+    timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
     """``connect_timeout`` (default 10 s) and ``read_timeout`` (default 600 s; 0: none)."""
     keep_alive: str | int | float | None = None
     """Sent as Ollama's ``keep_alive`` (how long the model stays loaded, e.g. ``"10m"``)."""
@@ -89,7 +93,7 @@ class OllamaOptions:
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OllamaOptions:
         parsers = {"keep_alive": _keep_alive, "model_options": _table}
-        return cls(**_http.parse_options(raw, parsers, kind="ollama"))
+        return cls(**parse_options(raw, parsers, kind="ollama"))
 
 
 def _keep_alive(key: str, value: Any) -> str | int | float:
@@ -105,7 +109,7 @@ def _table(key: str, value: Any) -> dict[str, Any]:
 
 
 @attrs.frozen(kw_only=True)
-class OllamaAdapter(_http.HTTPAdapter):
+class OllamaAdapter(HTTPAdapter):
     """Posts to ``url``: the full ``/api/chat`` URL."""
 
     options: OllamaOptions = OllamaOptions()
@@ -113,9 +117,9 @@ class OllamaAdapter(_http.HTTPAdapter):
     @classmethod
     def from_provider(cls, provider: ProviderConfig) -> OllamaAdapter:
         return cls(
-            url=_http.chat_url(provider.base_url or DEFAULT_BASE_URL, "/api/chat"),
+            url=chat_url(provider.base_url or OLLAMA_BASE_URL, "/api/chat"),
             options=OllamaOptions.from_mapping(provider.options),
-            connections=_http.pool_size(provider),
+            connections=pool_size(provider),
         )
 
     def payload(self, request: wire.RunRequest) -> dict[str, Any]:
@@ -148,11 +152,11 @@ class OllamaAdapter(_http.HTTPAdapter):
             payload["keep_alive"] = self.options.keep_alive
         return payload
 
-    async def run_on(self, client: Pool, request: wire.RunRequest, out: RunOutput) -> None:
+    async def run_on(self, client: UpstreamPool, request: wire.RunRequest, out: RunOutput) -> None:
         payload = self.payload(request)
         stream = _Stream(out)
-        splitter = _http.LineSplitter()
-        async with _http.post_chunks(
+        splitter = LineSplitter()
+        async with post_chunks(
             client, self.url, payload, headers={"accept": "application/x-ndjson"}
         ) as chunks:
             async for piece in chunks:
@@ -200,9 +204,9 @@ class _Stream:
         """Report one line; True once it was the done line."""
         if not line.strip():
             return False
-        chunk = _http.loads_object(line, "a line")
+        chunk = loads_object(line, "a line")
         if "error" in chunk:
-            raise _http.error_event_failure(chunk, "line")
+            raise error_event_failure(chunk, "line")
         answer = chunk.get("message")
         if isinstance(answer, dict):
             content = answer.get("content")

@@ -12,12 +12,13 @@ client's body); the choice's ``finish_reason`` -> the finish reason (passed thro
 stream. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
 as the client's error (its code, message and status, not retryable) when it names a 400, 413,
 415 or 422 in ``code`` (vLLM, llama.cpp) or has code ``context_length_exceeded``. A non-2xx
-answer fails as ``_http`` maps it: 400, 413, 415, 422 are the client's error, with the
-upstream's ``error.code`` (else ``invalid_request``), message and status.
+answer fails as ``_upstream_errors`` maps it: 400, 413, 415, 422 are the client's error, with
+the upstream's ``error.code`` (else ``invalid_request``), message and status.
 
 ``base_url`` is the server's root (``http://host:8000``) or its ``/v1`` prefix
 (``http://host:8000/v1``, ``https://api.openai.com/v1``); the adapter posts to
-``{root}/v1/chat/completions`` either way. Default: ``https://api.openai.com/v1``.
+``{root}/v1/chat/completions`` either way. Default: ``https://api.openai.com/v1``
+(:data:`OPENAI_BASE_URL`).
 
 ``api_key_env`` names the environment variable holding the key, read once when the adapter
 is built (at node start): a missing or empty variable is a :class:`~nodes.config.
@@ -33,19 +34,23 @@ from typing import Any, Final
 import attrs
 
 from dispatcher import wire
-from nodes.adapters import _http
-from nodes.adapters._client import Pool
+from nodes.adapters._http_adapter import HTTPAdapter, chat_url, parse_options
+from nodes.adapters._post import post_chunks
+from nodes.adapters._upstream_errors import error_event_failure, loads_object
 from nodes.adapters.base import AdapterError, RunOutput, message_text
 from nodes.config import OptionsError, ProviderConfig
+from nodes.upstream.client import UpstreamPool
+from nodes.upstream.lines import SSEDecoder
+from nodes.upstream.pools import HTTPTimeouts, pool_size
 
-DEFAULT_BASE_URL: Final = "https://api.openai.com/v1"
+OPENAI_BASE_URL: Final = "https://api.openai.com/v1"
 
 
 @attrs.frozen(kw_only=True)
 class OpenAIOptions:
     """The ``options`` table of an ``openai`` provider."""
 
-    timeouts: _http.HTTPTimeouts = attrs.field(factory=_http.HTTPTimeouts)
+    timeouts: HTTPTimeouts = attrs.field(factory=HTTPTimeouts)
     """``connect_timeout`` (default 10 s) and ``read_timeout`` (default 600 s; 0: none)."""
     include_usage: bool = True
     """Ask for the usage chunk (``stream_options.include_usage``); turn off for servers that
@@ -58,7 +63,7 @@ class OpenAIOptions:
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OpenAIOptions:
         checks = {"include_usage": _flag, "merge_system_messages": _flag}
-        return cls(**_http.parse_options(raw, checks, kind="openai"))
+        return cls(**parse_options(raw, checks, kind="openai"))
 
 
 def _flag(key: str, value: Any) -> bool:
@@ -85,12 +90,12 @@ def completions_url(base_url: str) -> str:
     """``{root}/v1/chat/completions`` for a ``base_url`` with or without the ``/v1``."""
     root = base_url.rstrip("/")
     if root.endswith("/v1"):
-        return _http.chat_url(root, "/chat/completions")
-    return _http.chat_url(root, "/v1/chat/completions")
+        return chat_url(root, "/chat/completions")
+    return chat_url(root, "/v1/chat/completions")
 
 
 @attrs.frozen(kw_only=True)
-class OpenAIAdapter(_http.HTTPAdapter):
+class OpenAIAdapter(HTTPAdapter):
     """Posts to ``url``: the full chat completions URL."""
 
     options: OpenAIOptions = OpenAIOptions()
@@ -103,13 +108,13 @@ class OpenAIAdapter(_http.HTTPAdapter):
         """Build from config; raises :class:`NodeConfigError` when ``api_key_env`` names a
         variable that is not set (or empty) in ``environ`` (default ``os.environ``)."""
         return cls(
-            url=completions_url(provider.base_url or DEFAULT_BASE_URL),
+            url=completions_url(provider.base_url or OPENAI_BASE_URL),
             api_key=provider.api_key(environ),
             options=OpenAIOptions.from_mapping(provider.options),
-            connections=_http.pool_size(provider),
+            connections=pool_size(provider),
         )
 
-    async def run_on(self, client: Pool, request: wire.RunRequest, out: RunOutput) -> None:
+    async def run_on(self, client: UpstreamPool, request: wire.RunRequest, out: RunOutput) -> None:
         body = dict(request.body)
         body["model"] = request.served_model
         if self.options.merge_system_messages:
@@ -127,8 +132,8 @@ class OpenAIAdapter(_http.HTTPAdapter):
 
         finish: str | None = None
         done = False
-        decoder = _http.SSEDecoder()
-        async with _http.post_chunks(client, self.url, body, headers=headers) as chunks:
+        decoder = SSEDecoder()
+        async with post_chunks(client, self.url, body, headers=headers) as chunks:
             async for piece in chunks:
                 for data in decoder.feed(piece):
                     if data.strip() == b"[DONE]":
@@ -154,9 +159,9 @@ class OpenAIAdapter(_http.HTTPAdapter):
 
 async def _take_chunk(data: bytes, out: RunOutput) -> str | None:
     """Report one chunk; its finish reason, if it has one."""
-    chunk = _http.loads_object(data, "an SSE event")
+    chunk = loads_object(data, "an SSE event")
     if "error" in chunk:
-        raise _http.error_event_failure(chunk, "event")
+        raise error_event_failure(chunk, "event")
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")

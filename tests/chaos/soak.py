@@ -357,8 +357,8 @@ async def _finished(
     response: httpx.Response, iterator: AsyncIterator[_T]
 ) -> AsyncIterator[AsyncIterator[_T]]:
     """``iterator`` (httpx's chain of async generators), closed properly however the block is
-    left: close the response, then run the chain to its end (see ``nodes/adapters/_http.py``;
-    otherwise Trio warns about suspended generators). Shielded and bounded."""
+    left: close the response, then run the chain to its end (as the node did while its client
+    was httpx's; otherwise Trio warns about suspended generators). Shielded and bounded."""
     try:
         yield iterator
     finally:

@@ -1,5 +1,5 @@
-"""The node's HTTP/1.1 client (nodes.adapters._client) against scripted raw TCP servers, and
-the byte-level line and SSE splitters (nodes.adapters._http) fed at every split point."""
+"""The node's HTTP/1.1 client (nodes.upstream.client) against scripted raw TCP servers, and
+the byte-level line and SSE splitters (nodes.upstream.lines) fed at every split point."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import httpx
 import pytest
 import trio
 
-from nodes.adapters import _client
-from nodes.adapters._client import Pool, Response, Target
-from nodes.adapters._http import LineSplitter, SSEDecoder, tls_context
+from nodes.upstream import client as _client
+from nodes.upstream.client import Response, Target, UpstreamPool
+from nodes.upstream.lines import LineSplitter, SSEDecoder
+from nodes.upstream.tls import tls_context
 
 Script = Callable[[trio.SocketStream, "Server"], Awaitable[None]]
 
@@ -85,7 +86,7 @@ def answering(*answers: bytes, close: bool = False) -> Script:
     return script
 
 
-def pool(**kwargs: object) -> Pool:
+def pool(**kwargs: object) -> UpstreamPool:
     options: dict[str, object] = {
         "connect": 5.0,
         "read": 5.0,
@@ -95,7 +96,7 @@ def pool(**kwargs: object) -> Pool:
         "proxies": {},
     }
     options.update(kwargs)
-    return Pool(**options)  # type: ignore[arg-type]
+    return UpstreamPool(**options)  # type: ignore[arg-type]
 
 
 def target(server: Server, path: str = "/v1/x") -> Target:
@@ -278,7 +279,7 @@ async def test_a_proxy_refusing_connect_is_a_proxy_error() -> None:
 
 
 def test_no_proxy_bypasses_the_proxy() -> None:
-    from nodes.adapters._client import _proxy_for
+    from nodes.upstream.client import _proxy_for
 
     proxies = {"http": "http://proxy:3128", "no": "127.0.0.1,.internal"}
     assert _proxy_for(Target.from_url(httpx.URL("http://127.0.0.1:1/")), proxies) is None
@@ -336,7 +337,7 @@ async def test_what_h11_refuses_is_a_decoding_error_and_the_connection_is_closed
 
 
 async def test_a_refused_answer_is_upstream_bad_response_for_the_adapters() -> None:
-    from nodes.adapters._http import post_chunks
+    from nodes.adapters._post import post_chunks
     from nodes.adapters.base import AdapterError
 
     answer = REFUSED["bad chunk size"]

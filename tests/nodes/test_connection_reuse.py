@@ -25,9 +25,9 @@ import trio
 
 from dispatcher import EdgeConfig, open_dispatcher, wire
 from nodes.adapters import HasLifetime, build_adapters, open_adapters
-from nodes.adapters._http import tls_context
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 from nodes.runner import Runner, open_runner
+from nodes.upstream.tls import tls_context
 from tests.nodes._helpers import Recorder, assert_well_formed
 from tests.nodes.fake_providers import (
     FakeOllama,

@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from dispatcher import wire
-from nodes.adapters._http import pool_size
 from nodes.tunnel import TunnelProvider, open_tunnel_pools, open_tunnels, tunnel_providers
+from nodes.upstream.pools import pool_size
 from tests.nodes.test_connection_reuse import TIMEOUT, provider, start_upstream
 
 

@@ -10,14 +10,14 @@ import pytest
 
 from dispatcher import wire
 from nodes.adapters import AdapterError, RunOutput
-from nodes.adapters._http import (
-    Redactor,
+from nodes.adapters._upstream_errors import (
     UpstreamError,
     error_event_failure,
     parse_error,
     status_failure,
 )
 from nodes.runner import open_runner
+from nodes.upstream.redact import Redactor
 from tests.nodes._helpers import Recorder, request
 
 

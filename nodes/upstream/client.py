@@ -10,16 +10,21 @@ one ``h11.Connection`` per connection, ``start_next_cycle()`` between requests, 
 whole and its events drained at once into one piece of body (h11's ~5 us per chunk is most of
 what reading costs). The request's head is written here (:func:`_request`: one formatting
 pass, where h11's checks and writer cost ~60 us a request) and h11 told of it. Errors are
-httpx's exception classes, so the callers' mapping (``nodes.adapters._http``,
+httpx's exception classes, so the callers' mapping (``nodes.adapters._post``,
 ``nodes.tunnel``) is the same table whatever the client.
 
 ::
 
-    async with Pool(timeouts, max_connections=slots, tls=tls_context()) as pool:
-        async with pool.stream("POST", target, headers, body) as response:
+    async with UpstreamPool(
+        connect=10.0, read=600.0, write=30.0, max_connections=slots, tls_context=tls_context()
+    ) as pool:
+        async with pool.stream("POST", request_target(url), headers, body) as response:
             response.status_code, response.headers.get("retry-after")
-            async for piece in response.aiter_bytes():   # decoded (gzip, deflate)
-                ...
+            async with finished(response, response.aiter_bytes()) as pieces:  # decoded
+                async for piece in pieces:
+                    ...
+
+(``nodes.upstream.pools.open_client`` opens a provider's pool so, with its settings.)
 
 What it does: ``http`` and ``https`` (the shared TLS context, SNI and certificate checks as
 the context says), keep-alive with at most ``max_connections`` connections open (a request
@@ -42,18 +47,23 @@ for the adapters). The provider closing the connection before the answer's end i
 or whose value holds a CR, LF or NUL, is :class:`httpx.LocalProtocolError`, before a
 connection is taken.
 
-Ownership: a request's connection belongs to its :meth:`Pool.stream` block. Left after the
-body was read to its end, on a connection both sides keep alive, the connection goes back
-to the pool; left any other way -- cancelled, an error, the body not read to its end -- it is
-closed at once, so no later request can read what was left of another's answer. The pool's
-block closes every idle connection. An idle connection the provider closed (readable while
-idle), or idle for more than :data:`KEEPALIVE_EXPIRY`, is dropped instead of reused.
+Ownership: a request's connection belongs to its :meth:`UpstreamPool.stream` block. Left
+after the body was read to its end, on a connection both sides keep alive, the connection
+goes back to the pool; left any other way -- cancelled, an error, the body not read to its
+end -- it is closed at once, so no later request can read what was left of another's answer.
+The pool's block closes every idle connection. An idle connection the provider closed
+(readable while idle), or idle for more than :data:`KEEPALIVE_EXPIRY`, is dropped instead of
+reused. A caller reads a body inside :func:`finished`'s block: left normally (an adapter
+that saw its last event), it first reads the rest, briefly and bounded (:data:`REUSE_WAIT`,
+:data:`REUSE_MAX_BYTES`: normally only the end of the chunked body, already on the way), so
+that the connection goes back to the pool.
 """
 
 from __future__ import annotations
 
 import base64
 import functools
+import logging
 import re
 import ssl
 import urllib.parse
@@ -62,7 +72,7 @@ import zlib
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Final, cast
+from typing import Any, Final, TypeVar, cast
 
 import attrs
 import h11
@@ -77,6 +87,16 @@ KEEPALIVE_EXPIRY: Final = 5.0
 """Seconds an idle connection is reused within (httpcore's default): older, it is closed
 rather than raced against a provider closing it (uvicorn's default keep-alive is 5 s)."""
 USER_AGENT: Final = b"trio-dispatcher-node"
+REUSE_WAIT: Final = 0.05
+"""How long a response left normally (its last event seen) may take to end its body before
+its connection is closed instead of reused (a provider lingering after its last event)."""
+REUSE_MAX_BYTES: Final = 64 * 1024
+"""How much of a body left normally is read, at most, to reach its end and reuse the
+connection."""
+
+log = logging.getLogger("nodes.upstream")
+
+_T = TypeVar("_T")
 
 _REQUEST_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
@@ -115,6 +135,14 @@ class Target:
     @property
     def origin(self) -> tuple[str, str, int]:
         return (self.scheme, self.host, self.port)
+
+
+@functools.lru_cache(maxsize=256)
+def request_target(url: str) -> Target:
+    """``url`` parsed (by httpx's rules) for the client: the same for every request to a
+    provider's path, so worked out once (httpx's URL parsing was a tenth of a pooled run's
+    CPU)."""
+    return Target.from_url(httpx.URL(url))
 
 
 @attrs.frozen
@@ -157,7 +185,7 @@ def _proxy_for(target: Target, proxies: dict[str, str]) -> _Proxy | None:
     return _Proxy(parsed.scheme, parsed.hostname, port, authorization)
 
 
-class Headers:
+class ResponseHeaders:
     """An answer's headers: ``raw`` (lower-case names, in order), :meth:`get` by name."""
 
     __slots__ = ("_index", "raw")
@@ -255,7 +283,7 @@ class Response:
         self._timeouts = timeouts
         self.status_code = event.status_code
         self.reason_phrase = event.reason.decode("latin-1")
-        self.headers = Headers(list(event.headers))
+        self.headers = ResponseHeaders(list(event.headers))
         self.closed = False
         self.complete = False
         """h11 gave the body's end."""
@@ -403,7 +431,44 @@ class _Body:
                 return piece
 
 
-class Pool:
+@asynccontextmanager
+async def finished(
+    response: Response, iterator: AsyncIterator[_T]
+) -> AsyncIterator[AsyncIterator[_T]]:
+    """``iterator`` (one of the response's body iterators), finished when the block is left.
+
+    Left normally (the caller has what it wanted), the rest of the body is read first, for
+    at most :data:`REUSE_WAIT` and :data:`REUSE_MAX_BYTES`: a response read to its end gives
+    its connection back to the pool. Left by an error or cancelled, nothing more is read.
+    Either way the response is closed: unless its body was read to the end, its connection
+    is closed when the request's block is left (the iterators are plain objects, not async
+    generators: nothing is left suspended to finalize).
+    """
+    try:
+        yield iterator
+        with trio.move_on_after(REUSE_WAIT):
+            await _read_to_end(iterator)
+    finally:
+        await response.aclose()  # no checkpoint: runs when cancelled too
+
+
+async def _read_to_end(iterator: AsyncIterator[Any]) -> None:
+    """Read what is left, up to :data:`REUSE_MAX_BYTES` (characters for text iterators). A
+    failure is no failure of the request, whose answer is complete: the connection is just
+    not reused."""
+    size = 0
+    try:
+        async for piece in iterator:
+            size += len(piece)
+            if size > REUSE_MAX_BYTES:
+                return
+    except Exception as exc:  # the body's end broke: closing the response drops the connection
+        log.debug(
+            "reading the rest of a finished response failed: %s", str(exc) or type(exc).__name__
+        )
+
+
+class UpstreamPool:
     """Connections to a provider, kept alive: see the module docstring. Use as
     ``async with``; :meth:`stream` inside it."""
 
@@ -426,7 +491,7 @@ class Pool:
         self._proxies = environment_proxies() if proxies is None else proxies
         self._closed = False
 
-    async def __aenter__(self) -> Pool:
+    async def __aenter__(self) -> UpstreamPool:
         return self
 
     async def __aexit__(
