@@ -27,7 +27,7 @@ schema knows the structure, its own nesting bounds the depth; what it does not k
 unknown field, a tool's ``parameters``, a JSON schema) is walked, level by level, and only
 there -- so a body with no free-form parts costs no walk at all.
 
-docs/api.md lists what is validated.
+docs/api.md, docs/responses.md and docs/messages.md list what each route validates.
 """
 
 from __future__ import annotations

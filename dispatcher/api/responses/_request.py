@@ -16,7 +16,7 @@ from ...errors import BadRequest
 from ...wire import JSONObject
 from .. import validation
 from ..common import REASONING_EFFORT
-from ..openai._request import TEMPERATURE, TOKEN_LIMIT, TOP_P
+from ..openai._request import TEMPERATURE, TOKEN_LIMIT, TOP_P  # the ranges chat has
 from ..validation import Mismatch
 
 __all__ = [
