@@ -65,7 +65,7 @@ __all__ = [
     "make_handler",
     "new_request_id",
     "presented_key",
-    "request_headers",
+    "request_id_headers",
 ]
 
 log = logging.getLogger("dispatcher.api")
@@ -100,7 +100,7 @@ def client_request_id(request: Request) -> str | None:
     return value.decode("ascii")
 
 
-def request_headers(request_id: str, client_id: str | None) -> tuple[tuple[bytes, bytes], ...]:
+def request_id_headers(request_id: str, client_id: str | None) -> tuple[tuple[bytes, bytes], ...]:
     """``x-request-id`` (the client's own id echoed, else the edge's) and
     ``x-dispatcher-request-id`` (the edge's, the usage ledger's key)."""
     edge_id = request_id.encode("ascii")
@@ -240,7 +240,7 @@ def make_handler(
             request_id, client_id, request.method, request.path, left_on=PeerGone
         ) as record:
             responder = RecordingResponder(responder, record)
-            headers = request_headers(request_id, client_id)
+            headers = request_id_headers(request_id, client_id)
             render = default
             try:
                 path, method = request.path, request.method

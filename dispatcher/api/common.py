@@ -1,7 +1,9 @@
 """What the API's front ends share: the model routes' call (:class:`ModelCall`, which
 builds the gate request from the HTTP request) and counting (:func:`model_route`), the
-request-outcome metric, the headers that describe the attempt which answered, a committed
-answer's events as a stream sends them (:func:`relay_rest`), and the OpenAI error shape
+admission predicates of a route only one path serves (:func:`normalized_only`,
+:func:`tunnel_only`), the request-outcome metric, the headers that describe the attempt which
+answered, a committed answer's events as a stream sends them (:data:`SSE_HEADERS`,
+:func:`relay_rest`, :data:`SHUTDOWN_SEND_TIMEOUT`), and the OpenAI error shape
 (:func:`openai_error`), which the OpenAI routes and the edge's own routes answer in."""
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ from .front import RenderedError, Route, RouteContext
 from .seam import EdgeServices
 
 JSON_HEADERS = ((b"content-type", b"application/json"),)
+
+SSE_HEADERS: Final = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
+"""The headers of every event stream a front end answers with (``x-accel-buffering: no``
+keeps a proxy such as nginx from holding the events back)."""
+
+SHUTDOWN_SEND_TIMEOUT: Final = 1.0
+"""How long a stream cut short by the edge's shutdown may take to send the client its last
+event (the error that says so), shielded from the cancellation."""
 
 REASONING_EFFORT: Final = "reasoning_effort"
 """The chat body's field in which a translating front end (Responses' ``reasoning.effort``,
@@ -176,6 +190,30 @@ def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes
         (b"x-dispatcher-provider", result.provider_id.encode()),
         (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
     )
+
+
+def normalized_only(refusal: str) -> Predicate:
+    """The admission predicate of a route only normalized candidates serve (a tunnel relays
+    the client's bytes to a provider, and none speaks the route's API): a tunnel candidate is
+    refused with ``refusal``, so no attempt is spent on it."""
+
+    def predicate(candidate: Candidate) -> str | None:
+        if candidate.path == "normalized":
+            return None
+        return refusal
+
+    return predicate
+
+
+def tunnel_only(route: str) -> Predicate:
+    """The admission predicate of a route only tunnels serve."""
+
+    def predicate(candidate: Candidate) -> str | None:
+        if candidate.path == "tunnel":
+            return None
+        return f"serves this model normalized, not through a tunnel, which {route} needs"
+
+    return predicate
 
 
 @attrs.define(eq=False)

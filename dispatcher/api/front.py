@@ -1,6 +1,6 @@
-"""What a front end is: one module declaring its routes and how its errors look.
+"""What a front end is: one module (or package) declaring its routes and how its errors look.
 
-A front end (``api/openai.py``'s OpenAI routes, ``api/operations.py``'s health, usage,
+A front end (``api/openai/``'s OpenAI routes, ``api/operations.py``'s health, usage,
 metrics and node endpoint, ``api/responses/``, ``api/anthropic/``) is a :class:`FrontEnd`:
 
 * ``routes``: path -> :class:`RouteSpec` (methods, handler, who may call it, whether it runs
@@ -45,7 +45,7 @@ class RouteContext:
     """The client's ``x-request-id`` when it sent one worth keeping: stored beside the edge's
     id, echoed back."""
     headers: tuple[tuple[bytes, bytes], ...]
-    """Response headers every answer carries (``app.request_headers``)."""
+    """Response headers every answer carries (``app.request_id_headers``)."""
     attribution: str | None
     """Who the request's usage is attributed to: the id of the client's API key."""
     record: RequestRecord | None = None

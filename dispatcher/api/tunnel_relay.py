@@ -1,15 +1,17 @@
 """The tunnel relay: answer an OpenAI request through a tunnel, bytes as the provider sent them.
 
-Routes: ``POST /v1/completions`` and ``POST /v1/embeddings`` (:func:`tunnel_route`: only
-candidates served through a tunnel can take them; others are rejected with 400), and
-``POST /v1/chat/completions`` when admission chose a tunnel candidate (the chat route calls
-:func:`relay`).
+The OpenAI front end (:mod:`dispatcher.api.openai`) relays with :func:`relay` the answers of
+its tunnel-only routes, ``POST /v1/completions`` and ``POST /v1/embeddings`` (only candidates
+served through a tunnel can take them: :func:`~dispatcher.api.common.tunnel_only`; others are
+rejected with 400), and of ``POST /v1/chat/completions`` when admission chose a tunnel
+candidate.
 
 What the provider receives and what the client receives -- the header rules, the SSE filter,
 usage sniffing -- and the pre-commit phase the gate runs inside its attempt (send the request,
 await the start, read up to the commit point; a 5xx / 429 fails the attempt and the gate
-recovers on another candidate) live in the core, :mod:`dispatcher.paths.tunnel_http`. The API gives
-the gate what to relay of the client's request (:func:`dispatcher.api.common.gate_request`).
+recovers on another candidate) live in the core, :mod:`dispatcher.paths.tunnel_http`. The API
+gives the gate what to relay of the client's request
+(:meth:`dispatcher.api.common.ModelCall.gate_request`).
 
 :func:`relay` is the relay phase of the committed answer: its head, then the rest. An SSE
 response is streamed as it arrives; another body is answered whole (with ``Content-Length``)
@@ -30,12 +32,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 import orjson
 import trio
 
-from ..admission import Candidate
 from ..errors import TunnelFailed
 from ..gate.attempts import TunnelAnswer
 from ..http import PeerGone, Responder
@@ -51,18 +52,15 @@ from ..paths.tunnel_http import (
     tail_usage,
 )
 from ..shared.tokens import estimate_prompt_tokens
-from . import schema
 from .common import (
+    SHUTDOWN_SEND_TIMEOUT,
     CutResponse,
-    ModelCall,
     dispatch_headers,
-    model_route,
 )
 from .seam import EdgeServices
 
 log = logging.getLogger("dispatcher.api.tunnel")
 
-SHUTDOWN_SEND_TIMEOUT: Final = 1.0
 # --------------------------------------------------------------------------- the relay
 
 
@@ -224,47 +222,6 @@ async def _relay_body(
     return tail_usage(tail) if parse else None
 
 
-# --------------------------------------------------------------------------- routes
-
-
-def parse_tunnel_body(
-    raw: bytes, *, route: str | None = None, max_size: int | None = None
-) -> dict[str, Any]:
-    """Parse and validate a ``/v1/completions`` or ``/v1/embeddings`` body (without ``route``,
-    the body says which: :func:`schema.tunnel_schema`); raise :class:`BadRequest` naming the
-    bad field. The body is kept as the client sent it."""
-    body = schema.load_object(raw, max_size=max_size)
-    schema.validate(body, schema.tunnel_schema(body, route))
-    return body
-
-
-def tunnel_only(route: str) -> Callable[[Candidate], str | None]:
-    """The admission predicate of a route only tunnels serve."""
-
-    def predicate(candidate: Candidate) -> str | None:
-        if candidate.path == "tunnel":
-            return None
-        return f"serves this model normalized, not through a tunnel, which {route} needs"
-
-    return predicate
-
-
-@model_route
-async def tunnel_route(call: ModelCall, responder: Responder) -> str:
-    """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
-    route = call.request.path
-    body = parse_tunnel_body(await call.request.body(), route=route)
-    gated = await call.gate_request(
-        body, stream=body.get("stream") is True, predicate=tunnel_only(route)
-    )
-    async with call.edge.gate.open(gated) as answer:
-        assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
-        return await relay(call.edge, answer, body, responder, call.ctx.headers)
-
-
 __all__ = [
-    "parse_tunnel_body",
     "relay",
-    "tunnel_only",
-    "tunnel_route",
 ]

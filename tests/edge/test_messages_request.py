@@ -17,7 +17,7 @@ from dispatcher.admission import (
     QueueTimeout,
     UnknownModel,
 )
-from dispatcher.api.anthropic import anthropic_error, normalized_only
+from dispatcher.api.anthropic import MESSAGES_PREDICATE, anthropic_error
 from dispatcher.api.anthropic._answer import EventWriter, message_body, stop_reason
 from dispatcher.api.anthropic._request import (
     count_input_tokens,
@@ -463,8 +463,8 @@ def candidate(path: str) -> Candidate:
 
 
 def test_the_predicate_refuses_tunnels_only() -> None:
-    assert normalized_only(candidate("normalized")) is None
-    reason = normalized_only(candidate("tunnel"))
+    assert MESSAGES_PREDICATE(candidate("normalized")) is None
+    reason = MESSAGES_PREDICATE(candidate("tunnel"))
     assert reason is not None
     assert "/v1/messages" in reason
 

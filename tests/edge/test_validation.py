@@ -22,9 +22,9 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.api import schema
-from dispatcher.api.openai import parse_chat_request
-from dispatcher.api.tunnel_relay import parse_tunnel_body
+from dispatcher.api import validation
+from dispatcher.api.openai import _request as openai_request
+from dispatcher.api.openai._request import parse_chat_request, parse_tunnel_body
 from dispatcher.config import EdgeConfig, HTTPSettings
 from dispatcher.edge import open_dispatcher
 from dispatcher.errors import BadRequest, PayloadTooLarge, error_status_and_body
@@ -654,7 +654,7 @@ def test_deep_json_is_a_400(parse: Parse, body: dict[str, Any], levels: int) -> 
     with pytest.raises(BadRequest) as info:
         parse(_into(body, levels))
     assert info.value.code == "invalid_json"
-    assert f"limit of {schema.MAX_JSON_DEPTH} levels" in info.value.message
+    assert f"limit of {validation.MAX_JSON_DEPTH} levels" in info.value.message
 
 
 def test_only_the_start_of_a_bad_text_is_scanned_for_depth() -> None:
@@ -694,7 +694,7 @@ def test_deep_json_is_found_where_the_schema_is_free_form(raw: bytes, param: str
 
 
 def test_the_depth_limit_is_exact() -> None:
-    limit = schema.MAX_JSON_DEPTH
+    limit = validation.MAX_JSON_DEPTH
     parse_chat_request(_into(chat(), limit - 1))  # the body is level 1
     with pytest.raises(BadRequest):
         parse_chat_request(_into(chat(), limit))
@@ -730,8 +730,12 @@ JSON = st.recursive(
 )
 ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function"])
 PARTS = st.sampled_from(["text", "image_url", "input_audio", "file", "refusal"])
-CHAT_FIELDS = sorted(f for f in schema.CHAT_COMPLETIONS.fields if f not in ("model", "messages"))
-TUNNEL_FIELDS = sorted({*schema.COMPLETIONS.fields, *schema.EMBEDDINGS.fields} - {"model"})
+CHAT_FIELDS = sorted(
+    f for f in openai_request.CHAT_COMPLETIONS.fields if f not in ("model", "messages")
+)
+TUNNEL_FIELDS = sorted(
+    {*openai_request.COMPLETIONS.fields, *openai_request.EMBEDDINGS.fields} - {"model"}
+)
 
 # Bodies near the schema, so the search reaches deep into it: known keys, arbitrary values.
 MESSAGES = st.lists(
@@ -856,7 +860,7 @@ async def test_deep_json_over_http_is_a_400_and_logs_no_error(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "invalid_json"
-    assert f"limit of {schema.MAX_JSON_DEPTH} levels" in error["message"]
+    assert f"limit of {validation.MAX_JSON_DEPTH} levels" in error["message"]
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert after.status_code == 200  # the edge keeps serving
 

@@ -8,7 +8,7 @@ say so), the
 same gate, recovery before the commit, cancellation and usage rows. The committed answer is
 rendered back as a ``message`` or its SSE events (:mod:`._answer`).
 
-Tunnel candidates are excluded at admission (:func:`normalized_only`): a tunnel relays bytes
+Tunnel candidates are excluded at admission (:data:`MESSAGES_PREDICATE`): a tunnel relays bytes
 to a provider, and no provider of ours speaks ``/v1/messages`` natively yet, so such an
 attempt could only fail. ``anthropic-version`` and ``anthropic-beta`` are accepted and not
 needed (a tunnel to an Anthropic-native provider would pass them on; there is none today).
@@ -25,7 +25,7 @@ import orjson
 import trio
 
 from ... import wire
-from ...admission import Candidate, ModelUnavailable, QueueTimeout
+from ...admission import ModelUnavailable, QueueTimeout
 from ...errors import (
     DispatcherError,
     NotFound,
@@ -36,11 +36,14 @@ from ...gate.attempts import Answer
 from ...http import PeerGone, Request, Responder
 from ..common import (
     JSON_HEADERS,
+    SHUTDOWN_SEND_TIMEOUT,
+    SSE_HEADERS,
     ModelCall,
     Pending,
     dispatch_headers,
     fit_effort,
     model_route,
+    normalized_only,
     relay_rest,
 )
 from ..front import (
@@ -51,7 +54,6 @@ from ..front import (
 )
 from ..seam import EdgeServices
 from ._answer import (
-    SSE_HEADERS,
     EventWriter,
     error_event,
     message_body,
@@ -67,15 +69,14 @@ from ._request import (
 __all__ = [
     "FRONT_END",
     "MESSAGES_PATH",
+    "MESSAGES_PREDICATE",
     "anthropic_error",
     "count_tokens",
     "messages",
-    "normalized_only",
 ]
 
 MESSAGES_PATH: Final = "/v1/messages"
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
-SHUTDOWN_SEND_TIMEOUT: Final = 1.0
 
 # --------------------------------------------------------------------------- errors
 
@@ -122,12 +123,11 @@ def anthropic_error(exc: BaseException) -> RenderedError:
 # --------------------------------------------------------------------------- routes
 
 
-def normalized_only(candidate: Candidate) -> str | None:
-    """The admission predicate of ``/v1/messages``: tunnel candidates cannot serve it (no
-    provider speaks the Messages API natively yet), so no attempt is spent on them."""
-    if candidate.path != "tunnel":
-        return None
-    return "serves this model through a tunnel, and no tunnel speaks /v1/messages yet"
+MESSAGES_PREDICATE: Final = normalized_only(
+    "serves this model through a tunnel, and no tunnel speaks /v1/messages yet"
+)
+"""The admission predicate of ``/v1/messages``: tunnel candidates cannot serve it (no
+provider speaks the Messages API natively yet), so no attempt is spent on them."""
 
 
 @model_route
@@ -136,11 +136,11 @@ async def messages(call: ModelCall, responder: Responder) -> str:
     parsed = parse_messages_request(await call.request.body())
     chat = to_chat_body(parsed.body)
     gated = await call.gate_request(
-        chat, stream=parsed.stream, predicate=normalized_only, prepare=fit_effort(chat)
+        chat, stream=parsed.stream, predicate=MESSAGES_PREDICATE, prepare=fit_effort(chat)
     )
     estimate = count_input_tokens(parsed.body)
     async with call.edge.gate.open(gated) as answer:
-        if not isinstance(answer, Answer):  # normalized_only admits no tunnel
+        if not isinstance(answer, Answer):  # MESSAGES_PREDICATE admits no tunnel
             raise DispatcherError("a tunnel answered a /v1/messages request")
         message_id = "msg_" + answer.run.run_id
         headers = (

@@ -33,12 +33,6 @@ __all__ = [
     "tool_use_id",
 ]
 
-SSE_HEADERS: Final = (
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-)
-
 
 def stop_reason(finish_reason: str, *, tool_calls: bool) -> str:
     """Anthropic's ``stop_reason`` for an OpenAI ``finish_reason``. ``stop_sequence`` is never

@@ -2,8 +2,8 @@
 the gate, the nodes and the usage rows already speak.
 
 :func:`parse_messages_request` checks the body against :data:`MESSAGES` (built from the
-schema nodes of :mod:`dispatcher.api.schema`, with a strictness rule per object: a field the
-Messages API does not define is a 400, as Anthropic answers it) and then the rules across
+schema nodes of :mod:`dispatcher.api.validation`, with a strictness rule per object: a field
+the Messages API does not define is a 400, as Anthropic answers it) and then the rules across
 messages (a ``tool_result`` answers a ``tool_use`` of the message before it, a named
 ``tool_choice`` names one of the ``tools``). Every failure is a
 :class:`~dispatcher.errors.BadRequest` whose message starts with the path of the field at
@@ -35,9 +35,10 @@ import orjson
 
 from ...errors import BadRequest
 from ...shared.tokens import estimate_tokens
-from .. import schema
+from ...wire import JSONObject
+from .. import validation
 from ..common import REASONING_EFFORT
-from ..schema import (
+from ..validation import (
     ANY_OBJECT,
     BOOLEAN,
     NON_EMPTY,
@@ -45,8 +46,7 @@ from ..schema import (
     Array,
     Enum,
     Integer,
-    Invalid,
-    JSONObject,
+    Mismatch,
     Number,
     Object,
     OneOf,
@@ -68,20 +68,20 @@ __all__ = [
 
 def _known(*names: str) -> Rule:
     """The object may have only these fields (Anthropic's API refuses extra inputs); a
-    ``null`` counts as absent, as everywhere in :mod:`~dispatcher.api.schema` (the SDK's
+    ``null`` counts as absent, as everywhere in :mod:`~dispatcher.api.validation` (the SDK's
     ``model_dump()`` of a block it received writes its unset fields as ``null``)."""
     allowed = frozenset(names)
 
     def rule(value: JSONObject) -> None:
         for name, item in value.items():
             if name not in allowed and item is not None:
-                raise Invalid("unknown_parameter", "extra inputs are not permitted", name)
+                raise Mismatch("unknown_parameter", "extra inputs are not permitted", name)
 
     return rule
 
 
 def _strict(
-    fields: Mapping[str, schema.Schema],
+    fields: Mapping[str, validation.Schema],
     required: tuple[str, ...] = (),
     *,
     tag: str | None = None,
@@ -105,16 +105,16 @@ class Blocks:
 
     def check(self, value: object, depth: int) -> None:
         if type(value) is not dict:
-            raise Invalid("invalid_type", f"must be a content block object, got {_kind(value)}")
+            raise Mismatch("invalid_type", f"must be a content block object, got {_kind(value)}")
         tag = value.get("type")
         if tag is None:
-            raise Invalid("missing_required_parameter", "a block type is required", "type")
+            raise Mismatch("missing_required_parameter", "a block type is required", "type")
         if type(tag) is not str:
-            raise Invalid("invalid_type", f"must be a string, got {_kind(tag)}", "type")
+            raise Mismatch("invalid_type", f"must be a string, got {_kind(tag)}", "type")
         block = self.variants.get(tag)
         if block is None:
             accepted = ", ".join(f"'{name}'" for name in self.variants)
-            raise Invalid(
+            raise Mismatch(
                 "unsupported_value",
                 f"content blocks of type {_shown(tag)} are not supported in {self.where} "
                 f"(supported: {accepted})",
@@ -154,7 +154,7 @@ _TEXT_OR_BLOCKS: Final = OneOf(
 
 def _system_has_something(message: JSONObject) -> None:
     if message.get("content") is None and not message.get("output_config"):
-        raise Invalid(
+        raise Mismatch(
             "missing_required_parameter",
             "a system message needs content or output_config",
             "content",
@@ -223,19 +223,19 @@ _MESSAGE_ROLES: Final[Mapping[str, Object]] = {
         tag="role",
     ),
 }
-MESSAGE: Final = schema.Tagged("role", _MESSAGE_ROLES, "a message object")
+MESSAGE: Final = validation.Tagged("role", _MESSAGE_ROLES, "a message object")
 
 
 def _input_schema_is_an_object(tool: JSONObject) -> None:
     if tool["input_schema"].get("type") != "object":
-        raise Invalid("invalid_value", "must be a JSON schema of type 'object'", "input_schema")
+        raise Mismatch("invalid_value", "must be a JSON schema of type 'object'", "input_schema")
 
 
 def _client_tool(tool: JSONObject) -> None:
     kind = tool.get("type")
     if kind is not None and kind != "custom":
         shown = _shown(kind) if isinstance(kind, str) else _kind(kind)
-        raise Invalid(
+        raise Mismatch(
             "unsupported_value",
             f"tools of type {shown} (Anthropic's server and client-defined built-in tools) "
             "are not supported; only custom tools (name, description, input_schema) are",
@@ -276,7 +276,7 @@ _TOOL: Final = _Tool(
     )
 )
 _PARALLEL: Final = {"disable_parallel_tool_use": BOOLEAN}
-_TOOL_CHOICE: Final = schema.Tagged(
+_TOOL_CHOICE: Final = validation.Tagged(
     "type",
     {
         "auto": _strict(_PARALLEL, tag="type"),
@@ -296,7 +296,7 @@ UNSUPPORTED: Final[Mapping[str, str]] = {
 """Fields the Messages API defines and this edge cannot honour: a 400 naming them."""
 
 _THINKING_DISPLAY: Final = {"display": Enum(("summarized", "omitted"))}
-_THINKING: Final = schema.Tagged(
+_THINKING: Final = validation.Tagged(
     "type",
     {
         "adaptive": _strict(_THINKING_DISPLAY, tag="type"),
@@ -311,7 +311,7 @@ _THINKING: Final = schema.Tagged(
 _OUTPUT_CONFIG: Final = _strict(
     {
         "effort": _EFFORT,
-        "format": schema.Tagged(
+        "format": validation.Tagged(
             "type",
             {"json_schema": _strict({"schema": ANY_OBJECT}, ("schema",), tag="type")},
             "an output format object",
@@ -320,7 +320,7 @@ _OUTPUT_CONFIG: Final = _strict(
 )
 _ACCEPTED: Final = String(max_length=1024)
 
-_FIELDS: Final[Mapping[str, schema.Schema]] = {
+_FIELDS: Final[Mapping[str, validation.Schema]] = {
     "model": NON_EMPTY,
     "max_tokens": Integer(low=1),
     "system": _TEXT_OR_BLOCKS,
@@ -349,10 +349,10 @@ _FIELDS: Final[Mapping[str, schema.Schema]] = {
 def _no_unsupported(body: JSONObject) -> None:
     for name, why in UNSUPPORTED.items():
         if body.get(name) is not None:
-            raise Invalid("unsupported_parameter", f"not supported: {why}", name)
+            raise Mismatch("unsupported_parameter", f"not supported: {why}", name)
 
 
-def _top_level(fields: Mapping[str, schema.Schema], required: tuple[str, ...]) -> Object:
+def _top_level(fields: Mapping[str, validation.Schema], required: tuple[str, ...]) -> Object:
     # The unsupported fields are known (their rule names them), the rest are extra inputs.
     return Object(
         fields, required, rules=(_no_unsupported, _known(*fields, *UNSUPPORTED)), what="an object"
@@ -380,8 +380,8 @@ class MessagesRequest:
 
 
 def _validate(raw: bytes, shape: Object) -> JSONObject:
-    body = schema.load_object(raw)
-    schema.validate(body, shape)
+    body = validation.load_object(raw)
+    validation.validate(body, shape)
     _check_conversation(body)
     return body
 
@@ -511,7 +511,7 @@ def _shown_messages(messages: list[JSONObject]) -> list[JSONObject]:
     ]
 
 
-def chat_messages(body: JSONObject) -> list[JSONObject]:
+def to_chat_messages(body: JSONObject) -> list[JSONObject]:
     """The chat messages of a validated Messages body: ``system`` first, then each message
     translated in its place -- a system message in the conversation as a ``system``
     message where it is, except between an assistant's tool calls and their results (chat
@@ -574,7 +574,7 @@ _TOOL_CHOICES: Final[Mapping[str, str]] = {"auto": "auto", "any": "required", "n
 def to_chat_body(body: JSONObject) -> JSONObject:
     """The OpenAI chat-completions body a validated Messages ``body`` means (see the module
     docstring)."""
-    chat: JSONObject = {"model": body["model"], "messages": chat_messages(body)}
+    chat: JSONObject = {"model": body["model"], "messages": to_chat_messages(body)}
     if body.get("max_tokens") is not None:
         chat["max_tokens"] = body["max_tokens"]
     for name in ("temperature", "top_p"):

@@ -6,8 +6,8 @@ A Responses request is translated into the typed
 OpenAI chat body (``instructions`` and the ``input`` items as ``messages``, function ``tools``,
 ``tool_choice``, ``max_output_tokens`` as ``max_tokens`` ...), so it takes the same gate,
 recovery, cancellation and usage rows as chat completions; the ledger's row records the route
-``/v1/responses``. Only normalized candidates serve it (:func:`normalized_only`): a tunnel
-relays bytes, and no provider is declared to speak ``/v1/responses`` natively.
+``/v1/responses``. Only normalized candidates serve it (:data:`RESPONSES_PREDICATE`): a
+tunnel relays bytes, and no provider is declared to speak ``/v1/responses`` natively.
 
 Nothing is written before the gate yields the committed answer: for a stream, the preamble
 (``response.created``, ``response.in_progress``) goes out with the first content, so a failure
@@ -35,12 +35,16 @@ from ...errors import BadRequest, NotFound
 from ...gate.attempts import Answer
 from ...http import PeerGone, Request, Responder
 from ...store.seam import ResponseStore, StoredResponse
+from ...wire import JSONObject
 from ..common import (
     JSON_HEADERS,
+    SHUTDOWN_SEND_TIMEOUT,
+    SSE_HEADERS,
     ModelCall,
     dispatch_headers,
     fit_effort,
     model_route,
+    normalized_only,
     openai_error,
     relay_rest,
 )
@@ -50,7 +54,6 @@ from ..front import (
     RouteContext,
     RouteSpec,
 )
-from ..schema import JSONObject
 from ..seam import EdgeServices
 from ._answer import (
     Events,
@@ -61,13 +64,13 @@ from ._answer import (
 from ._request import (
     ParsedResponsesRequest,
     chat_body,
-    normalized_only,
     parse_responses_request,
 )
 
 __all__ = [
     "FRONT_END",
     "RESPONSES_PATH",
+    "RESPONSES_PREDICATE",
     "RESPONSE_ID_ROUTE",
     "ParsedResponsesRequest",
     "ResponseStore",
@@ -75,7 +78,6 @@ __all__ = [
     "chat_body",
     "error_code",
     "make_front_end",
-    "normalized_only",
     "parse_responses_request",
 ]
 
@@ -84,11 +86,11 @@ RESPONSE_ID_ROUTE: Final = "/v1/responses/{id}"
 """The route of one stored response: a pattern route (``api.app`` matches the last path
 segment as ``{id}``)."""
 
-SSE_HEADERS: Final = (
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
+RESPONSES_PREDICATE: Final = normalized_only(
+    "serves this model through a tunnel, which cannot speak /v1/responses"
 )
+"""The admission predicate of ``/v1/responses``: a tunnel relays the client's bytes to a
+provider, and none is declared to speak ``/v1/responses``."""
 
 # --------------------------------------------------------------------------- routes
 
@@ -130,7 +132,7 @@ def _create_route(store_of: StoreOf) -> Route:
         history = await _history(store, previous, owner)
         chat = chat_body(request, history)
         gated = await call.gate_request(
-            chat, stream=request.stream, predicate=normalized_only, prepare=fit_effort(chat)
+            chat, stream=request.stream, predicate=RESPONSES_PREDICATE, prepare=fit_effort(chat)
         )
         turn = Turn(request, previous)
 
@@ -234,7 +236,7 @@ async def _stream(edge: EdgeServices, reply: _Reply) -> None:
         )
     if scope.cancelled_caught:
         reply.turn.fail("server_error", "the dispatcher is shutting down")
-        with trio.move_on_after(1, shield=True):
+        with trio.move_on_after(SHUTDOWN_SEND_TIMEOUT, shield=True):
             await stream.send(
                 events.encode([*reply.turn.output.take_events(), final_event(reply.turn)])
             )

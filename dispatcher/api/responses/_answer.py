@@ -12,7 +12,7 @@ from typing import Final
 import orjson
 
 from ... import wire
-from ..schema import JSONObject
+from ...wire import JSONObject
 from ._request import (
     ParsedResponsesRequest,
     ToolPlan,

@@ -12,62 +12,64 @@ from typing import Any, Final
 import attrs
 import orjson
 
-from ...admission import Candidate
 from ...errors import BadRequest
-from .. import schema
+from ...wire import JSONObject
+from .. import validation
 from ..common import REASONING_EFFORT
-from ..schema import Invalid, JSONObject
+from ..openai._request import TEMPERATURE, TOKEN_LIMIT, TOP_P  # the ranges chat has
+from ..validation import Mismatch
 
 __all__ = [
     "REQUEST",
     "ParsedResponsesRequest",
     "chat_body",
-    "chat_messages",
+    "items_to_chat_messages",
     "message_item",
-    "normalized_only",
     "parse_responses_request",
 ]
 
 
-def _only(*known: str) -> schema.Rule:
+def _only(*known: str) -> validation.Rule:
     """A rule refusing any field but ``known``, naming it."""
     allowed = frozenset(known)
 
     def rule(value: JSONObject) -> None:
         for name in value:
             if name not in allowed:
-                raise Invalid("unsupported_parameter", "is not supported by this endpoint", name)
+                raise Mismatch("unsupported_parameter", "is not supported by this endpoint", name)
 
     return rule
 
 
 def _strict(
-    fields: Mapping[str, schema.Schema],
+    fields: Mapping[str, validation.Schema],
     required: tuple[str, ...] = (),
     *,
-    rules: tuple[schema.Rule, ...] = (),
+    rules: tuple[validation.Rule, ...] = (),
     what: str = "an object",
-) -> schema.Object:
-    return schema.Object(fields, required, rules=(_only(*fields), *rules), what=what)
+) -> validation.Object:
+    return validation.Object(fields, required, rules=(_only(*fields), *rules), what=what)
 
 
-_TEXT_PART: Final = _strict({"type": schema.STRING, "text": schema.STRING}, ("text",))
+_TEXT_PART: Final = _strict({"type": validation.STRING, "text": validation.STRING}, ("text",))
 _OUTPUT_TEXT_PART: Final = _strict(
     {
-        "type": schema.STRING,
-        "text": schema.STRING,
-        "annotations": schema.Array(schema.ANY_OBJECT, max_items=0, what="an empty array"),
-        "logprobs": schema.Array(schema.ANY_OBJECT, what="an array"),
+        "type": validation.STRING,
+        "text": validation.STRING,
+        "annotations": validation.Array(validation.ANY_OBJECT, max_items=0, what="an empty array"),
+        "logprobs": validation.Array(validation.ANY_OBJECT, what="an array"),
     },
     ("text",),
 )
-_REFUSAL_PART: Final = _strict({"type": schema.STRING, "refusal": schema.STRING}, ("refusal",))
+_REFUSAL_PART: Final = _strict(
+    {"type": validation.STRING, "refusal": validation.STRING}, ("refusal",)
+)
 
 
-def _message_content(parts: Mapping[str, schema.Object], where: str) -> schema.OneOf:
-    part = schema.Tagged("type", parts, "a content part object", where)
-    return schema.OneOf(
-        {str: schema.STRING, list: schema.Array(part, what="an array of content parts")},
+def _message_content(parts: Mapping[str, validation.Object], where: str) -> validation.OneOf:
+    part = validation.Tagged("type", parts, "a content part object", where)
+    return validation.OneOf(
+        {str: validation.STRING, list: validation.Array(part, what="an array of content parts")},
         what="a string or an array of content parts",
     )
 
@@ -77,24 +79,24 @@ _ASSISTANT_CONTENT: Final = _message_content(
     {"output_text": _OUTPUT_TEXT_PART, "refusal": _REFUSAL_PART, "input_text": _TEXT_PART},
     "in an assistant message",
 )
-_STATUS: Final = schema.enum("in_progress", "completed", "incomplete")
-_MESSAGE_FIELDS: Final[Mapping[str, schema.Schema]] = {
-    "type": schema.STRING,
-    "role": schema.STRING,
-    "id": schema.STRING,
+_STATUS: Final = validation.enum("in_progress", "completed", "incomplete")
+_MESSAGE_FIELDS: Final[Mapping[str, validation.Schema]] = {
+    "type": validation.STRING,
+    "role": validation.STRING,
+    "id": validation.STRING,
     "status": _STATUS,
 }
-_MESSAGES: Final[Mapping[str, schema.Object]] = {
+_MESSAGES: Final[Mapping[str, validation.Object]] = {
     role: _strict({**_MESSAGE_FIELDS, "content": _INPUT_CONTENT}, ("content",))
     for role in ("user", "system", "developer")
 }
-_CALLER: Final = schema.ANY_OBJECT
+_CALLER: Final = validation.ANY_OBJECT
 """Who made a call (``{"type": "direct"}`` or a program's): accepted, not needed."""
-_OUTPUT: Final = schema.OneOf(
+_OUTPUT: Final = validation.OneOf(
     {
-        str: schema.STRING,
-        list: schema.Array(
-            schema.Tagged("type", {"input_text": _TEXT_PART}, "an output part"),
+        str: validation.STRING,
+        list: validation.Array(
+            validation.Tagged("type", {"input_text": _TEXT_PART}, "an output part"),
             what="an array of input_text parts",
         ),
     },
@@ -102,26 +104,26 @@ _OUTPUT: Final = schema.OneOf(
 )
 _REASONING_ITEM: Final = _strict(
     {
-        "type": schema.STRING,
-        "id": schema.STRING,
-        "summary": schema.Array(schema.ANY_OBJECT, what="an array of summary parts"),
-        "content": schema.Array(schema.ANY_OBJECT, what="an array of reasoning parts"),
-        "encrypted_content": schema.STRING,
+        "type": validation.STRING,
+        "id": validation.STRING,
+        "summary": validation.Array(validation.ANY_OBJECT, what="an array of summary parts"),
+        "content": validation.Array(validation.ANY_OBJECT, what="an array of reasoning parts"),
+        "encrypted_content": validation.STRING,
         "status": _STATUS,
     },
 )
 
 
-def _call(value: str) -> schema.Object:
+def _call(value: str) -> validation.Object:
     """A ``function_call`` (its ``arguments``) or ``custom_tool_call`` (its ``input``)."""
     return _strict(
         {
-            "type": schema.STRING,
-            "id": schema.STRING,
-            "call_id": schema.NON_EMPTY,
-            "name": schema.NON_EMPTY,
-            "namespace": schema.NON_EMPTY,
-            value: schema.STRING,
+            "type": validation.STRING,
+            "id": validation.STRING,
+            "call_id": validation.NON_EMPTY,
+            "name": validation.NON_EMPTY,
+            "namespace": validation.NON_EMPTY,
+            value: validation.STRING,
             "caller": _CALLER,
             "status": _STATUS,
         },
@@ -131,16 +133,16 @@ def _call(value: str) -> schema.Object:
 
 _CALL_OUTPUT: Final = _strict(
     {
-        "type": schema.STRING,
-        "id": schema.STRING,
-        "call_id": schema.NON_EMPTY,
+        "type": validation.STRING,
+        "id": validation.STRING,
+        "call_id": validation.NON_EMPTY,
         "output": _OUTPUT,
         "status": _STATUS,
     },
     ("call_id", "output"),
 )
-_ITEMS: Final[Mapping[str, schema.Schema]] = {
-    "message": schema.Tagged(
+_ITEMS: Final[Mapping[str, validation.Schema]] = {
+    "message": validation.Tagged(
         "role",
         {
             **_MESSAGES,
@@ -167,13 +169,13 @@ class _Item:
 
     def check(self, value: object, depth: int) -> None:
         if type(value) is not dict:
-            raise Invalid("invalid_type", "must be an input item object")
+            raise Mismatch("invalid_type", "must be an input item object")
         kind = value.get("type", "message")
         item = _ITEMS.get(kind) if type(kind) is str else None
         if item is None:
             if type(kind) is not str:
-                raise Invalid("invalid_type", "must be a string", "type")
-            raise Invalid(
+                raise Mismatch("invalid_type", "must be a string", "type")
+            raise Mismatch(
                 "unsupported_value",
                 f"item type {kind!r} is not supported: use one of {_ITEM_TYPES}",
                 "type",
@@ -184,37 +186,37 @@ class _Item:
         return "an input item object"
 
 
-_TOOL_NAME: Final = schema.String(
+_TOOL_NAME: Final = validation.String(
     pattern=re.compile(r"[a-zA-Z0-9_-]{1,64}"),
     what="a name of 1 to 64 letters, digits, underscores or dashes",
 )
-_TOOL_COMMON: Final[Mapping[str, schema.Schema]] = {
-    "type": schema.STRING,
+_TOOL_COMMON: Final[Mapping[str, validation.Schema]] = {
+    "type": validation.STRING,
     "name": _TOOL_NAME,
-    "description": schema.STRING,
+    "description": validation.STRING,
     # tool search and programmatic calls: what the backend does not do, so every tool is
     # loaded and called directly
-    "defer_loading": schema.BOOLEAN,
-    "allowed_callers": schema.Array(schema.STRING, what="an array of strings"),
+    "defer_loading": validation.BOOLEAN,
+    "allowed_callers": validation.Array(validation.STRING, what="an array of strings"),
 }
 _FUNCTION_TOOL: Final = _strict(
     {
         **_TOOL_COMMON,
-        "parameters": schema.ANY_OBJECT,
-        "strict": schema.BOOLEAN,
-        "output_schema": schema.ANY_OBJECT,
+        "parameters": validation.ANY_OBJECT,
+        "strict": validation.BOOLEAN,
+        "output_schema": validation.ANY_OBJECT,
     },
     ("name",),
 )
-_CUSTOM_FORMAT: Final = schema.Tagged(
+_CUSTOM_FORMAT: Final = validation.Tagged(
     "type",
     {
-        "text": _strict({"type": schema.STRING}),
+        "text": _strict({"type": validation.STRING}),
         "grammar": _strict(
             {
-                "type": schema.STRING,
-                "syntax": schema.enum("lark", "regex"),
-                "definition": schema.STRING,
+                "type": validation.STRING,
+                "syntax": validation.enum("lark", "regex"),
+                "definition": validation.STRING,
             },
             ("syntax", "definition"),
         ),
@@ -224,11 +226,11 @@ _CUSTOM_FORMAT: Final = schema.Tagged(
 _CUSTOM_TOOL: Final = _strict({**_TOOL_COMMON, "format": _CUSTOM_FORMAT}, ("name",))
 _NAMESPACE_TOOL: Final = _strict(
     {
-        "type": schema.STRING,
+        "type": validation.STRING,
         "name": _TOOL_NAME,
-        "description": schema.STRING,
-        "tools": schema.Array(
-            schema.Tagged(
+        "description": validation.STRING,
+        "tools": validation.Array(
+            validation.Tagged(
                 "type",
                 {"function": _FUNCTION_TOOL, "custom": _CUSTOM_TOOL},
                 "a function or custom tool object",
@@ -268,28 +270,28 @@ class _Tool:
     """A tool: ``function``, ``custom`` and ``namespace`` by their schemas; a built-in tool
     by its ``type`` only (it is dropped, or refused by the route); any other type refused."""
 
-    variants: Mapping[str, schema.Object]
+    variants: Mapping[str, validation.Object]
 
     def check(self, value: object, depth: int) -> None:
         if type(value) is not dict:
-            raise Invalid("invalid_type", "must be a tool object")
+            raise Mismatch("invalid_type", "must be a tool object")
         kind = value.get("type")
         if type(kind) is not str:
             if kind is None:
-                raise Invalid("missing_required_parameter", "a tool type is required", "type")
-            raise Invalid("invalid_type", "must be a string", "type")
+                raise Mismatch("missing_required_parameter", "a tool type is required", "type")
+            raise Mismatch("invalid_type", "must be a string", "type")
         variant = self.variants.get(kind)
         if variant is not None:
             variant.check(value, depth)
         elif kind not in BUILT_IN_TOOLS:
-            raise Invalid(
+            raise Mismatch(
                 "invalid_value",
                 f"tool type {kind!r} is unknown: use function, custom or namespace (or one "
                 "of the API's built-in tools, which this edge drops)",
                 "type",
             )
         else:
-            schema.ANY_OBJECT.check(value, depth)
+            validation.ANY_OBJECT.check(value, depth)
 
     def describe(self) -> str:
         return "a tool object"
@@ -298,11 +300,11 @@ class _Tool:
 _TOOL: Final = _Tool(
     {"function": _FUNCTION_TOOL, "custom": _CUSTOM_TOOL, "namespace": _NAMESPACE_TOOL}
 )
-_NAMED_CHOICE: Final = _strict({"type": schema.STRING, "name": schema.NON_EMPTY}, ("name",))
-_TOOL_CHOICE: Final = schema.OneOf(
+_NAMED_CHOICE: Final = _strict({"type": validation.STRING, "name": validation.NON_EMPTY}, ("name",))
+_TOOL_CHOICE: Final = validation.OneOf(
     {
-        str: schema.enum("none", "auto", "required"),
-        dict: schema.Tagged(
+        str: validation.enum("none", "auto", "required"),
+        dict: validation.Tagged(
             "type",
             {"function": _NAMED_CHOICE, "custom": _NAMED_CHOICE},
             "a tool choice object",
@@ -310,18 +312,18 @@ _TOOL_CHOICE: Final = schema.OneOf(
     },
     what='"none", "auto", "required" or a function or custom tool choice object',
 )
-_FORMAT: Final = schema.Tagged(
+_FORMAT: Final = validation.Tagged(
     "type",
     {
-        "text": _strict({"type": schema.STRING}),
-        "json_object": _strict({"type": schema.STRING}),
+        "text": _strict({"type": validation.STRING}),
+        "json_object": _strict({"type": validation.STRING}),
         "json_schema": _strict(
             {
-                "type": schema.STRING,
-                "name": schema.NON_EMPTY,
-                "schema": schema.ANY_OBJECT,
-                "description": schema.STRING,
-                "strict": schema.BOOLEAN,
+                "type": validation.STRING,
+                "name": validation.NON_EMPTY,
+                "schema": validation.ANY_OBJECT,
+                "description": validation.STRING,
+                "strict": validation.BOOLEAN,
             },
             ("name", "schema"),
         ),
@@ -329,14 +331,14 @@ _FORMAT: Final = schema.Tagged(
     "a text format object",
 )
 REASONING_EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-_SUMMARY: Final = schema.enum("auto", "concise", "detailed")
+_SUMMARY: Final = validation.enum("auto", "concise", "detailed")
 _REASONING: Final = _strict(
     {
-        "effort": schema.Enum(REASONING_EFFORTS),
+        "effort": validation.Enum(REASONING_EFFORTS),
         "summary": _SUMMARY,
         "generate_summary": _SUMMARY,
-        "context": schema.enum("auto", "current_turn", "all_turns"),
-        "mode": schema.STRING,
+        "context": validation.enum("auto", "current_turn", "all_turns"),
+        "mode": validation.STRING,
     }
 )
 INCLUDABLE: Final = (
@@ -351,12 +353,12 @@ INCLUDABLE: Final = (
 )
 """What ``include`` may ask for: each is accepted, and none adds anything to an answer of
 this edge (no reasoning items, logprobs or built-in tool calls are produced)."""
-_ACCEPTED_STRING: Final = schema.String(max_length=1024)
+_ACCEPTED_STRING: Final = validation.String(max_length=1024)
 
 
 def _not_in_background(body: JSONObject) -> None:
     if body.get("background") is True:
-        raise Invalid(
+        raise Mismatch(
             "unsupported_value",
             "background responses are not supported: leave it out or false, and keep the "
             "connection (stream: true keeps a long answer coming)",
@@ -366,42 +368,47 @@ def _not_in_background(body: JSONObject) -> None:
 
 REQUEST: Final = _strict(
     {
-        "model": schema.NON_EMPTY,
-        "input": schema.OneOf(
-            {str: schema.STRING, list: schema.Array(_Item(), what="an array of input items")},
+        "model": validation.NON_EMPTY,
+        "input": validation.OneOf(
+            {
+                str: validation.STRING,
+                list: validation.Array(_Item(), what="an array of input items"),
+            },
             what="a string or an array of input items",
         ),
-        "instructions": schema.STRING,
-        "tools": schema.Array(_TOOL, what="an array of tools"),
+        "instructions": validation.STRING,
+        "tools": validation.Array(_TOOL, what="an array of tools"),
         "tool_choice": _TOOL_CHOICE,
-        "parallel_tool_calls": schema.BOOLEAN,
-        "max_output_tokens": schema.TOKEN_LIMIT,
-        "temperature": schema.TEMPERATURE,
-        "top_p": schema.TOP_P,
-        "stream": schema.BOOLEAN,
-        "stream_options": _strict({"include_obfuscation": schema.BOOLEAN}),
-        "metadata": schema.Map(
-            schema.String(max_length=512),
-            keys=schema.String(max_length=64),
+        "parallel_tool_calls": validation.BOOLEAN,
+        "max_output_tokens": TOKEN_LIMIT,
+        "temperature": TEMPERATURE,
+        "top_p": TOP_P,
+        "stream": validation.BOOLEAN,
+        "stream_options": _strict({"include_obfuscation": validation.BOOLEAN}),
+        "metadata": validation.Map(
+            validation.String(max_length=512),
+            keys=validation.String(max_length=64),
             max_items=16,
             what="an object of at most 16 string values",
         ),
-        "store": schema.BOOLEAN,
-        "previous_response_id": schema.NON_EMPTY,
-        "text": _strict({"format": _FORMAT, "verbosity": schema.enum("low", "medium", "high")}),
-        "truncation": schema.enum("disabled"),
+        "store": validation.BOOLEAN,
+        "previous_response_id": validation.NON_EMPTY,
+        "text": _strict({"format": _FORMAT, "verbosity": validation.enum("low", "medium", "high")}),
+        "truncation": validation.enum("disabled"),
         "reasoning": _REASONING,
-        "include": schema.Array(schema.Enum(INCLUDABLE), what="an array of includable names"),
+        "include": validation.Array(
+            validation.Enum(INCLUDABLE), what="an array of includable names"
+        ),
         "prompt_cache_key": _ACCEPTED_STRING,
-        "prompt_cache_retention": schema.enum("in_memory", "24h"),
-        "service_tier": schema.enum("auto", "default", "flex", "scale", "priority"),
+        "prompt_cache_retention": validation.enum("in_memory", "24h"),
+        "service_tier": validation.enum("auto", "default", "flex", "scale", "priority"),
         "safety_identifier": _ACCEPTED_STRING,
         "user": _ACCEPTED_STRING,
-        "client_metadata": schema.ANY_OBJECT,
-        "background": schema.BOOLEAN,
+        "client_metadata": validation.ANY_OBJECT,
+        "background": validation.BOOLEAN,
         # The built-in echo model's per-request knobs (nodes/adapters/echo.py), forwarded as
         # the chat routes forward them: what the tests inject faults and tool calls with.
-        "echo": schema.ANY_OBJECT,
+        "echo": validation.ANY_OBJECT,
     },
     ("model", "input"),
     rules=(_not_in_background,),
@@ -548,7 +555,7 @@ class ParsedResponsesRequest:
 def parse_responses_request(raw: bytes, *, max_size: int | None = None) -> ParsedResponsesRequest:
     """Parse and validate a ``POST /v1/responses`` body (:data:`REQUEST`); raise
     :class:`BadRequest` naming the bad field."""
-    body = schema.parse(raw, REQUEST, max_size=max_size)
+    body = validation.parse(raw, REQUEST, max_size=max_size)
     given = body["input"]
     if isinstance(given, str):
         items: list[JSONObject] = [message_item("user", given)]
@@ -625,7 +632,9 @@ def custom_tool_input(arguments: str) -> str:
     return text if isinstance(text, str) else arguments
 
 
-def chat_messages(instructions: str | None, items: Sequence[JSONObject]) -> list[JSONObject]:
+def items_to_chat_messages(
+    instructions: str | None, items: Sequence[JSONObject]
+) -> list[JSONObject]:
     """Responses items as chat messages: ``instructions`` first as a system message; a
     ``function_call`` or ``custom_tool_call`` joins the assistant message just before it (or
     starts one with null content) as a tool call of its chat function
@@ -673,7 +682,7 @@ def chat_body(request: ParsedResponsesRequest, history: Sequence[JSONObject]) ->
     body = request.body
     chat: JSONObject = {
         "model": request.model,
-        "messages": chat_messages(body.get("instructions"), [*history, *request.items]),
+        "messages": items_to_chat_messages(body.get("instructions"), [*history, *request.items]),
     }
     if request.stream:
         chat["stream"] = True
@@ -717,11 +726,3 @@ def chat_body(request: ParsedResponsesRequest, history: Sequence[JSONObject]) ->
                 },
             }
     return chat
-
-
-def normalized_only(candidate: Candidate) -> str | None:
-    """The admission predicate of ``/v1/responses``: a tunnel relays the client's bytes to a
-    provider, and none is declared to speak ``/v1/responses``."""
-    if candidate.path == "normalized":
-        return None
-    return "serves this model through a tunnel, which cannot speak /v1/responses"
