@@ -15,7 +15,8 @@ from typing import Final, Literal
 
 import attrs
 
-Outcome = Literal["completed", "failed", "aborted", "cancelled"]
+from ..store.usage import Outcome
+
 Step = Literal["retry", "give_up"]
 AdmissionStep = Literal["raise", "give_up"]
 Health = Literal["success", "failure", "none"]

@@ -39,7 +39,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-OUTCOMES = (
+REQUEST_OUTCOMES = (
     "completed",  # the client got a complete answer
     "failed",  # the run or its node failed (502 or an SSE error event)
     "client_gone",  # the client left before the end

@@ -60,7 +60,7 @@ from .usage_sqlite import SQLiteUsage
 
 __all__ = [
     "FLUSH_TIMEOUT",
-    "MAX_PENDING",
+    "MAX_PENDING_ROWS",
     "RECENT_KEYS",
     "BatchedLedger",
     "open_usage_ledger",
@@ -74,7 +74,7 @@ _CLOSE_TIMEOUT: Final = 5.0
 """Seconds for closing the database after that (a WAL checkpoint)."""
 RECENT_KEYS: Final = 4096
 """Default number of written keys ``record`` still refuses as duplicates by itself."""
-MAX_PENDING: Final = 100_000
+MAX_PENDING_ROWS: Final = 100_000
 """Default bound on rows waiting to be written."""
 _WRITE_ATTEMPTS: Final = 5
 """Tries of one batch's transaction before its rows are given up."""
@@ -339,7 +339,7 @@ async def open_usage_ledger(
     batch_interval: float = 0.05,
     max_batch: int = 500,
     recent_keys: int = RECENT_KEYS,
-    max_pending: int = MAX_PENDING,
+    max_pending: int = MAX_PENDING_ROWS,
 ) -> AsyncIterator[BatchedLedger]:
     """A usage ledger on the SQLite file ``path`` (created, with its directory, if missing),
     or on a private in-memory database for ``":memory:"`` or None.

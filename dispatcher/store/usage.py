@@ -10,6 +10,8 @@ from typing import Any, Final, Literal, TypedDict, get_args
 
 import attrs
 
+from ..wire import ExecutionPath
+
 __all__ = [
     "BILLABLE_TO",
     "DEFAULT_QUERY_LIMIT",
@@ -39,7 +41,6 @@ MAX_QUERY_LIMIT: Final = 10_000
 DEFAULT_QUERY_LIMIT: Final = 1000
 """The rows a query returns when it does not say."""
 
-ExecutionPath = Literal["normalized", "tunnel"]
 UsageSource = Literal["reported", "estimated"]
 Outcome = Literal["completed", "failed", "aborted", "cancelled"]
 """How the attempt ended; ``cancelled`` is the client going away."""
