@@ -92,3 +92,63 @@ def test_no_function_level_import_but_the_documented_one() -> None:
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     found.append(f"{path.relative_to(ROOT)}:{function.name}")
     assert sorted(set(found)) == ["dispatcher/cli.py:_serve"]
+
+
+def _module_of(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if package else parts), package
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports at import time (not under TYPE_CHECKING, not
+    inside functions), an import of a package's name counted as an import of the package."""
+    modules = {}
+    for root in ("dispatcher", "nodes"):
+        for path in (ROOT / root).rglob("*.py"):
+            modules[_module_of(path)[0]] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = _module_of(path)[1]
+        base = name.split(".") if package else name.split(".")[:-1]
+        edges: set[str] = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                start = ".".join(base[: len(base) - node.level + 1]) if node.level else ""
+                source = ".".join(filter(None, [start, node.module or ""]))
+                targets = [source]
+                targets += [f"{source}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules and not name.startswith(f"{target}."):
+                    edges.add(target)  # an ancestor package is imported first anyway
+        graph[name] = edges - {name}
+    return graph
+
+
+def test_no_import_cycle() -> None:
+    """Layers order the packages; this checks every module, inside packages too: no chain of
+    module-level imports leads back to where it started."""
+    graph = import_graph()
+    done: set[str] = set()
+    path: list[str] = []
+    on_path: set[str] = set()
+
+    def visit(module: str) -> None:
+        path.append(module)
+        on_path.add(module)
+        for target in sorted(graph[module]):
+            assert target not in on_path, " -> ".join([*path[path.index(target) :], target])
+            if target not in done:
+                visit(target)
+        path.pop()
+        on_path.discard(module)
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    assert len(done) > 100  # the walk saw the whole tree
