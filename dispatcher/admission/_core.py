@@ -27,8 +27,8 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   priority band, highest first; within a band, the tenant with the smallest virtual start
   (each admission from the queue advances it by ``1 / weight``; a tenant with nothing
   queued is forgotten and re-enters at the smallest start of the band's tenants queued
-  where it joins); FIFO within a tenant.
-  So a queue is a FIFO *lane* per (band, tenant) and a heap of lanes by
+  where it joins); FIFO within a tenant. A (band, tenant) is a *flow*.
+  So a queue is a FIFO *lane* per flow and a heap of lanes by
   ``(-priority, start, head's arrival)``, fixed lazily (keys only grow): O(log lanes) per
   decision. With the default share (one tenant, one band) it is exactly FIFO.
 * ended waiters (cancelled, admitted from the middle, timed out) are marked and dropped
@@ -78,11 +78,11 @@ from ._candidates import (
 from ._fair import (
     DEFAULT_SHARE,
     REQUEUED,
+    Flow,
+    Flows,
     Lane,
     Lanes,
     Share,
-    Tenant,
-    Tenants,
 )
 from ._health import HealthState, HealthTable, IdentityHealth
 from ._policy import Policy, PolicySnapshot
@@ -220,7 +220,7 @@ _LONG: Final = 1
 _CLASSES: Final[tuple[RequestClass, RequestClass]] = ("short", "long")
 _COMPACT_MIN: Final = 256
 _Order: TypeAlias = tuple[int, int, float, int]
-"""``_Waiter.order``: (requeued first, -priority, tenant's virtual start, arrival)."""
+"""``_Waiter.order``: (requeued first, -priority, flow's virtual start, arrival)."""
 _SHRINK_MIN: Final = 8
 """A table is rebuilt when it shrank to a quarter of a peak above this."""
 _NOT_EJECTED: Final = float("-inf")
@@ -256,17 +256,17 @@ class _Waiter:
     fallback: bool = False
     """None of its capable candidates may be healthy or probing (see the module docstring;
     counted in ``group.fallbacks`` while queued)."""
-    tenant: Tenant = REQUEUED
-    """While queued: its tenant's record in its band (``REQUEUED`` for a requeued one)."""
+    flow: Flow = REQUEUED
+    """While queued: its flow, its tenant in its band (``REQUEUED`` for a requeued one)."""
     lane: Lane[_Waiter] | None = None
-    """While queued: its tenant's lane in its queue."""
+    """While queued: its flow's lane in its queue."""
 
     @property
     def order(self) -> tuple[int, int, float, int]:
         """Queue order (as of now): requeued waiters first, by arrival; then the higher
-        priority band, the tenant with the smaller virtual start, the earlier arrival."""
-        tenant = self.tenant
-        return (0 if self.retry else 1, -tenant.priority, tenant.start, self.seq)
+        priority band, the flow with the smaller virtual start, the earlier arrival."""
+        flow = self.flow
+        return (0 if self.retry else 1, -flow.priority, flow.start, self.seq)
 
     @property
     def queue_key(self) -> tuple[int, bool, int]:
@@ -348,8 +348,8 @@ class _Group:
     candidates: dict[CandidateKey, _CandidateState] = attrs.Factory(dict)
     queues: dict[tuple[int, bool, int], Lanes[_Waiter]] = attrs.Factory(dict)
     """Per queue key, its live waiters' lanes (a key with none is dropped)."""
-    tenants: Tenants = attrs.Factory(Tenants)
-    """The virtual start of each (band, tenant) with a first-time waiter queued."""
+    flows: Flows = attrs.Factory(Flows)
+    """The virtual start of each flow (band, tenant) with a first-time waiter queued."""
     depth: list[int] = attrs.Factory(lambda: [0, 0])
     fallbacks: dict[tuple[int, bool, int], int] = attrs.Factory(dict)
     """Per queue key, how many of its live waiters are flagged ``fallback`` (no zeros)."""
@@ -867,7 +867,7 @@ class AdmissionCore:
     ) -> None:
         if self._waiters.get(waiter.id) is waiter:
             if not waiter.retry:
-                Tenants.charge(waiter.tenant, waiter.share.weight)
+                Flows.charge(waiter.flow, waiter.share.weight)
             self._end(waiter)
         slot = _Slot(id=next(self._slot_ids), state=state, klass=waiter.klass)
         self._slots[slot.id] = slot
@@ -933,7 +933,7 @@ class AdmissionCore:
             def floor() -> float | None:
                 return queue.floor(priority) if queue is not None else None
 
-            waiter.tenant = group.tenants.enter(waiter.share, floor)
+            waiter.flow = group.flows.enter(waiter.share, floor)
         self._place(waiter)
         self._waiters[waiter.id] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, waiter))
@@ -955,7 +955,7 @@ class AdmissionCore:
         if not queue.live:
             del group.queues[key]
         if not waiter.retry:
-            group.tenants.leave(waiter.tenant)
+            group.flows.leave(waiter.flow)
         if not popped:
             self._deadlines_dead += 1
         if self._deadlines_dead > _COMPACT_MIN and self._deadlines_dead > len(self._waiters):
@@ -964,13 +964,13 @@ class AdmissionCore:
             self._deadlines_dead = 0
 
     def _place(self, waiter: _Waiter) -> None:
-        """Put a queued waiter in its queue's lane (its tenant record already set)."""
+        """Put a queued waiter in its queue's lane (its flow already set)."""
         group = waiter.group
         key = waiter.queue_key
         queue = group.queues.get(key)
         if queue is None:
             queue = group.queues[key] = Lanes()
-        waiter.lane = queue.append(waiter, waiter.tenant)
+        waiter.lane = queue.append(waiter, waiter.flow)
         group.depth[waiter.klass] += 1
         if waiter.fallback:
             group.fallbacks[key] = group.fallbacks.get(key, 0) + 1
