@@ -24,7 +24,6 @@ from ._candidates import Predicate as Predicate
 from ._candidates import RequestClass as RequestClass
 from ._candidates import needs_from_body as needs_from_body
 from ._core import ADMIT_REASONS as ADMIT_REASONS
-from ._core import HEALTH_STATES as HEALTH_STATES
 from ._core import REJECT_CAUSES as REJECT_CAUSES
 from ._core import AdmissionCore as AdmissionCore
 from ._core import AdmissionStatistics as AdmissionStatistics
@@ -33,7 +32,6 @@ from ._core import AdmitReason as AdmitReason
 from ._core import CandidateStatistics as CandidateStatistics
 from ._core import Decision as Decision
 from ._core import GroupStatistics as GroupStatistics
-from ._core import HealthState as HealthState
 from ._core import Reject as Reject
 from ._core import RejectCause as RejectCause
 from ._core import SlotId as SlotId
@@ -47,6 +45,8 @@ from ._errors import UnknownModel as UnknownModel
 from ._errors import error_for as error_for
 from ._fair import DEFAULT_SHARE as DEFAULT_SHARE
 from ._fair import Share as Share
+from ._health import HEALTH_STATES as HEALTH_STATES
+from ._health import HealthState as HealthState
 from ._policy import MODEL_LINGER_S as MODEL_LINGER_S
 from ._policy import Policy as Policy
 from ._policy import PolicySnapshot as PolicySnapshot

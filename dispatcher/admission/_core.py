@@ -10,11 +10,12 @@ Inputs: :meth:`AdmissionCore.submit`, ``cancel``, ``release``, ``begin_drain``,
 ``now`` (queue timeouts, drain deadlines, ends of cool-downs), so a waiter is never admitted
 at or after its deadline.
 
-Failure-aware selection: each candidate identity (node, provider, model; no generation, so
-it survives reconnects) is *healthy*, *ejected* (after ``eject_after_failures``
-consecutive failures, for a cool-down) or *probing* (the cool-down ended: one request at a
-time). A waiter uses an ejected candidate only when none of the candidates that can serve
-it is healthy or probing (the fallback: a group is never stranded by its own ejections).
+Failure-aware selection: each candidate identity is *healthy*, *ejected* or *probing*; that
+health and its transitions are a sub-machine of their own (:mod:`._health`), which the core
+feeds with the reports and the ends of cool-downs. What health means for the slots is the
+core's: a waiter uses an ejected candidate only when none of the candidates that can serve
+it is healthy or probing (the fallback: a group is never stranded by its own ejections),
+and a probing candidate takes one request at a time.
 
 Data layout (what keeps an operation O(1) in the common case, whatever the queue length):
 
@@ -26,15 +27,15 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   priority band, highest first; within a band, the tenant with the smallest virtual start
   (each admission from the queue advances it by ``1 / weight``; a tenant with nothing
   queued is forgotten and re-enters at the smallest start of the band's tenants queued
-  where it joins); FIFO within a tenant.
-  So a queue is a FIFO *lane* per (band, tenant) and a heap of lanes by
+  where it joins); FIFO within a tenant. A (band, tenant) is a *flow*.
+  So a queue is a FIFO *lane* per flow and a heap of lanes by
   ``(-priority, start, head's arrival)``, fixed lazily (keys only grow): O(log lanes) per
   decision. With the default share (one tenant, one band) it is exactly FIFO.
 * ended waiters (cancelled, admitted from the middle, timed out) are marked and dropped
   lazily from lane heads; a lane with no live waiter is dropped at once; a queue's lanes
   are compacted when the garbage outgrows the live entries.
-* queue deadlines, drain deadlines and cool-down ends live in heaps with lazy deletion
-  (and compaction).
+* queue deadlines and drain deadlines live in heaps with lazy deletion (and compaction),
+  as do the ends of cool-downs in :mod:`._health`.
 * a queued waiter carries a *fallback* flag: set when none of its capable candidates may be
   healthy or probing (it is exact after every event that could make it true, and may be
   stale-true afterwards: it is checked again before use). Each queue counts its flagged
@@ -50,9 +51,9 @@ reconnect):
 * invariant: a group exists only while it has a candidate, a queued waiter, or the policy
   names it. The input that takes its last candidate or waiter away drops it (O(1) per
   group it touched); ``set_policy`` drops the ones it no longer names.
-* an identity's health outlives its node session only while there is something to remember,
-  and at most :data:`HEALTH_MEMORY` departed identities are remembered (the longest gone is
-  forgotten first); at most :data:`NODE_MEMORY` departed nodes are remembered.
+* at most :data:`NODE_MEMORY` departed nodes are remembered (the one that left first is
+  forgotten first); departed identities' health is bounded by :mod:`._health`
+  (``HEALTH_MEMORY``).
 * a table that shrank to a quarter of its peak is rebuilt (Python dicts never shrink by
   themselves), amortized O(1) per removal.
 """
@@ -70,7 +71,6 @@ import attrs
 from ._candidates import (
     CAPABILITIES,
     Candidate,
-    CandidateIdentity,
     CandidateKey,
     Needs,
     RequestClass,
@@ -78,12 +78,13 @@ from ._candidates import (
 from ._fair import (
     DEFAULT_SHARE,
     REQUEUED,
+    Flow,
+    Flows,
     Lane,
     Lanes,
     Share,
-    Tenant,
-    Tenants,
 )
+from ._health import HealthState, HealthTable, IdentityHealth
 from ._policy import Policy, PolicySnapshot
 
 WaiterId: TypeAlias = int | str
@@ -92,7 +93,6 @@ AdmitReason: TypeAlias = Literal["immediate", "queued", "requeued"]
 RejectCause: TypeAlias = Literal[
     "queue_full", "timeout", "no_capable_candidate", "unknown_model", "model_unavailable"
 ]
-HealthState: TypeAlias = Literal["healthy", "ejected", "probing"]
 
 ADMIT_REASONS: Final[tuple[AdmitReason, ...]] = ("immediate", "queued", "requeued")
 REJECT_CAUSES: Final[tuple[RejectCause, ...]] = (
@@ -102,12 +102,8 @@ REJECT_CAUSES: Final[tuple[RejectCause, ...]] = (
     "unknown_model",
     "model_unavailable",
 )
-HEALTH_STATES: Final[tuple[HealthState, ...]] = ("healthy", "ejected", "probing")
 SESSION_MEMORY: Final = 10_000
 """Sessions whose last node the core remembers (least recently used ones are forgotten)."""
-HEALTH_MEMORY: Final = 10_000
-"""Departed identities (no joined candidate) whose health the core remembers; beyond that
-the one that left first is forgotten (it comes back healthy)."""
 NODE_MEMORY: Final = 10_000
 """Departed nodes whose newest generation the core remembers (to ignore their stale
 announcements); beyond that the one that left first is forgotten."""
@@ -224,7 +220,7 @@ _LONG: Final = 1
 _CLASSES: Final[tuple[RequestClass, RequestClass]] = ("short", "long")
 _COMPACT_MIN: Final = 256
 _Order: TypeAlias = tuple[int, int, float, int]
-"""``_Waiter.order``: (requeued first, -priority, tenant's virtual start, arrival)."""
+"""``_Waiter.order``: (requeued first, -priority, flow's virtual start, arrival)."""
 _SHRINK_MIN: Final = 8
 """A table is rebuilt when it shrank to a quarter of a peak above this."""
 _NOT_EJECTED: Final = float("-inf")
@@ -260,17 +256,17 @@ class _Waiter:
     fallback: bool = False
     """None of its capable candidates may be healthy or probing (see the module docstring;
     counted in ``group.fallbacks`` while queued)."""
-    tenant: Tenant = REQUEUED
-    """While queued: its tenant's record in its band (``REQUEUED`` for a requeued one)."""
+    flow: Flow = REQUEUED
+    """While queued: its flow, its tenant in its band (``REQUEUED`` for a requeued one)."""
     lane: Lane[_Waiter] | None = None
-    """While queued: its tenant's lane in its queue."""
+    """While queued: its flow's lane in its queue."""
 
     @property
     def order(self) -> tuple[int, int, float, int]:
         """Queue order (as of now): requeued waiters first, by arrival; then the higher
-        priority band, the tenant with the smaller virtual start, the earlier arrival."""
-        tenant = self.tenant
-        return (0 if self.retry else 1, -tenant.priority, tenant.start, self.seq)
+        priority band, the flow with the smaller virtual start, the earlier arrival."""
+        flow = self.flow
+        return (0 if self.retry else 1, -flow.priority, flow.start, self.seq)
 
     @property
     def queue_key(self) -> tuple[int, bool, int]:
@@ -278,41 +274,10 @@ class _Waiter:
 
 
 @attrs.define(eq=False)
-class _Health:
-    """The health of one candidate identity, shared by its generations."""
-
-    identity: CandidateIdentity
-    state: HealthState = "healthy"
-    failures: int = 0
-    """Consecutive failures since the last success."""
-    ejections: int = 0
-    """Ejections in a row without a success: the cool-down level."""
-    ejected_until: float | None = None
-    heap_seq: int = -1
-    """The sequence number of its live entry in the cool-down heap (while ejected)."""
-    probe: SlotId | None = None
-    """The slot of the one request a probing candidate took."""
-    live: _CandidateState | None = None
-    """The candidate of the node's current session, if it is joined."""
-    ejections_total: int = 0
-    """Every ejection since this record was made (for metrics; not part of ``pristine``)."""
-
-    @property
-    def pristine(self) -> bool:
-        """Nothing to remember: healthy, no failures, no candidate."""
-        return (
-            self.state == "healthy"
-            and self.failures == 0
-            and self.ejections == 0
-            and self.live is None
-        )
-
-
-@attrs.define(eq=False)
 class _CandidateState:
     candidate: Candidate
     group: _Group
-    health: _Health
+    health: IdentityHealth[_CandidateState]
     key: CandidateKey = attrs.field(init=False)
     capmask: int = attrs.field(init=False)
     limits: tuple[int, int, int] = attrs.field(init=False)
@@ -383,8 +348,8 @@ class _Group:
     candidates: dict[CandidateKey, _CandidateState] = attrs.Factory(dict)
     queues: dict[tuple[int, bool, int], Lanes[_Waiter]] = attrs.Factory(dict)
     """Per queue key, its live waiters' lanes (a key with none is dropped)."""
-    tenants: Tenants = attrs.Factory(Tenants)
-    """The virtual start of each (band, tenant) with a first-time waiter queued."""
+    flows: Flows = attrs.Factory(Flows)
+    """The virtual start of each flow (band, tenant) with a first-time waiter queued."""
     depth: list[int] = attrs.Factory(lambda: [0, 0])
     fallbacks: dict[tuple[int, bool, int], int] = attrs.Factory(dict)
     """Per queue key, how many of its live waiters are flagged ``fallback`` (no zeros)."""
@@ -428,16 +393,8 @@ class AdmissionCore:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._deadlines_dead = 0
         self._drains: list[tuple[float, SlotId]] = []
-        self._health: dict[CandidateIdentity, _Health] = {}
-        self._health_peak = 0
-        self._away: OrderedDict[CandidateIdentity, None] = OrderedDict()
-        """The identities of ``_health`` with no joined candidate, in the order they left."""
-        self._cooldowns: list[tuple[float, int, _Health]] = []
-        self._cooldowns_dead = 0
-        self._cooldown_seq = itertools.count()
-        self._ejections = 0
-        self._unhealthy = 0
-        """Identities ejected or probing: while 0, selection skips every health check."""
+        self._health: HealthTable[_CandidateState] = HealthTable()
+        """The health of every candidate identity the core tracks (:mod:`._health`)."""
         self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._admissions: dict[AdmitReason, int] = dict.fromkeys(ADMIT_REASONS, 0)
         self._rejections: dict[RejectCause, int] = dict.fromkeys(REJECT_CAUSES, 0)
@@ -503,7 +460,7 @@ class AdmissionCore:
             if not fit:
                 self._reject_incapable(decisions, waiter_id, name, reasons, waiter, group)
                 return decisions
-            if not self._unhealthy:
+            if not self._health.unhealthy:
                 chosen = self._pick(waiter, (s for s in fit if s.free(klass)))
             else:
                 fallback = waiter.fallback = all(s.ejected for s in fit)
@@ -582,7 +539,7 @@ class AdmissionCore:
         touched: dict[str, list[_CandidateState]] = {}
         reresolve: set[str] = set()
         superseded: set[str] = set()
-        left: list[_Health] = []
+        left: list[IdentityHealth[_CandidateState]] = []
         for candidate in candidates:
             node = candidate.node_id
             seen = self._nodes.get(node)
@@ -602,12 +559,7 @@ class AdmissionCore:
             if state is None:
                 if not group.candidates:
                     reresolve.add(group.name)
-                identity = candidate.identity
-                health = self._health.get(identity)
-                if health is None:
-                    health = self._new_health(identity)
-                else:
-                    self._away.pop(identity, None)
+                health = self._health.join(candidate.identity)
                 state = _CandidateState(candidate=candidate, group=group, health=health)
                 health.live = state
                 group.candidates[candidate.key] = state
@@ -624,7 +576,7 @@ class AdmissionCore:
             self._prune(self._groups[name])
         for health in left:  # unless the new session announced it again
             if health.live is None:
-                self._left(health)
+                self._health.left(health)
         return decisions
 
     def node_left(self, node_id: str, generation: int, now: float) -> list[Decision]:
@@ -672,11 +624,7 @@ class AdmissionCore:
         decisions = self._advance(now)
         self._policy = policy
         self._known = _known_names(policy)
-        for health in self._health.values():
-            if policy.policy_for(health.identity.model).eject_after_failures == 0:
-                self._reset_health(health)
-        for health in [h for h in self._health.values() if h.pristine]:
-            self._forget(health)
+        self._health.set_policy(policy)
         for group in list(self._groups.values()):
             old = group.policy
             group.policy = policy.policy_for(group.name)
@@ -699,13 +647,9 @@ class AdmissionCore:
         health = self._health.get(key.identity)
         if health is None:
             return decisions
-        before = health.state
-        self._reset_health(health)
+        before = self._health.succeed(health)
         state = health.live
-        if state is None:
-            if health.pristine:
-                self._forget(health)
-        elif before != "healthy":
+        if state is not None and before != "healthy":
             self._fill(decisions, state.group, [state])
         return decisions
 
@@ -728,13 +672,11 @@ class AdmissionCore:
             group = self._groups.get(key.model)
             if key.node_id not in self._nodes or group is None or not group.candidates:
                 return decisions
-            health = self._new_health(identity)
-            self._depart_health(health)
-        health.failures += 1
-        if health.state == "probing" or (
-            health.state == "healthy" and health.failures >= policy.eject_after_failures
-        ):
-            self._eject(decisions, health, policy)
+            health = self._health.remember(identity)
+        if self._health.fail(health, self._now, policy):
+            state = health.live
+            if state is not None:  # waiters it was the last candidate for may fall back now
+                self._reresolve(decisions, state.group)
         return decisions
 
     def tick(self, now: float) -> list[Decision]:
@@ -747,7 +689,7 @@ class AdmissionCore:
         """When :meth:`tick` next has something to do, or None."""
         waiter = self._peek_deadline()
         drain = self._peek_drain()
-        cooldown = self._peek_cooldown()
+        cooldown = self._health.next_cooldown()
         times = [t for t in (waiter, drain, cooldown) if t is not None]
         return min(times) if times else None
 
@@ -789,7 +731,7 @@ class AdmissionCore:
             rejections=dict(self._rejections),
             cancellations=self._cancellations,
             drains_expired=self._drains_expired,
-            ejections=self._ejections,
+            ejections=self._health.ejections,
         )
 
     def is_queued(self, waiter_id: WaiterId) -> bool:
@@ -903,7 +845,7 @@ class AdmissionCore:
         )
         best: _CandidateState | None = None
         best_key: tuple[float, int, float, int] | None = None
-        unhealthy = self._unhealthy
+        unhealthy = self._health.unhealthy
         for state in options:
             until = state.health.ejected_until if unhealthy else None  # None unless ejected
             key = (
@@ -925,14 +867,14 @@ class AdmissionCore:
     ) -> None:
         if self._waiters.get(waiter.id) is waiter:
             if not waiter.retry:
-                Tenants.charge(waiter.tenant, waiter.share.weight)
+                Flows.charge(waiter.flow, waiter.share.weight)
             self._end(waiter)
         slot = _Slot(id=next(self._slot_ids), state=state, klass=waiter.klass)
         self._slots[slot.id] = slot
         state.slot_ids.add(slot.id)
         state.in_use[waiter.klass] += 1
         state.last_pick = next(self._picks)
-        if self._unhealthy:
+        if self._health.unhealthy:
             health = state.health
             if health.state == "probing":
                 health.probe = slot.id
@@ -991,7 +933,7 @@ class AdmissionCore:
             def floor() -> float | None:
                 return queue.floor(priority) if queue is not None else None
 
-            waiter.tenant = group.tenants.enter(waiter.share, floor)
+            waiter.flow = group.flows.enter(waiter.share, floor)
         self._place(waiter)
         self._waiters[waiter.id] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, waiter))
@@ -1013,7 +955,7 @@ class AdmissionCore:
         if not queue.live:
             del group.queues[key]
         if not waiter.retry:
-            group.tenants.leave(waiter.tenant)
+            group.flows.leave(waiter.flow)
         if not popped:
             self._deadlines_dead += 1
         if self._deadlines_dead > _COMPACT_MIN and self._deadlines_dead > len(self._waiters):
@@ -1022,13 +964,13 @@ class AdmissionCore:
             self._deadlines_dead = 0
 
     def _place(self, waiter: _Waiter) -> None:
-        """Put a queued waiter in its queue's lane (its tenant record already set)."""
+        """Put a queued waiter in its queue's lane (its flow already set)."""
         group = waiter.group
         key = waiter.queue_key
         queue = group.queues.get(key)
         if queue is None:
             queue = group.queues[key] = Lanes()
-        waiter.lane = queue.append(waiter, waiter.tenant)
+        waiter.lane = queue.append(waiter, waiter.flow)
         group.depth[waiter.klass] += 1
         if waiter.fallback:
             group.fallbacks[key] = group.fallbacks.get(key, 0) + 1
@@ -1054,7 +996,7 @@ class AdmissionCore:
         state.slot_ids.discard(slot.id)
         now_free = state.room()
         health = state.health
-        if self._unhealthy and health.probe == slot.id:  # the probe ended, not reported
+        if self._health.unhealthy and health.probe == slot.id:  # the probe ended, not reported
             health.probe = None
             opened = [k for k in (_SHORT, _LONG) if now_free[k]]
         else:
@@ -1069,7 +1011,7 @@ class AdmissionCore:
         ``state`` can serve (before ``bound``, if given). An ejected ``state`` serves
         fallback waiters only."""
         best: _Waiter | None = None
-        ejected = self._unhealthy and state.ejected
+        ejected = self._health.unhealthy and state.ejected
 
         def fits(waiter: _Waiter) -> bool:
             if ejected and not waiter.fallback:
@@ -1107,7 +1049,7 @@ class AdmissionCore:
         while True:
             oldest: _Waiter | None = None
             for state in states:
-                if self._unhealthy and not state.accepting():
+                if self._health.unhealthy and not state.accepting():
                     continue
                 for klass in classes:
                     if not state.free(klass):
@@ -1120,7 +1062,7 @@ class AdmissionCore:
             if oldest is None:
                 return
             waiter = oldest
-            if self._unhealthy:
+            if self._health.unhealthy:
                 chosen = self._pick(waiter, self._usable(waiter, states))
             else:
                 chosen = self._pick(
@@ -1160,7 +1102,10 @@ class AdmissionCore:
             self._fill(decisions, group, [s for s in group.candidates.values() if s.ejected])
 
     def _remove_node(
-        self, node_id: str, generation: int, left: list[_Health] | None = None
+        self,
+        node_id: str,
+        generation: int,
+        left: list[IdentityHealth[_CandidateState]] | None = None,
     ) -> set[str]:
         """Drop the candidates of (node, generation) and void their slots; returns the names
         of the groups that lost candidates. The identities that have no joined candidate
@@ -1184,44 +1129,12 @@ class AdmissionCore:
             if health.live is state:
                 health.live = None
                 if left is None:
-                    self._left(health)
+                    self._health.left(health)
                 else:
                     left.append(health)
         return groups
 
-    def _left(self, health: _Health) -> None:
-        """``health`` has no joined candidate any more."""
-        if health.pristine:
-            self._forget(health)
-        else:
-            self._depart_health(health)
-
-    # ------------------------------------------------------------------ health
-
-    def _new_health(self, identity: CandidateIdentity) -> _Health:
-        health = self._health[identity] = _Health(identity)
-        self._health_peak = max(self._health_peak, len(self._health))
-        return health
-
-    def _depart_health(self, health: _Health) -> None:
-        """``health`` has no joined candidate now: remember it among the last HEALTH_MEMORY
-        departed identities."""
-        away = self._away
-        away[health.identity] = None
-        if len(away) > HEALTH_MEMORY:
-            oldest, _ = away.popitem(last=False)
-            self._forget(self._health[oldest])
-
-    def _forget(self, health: _Health) -> None:
-        """Drop the health of an identity that has no joined candidate."""
-        if health.state != "healthy":
-            self._reset_health(health)  # its cool-down entry goes stale
-        identity = health.identity
-        del self._health[identity]
-        self._away.pop(identity, None)
-        if self._health_peak > _SHRINK_MIN and len(self._health) * 4 < self._health_peak:
-            self._health = dict(self._health)
-            self._health_peak = len(self._health)
+    # ------------------------------------------------------------------ health in selection
 
     def _flag(self, waiter: _Waiter, fallback: bool) -> None:
         """Set a queued waiter's fallback flag, keeping its queue's count."""
@@ -1264,40 +1177,6 @@ class AdmissionCore:
                     continue
             yield state
 
-    def _eject(self, decisions: list[Decision], health: _Health, policy: Policy) -> None:
-        if health.state == "healthy":
-            self._unhealthy += 1
-        health.ejections += 1
-        health.state = "ejected"
-        health.probe = None
-        until = self._now + policy.cool_down(health.ejections)
-        health.ejected_until = until
-        health.heap_seq = next(self._cooldown_seq)
-        heapq.heappush(self._cooldowns, (until, health.heap_seq, health))
-        self._ejections += 1
-        health.ejections_total += 1
-        state = health.live
-        if state is not None:  # waiters it was the last candidate for may fall back now
-            self._reresolve(decisions, state.group)
-
-    def _reset_health(self, health: _Health) -> None:
-        """Healthy, no failures, cool-down level 0 (its heap entry, if any, goes stale)."""
-        was_ejected = health.state == "ejected"
-        if health.state != "healthy":
-            self._unhealthy -= 1
-        health.state = "healthy"
-        health.failures = 0
-        health.ejections = 0
-        health.ejected_until = None
-        health.probe = None
-        if was_ejected:
-            self._cooldowns_dead += 1
-            heap = self._cooldowns
-            if self._cooldowns_dead > _COMPACT_MIN and self._cooldowns_dead * 2 > len(heap):
-                self._cooldowns = [entry for entry in heap if self._cooldown_live(entry)]
-                heapq.heapify(self._cooldowns)
-                self._cooldowns_dead = 0
-
     # ------------------------------------------------------------------ time
 
     def _peek_deadline(self) -> float | None:
@@ -1317,20 +1196,6 @@ class AdmissionCore:
             heapq.heappop(heap)
         return None
 
-    @staticmethod
-    def _cooldown_live(entry: tuple[float, int, _Health]) -> bool:
-        _, seq, health = entry
-        return health.state == "ejected" and health.heap_seq == seq
-
-    def _peek_cooldown(self) -> float | None:
-        heap = self._cooldowns
-        while heap:
-            if self._cooldown_live(heap[0]):
-                return heap[0][0]
-            heapq.heappop(heap)
-            self._cooldowns_dead = max(0, self._cooldowns_dead - 1)
-        return None
-
     def _advance(self, now: float) -> list[Decision]:
         """Expire everything due at ``now``, in time order; at the same instant a waiter's
         deadline goes first (nobody is admitted at or after its deadline), then a drain
@@ -1341,17 +1206,14 @@ class AdmissionCore:
         while True:
             waiter_due = self._peek_deadline()
             drain_due = self._peek_drain()
-            cool_due = self._peek_cooldown() if self._cooldowns else None
+            cool_due = self._health.next_cooldown()
             if (
                 cool_due is not None
                 and cool_due <= self._now
                 and (waiter_due is None or cool_due < waiter_due)
                 and (drain_due is None or cool_due < drain_due)
             ):
-                _, _, health = heapq.heappop(self._cooldowns)
-                health.state = "probing"
-                health.ejected_until = None
-                state = health.live
+                state = self._health.end_cooldown().live
                 if state is not None:
                     self._fill(decisions, state.group, [state])
             elif (

@@ -13,6 +13,7 @@ from dispatcher.admission import (
     Policy,
     PolicySnapshot,
     _core,
+    _health,
 )
 
 from .helpers import cand, only_admit
@@ -438,7 +439,7 @@ def test_a_first_failure_for_a_group_no_node_serves_is_ignored() -> None:
 def test_departed_identities_are_remembered_up_to_a_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_core, "HEALTH_MEMORY", 2)
+    monkeypatch.setattr(_health, "HEALTH_MEMORY", 2)
     nodes = [cand(f"node-{n}") for n in "abc"]
     core = core_with(*nodes)
     eject(core, nodes[0].key, 0.0)  # ejected until 5: a cool-down the core waits for
