@@ -17,7 +17,7 @@ One session::
                          another protocol version: NodeRejected)
     then, concurrently until the connection ends:
       receive loop:  every frame is judged by the session's NodeProtocol machine
-                     (dispatcher.protocol); what it accepts is carried out: ping -> pong,
+                     (dispatcher.wire); what it accepts is carried out: ping -> pong,
                      run.request -> runner.start, run.cancel -> runner.cancel,
                      tunnel.request / tunnel.credit / tunnel.cancel -> the tunnel runner
                      (nodes.tunnel), edge.draining -> noted (the edge's close that follows

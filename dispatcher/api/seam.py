@@ -2,7 +2,7 @@
 
 Routes take an :class:`EdgeServices`, a ``typing.Protocol``, never the ``Dispatcher`` class:
 the API layer imports nothing above the gate, and a route can be tested against anything that
-offers these members. ``dispatcher.service.Dispatcher`` satisfies it structurally (mypy checks
+offers these members. ``dispatcher.service.Service`` satisfies it structurally (mypy checks
 that where ``dispatcher.edge`` hands the dispatcher to :func:`dispatcher.api.app.make_handler`).
 
 What the edge decides once for the whole HTTP surface (who may call, what is exposed) is not

@@ -5,7 +5,7 @@ is one module (the adapter, its options class) plus one line here::
 
     "mine": AdapterSpec(MyAdapter.from_provider, MyOptions),
 
-The registry is what a config is checked against (``nodes.config.load_node_config(...,
+The registry is what a config is checked against (``nodes.load_node_config(...,
 adapters=...)``: the type exists, may be tunnelled, its ``options`` parse) and what
 :func:`build_adapters` builds from. Both take another registry too, so a type can be added
 without touching this package: ``{**ADAPTERS, "mine": AdapterSpec(...)}``.
