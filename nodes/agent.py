@@ -91,7 +91,9 @@ log = logging.getLogger("nodes.agent")
 CLOSE_NORMAL: Final = 1000
 CLOSE_INTERNAL_ERROR: Final = 1011
 
-PERMANENT_CLOSE_CODES: Final = frozenset({1002, 1003, 1007, 4001})
+PERMANENT_CLOSE_CODES: Final = frozenset(
+    {wire.CLOSE_PROTOCOL_ERROR, 1003, 1007, wire.CLOSE_AUTH_FAILED}
+)
 """Close codes that, received *before* ``welcome``, mean the edge refuses this node for good:
 protocol error (bad hello, unsupported protocol version), unsupported or invalid data, and
 4001 (authentication failed: a missing or wrong token). Any other close before welcome --

@@ -56,13 +56,9 @@ from .lease import (
     NodeEnd,
 )
 
-__all__ = ["EndReason", "Tunnel", "TunnelStatistics", "TunnelUsageSink", "Tunnels"]
+__all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels"]
 
 log = logging.getLogger("dispatcher.tunnel")
-
-TunnelUsageSink = Callable[["Tunnel", int, int, bool], None]
-"""``(tunnel, prompt_tokens, completion_tokens, reported)``: where tunnel usage goes (the usage
-ledger); ``reported`` is False when the tokens are the edge's estimate."""
 
 
 @attrs.define(eq=False)
@@ -226,7 +222,7 @@ class Tunnel(Lease):
     def on_usage(self, prompt_tokens: int, completion_tokens: int, reported: bool) -> None:
         """Report this tunnel's usage: ``reported`` when the provider said so, else the
         edge's estimate. The last report is kept in :attr:`usage` (the gate's usage row
-        reads it); only the first counts in the statistics and goes to the usage sink."""
+        reads it); only the first counts in the statistics."""
         self.usage = (prompt_tokens, completion_tokens, reported)
         if not self.usage_recorded:
             self.usage_recorded = True
@@ -292,8 +288,6 @@ class Tunnels(Leases[Tunnel]):
     kind = "tun"
 
     window: int = wire.DEFAULT_TUNNEL_WINDOW
-    usage_sink: TunnelUsageSink | None = None
-    """Where each tunnel's usage goes besides the counters (the usage ledger)."""
     _peak_buffered: int = 0
     """The most body bytes a tunnel that ended held at once."""
     _usage_reported: int = 0
@@ -341,8 +335,3 @@ class Tunnels(Leases[Tunnel]):
             self._usage_estimated += 1
         self._prompt_tokens += prompt_tokens
         self._completion_tokens += completion_tokens
-        if self.usage_sink is not None:
-            try:
-                self.usage_sink(tunnel, prompt_tokens, completion_tokens, reported)
-            except Exception:  # the ledger must never break a request's exit path
-                log.exception("could not record usage of tunnel %s", tunnel.tunnel_id)
