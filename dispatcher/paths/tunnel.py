@@ -37,7 +37,6 @@ why (``node_lost``, ``node_draining``, ``shutting_down``, ``stale_generation``: 
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 
@@ -57,8 +56,6 @@ from .lease import (
 )
 
 __all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels"]
-
-log = logging.getLogger("dispatcher.tunnel")
 
 
 @attrs.define(eq=False)
