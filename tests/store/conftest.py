@@ -14,6 +14,9 @@ from .backends import POSTGRES
 
 
 def _on_postgres(item: pytest.Item) -> bool:
+    """A contract case of a PostgreSQL backend, or a test taking ``postgres_url``."""
+    if "postgres_url" in getattr(item, "fixturenames", ()):
+        return True
     callspec = getattr(item, "callspec", None)
     backend = callspec.params.get("backend") if callspec is not None else None
     return getattr(backend, "name", None) == POSTGRES

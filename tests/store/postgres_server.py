@@ -70,10 +70,17 @@ class _Server:
             os.chown(self._root, user.pw_uid, user.pw_gid)
             self._as = ["runuser", "-u", "postgres", "--"]
         self.data = self._root / "data"
-        self._run(
-            "initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "--no-sync",
-            "-E", "UTF8", "--locale=C.UTF-8",
-        )  # fmt: skip
+        initdb = ["-D", str(self.data), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"]
+        try:
+            # A natural-language default collation, as production databases have: text the
+            # backends order must not depend on it (they compare bytes, as SQLite does).
+            self._run(
+                "initdb", *initdb, "--locale=C.UTF-8", "--locale-provider=icu",
+                "--icu-locale=en-US",
+            )  # fmt: skip
+        except RuntimeError:  # before PostgreSQL 15, or built without ICU
+            shutil.rmtree(self.data, ignore_errors=True)
+            self._run("initdb", *initdb, "--locale=C.UTF-8")
         self.port = 0
         self._started = False
 
@@ -91,7 +98,7 @@ class _Server:
             options = (
                 f"-p {self.port} -k {self._root} -c listen_addresses=127.0.0.1 "
                 "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
-                "-c max_connections=200"
+                "-c max_connections=200 -c TimeZone=Pacific/Kiritimati"  # UTC+14: days are UTC's
             )
             try:
                 self._run(
