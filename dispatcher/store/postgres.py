@@ -59,7 +59,7 @@ from .usage import (
 from .usage_sqlite import ROW_COLUMNS, fold_totals, row_values, usage_group
 
 __all__ = [
-    "CONNECT_TIMEOUT",
+    "POSTGRES_CONNECT_TIMEOUT",
     "PostgresResponseStore",
     "PostgresUsage",
     "open_postgres_ledger",
@@ -68,7 +68,7 @@ __all__ = [
 
 log = logging.getLogger("dispatcher.store.postgres")
 
-CONNECT_TIMEOUT: Final = 10.0
+POSTGRES_CONNECT_TIMEOUT: Final = 10.0
 """Seconds to wait for a connection (at open, and for each call)."""
 _CLOSE_TIMEOUT: Final = 5.0
 _MIGRATION_LOCK: Final = 0x7472696F_64697370  # "triodisp": one key for every migration
@@ -204,7 +204,7 @@ class PostgresUsage:
     errors: tuple[type[Exception], ...] = (psycopg.Error,)
     """What a failed call raises (the pool's timeout is a ``psycopg.OperationalError``)."""
 
-    def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+    def __init__(self, url: str, *, connect_timeout: float = POSTGRES_CONNECT_TIMEOUT) -> None:
         self._where = where_is(url)
         self._pool = _open_pool(url, 2, connect_timeout)
         try:
@@ -335,7 +335,7 @@ def _where(matching: UsageFilter) -> tuple[str, list[object]]:
 async def open_postgres_ledger(
     url: str,
     *,
-    connect_timeout: float = CONNECT_TIMEOUT,
+    connect_timeout: float = POSTGRES_CONNECT_TIMEOUT,
     batch_interval: float = 0.05,
     max_batch: int = 500,
     recent_keys: int = RECENT_KEYS,
@@ -546,7 +546,7 @@ async def open_postgres_response_store(
     max_bytes: int = MAX_STORED_BYTES,
     max_age: float = MAX_STORED_AGE,
     clock: Callable[[], float] = time.time,
-    connect_timeout: float = CONNECT_TIMEOUT,
+    connect_timeout: float = POSTGRES_CONNECT_TIMEOUT,
 ) -> AsyncIterator[PostgresResponseStore]:
     """A response store on the PostgreSQL database ``url``, bounded as
     :func:`~dispatcher.store.responses.open_response_store`'s. Leaving the block closes
