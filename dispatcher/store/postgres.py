@@ -561,10 +561,17 @@ async def open_postgres_response_store(
         yield store
     finally:
         store._closed = True
-        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True) as closing:
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True) as waiting:
             # Every place of the limiter: the calls in flight end first.
             for _ in range(_POOL_SIZE):
                 await store._limiter.acquire_on_behalf_of(object())
+        if waiting.cancelled_caught:
+            log.error(
+                "response store: calls to %s still run after %g s; closing its pool anyway",
+                database.where,
+                _CLOSE_TIMEOUT,
+            )
+        # The pool closes under a call still in flight too (its connection is closed when
+        # returned); pool.close bounds its own wait for its worker threads.
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
             await trio.to_thread.run_sync(database.close)
-        if closing.cancelled_caught:
-            log.error("response store: %s was not closed in %g s", database.where, _CLOSE_TIMEOUT)
