@@ -32,9 +32,10 @@ then its rows are dropped; both are logged and counted. Memory is bounded by ``m
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Final, Unpack
 
@@ -63,6 +64,7 @@ __all__ = [
     "MAX_PENDING_ROWS",
     "RECENT_KEYS",
     "BatchedLedger",
+    "open_batched_ledger",
     "open_usage_ledger",
 ]
 
@@ -350,11 +352,33 @@ async def open_usage_ledger(
     Leaving the block -- normally, with an error or by cancellation -- writes every pending
     row (shielded, at most :data:`FLUSH_TIMEOUT` seconds) and closes the database.
     """
+    async with open_batched_ledger(
+        functools.partial(SQLiteUsage, path),
+        batch_interval=batch_interval,
+        max_batch=max_batch,
+        recent_keys=recent_keys,
+        max_pending=max_pending,
+    ) as ledger:
+        yield ledger
+
+
+@asynccontextmanager
+async def open_batched_ledger(
+    connect: Callable[[], UsageDatabase],
+    *,
+    batch_interval: float = 0.05,
+    max_batch: int = 500,
+    recent_keys: int = RECENT_KEYS,
+    max_pending: int = MAX_PENDING_ROWS,
+) -> AsyncIterator[BatchedLedger]:
+    """A :class:`BatchedLedger` over the database ``connect()`` opens (called in a worker
+    thread), as :func:`open_usage_ledger` describes; a shared backend
+    (:mod:`dispatcher.store.postgres`) opens its ledger through this too."""
     if batch_interval < 0 or max_batch < 1 or recent_keys < 0 or max_pending < 1:
         raise ValueError(
             "batch_interval must be >= 0, max_batch >= 1, recent_keys >= 0, max_pending >= 1"
         )
-    database = await trio.to_thread.run_sync(SQLiteUsage, path)
+    database = await trio.to_thread.run_sync(connect)
     ledger = BatchedLedger(
         database,
         batch_interval=batch_interval,

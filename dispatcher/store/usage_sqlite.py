@@ -13,7 +13,7 @@ import logging
 import operator
 import os
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -33,7 +33,14 @@ from .usage import (
     UsageTotals,
 )
 
-__all__ = ["USAGE_DB_NAME", "SQLiteUsage"]
+__all__ = [
+    "ROW_COLUMNS",
+    "USAGE_DB_NAME",
+    "SQLiteUsage",
+    "fold_totals",
+    "row_values",
+    "usage_group",
+]
 
 log = logging.getLogger("dispatcher.usage")
 
@@ -47,8 +54,10 @@ _GROUP_COLUMNS: Final[Mapping[GroupBy, str]] = {
     "route": "route",
     "day": "date(ended_at, 'unixepoch')",
 }
-_COLUMNS: Final = tuple(field.name for field in attrs.fields(UsageRow))
-_row_values = operator.attrgetter(*_COLUMNS)
+ROW_COLUMNS: Final = tuple(field.name for field in attrs.fields(UsageRow))
+"""The ledger's columns, a :class:`UsageRow`'s fields in order (every SQL backend's)."""
+row_values: Final[Callable[[UsageRow], tuple[Any, ...]]] = operator.attrgetter(*ROW_COLUMNS)
+"""A row's values in :data:`ROW_COLUMNS`' order."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -81,7 +90,7 @@ CREATE INDEX IF NOT EXISTS usage_model_group ON usage (model_group, ended_at);
 """
 
 _INSERT = (
-    f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
+    f"INSERT INTO usage ({', '.join(ROW_COLUMNS)}) VALUES ({', '.join('?' * len(ROW_COLUMNS))}) "
     "ON CONFLICT (request_id, attempt) DO NOTHING"
 )
 
@@ -151,7 +160,7 @@ class SQLiteUsage:
         try:
             for row in rows:
                 try:
-                    cursor.execute(_INSERT, _row_values(row))
+                    cursor.execute(_INSERT, row_values(row))
                 except sqlite3.IntegrityError as exc:
                     refused.append((row.key, str(exc)))
                     continue
@@ -174,7 +183,7 @@ class SQLiteUsage:
         conn.execute("BEGIN")  # one snapshot for the rows and the totals
         try:
             found = conn.execute(
-                f"SELECT {', '.join(_COLUMNS)} FROM usage {where} "
+                f"SELECT {', '.join(ROW_COLUMNS)} FROM usage {where} "
                 "ORDER BY ended_at DESC, request_id DESC, attempt DESC LIMIT ?",
                 [*params, limit],
             ).fetchall()
@@ -193,8 +202,8 @@ class SQLiteUsage:
         return UsageReport(
             filter=matching,
             limit=limit,
-            totals=_fold_totals(requests, groups),
-            rows=tuple(UsageRow(**dict(zip(_COLUMNS, values, strict=True))) for values in found),
+            totals=fold_totals(requests, groups),
+            rows=tuple(UsageRow(**dict(zip(ROW_COLUMNS, values, strict=True))) for values in found),
         )
 
     def query_groups(
@@ -217,24 +226,7 @@ class SQLiteUsage:
             f"FROM usage {where} {grouping if dimensions else ''}",
             params,
         ).fetchall()
-        groups = []
-        for values in found:
-            named = dict(zip(group_by, values, strict=False))
-            rest = values[len(group_by) :]
-            if not rest[1]:
-                continue  # no row matched (an aggregate without GROUP BY has one row)
-            groups.append(
-                UsageGroup(
-                    **named,
-                    requests=rest[0],
-                    attempts=rest[1],
-                    prompt_tokens=rest[2],
-                    completion_tokens=rest[3],
-                    client=TokenTotals(rest[4], rest[5]),
-                    cost_usd=rest[6],
-                )
-            )
-        return groups
+        return [group for values in found if (group := usage_group(group_by, values)) is not None]
 
     def close(self) -> None:
         self._conn.close()
@@ -256,7 +248,28 @@ def _where(matching: UsageFilter) -> tuple[str, list[object]]:
     return (f"WHERE {' AND '.join(clauses)}" if clauses else ""), params
 
 
-def _fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
+def usage_group(group_by: Sequence[GroupBy], values: Sequence[Any]) -> UsageGroup | None:
+    """One row of a grouped query -- the group's values, then the distinct requests, the
+    attempts, the prompt and completion tokens, the client's and its cost -- or None for the
+    row an aggregate without GROUP BY gives when nothing matched."""
+    named = dict(zip(group_by, values, strict=False))
+    rest = values[len(group_by) :]
+    if not rest[1]:
+        return None
+    return UsageGroup(
+        **named,
+        requests=rest[0],
+        attempts=rest[1],
+        prompt_tokens=rest[2],
+        completion_tokens=rest[3],
+        client=TokenTotals(rest[4], rest[5]),
+        cost_usd=rest[6],
+    )
+
+
+def fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
+    """The totals of a query from its distinct requests and its rows grouped by
+    ``billable_to, outcome, usage_source`` (count, prompt, completion, cost)."""
     attempts = 0
     billable = {who: TokenTotals() for who in BILLABLE_TO}
     estimated = TokenTotals()

@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import MemoryLimits
 from dispatcher.store.responses import open_response_store
 from dispatcher.store.seam import LimitStore, ResponseStore, UsageLedger
+
+from . import postgres_server
 
 Clock = Callable[[], float]
 
@@ -63,12 +66,36 @@ async def _memory_limits(clock: Clock, wall: Clock) -> AsyncIterator[LimitStore[
     yield MemoryLimits(clock=clock, wall=wall)
 
 
+@asynccontextmanager
+async def _postgres_ledger(place: Path) -> AsyncIterator[UsageLedger]:
+    from dispatcher.store.postgres import open_postgres_ledger
+
+    url = await trio.to_thread.run_sync(postgres_server.schema_url, place)
+    async with open_postgres_ledger(url) as ledger:
+        yield ledger
+
+
+@asynccontextmanager
+async def _postgres_responses(place: Path, **bounds: Any) -> AsyncIterator[ResponseStore]:
+    from dispatcher.store.postgres import open_postgres_response_store
+
+    url = await trio.to_thread.run_sync(postgres_server.schema_url, place)
+    async with open_postgres_response_store(url, **bounds) as store:
+        yield store
+
+
+POSTGRES = "postgres"
+"""The name of the backends on a real PostgreSQL (``postgres_server``): deselected where
+none can be started (``conftest.py``)."""
+
 LEDGERS = (
     LedgerBackend("sqlite-file", persistent=True, open=_sqlite_file),
     LedgerBackend("sqlite-memory", persistent=False, open=_sqlite_memory),
+    LedgerBackend(POSTGRES, persistent=True, open=_postgres_ledger),
 )
 RESPONSES = (
     ResponseBackend("sqlite-file", persistent=True, open=_responses_file),
     ResponseBackend("sqlite-memory", persistent=False, open=_responses_memory),
+    ResponseBackend(POSTGRES, persistent=True, open=_postgres_responses),
 )
 LIMITS = (LimitBackend("memory", open=_memory_limits),)

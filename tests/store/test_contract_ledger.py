@@ -302,6 +302,20 @@ async def test_newest_first_and_limits_at_their_edges(
                 await ledger.query(limit=bad)
 
 
+async def test_text_is_ordered_by_its_characters_not_a_locale(
+    backend: LedgerBackend, tmp_path: Path
+) -> None:
+    """Ties are broken by ``request_id`` in code point order (Python's, SQLite's), and groups
+    ordered so, whatever the database's locale would say (case, punctuation, accents)."""
+    names = ["B", "_c", "a", "a-b", "ab", "\u00e9", "Z"]
+    async with backend.open(tmp_path) as ledger:
+        await filled(ledger, [row(name, attribution=name, ended_at=T0) for name in names])
+        report = await ledger.query()
+        assert [r.request_id for r in report.rows] == sorted(names, reverse=True)
+        groups = await ledger.query_groups(group_by=("key",))
+        assert [g.key for g in groups] == sorted(names)
+
+
 @pytest.mark.parametrize(
     "group_by",
     [(), *((name,) for name in GROUP_BY), ("key", "day"), ("model", "route"), GROUP_BY],

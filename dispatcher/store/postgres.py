@@ -1,0 +1,577 @@
+"""The shared backends on PostgreSQL: the usage ledger (:class:`PostgresUsage` under a
+:class:`~dispatcher.store.ledger.BatchedLedger`) and the stored responses
+(:class:`PostgresResponseStore`), which several edges can open on one database.
+
+::
+
+    async with (
+        open_postgres_ledger("postgresql://dispatcher@db/dispatcher") as ledger,
+        open_postgres_response_store("postgresql://dispatcher@db/dispatcher") as responses,
+    ):
+        ...
+
+They answer exactly as the embedded SQLite backends do (the contract suite in
+``tests/store/`` runs over both). psycopg 3's async API is asyncio-only, so its synchronous
+connections (from a ``psycopg_pool.ConnectionPool``) are driven in worker threads
+(``trio.to_thread``) under a ``CapacityLimiter`` no wider than the pool. A thread cannot be
+cancelled: a call in flight is waited for, bounded by the pool's and the connection's timeouts.
+
+The tables (``dispatcher_usage``, ``dispatcher_responses``) live in the connection's schema
+(its ``search_path``), with their versions in ``dispatcher_schema``. Opening a backend migrates
+its table forward under a transaction-level advisory lock, so edges starting together migrate
+it once; a table newer than this dispatcher's is refused.
+
+This is the only module that imports psycopg: the embedded default never needs it (install
+the ``cluster`` extra for these backends).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import attrs
+import orjson
+import psycopg
+import trio
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool
+
+from ..wire import JSONObject
+from .ledger import (
+    MAX_PENDING_ROWS,
+    RECENT_KEYS,
+    BatchedLedger,
+    open_batched_ledger,
+)
+from .responses import MAX_STORED, MAX_STORED_AGE, MAX_STORED_BYTES
+from .seam import ResponseStoreStatistics, StoredResponse, WriteResult
+from .usage import (
+    GroupBy,
+    UsageFilter,
+    UsageGroup,
+    UsageReport,
+    UsageRow,
+)
+from .usage_sqlite import ROW_COLUMNS, fold_totals, row_values, usage_group
+
+__all__ = [
+    "POSTGRES_CONNECT_TIMEOUT",
+    "PostgresResponseStore",
+    "PostgresUsage",
+    "open_postgres_ledger",
+    "open_postgres_response_store",
+]
+
+log = logging.getLogger("dispatcher.store.postgres")
+
+POSTGRES_CONNECT_TIMEOUT: Final = 10.0
+"""Seconds to wait for a connection (at open, and for each call)."""
+_CLOSE_TIMEOUT: Final = 5.0
+_MIGRATION_LOCK: Final = 0x7472696F_64697370  # "triodisp": one key for every migration
+_EVICT_BATCH: Final = 64
+
+# --------------------------------------------------------------------------- connections
+
+
+def where_is(url: str) -> str:
+    """``url`` without its password, for error messages and logs."""
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "(an unparsable PostgreSQL URL)"
+    host = params.get("host") or "localhost"
+    port = params.get("port") or 5432
+    return f"postgresql://{params.get('user') or ''}@{host}:{port}/{params.get('dbname') or ''}"
+
+
+def _open_pool(url: str, size: int, timeout: float) -> ConnectionPool:
+    """A pool of ``size`` autocommit connections to ``url``, open and connected: raises
+    a :class:`RuntimeError` naming the server when it cannot be reached in ``timeout``."""
+    pool: ConnectionPool = ConnectionPool(
+        url,
+        min_size=1,
+        max_size=size,
+        kwargs={"autocommit": True, "connect_timeout": max(1, round(timeout))},
+        timeout=timeout,
+        open=False,
+        name=f"dispatcher {where_is(url)}",
+    )
+    try:
+        pool.open(wait=True, timeout=timeout)
+    except psycopg.OperationalError as exc:
+        pool.close()
+        raise RuntimeError(
+            f"could not connect to PostgreSQL at {where_is(url)} within {timeout:g} s ({exc}): "
+            "check that the server runs and that the URL (host, port, user, database) is right"
+        ) from exc
+    return pool
+
+
+def _migrate(
+    conn: psycopg.Connection[Any], component: str, steps: Sequence[str], where: str
+) -> None:
+    """Bring ``component``'s tables to version ``len(steps)`` (``steps[i]`` makes version
+    ``i + 1``), in one transaction under the migration lock."""
+    latest = len(steps)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS dispatcher_schema "
+            "(component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
+        )
+        found = conn.execute(
+            "SELECT version FROM dispatcher_schema WHERE component = %s", (component,)
+        ).fetchone()
+        version: int = found[0] if found else 0
+        if version > latest:
+            raise RuntimeError(
+                f"{where}: the {component} tables are at schema version {version}, newer than "
+                f"this dispatcher's ({latest}): run the newer dispatcher, or a database of "
+                "this version"
+            )
+        for step in steps[version:]:
+            conn.execute(step)
+        if version < latest:
+            conn.execute(
+                "INSERT INTO dispatcher_schema (component, version) VALUES (%s, %s) "
+                "ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version",
+                (component, latest),
+            )
+            log.info(
+                "%s: %s tables migrated from version %d to %d", where, component, version, latest
+            )
+
+
+# --------------------------------------------------------------------------- the usage ledger
+
+_USAGE_STEPS: Final = (
+    # Version 1: the SQLite ledger's version 3. Text compares as bytes (COLLATE "C"), as in
+    # SQLite, whatever the database's locale: the order of the rows and the groups is one.
+    """
+    CREATE TABLE dispatcher_usage (
+        request_id TEXT COLLATE "C" NOT NULL,
+        attempt INTEGER NOT NULL,
+        model_group TEXT COLLATE "C" NOT NULL,
+        served_model TEXT NOT NULL,
+        provider_id TEXT NOT NULL,
+        node_id TEXT NOT NULL,
+        path TEXT NOT NULL,
+        attribution TEXT COLLATE "C",
+        prompt_tokens BIGINT NOT NULL,
+        completion_tokens BIGINT NOT NULL,
+        usage_source TEXT NOT NULL,
+        outcome TEXT NOT NULL,
+        billable_to TEXT NOT NULL,
+        queue_wait_s DOUBLE PRECISION NOT NULL,
+        ttft_s DOUBLE PRECISION,
+        duration_s DOUBLE PRECISION NOT NULL,
+        ended_at DOUBLE PRECISION NOT NULL,
+        client_request_id TEXT,
+        route TEXT COLLATE "C",
+        cost_usd DOUBLE PRECISION,
+        PRIMARY KEY (request_id, attempt)
+    );
+    CREATE INDEX dispatcher_usage_ended_at ON dispatcher_usage (ended_at);
+    CREATE INDEX dispatcher_usage_client_request_id ON dispatcher_usage (client_request_id);
+    CREATE INDEX dispatcher_usage_attribution ON dispatcher_usage (attribution, ended_at);
+    CREATE INDEX dispatcher_usage_model_group ON dispatcher_usage (model_group, ended_at);
+    """,
+)
+
+_GROUP_COLUMNS: Final[Mapping[GroupBy, str]] = {
+    "key": "attribution",
+    "model": "model_group",
+    "route": "route",
+    "day": "to_char(to_timestamp(ended_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
+}
+_INSERT: Final = (
+    f"INSERT INTO dispatcher_usage ({', '.join(ROW_COLUMNS)}) "
+    f"VALUES ({', '.join(['%s'] * len(ROW_COLUMNS))}) "
+    "ON CONFLICT (request_id, attempt) DO NOTHING RETURNING 1"
+)
+_REFUSED: Final = (psycopg.DataError, psycopg.IntegrityError)
+"""What the database raises for a row it will not take (the row is lost, not retried)."""
+
+
+class PostgresUsage:
+    """The ledger's :class:`~dispatcher.store.seam.UsageDatabase` on PostgreSQL: a pool of
+    synchronous connections, called from worker threads."""
+
+    errors: tuple[type[Exception], ...] = (psycopg.Error,)
+    """What a failed call raises (the pool's timeout is a ``psycopg.OperationalError``)."""
+
+    def __init__(self, url: str, *, connect_timeout: float = POSTGRES_CONNECT_TIMEOUT) -> None:
+        self._where = where_is(url)
+        self._pool = _open_pool(url, 2, connect_timeout)
+        try:
+            with self._pool.connection() as conn:
+                _migrate(conn, "usage", _USAGE_STEPS, self._where)
+        except BaseException:
+            self._pool.close()
+            raise
+
+    def write(self, rows: Sequence[UsageRow]) -> WriteResult:
+        """Insert ``rows`` in one transaction, as :class:`~.usage_sqlite.SQLiteUsage` does: a
+        key already there is skipped and reported, a row the database refuses is reported
+        and the others are written; any other error rolls the batch back and is raised."""
+        values = [row_values(row) for row in rows]
+        with self._pool.connection() as conn, conn.transaction():
+            try:
+                # One round trip for the batch (a pipeline), in a savepoint: if the database
+                # refuses a row, the batch is written again one row at a time.
+                with conn.transaction(), conn.cursor() as cursor:
+                    cursor.executemany(_INSERT, values, returning=True)
+                    outcomes: list[bool | str] = []
+                    while True:
+                        outcomes.append(cursor.rowcount == 1)
+                        if not cursor.nextset():
+                            break
+            except _REFUSED:
+                outcomes = [_insert_alone(conn, params) for params in values]
+        inserted = 0
+        duplicates: list[tuple[str, int]] = []
+        refused: list[tuple[tuple[str, int], str]] = []
+        for row, outcome in zip(rows, outcomes, strict=True):
+            if isinstance(outcome, str):
+                refused.append((row.key, outcome))
+            elif outcome:
+                inserted += 1
+            else:
+                duplicates.append(row.key)
+        return WriteResult(inserted, duplicates, refused)
+
+    def query(self, matching: UsageFilter, limit: int) -> UsageReport:
+        where, params = _where(matching)
+        with self._pool.connection() as conn, conn.transaction():
+            # One snapshot for the rows and the totals.
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            found = conn.execute(
+                f"SELECT {', '.join(ROW_COLUMNS)} FROM dispatcher_usage {where} "
+                "ORDER BY ended_at DESC, request_id DESC, attempt DESC LIMIT %s",
+                [*params, limit],
+            ).fetchall()
+            requests_row = conn.execute(
+                f"SELECT COUNT(DISTINCT request_id) FROM dispatcher_usage {where}", params
+            ).fetchone()
+            groups = conn.execute(
+                "SELECT billable_to, outcome, usage_source, COUNT(*), "
+                "SUM(prompt_tokens)::BIGINT, SUM(completion_tokens)::BIGINT, "
+                "SUM(COALESCE(cost_usd, 0)) "
+                f"FROM dispatcher_usage {where} "
+                "GROUP BY billable_to, outcome, usage_source",
+                params,
+            ).fetchall()
+        assert requests_row is not None
+        return UsageReport(
+            filter=matching,
+            limit=limit,
+            totals=fold_totals(requests_row[0], groups),
+            rows=tuple(UsageRow(**dict(zip(ROW_COLUMNS, values, strict=True))) for values in found),
+        )
+
+    def query_groups(
+        self, matching: UsageFilter, group_by: tuple[GroupBy, ...], billable: bool
+    ) -> list[UsageGroup]:
+        where, params = _where(matching)
+        if billable:
+            where = (
+                f"{where} AND billable_to = 'client'" if where else "WHERE billable_to = 'client'"
+            )
+        dimensions = [_GROUP_COLUMNS[name] for name in group_by]
+        selected = "".join(f"{column}, " for column in dimensions)
+        # SQLite puts NULL first in ascending order; PostgreSQL last unless told.
+        grouping = (
+            f"GROUP BY {', '.join(dimensions)} "
+            f"ORDER BY {', '.join(f'{column} NULLS FIRST' for column in dimensions)}"
+        )
+        with self._pool.connection() as conn:
+            found = conn.execute(
+                f"SELECT {selected}COUNT(DISTINCT request_id), COUNT(*), "
+                "SUM(prompt_tokens)::BIGINT, SUM(completion_tokens)::BIGINT, "
+                "SUM(CASE WHEN billable_to = 'client' THEN prompt_tokens ELSE 0 END)::BIGINT, "
+                "SUM(CASE WHEN billable_to = 'client' THEN completion_tokens ELSE 0 END)::BIGINT, "
+                "SUM(CASE WHEN billable_to = 'client' THEN COALESCE(cost_usd, 0) ELSE 0 END) "
+                f"FROM dispatcher_usage {where} {grouping if dimensions else ''}",
+                params,
+            ).fetchall()
+        return [group for values in found if (group := usage_group(group_by, values)) is not None]
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _insert_alone(conn: psycopg.Connection[Any], params: Sequence[Any]) -> bool | str:
+    """One row in a savepoint of its own: True written, False a duplicate, or why the
+    database refused it."""
+    try:
+        with conn.transaction(), conn.cursor() as cursor:
+            cursor.execute(_INSERT, params)
+            return cursor.rowcount == 1
+    except _REFUSED as exc:
+        return str(exc).strip()
+
+
+def _where(matching: UsageFilter) -> tuple[str, list[object]]:
+    clauses: list[str] = []
+    params: list[object] = []
+    for clause, value in (
+        ("ended_at >= %s", matching.since),
+        ("ended_at < %s", matching.until),
+        ("attribution = %s", matching.attribution),
+        ("model_group = %s", matching.model),
+        ("client_request_id = %s", matching.client_request_id),
+    ):
+        if value is not None:
+            clauses.append(clause)
+            params.append(value)
+    return (f"WHERE {' AND '.join(clauses)}" if clauses else ""), params
+
+
+@asynccontextmanager
+async def open_postgres_ledger(
+    url: str,
+    *,
+    connect_timeout: float = POSTGRES_CONNECT_TIMEOUT,
+    batch_interval: float = 0.05,
+    max_batch: int = 500,
+    recent_keys: int = RECENT_KEYS,
+    max_pending: int = MAX_PENDING_ROWS,
+) -> AsyncIterator[BatchedLedger]:
+    """A usage ledger on the PostgreSQL database ``url`` (a libpq URL or ``key=value``
+    string): the batched writer of :func:`~dispatcher.store.ledger.open_usage_ledger` over
+    :class:`PostgresUsage`. Raises :class:`RuntimeError` naming the server when it cannot be
+    reached within ``connect_timeout`` seconds, or its tables are newer than this dispatcher."""
+    async with open_batched_ledger(
+        lambda: PostgresUsage(url, connect_timeout=connect_timeout),
+        batch_interval=batch_interval,
+        max_batch=max_batch,
+        recent_keys=recent_keys,
+        max_pending=max_pending,
+    ) as ledger:
+        yield ledger
+
+
+# --------------------------------------------------------------------------- stored responses
+
+_RESPONSES_STEPS: Final = (
+    """
+    CREATE TABLE dispatcher_responses (
+        seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        owner TEXT,
+        stored_at DOUBLE PRECISION NOT NULL,
+        size BIGINT NOT NULL,
+        response BYTEA NOT NULL,
+        conversation BYTEA NOT NULL
+    );
+    CREATE INDEX dispatcher_responses_stored_at ON dispatcher_responses (stored_at);
+    """,
+)
+_POOL_SIZE: Final = 4
+"""Connections (and worker threads) of one response store."""
+
+
+class _ResponsesDatabase:
+    """The response store's pool; every method runs in a worker thread and returns the
+    table's count and size as its transaction left them."""
+
+    def __init__(self, url: str, connect_timeout: float) -> None:
+        self.where = where_is(url)
+        self._pool = _open_pool(url, _POOL_SIZE, connect_timeout)
+        try:
+            with self._pool.connection() as conn:
+                _migrate(conn, "responses", _RESPONSES_STEPS, self.where)
+                self.entries, self.bytes = _count(conn)
+        except BaseException:
+            self._pool.close()
+            raise
+
+    def put(
+        self,
+        response_id: str,
+        owner: str | None,
+        response: bytes,
+        conversation: bytes,
+        now: float,
+        horizon: float,
+        max_entries: int,
+        max_bytes: int,
+    ) -> int:
+        """As the SQLite store's ``put``; the table is locked against other puts (other
+        edges' too) for the transaction, so the bounds hold across edges."""
+        size = len(response) + len(conversation)
+        evicted = 0
+        with self._pool.connection() as conn, conn.transaction():
+            conn.execute("LOCK TABLE dispatcher_responses IN SHARE ROW EXCLUSIVE MODE")
+            conn.execute("DELETE FROM dispatcher_responses WHERE id = %s", (response_id,))
+            aged = conn.execute(
+                "DELETE FROM dispatcher_responses WHERE stored_at <= %s", (horizon,)
+            ).rowcount
+            evicted += max(aged, 0)
+            conn.execute(
+                "INSERT INTO dispatcher_responses "
+                "(id, owner, stored_at, size, response, conversation) "
+                "VALUES (%s, %s, %s, %s, %s, %s)",
+                (response_id, owner, now, size, response, conversation),
+            )
+            entries, total = _count(conn)
+            while entries > max_entries or total > max_bytes:
+                oldest = conn.execute(
+                    "SELECT seq, size FROM dispatcher_responses ORDER BY seq LIMIT %s",
+                    (_EVICT_BATCH,),
+                ).fetchall()
+                gone = []
+                for seq, freed in oldest:
+                    if entries <= max_entries and total <= max_bytes:
+                        break
+                    gone.append(seq)
+                    entries, total, evicted = entries - 1, total - freed, evicted + 1
+                conn.execute("DELETE FROM dispatcher_responses WHERE seq = ANY(%s)", (gone,))
+        self.entries, self.bytes = entries, total
+        return evicted
+
+    def get(self, response_id: str, owner: str | None, horizon: float) -> StoredResponse | None:
+        with self._pool.connection() as conn:
+            found = conn.execute(
+                "SELECT response, conversation, size, stored_at FROM dispatcher_responses "
+                "WHERE id = %s AND owner IS NOT DISTINCT FROM %s AND stored_at > %s",
+                (response_id, owner, horizon),
+            ).fetchone()
+        if found is None:
+            return None
+        response, conversation, size, stored_at = found
+        return StoredResponse(
+            orjson.loads(response), tuple(orjson.loads(conversation)), size, stored_at, owner
+        )
+
+    def delete(self, response_id: str, owner: str | None, horizon: float) -> bool:
+        with self._pool.connection() as conn, conn.transaction():
+            deleted = conn.execute(
+                "DELETE FROM dispatcher_responses "
+                "WHERE id = %s AND owner IS NOT DISTINCT FROM %s AND stored_at > %s",
+                (response_id, owner, horizon),
+            ).rowcount
+            self.entries, self.bytes = _count(conn)
+        return deleted > 0
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _count(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    found = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(size), 0)::BIGINT FROM dispatcher_responses"
+    ).fetchone()
+    assert found is not None
+    return found[0], found[1]
+
+
+@attrs.define(eq=False)
+class PostgresResponseStore:
+    """Stored responses on PostgreSQL, shared by the edges that open the same database: the
+    :class:`~dispatcher.store.seam.ResponseStore` the SQLite one is (same bounds, each
+    enforced over the whole table). Create it with :func:`open_postgres_response_store`.
+
+    :meth:`statistics` gives the count and size the last call of this store saw."""
+
+    _db: _ResponsesDatabase = attrs.field(alias="database")
+    max_entries: int
+    max_bytes: int
+    max_age: float
+    _clock: Callable[[], float]
+    _limiter: trio.CapacityLimiter = attrs.field(
+        init=False, factory=lambda: trio.CapacityLimiter(_POOL_SIZE)
+    )
+    _evicted: int = attrs.field(init=False, default=0)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    def statistics(self) -> ResponseStoreStatistics:
+        return ResponseStoreStatistics(
+            entries=self._db.entries, bytes=self._db.bytes, evicted=self._evicted
+        )
+
+    async def _run(self, func: Callable[..., Any], *args: Any) -> Any:
+        if self._closed:
+            raise trio.ClosedResourceError("the response store is closed")
+        return await trio.to_thread.run_sync(func, *args, limiter=self._limiter)
+
+    async def put(
+        self,
+        response: JSONObject,
+        conversation: Sequence[JSONObject],
+        owner: str | None = None,
+    ) -> bool:
+        encoded = orjson.dumps(response)
+        history = orjson.dumps(list(conversation))
+        if len(encoded) + len(history) > self.max_bytes:
+            await trio.lowlevel.checkpoint()
+            return False
+        now = self._clock()
+        evicted: int = await self._run(
+            self._db.put,
+            response["id"],
+            owner,
+            encoded,
+            history,
+            now,
+            now - self.max_age,
+            self.max_entries,
+            self.max_bytes,
+        )
+        self._evicted += evicted
+        return True
+
+    async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        found: StoredResponse | None = await self._run(
+            self._db.get, response_id, owner, self._clock() - self.max_age
+        )
+        return found
+
+    async def delete(self, response_id: str, owner: str | None = None) -> bool:
+        deleted: bool = await self._run(
+            self._db.delete, response_id, owner, self._clock() - self.max_age
+        )
+        return deleted
+
+
+@asynccontextmanager
+async def open_postgres_response_store(
+    url: str,
+    *,
+    max_entries: int = MAX_STORED,
+    max_bytes: int = MAX_STORED_BYTES,
+    max_age: float = MAX_STORED_AGE,
+    clock: Callable[[], float] = time.time,
+    connect_timeout: float = POSTGRES_CONNECT_TIMEOUT,
+) -> AsyncIterator[PostgresResponseStore]:
+    """A response store on the PostgreSQL database ``url``, bounded as
+    :func:`~dispatcher.store.responses.open_response_store`'s. Leaving the block closes
+    the pool (shielded, at most :data:`_CLOSE_TIMEOUT` seconds, after the calls in flight)."""
+    if max_entries < 1 or max_bytes < 1 or max_age <= 0:
+        raise ValueError("max_entries and max_bytes must be >= 1, max_age > 0")
+    database = await trio.to_thread.run_sync(_ResponsesDatabase, url, connect_timeout)
+    store = PostgresResponseStore(
+        database, max_entries=max_entries, max_bytes=max_bytes, max_age=max_age, clock=clock
+    )
+    try:
+        yield store
+    finally:
+        store._closed = True
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True) as waiting:
+            # Every place of the limiter: the calls in flight end first.
+            for _ in range(_POOL_SIZE):
+                await store._limiter.acquire_on_behalf_of(object())
+        if waiting.cancelled_caught:
+            log.error(
+                "response store: calls to %s still run after %g s; closing its pool anyway",
+                database.where,
+                _CLOSE_TIMEOUT,
+            )
+        # The pool closes under a call still in flight too (its connection is closed when
+        # returned); pool.close bounds its own wait for its worker threads.
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+            await trio.to_thread.run_sync(database.close)
