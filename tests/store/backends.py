@@ -13,8 +13,11 @@ import attrs
 
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import MemoryLimits
+from dispatcher.store.limits_redis import open_redis_limits
 from dispatcher.store.responses import open_response_store
 from dispatcher.store.seam import LimitStore, ResponseStore, UsageLedger
+
+from . import redis_server
 
 Clock = Callable[[], float]
 
@@ -71,4 +74,15 @@ RESPONSES = (
     ResponseBackend("sqlite-file", persistent=True, open=_responses_file),
     ResponseBackend("sqlite-memory", persistent=False, open=_responses_memory),
 )
-LIMITS = (LimitBackend("memory", open=_memory_limits),)
+@asynccontextmanager
+async def _redis_limits(clock: Clock, wall: Clock) -> AsyncIterator[LimitStore[Any]]:
+    """A real redis-server (``redis_server.py``), its database emptied for each test."""
+    async with open_redis_limits(redis_server.url(), clock=clock, wall=wall) as store:
+        await store.client.flushdb()
+        yield store
+
+
+LIMITS = (
+    LimitBackend("memory", open=_memory_limits),
+    LimitBackend("redis", open=_redis_limits),
+)
