@@ -130,6 +130,7 @@ class _Op:
     kind: _Kind
     tenant_id: str
     args: list[str]
+    """The clocks when it was posted (empty: the server's when it runs), the arguments."""
     hold: Hold | None = None
     done: trio.Event | None = None
     """Set when an awaited operation (admit, read) has its answer."""
@@ -298,6 +299,7 @@ class RedisLimits:
         if self._closed:
             raise trio.ClosedResourceError("the Redis limit store is closed")
         self._seq += 1
+        args = [*self._clocks(), kind, *args]
         op = _Op(self._seq, kind, tenant_id, args, hold, trio.Event() if awaited else None)
         if flying or spend is not None:
             tokens, usd, at = spend if spend is not None else (0, 0.0, None)
@@ -327,7 +329,7 @@ class RedisLimits:
 
     async def _run(self, op: _Op) -> list[str]:
         keys = [f"{self.prefix}{{{op.tenant_id}}}"]
-        answer = await self._script(keys=keys, args=[*self._clocks(), op.kind, *op.args])
+        answer = await self._script(keys=keys, args=op.args)
         return [str(item) for item in cast(Sequence[Any], answer)]
 
     async def _writer(self) -> None:
@@ -347,7 +349,12 @@ class RedisLimits:
             if op.done is not None:
                 op.answer = answer
                 op.done.set()
-            if op.abandoned and not self._closed and isinstance(answer, list) and answer[2] == "held":
+            if (
+                op.abandoned
+                and not self._closed
+                and isinstance(answer, list)
+                and answer[2] == "held"
+            ):
                 assert op.hold is not None
                 self.release(RedisHeld(op.hold, ()), answered=False)
 
@@ -362,10 +369,17 @@ class RedisLimits:
                     return error
                 if attempt + 1 == WRITE_ATTEMPTS:
                     self._lost += 1
-                    log.error("limit store: %s of %s given up: %s", op.kind, op.tenant_id, error)
+                    log.exception(
+                        "limit store: %s of %s given up after %d tries",
+                        op.kind,
+                        op.tenant_id,
+                        WRITE_ATTEMPTS,
+                    )
                     return error
                 self._retried += 1
-                log.warning("limit store: %s of %s failed, retrying: %s", op.kind, op.tenant_id, error)
+                log.warning(
+                    "limit store: %s of %s failed, retrying: %s", op.kind, op.tenant_id, error
+                )
                 await trio.sleep(0.05 * 2**attempt)
                 continue
             self._see(op.tenant_id, answer)
@@ -413,7 +427,9 @@ def _decision(hold: Hold, answer: list[str]) -> RedisHeld | Refusal:
     return Refusal(name, message, retry_after, headers)
 
 
-def _refusal(hold: Hold, name: LimitName, used: str, retry: float, wall: float) -> tuple[str, float]:
+def _refusal(
+    hold: Hold, name: LimitName, used: str, retry: float, wall: float
+) -> tuple[str, float]:
     """The message and ``Retry-After`` of a refusal, as :class:`LimitCounters` words them."""
     limits = hold.limits
     if name.startswith("budget_"):

@@ -74,6 +74,8 @@ RESPONSES = (
     ResponseBackend("sqlite-file", persistent=True, open=_responses_file),
     ResponseBackend("sqlite-memory", persistent=False, open=_responses_memory),
 )
+
+
 @asynccontextmanager
 async def _redis_limits(clock: Clock, wall: Clock) -> AsyncIterator[LimitStore[Any]]:
     """A real redis-server (``redis_server.py``), its database emptied for each test."""

@@ -45,9 +45,8 @@ def url() -> str:
         port = _free_port()
         command = [BINARY, "--port", str(port), "--bind", "127.0.0.1", "--dir", place.name]
         command += ["--save", "", "--appendonly", "no", "--daemonize", "no"]
-        log = Path(place.name, "redis.log").open("ab")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with Path(place.name, "redis.log").open("ab") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10.0
         while process.poll() is None and time.monotonic() < deadline:
             if _answers(port):
