@@ -103,7 +103,9 @@ async def test_it_answers_what_the_reference_answers(url: str, seed: int) -> Non
         def maybe(low: float, high: float, kind: type = int) -> Any:
             if rng.random() < 0.4:
                 return None
-            return kind(rng.uniform(low, high)) if kind is float else rng.randint(low, high)
+            if kind is float:
+                return rng.uniform(low, high)
+            return rng.randint(int(low), int(high))
 
         return Limits(
             rpm=maybe(1, 6),
