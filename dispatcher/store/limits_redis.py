@@ -121,7 +121,7 @@ class _Delta:
     usd: float = 0.0
 
 
-_Kind = Literal["admit", "settle", "release", "spend", "read"]
+_Kind = Literal["admit", "settle", "release", "spend", "read", "barrier"]
 
 
 @attrs.define(eq=False, slots=True)
@@ -265,7 +265,7 @@ class RedisLimits:
     async def flush(self) -> None:
         """Wait until every operation posted before the call is written (or given up)."""
         if self._queue:
-            await self._answer(self._post("read", self._queue[-1].tenant_id, [], awaited=True))
+            await self._answer(self._post("barrier", "", [], awaited=True))
 
     async def refresh(self, tenant_id: str) -> None:
         """Read the tenant's state from the server (other edges' spend included)."""
@@ -361,6 +361,8 @@ class RedisLimits:
     async def _execute(self, op: _Op) -> list[str] | BaseException:
         """A write is tried again (it is idempotent on the server); an awaited operation's
         error goes to its caller."""
+        if op.kind == "barrier":
+            return []
         for attempt in range(WRITE_ATTEMPTS):
             try:
                 answer = await self._run(op)

@@ -296,3 +296,35 @@ def test_the_embedded_default_never_imports_coredis() -> None:
         "assert 'coredis' not in sys.modules, sorted(m for m in sys.modules if 'redis' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_a_write_is_retried_while_the_server_refuses_it(url: str) -> None:
+    """Settles and spends the server refuses wait in the writer (the request's path does
+    not), are written once it takes them, and are given up (counted) after their tries.
+    (The tenant's state key holding a string makes every script on it fail: WRONGTYPE.)"""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        held = await store.admit(hold("r1", 40))
+        assert isinstance(held, RedisHeld)
+        broken = "dispatcher:limits:{t1}:st"
+        state = await store.client.hgetall(broken)
+        await store.client.delete([broken])
+        await store.client.set(broken, "not a hash")
+        store.settle(held, 1, 30, 1.5)  # never blocks, the server refusing it
+        store.release(held, answered=True)
+        assert store.spent("t1").tokens_day == 30  # this edge counts it already
+        await trio.sleep(0.2)  # a few tries fail
+        assert store.statistics().retried >= 1
+        await store.client.delete([broken])
+        await store.client.hset(broken, state)
+        await store.flush()
+        assert store.statistics().lost == 0
+        await store.refresh("t1")
+        assert store.spent("t1").tokens_day == 30
+        assert store.in_flight("t1") == 0
+        await store.client.delete([broken])
+        await store.client.set(broken, "not a hash")
+        store.spend("t1", 5, 0.0)
+        await store.flush()  # every try fails
+        assert store.statistics().lost == 1
+        await store.client.delete([broken])
