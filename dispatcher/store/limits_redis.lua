@@ -258,6 +258,12 @@ if op == 'spend' then
   return answer({'again'})
 end
 
+if op == 'renew' then  -- the places still held get a new lease
+  local expiry = f(now + tonumber(ARGV[4]))
+  for i = 5, #ARGV do redis.call('ZADD', K_FLY, 'XX', expiry, ARGV[i]) end
+  return answer({'renewed'})
+end
+
 if op == 'read' then
   return answer({'read'})
 end

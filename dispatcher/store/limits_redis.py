@@ -8,9 +8,10 @@ imports it).
   and its estimate in the token window at once, with the same answers (and the same
   :class:`~dispatcher.store.seam.Refusal`: limit, message, ``Retry-After``, ``x-ratelimit-*``
   headers) as :class:`~dispatcher.store.limits.LimitCounters`, the reference.
-* A place in flight is a lease of :attr:`RedisLimits.hold_lease` seconds: the holds of an edge
-  that died come back (and what they reserved of the budgets) when their leases run out.
-  Leases are not renewed yet: a request that lives longer loses its place in flight.
+* A place in flight is a lease of :attr:`RedisLimits.hold_lease` seconds, renewed every
+  :attr:`RedisLimits.renew_every` seconds while this edge holds the request (the store's
+  renewer task): the holds of an edge that died come back (and what they reserved of the
+  budgets) within a lease.
 * The clocks are the server's (``TIME``): the edges' own do not matter. ``clock``/``wall``
   given to :func:`open_redis_limits` replace them (the tests' seam: the contract suite moves
   its own clocks).
@@ -62,8 +63,8 @@ __all__ = [
 
 log = logging.getLogger("dispatcher.store.limits_redis")
 
-HOLD_LEASE: Final = 900.0
-"""Seconds a place in flight is held without its request's release."""
+HOLD_LEASE: Final = 60.0
+"""Seconds a place in flight is held without its edge renewing it."""
 WRITE_ATTEMPTS: Final = 6
 """Tries of one write before it is given up (and counted in the statistics)."""
 CLOSE_TIMEOUT: Final = 5.0
@@ -121,7 +122,7 @@ class _Delta:
     usd: float = 0.0
 
 
-_Kind = Literal["admit", "settle", "release", "spend", "read", "barrier"]
+_Kind = Literal["admit", "settle", "release", "spend", "renew", "read", "barrier"]
 
 
 @attrs.define(eq=False, slots=True)
@@ -151,6 +152,8 @@ class RedisLimits:
     client: coredis.Redis[str]
     prefix: str = "dispatcher:limits:"
     hold_lease: float = HOLD_LEASE
+    renew_every: float | None = None
+    """Seconds between renewals of this edge's leases (None: a third of the lease)."""
     clock: Callable[[], float] | None = None
     """The monotonic clock the scripts use instead of the server's (tests)."""
     wall: Callable[[], float] | None = None
@@ -162,6 +165,8 @@ class RedisLimits:
     _seen: dict[str, _Seen] = attrs.field(init=False, factory=dict)
     _deltas: dict[str, collections.deque[_Delta]] = attrs.field(init=False, factory=dict)
     _closed: bool = attrs.field(init=False, default=False)
+    _live: dict[str, RedisHeld] = attrs.field(init=False, factory=dict)
+    """This edge's admitted requests not yet released: the leases it renews."""
     _retried: int = attrs.field(init=False, default=0)
     _lost: int = attrs.field(init=False, default=0)
 
@@ -193,7 +198,10 @@ class RedisLimits:
             awaited=True,
         )
         answer = await self._answer(op)
-        return _decision(hold, answer)
+        decision = _decision(hold, answer)
+        if isinstance(decision, RedisHeld):
+            self._live[hold.request_id] = decision
+        return decision
 
     def settle(self, reservation: RedisHeld, attempt: int, tokens: int, usd: float) -> None:
         if attempt in reservation.settled:
@@ -211,6 +219,8 @@ class RedisLimits:
         if reservation.released:
             return
         reservation.released = True
+        if self._live.get(reservation.hold.request_id) is reservation:
+            del self._live[reservation.hold.request_id]
         hold = reservation.hold
         self._post(
             "release", hold.tenant_id, [hold.request_id, "1" if answered else "0"], flying=-1
@@ -331,6 +341,17 @@ class RedisLimits:
         keys = [f"{self.prefix}{{{op.tenant_id}}}"]
         answer = await self._script(keys=keys, args=op.args)
         return [str(item) for item in cast(Sequence[Any], answer)]
+
+    async def _renewer(self) -> None:
+        """Renews this edge's leases: its requests keep their places while it lives."""
+        every = self.renew_every if self.renew_every is not None else self.hold_lease / 3
+        while True:
+            await trio.sleep(every)
+            tenants: dict[str, list[str]] = {}
+            for request_id, held in self._live.items():
+                tenants.setdefault(held.hold.tenant_id, []).append(request_id)
+            for tenant_id, request_ids in tenants.items():
+                self._post("renew", tenant_id, [repr(float(self.hold_lease)), *request_ids])
 
     async def _writer(self) -> None:
         """Runs the posted operations, one at a time, in order."""
@@ -494,20 +515,24 @@ async def open_redis_limits(
     *,
     prefix: str = "dispatcher:limits:",
     hold_lease: float = HOLD_LEASE,
+    renew_every: float | None = None,
     clock: Callable[[], float] | None = None,
     wall: Callable[[], float] | None = None,
 ) -> AsyncIterator[RedisLimits]:
     """The limit store on the Redis at ``url`` (``redis://host:port/db``), with its writer
     running until the block is left; leaving it writes what was posted (at most
-    :data:`CLOSE_TIMEOUT` seconds). ``clock`` and ``wall`` (both or neither) replace the
-    server's clocks: for tests only, where every edge must share them."""
+    :data:`CLOSE_TIMEOUT` seconds). A place in flight is a lease of ``hold_lease`` seconds,
+    renewed every ``renew_every`` (a third of the lease by default) while the request is held.
+    ``clock`` and ``wall`` (both or neither) replace the server's clocks: for tests only,
+    where every edge must share them."""
     if (clock is None) != (wall is None):
         raise ValueError("give both clock and wall, or neither (the server's TIME)")
     client: coredis.Redis[str] = coredis.Redis.from_url(url, decode_responses=True)
     async with client:
-        store = RedisLimits(client, prefix, hold_lease, clock, wall)
+        store = RedisLimits(client, prefix, hold_lease, renew_every, clock, wall)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store._writer)
+            nursery.start_soon(store._renewer)
             try:
                 yield store
             finally:

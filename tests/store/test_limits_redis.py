@@ -8,6 +8,7 @@
 * several edges (stores on one server) share one set of limits; a settle is counted once
   whichever edge retries it; seeding counts the ledger once however many edges start;
 * a dead edge's places in flight (and what they reserved) come back when their leases run out;
+  a living edge renews its leases;
 * an admission whose caller left before its answer does not keep its place;
 * what was posted before the store closed is written;
 * on the server's own clocks (no clock given) it limits and spends;
@@ -238,6 +239,26 @@ async def test_a_dead_edges_places_come_back_with_their_lease(url: str) -> None:
         assert isinstance(await alive.admit(hold("r3", 5, **limits)), Refusal)
         clocks.advance(1.0)  # the lease ran out: its place and its 90 reserved tokens
         assert isinstance(await alive.admit(hold("r4", 95, **limits)), RedisHeld)
+
+
+async def test_a_living_edge_renews_its_leases(url: str) -> None:
+    clocks = Clocks()
+    limits: dict[str, Any] = {"max_concurrent": 1}
+    async with (
+        edge(url, clocks, hold_lease=30.0, renew_every=0.02) as living,
+        edge(url, clocks, hold_lease=30.0) as other,
+    ):
+        held = await living.admit(hold("r1", **limits))
+        assert isinstance(held, RedisHeld)
+        for _ in range(4):  # 80 s on the store's clocks: past the first lease, and more
+            clocks.advance(20.0)
+            await trio.sleep(0.1)  # the renewer runs
+            refused = await other.admit(hold("r2", **limits))
+            assert isinstance(refused, Refusal)
+            assert refused.limit == "max_concurrent"
+        living.release(held, answered=False)
+        await living.flush()
+        assert isinstance(await other.admit(hold("r3", **limits)), RedisHeld)
 
 
 async def test_an_admission_left_before_its_answer_keeps_no_place(url: str) -> None:
