@@ -14,10 +14,11 @@ import trio
 
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import MemoryLimits
+from dispatcher.store.limits_redis import open_redis_limits
 from dispatcher.store.responses import open_response_store
 from dispatcher.store.seam import LimitStore, ResponseStore, UsageLedger
 
-from . import postgres_server
+from . import postgres_server, redis_server
 
 Clock = Callable[[], float]
 
@@ -98,4 +99,17 @@ RESPONSES = (
     ResponseBackend("sqlite-memory", persistent=False, open=_responses_memory),
     ResponseBackend(POSTGRES, persistent=True, open=_postgres_responses),
 )
-LIMITS = (LimitBackend("memory", open=_memory_limits),)
+
+
+@asynccontextmanager
+async def _redis_limits(clock: Clock, wall: Clock) -> AsyncIterator[LimitStore[Any]]:
+    """A real redis-server (``redis_server.py``), its database emptied for each test."""
+    async with open_redis_limits(redis_server.url(), clock=clock, wall=wall) as store:
+        await store.client.flushdb()
+        yield store
+
+
+LIMITS = (
+    LimitBackend("memory", open=_memory_limits),
+    LimitBackend("redis", open=_redis_limits),
+)

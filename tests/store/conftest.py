@@ -1,16 +1,19 @@
-"""The PostgreSQL backends' cases need a real server (``postgres_server``): where none can be
-started (no binaries), they are deselected from the run -- unless ``CI`` is set: CI installs
-PostgreSQL (``.ci/run``), so there they fail instead of vanishing. The server, if a test
-started it, is stopped when the session ends."""
+"""The shared backends' cases need real servers: PostgreSQL (``postgres_server``) and
+``redis-server`` (``redis_server``). Where one cannot be started (no binaries), its cases are
+deselected from the run -- unless ``CI`` is set: CI installs both (``.ci/run``), so there
+they fail instead of vanishing. A server a test started is stopped when the session ends."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
-from . import postgres_server
+from . import postgres_server, redis_server
 from .backends import POSTGRES
+
+REDIS_REASON = "redis-server is not installed (apt-get install redis-server)"
 
 
 def _on_postgres(item: pytest.Item) -> bool:
@@ -22,21 +25,41 @@ def _on_postgres(item: pytest.Item) -> bool:
     return getattr(backend, "name", None) == POSTGRES
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m: "asked for them alone" means that
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = postgres_server.unavailable_reason()
-    if reason is None or os.environ.get("CI"):
-        return
-    ours = [item for item in items if _on_postgres(item)]
+def _on_redis(item: pytest.Item) -> bool:
+    return "[redis" in item.name or "redis" in item.path.name
+
+
+def _leave_out(
+    config: pytest.Config, items: list[pytest.Item], ours: list[pytest.Item], reason: str
+) -> None:
     if not ours:
         return
     if len(ours) == len(items):  # asked for them alone: say why they do not run
         for item in ours:
-            item.add_marker(pytest.mark.skip(reason=f"PostgreSQL backends: {reason}"))
+            item.add_marker(pytest.mark.skip(reason=reason))
         return
     config.hook.pytest_deselected(items=ours)
     chosen = set(ours)
     items[:] = [item for item in items if item not in chosen]
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m: "asked for them alone" means that
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("CI"):
+        return
+    reason = postgres_server.unavailable_reason()
+    if reason is not None:
+        _leave_out(
+            config, items, [i for i in items if _on_postgres(i)], f"PostgreSQL backends: {reason}"
+        )
+    if redis_server.BINARY is None:
+        _leave_out(config, items, [i for i in items if _on_redis(i)], REDIS_REASON)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _redis_server_stopped() -> Iterator[None]:
+    yield
+    redis_server.stop()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,0 +1,542 @@
+"""The tenants' limits on Redis (>= 7): :class:`RedisLimits`, a
+:class:`~dispatcher.store.seam.LimitStore` several edges share, opened by
+:func:`open_redis_limits` (needs the ``redis`` extra: ``coredis``; nothing else of the edge
+imports it).
+
+* Every decision is one Lua script on the server (``limits_redis.lua``), atomic: admitting a
+  request checks and takes its budgets, its place in flight, its request in the minute window
+  and its estimate in the token window at once, with the same answers (and the same
+  :class:`~dispatcher.store.seam.Refusal`: limit, message, ``Retry-After``, ``x-ratelimit-*``
+  headers) as :class:`~dispatcher.store.limits.LimitCounters`, the reference.
+* A place in flight is a lease of :attr:`RedisLimits.hold_lease` seconds, renewed every
+  :attr:`RedisLimits.renew_every` seconds while this edge holds the request (the store's
+  renewer task): the holds of an edge that died come back (and what they reserved of the
+  budgets) within a lease.
+* The clocks are the server's (``TIME``): the edges' own do not matter. ``clock``/``wall``
+  given to :func:`open_redis_limits` replace them (the tests' seam: the contract suite moves
+  its own clocks).
+* :meth:`~RedisLimits.settle`, :meth:`~RedisLimits.release` and :meth:`~RedisLimits.spend`
+  never block: they are posted to the store's writer, a task in the nursery of
+  :func:`open_redis_limits`, which runs this edge's operations in the order they were posted
+  (an admission waits for the writes posted before it: an edge sees its own releases) and
+  retries a write that failed (each is idempotent on the server, keyed by request and attempt,
+  by request for a release, by an id of its own for a spend).
+* :meth:`~RedisLimits.spent` and :meth:`~RedisLimits.in_flight` are synchronous: they answer
+  what the server last told this edge, plus this edge's writes not yet acknowledged. Other
+  edges' spend shows from this edge's next operation on that tenant: eventually consistent.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.resources
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final, Literal, cast
+
+import attrs
+import coredis
+import coredis.exceptions
+import trio
+
+from ..config import Limits
+from .limits import (
+    CONCURRENCY_RETRY_AFTER,
+    WINDOW,
+    format_reset,
+    month_start,
+    periods,
+    seconds_to_next,
+)
+from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, UsageLedger
+
+__all__ = [
+    "HOLD_LEASE",
+    "RedisHeld",
+    "RedisLimits",
+    "RedisLimitsStatistics",
+    "open_redis_limits",
+]
+
+log = logging.getLogger("dispatcher.store.limits_redis")
+
+HOLD_LEASE: Final = 60.0
+"""Seconds a place in flight is held without its edge renewing it."""
+WRITE_ATTEMPTS: Final = 6
+"""Tries of one write before it is given up (and counted in the statistics)."""
+CLOSE_TIMEOUT: Final = 5.0
+"""Seconds a closing store waits for its writer to write what was posted."""
+_ERRORS: Final = (coredis.exceptions.RedisError, OSError)
+
+_SCRIPT: Final = (
+    importlib.resources.files(__package__).joinpath("limits_redis.lua").read_text("utf-8")
+)
+
+
+@attrs.define(eq=False, slots=True)
+class RedisHeld:
+    """An admitted request's reservation (a :class:`~dispatcher.store.seam.Reservation`)."""
+
+    hold: Hold
+    headers: RateHeaders
+    settled: set[int] = attrs.field(factory=set, repr=False)
+    """The attempts this edge settled it for (the server keeps its own, for every edge)."""
+    released: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class RedisLimitsStatistics:
+    pending: int
+    """Operations posted and not yet written."""
+    retried: int
+    """Writes tried again after an error."""
+    lost: int
+    """Writes given up after :data:`WRITE_ATTEMPTS` tries."""
+
+
+@attrs.frozen
+class _Seen:
+    """A tenant's state as the server last answered it."""
+
+    in_flight: int = 0
+    day: str = ""
+    day_tokens: int = 0
+    day_usd: float = 0.0
+    month: str = ""
+    month_tokens: int = 0
+    month_usd: float = 0.0
+
+
+@attrs.frozen
+class _Delta:
+    """A posted write as the tenant's view counts it until the server acknowledges it."""
+
+    seq: int
+    in_flight: int = 0
+    day: str = ""
+    month: str = ""
+    tokens: int = 0
+    usd: float = 0.0
+
+
+_Kind = Literal["admit", "settle", "release", "spend", "renew", "read", "barrier"]
+
+
+@attrs.define(eq=False, slots=True)
+class _Op:
+    seq: int
+    kind: _Kind
+    tenant_id: str
+    args: list[str]
+    """The clocks when it was posted (empty: the server's when it runs), the arguments."""
+    hold: Hold | None = None
+    done: trio.Event | None = None
+    """Set when an awaited operation (admit, read) has its answer."""
+    answer: list[str] | BaseException | None = None
+    abandoned: bool = False
+    """Its admission's caller left before the answer: a hold it got is released at once."""
+
+
+def _decimal(value: float | None) -> str:
+    return "" if value is None else repr(value)
+
+
+@attrs.define(eq=False)
+class RedisLimits:
+    """Tenants' limits in Redis (see the module docstring). Open it with
+    :func:`open_redis_limits`."""
+
+    client: coredis.Redis[str]
+    prefix: str = "dispatcher:limits:"
+    hold_lease: float = HOLD_LEASE
+    renew_every: float | None = None
+    """Seconds between renewals of this edge's leases (None: a third of the lease)."""
+    clock: Callable[[], float] | None = None
+    """The monotonic clock the scripts use instead of the server's (tests)."""
+    wall: Callable[[], float] | None = None
+    """Unix time the scripts use instead of the server's (tests)."""
+    _script: Any = attrs.field(init=False, default=None)
+    _queue: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
+    _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _seq: int = attrs.field(init=False, default=0)
+    _seen: dict[str, _Seen] = attrs.field(init=False, factory=dict)
+    _deltas: dict[str, collections.deque[_Delta]] = attrs.field(init=False, factory=dict)
+    _closed: bool = attrs.field(init=False, default=False)
+    _live: dict[str, RedisHeld] = attrs.field(init=False, factory=dict)
+    """This edge's admitted requests not yet released: the leases it renews."""
+    _retried: int = attrs.field(init=False, default=0)
+    _lost: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._script = self.client.register_script(_SCRIPT)
+
+    # -- the LimitStore ----------------------------------------------------------------
+
+    async def admit(self, hold: Hold) -> RedisHeld | Refusal:
+        """One script on the server decides; this edge's writes posted before go first."""
+        limits = hold.limits
+        op = self._post(
+            "admit",
+            hold.tenant_id,
+            [
+                hold.request_id,
+                str(hold.tokens),
+                repr(float(hold.usd)),
+                repr(float(self.hold_lease)),
+                _decimal(limits.rpm),
+                _decimal(limits.tpm),
+                _decimal(limits.max_concurrent),
+                _decimal(limits.budget_tokens_day),
+                _decimal(limits.budget_usd_day),
+                _decimal(limits.budget_tokens_month),
+                _decimal(limits.budget_usd_month),
+            ],
+            hold=hold,
+            awaited=True,
+        )
+        answer = await self._answer(op)
+        decision = _decision(hold, answer)
+        if isinstance(decision, RedisHeld):
+            self._live[hold.request_id] = decision
+        return decision
+
+    def settle(self, reservation: RedisHeld, attempt: int, tokens: int, usd: float) -> None:
+        if attempt in reservation.settled:
+            return
+        reservation.settled.add(attempt)
+        hold = reservation.hold
+        self._post(
+            "settle",
+            hold.tenant_id,
+            [hold.request_id, str(attempt), str(tokens), repr(float(usd))],
+            spend=(tokens, usd, None),
+        )
+
+    def release(self, reservation: RedisHeld, *, answered: bool) -> None:
+        if reservation.released:
+            return
+        reservation.released = True
+        if self._live.get(reservation.hold.request_id) is reservation:
+            del self._live[reservation.hold.request_id]
+        hold = reservation.hold
+        self._post(
+            "release", hold.tenant_id, [hold.request_id, "1" if answered else "0"], flying=-1
+        )
+
+    def spend(self, tenant_id: str, tokens: int, usd: float) -> None:
+        self._spend(tenant_id, tokens, usd, None)
+
+    def spent(self, tenant_id: str) -> Spent:
+        """What the server last answered for the tenant, with this edge's unacknowledged
+        writes (eventually consistent with other edges' spend)."""
+        day, month = periods(self._wall())
+        seen = self._seen.get(tenant_id, _Seen())
+        tokens_day = seen.day_tokens if seen.day == day else 0
+        usd_day = seen.day_usd if seen.day == day else 0.0
+        tokens_month = seen.month_tokens if seen.month == month else 0
+        usd_month = seen.month_usd if seen.month == month else 0.0
+        for delta in self._deltas.get(tenant_id, ()):
+            if delta.day == day:
+                tokens_day += delta.tokens
+                usd_day += delta.usd
+            if delta.month == month:
+                tokens_month += delta.tokens
+                usd_month += delta.usd
+        return Spent(tokens_day, usd_day, tokens_month, usd_month)
+
+    def in_flight(self, tenant_id: str) -> int:
+        """Places in flight as the server last answered, less this edge's releases since."""
+        seen = self._seen.get(tenant_id, _Seen())
+        return seen.in_flight + sum(delta.in_flight for delta in self._deltas.get(tenant_id, ()))
+
+    async def seed(self, ledger: UsageLedger) -> None:
+        """Seeds the counters from the ledger once per month for all edges: the first edge
+        to set the month's marker key does it; the others (and restarts) find the counters
+        kept. (An edge that dies while seeding leaves the month under-counted.)"""
+        wall = self._wall()
+        day, month = periods(wall)
+        marker = f"{self.prefix}seeded:{month}"
+        if not await self.client.set(marker, "1", condition=coredis.PureToken.NX, ex=40 * 86400):
+            return
+        since = month_start(wall)
+        for group in await ledger.billable_spend(since):
+            if group.key is None or group.day is None or not group.day.startswith(month):
+                continue
+            tokens = group.prompt_tokens + group.completion_tokens
+            at = wall if group.day == day else since  # an earlier day counts in the month
+            self._spend(group.key, tokens, group.cost_usd, at)
+        await self.flush()
+
+    # -- beyond the Protocol -----------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Wait until every operation posted before the call is written (or given up)."""
+        if self._queue:
+            await self._answer(self._post("barrier", "", [], awaited=True))
+
+    async def refresh(self, tenant_id: str) -> None:
+        """Read the tenant's state from the server (other edges' spend included)."""
+        await self._answer(self._post("read", tenant_id, [], awaited=True))
+
+    def statistics(self) -> RedisLimitsStatistics:
+        return RedisLimitsStatistics(
+            pending=len(self._queue), retried=self._retried, lost=self._lost
+        )
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _wall(self) -> float:
+        return self.wall() if self.wall is not None else time.time()
+
+    def _spend(self, tenant_id: str, tokens: int, usd: float, at: float | None) -> None:
+        args = [uuid.uuid4().hex, str(tokens), repr(float(usd)), _decimal(at)]
+        self._post("spend", tenant_id, args, spend=(tokens, usd, at))
+
+    def _post(
+        self,
+        kind: _Kind,
+        tenant_id: str,
+        args: list[str],
+        *,
+        hold: Hold | None = None,
+        awaited: bool = False,
+        flying: int = 0,
+        spend: tuple[int, float, float | None] | None = None,
+    ) -> _Op:
+        if self._closed:
+            raise trio.ClosedResourceError("the Redis limit store is closed")
+        self._seq += 1
+        args = [*self._clocks(), kind, *args]
+        op = _Op(self._seq, kind, tenant_id, args, hold, trio.Event() if awaited else None)
+        if flying or spend is not None:
+            tokens, usd, at = spend if spend is not None else (0, 0.0, None)
+            day, month = periods(self._wall() if at is None else at)
+            delta = _Delta(self._seq, flying, day, month, tokens, usd)
+            self._deltas.setdefault(tenant_id, collections.deque()).append(delta)
+        self._queue.append(op)
+        self._wake.set()
+        return op
+
+    async def _answer(self, op: _Op) -> list[str]:
+        assert op.done is not None
+        try:
+            await op.done.wait()
+        except BaseException:
+            op.abandoned = True  # a hold it gets is released by the writer
+            raise
+        if isinstance(op.answer, BaseException):
+            raise op.answer
+        assert op.answer is not None
+        return op.answer
+
+    def _clocks(self) -> list[str]:
+        if self.clock is None or self.wall is None:
+            return ["", ""]
+        return [repr(float(self.clock())), repr(float(self.wall()))]
+
+    async def _run(self, op: _Op) -> list[str]:
+        keys = [f"{self.prefix}{{{op.tenant_id}}}"]
+        answer = await self._script(keys=keys, args=op.args)
+        return [str(item) for item in cast(Sequence[Any], answer)]
+
+    async def _renewer(self) -> None:
+        """Renews this edge's leases: its requests keep their places while it lives."""
+        every = self.renew_every if self.renew_every is not None else self.hold_lease / 3
+        while True:
+            await trio.sleep(every)
+            tenants: dict[str, list[str]] = {}
+            for request_id, held in self._live.items():
+                tenants.setdefault(held.hold.tenant_id, []).append(request_id)
+            for tenant_id, request_ids in tenants.items():
+                self._post("renew", tenant_id, [repr(float(self.hold_lease)), *request_ids])
+
+    async def _writer(self) -> None:
+        """Runs the posted operations, one at a time, in order."""
+        queue = self._queue
+        while True:
+            if not queue:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            op = queue[0]
+            try:
+                answer = await self._execute(op)
+            finally:
+                queue.popleft()
+                self._acknowledge(op.tenant_id, op.seq)
+            if op.done is not None:
+                op.answer = answer
+                op.done.set()
+            if (
+                op.abandoned
+                and not self._closed
+                and isinstance(answer, list)
+                and answer[2] == "held"
+            ):
+                assert op.hold is not None
+                self.release(RedisHeld(op.hold, ()), answered=False)
+
+    async def _execute(self, op: _Op) -> list[str] | BaseException:
+        """A write is tried again (it is idempotent on the server); an awaited operation's
+        error goes to its caller."""
+        if op.kind == "barrier":
+            return []
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                answer = await self._run(op)
+            except _ERRORS as error:
+                if op.done is not None:
+                    return error
+                if attempt + 1 == WRITE_ATTEMPTS:
+                    self._lost += 1
+                    log.exception(
+                        "limit store: %s of %s given up after %d tries",
+                        op.kind,
+                        op.tenant_id,
+                        WRITE_ATTEMPTS,
+                    )
+                    return error
+                self._retried += 1
+                log.warning(
+                    "limit store: %s of %s failed, retrying: %s", op.kind, op.tenant_id, error
+                )
+                await trio.sleep(0.05 * 2**attempt)
+                continue
+            self._see(op.tenant_id, answer)
+            return answer
+        raise AssertionError("unreachable")
+
+    def _see(self, tenant_id: str, answer: list[str]) -> None:
+        in_flight, day, day_tokens, day_usd, month, month_tokens, month_usd = answer[-7:]
+        self._seen[tenant_id] = _Seen(
+            int(in_flight),
+            day,
+            int(float(day_tokens)),
+            float(day_usd),
+            month,
+            int(float(month_tokens)),
+            float(month_usd),
+        )
+
+    def _acknowledge(self, tenant_id: str, seq: int) -> None:
+        deltas = self._deltas.get(tenant_id)
+        while deltas and deltas[0].seq <= seq:
+            deltas.popleft()
+        if deltas is not None and not deltas:
+            del self._deltas[tenant_id]
+
+
+def _decision(hold: Hold, answer: list[str]) -> RedisHeld | Refusal:
+    """The admit script's answer: ``now, wall, held|refused, limit, used, retry_after,
+    requests, oldest request, charged, oldest charge`` then the snapshot."""
+    now, wall = float(answer[0]), float(answer[1])
+    outcome, limit, used, retry = answer[2:6]
+    requests, oldest_request, charged, oldest_charge = answer[6:10]
+    headers = _headers(
+        hold.limits,
+        now,
+        int(requests),
+        float(oldest_request) if oldest_request else None,
+        int(float(charged)),
+        float(oldest_charge) if oldest_charge else None,
+    )
+    if outcome == "held":
+        return RedisHeld(hold, headers)
+    name = cast(LimitName, limit)
+    message, retry_after = _refusal(hold, name, used, float(retry), wall)
+    return Refusal(name, message, retry_after, headers)
+
+
+def _refusal(
+    hold: Hold, name: LimitName, used: str, retry: float, wall: float
+) -> tuple[str, float]:
+    """The message and ``Retry-After`` of a refusal, as :class:`LimitCounters` words them."""
+    limits = hold.limits
+    if name.startswith("budget_"):
+        month = name.endswith("_month")
+        budget = getattr(limits, name)
+        unit = ("tokens" if "tokens" in name else "USD") + ("" if month else " today")
+        period = "this month (UTC)" if month else "(UTC)"
+        spent: float = int(float(used)) if "tokens" in name else float(used)
+        message = f"You exceeded your current quota: {spent:g} of {budget:g} {unit} {period}."
+        return message, seconds_to_next(wall, month=month)
+    if name == "max_concurrent":
+        return (
+            f"Too many requests in flight: limit {limits.max_concurrent}. "
+            "Retry when one has ended.",
+            CONCURRENCY_RETRY_AFTER,
+        )
+    if name == "rpm":
+        return (
+            f"Rate limit reached on requests per min (RPM): Limit {limits.rpm}, Used {used}, "
+            "Requested 1.",
+            retry,
+        )
+    return (
+        f"Rate limit reached on tokens per min (TPM): Limit {limits.tpm}, "
+        f"Used {int(float(used))}, Requested {hold.tokens}.",
+        retry,
+    )
+
+
+def _headers(
+    limits: Limits,
+    now: float,
+    requests: int,
+    oldest_request: float | None,
+    charged: int,
+    oldest_charge: float | None,
+) -> RateHeaders:
+    """The ``x-ratelimit-*`` headers as :class:`LimitCounters` builds them."""
+    headers: list[tuple[bytes, bytes]] = []
+    if limits.rpm is not None:
+        reset = oldest_request + WINDOW - now if oldest_request is not None else 0.0
+        headers += _header_set(b"requests", limits.rpm, limits.rpm - requests, reset)
+    if limits.tpm is not None:
+        reset = oldest_charge + WINDOW - now if oldest_charge is not None else 0.0
+        headers += _header_set(b"tokens", limits.tpm, limits.tpm - charged, reset)
+    return tuple(headers)
+
+
+def _header_set(kind: bytes, limit: int, remaining: int, reset: float) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"x-ratelimit-limit-" + kind, str(limit).encode()),
+        (b"x-ratelimit-remaining-" + kind, str(max(0, remaining)).encode()),
+        (b"x-ratelimit-reset-" + kind, format_reset(reset).encode()),
+    ]
+
+
+@asynccontextmanager
+async def open_redis_limits(
+    url: str,
+    *,
+    prefix: str = "dispatcher:limits:",
+    hold_lease: float = HOLD_LEASE,
+    renew_every: float | None = None,
+    clock: Callable[[], float] | None = None,
+    wall: Callable[[], float] | None = None,
+) -> AsyncIterator[RedisLimits]:
+    """The limit store on the Redis at ``url`` (``redis://host:port/db``), with its writer
+    running until the block is left; leaving it writes what was posted (at most
+    :data:`CLOSE_TIMEOUT` seconds). A place in flight is a lease of ``hold_lease`` seconds,
+    renewed every ``renew_every`` (a third of the lease by default) while the request is held.
+    ``clock`` and ``wall`` (both or neither) replace the server's clocks: for tests only,
+    where every edge must share them."""
+    if (clock is None) != (wall is None):
+        raise ValueError("give both clock and wall, or neither (the server's TIME)")
+    client: coredis.Redis[str] = coredis.Redis.from_url(url, decode_responses=True)
+    async with client:
+        store = RedisLimits(client, prefix, hold_lease, renew_every, clock, wall)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store._writer)
+            nursery.start_soon(store._renewer)
+            try:
+                yield store
+            finally:
+                with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                    await store.flush()
+                store._closed = True
+                nursery.cancel_scope.cancel()

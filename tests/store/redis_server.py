@@ -1,0 +1,105 @@
+"""A real ``redis-server`` for the Redis backends' tests: started on first use on a free port
+(``redis-server`` takes no port 0), in a temp dir, without persistence; stopped when the test
+session ends (:func:`stop`, from ``tests/store/conftest.py``). Each xdist worker has its own.
+:class:`RedisServer` is one more, for a test that stops and restarts its server."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+BINARY = shutil.which("redis-server")
+"""None: the Redis cases are deselected (``tests/store/conftest.py``)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One ``redis-server`` process in its own temp dir."""
+
+    def __init__(self) -> None:
+        if BINARY is None:
+            raise RuntimeError("redis-server is not installed: apt-get install redis-server")
+        self.binary = BINARY
+        self.place = tempfile.TemporaryDirectory(prefix="dispatcher-redis-")
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> str:
+        """Start it (on its former port if it ran before); its URL."""
+        for _ in range(5):  # a free port may be taken between the probe and the bind
+            port = self.port or _free_port()
+            command = [self.binary, "--port", str(port), "--bind", "127.0.0.1"]
+            command += ["--dir", self.place.name, "--save", "", "--appendonly", "no"]
+            with Path(self.place.name, "redis.log").open("ab") as log:
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 10.0
+            while process.poll() is None and time.monotonic() < deadline:
+                if _answers(port):
+                    self.process, self.port = process, port
+                    return self.url
+                time.sleep(0.02)
+            process.kill()
+            process.wait()
+            if self.port:
+                time.sleep(0.2)  # its former port may be freeing
+        raise RuntimeError(f"redis-server did not start: see {self.place.name}/redis.log")
+
+    def stop(self) -> None:
+        """Stop the process (nothing is left running)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def close(self) -> None:
+        self.stop()
+        self.place.cleanup()
+
+
+_server: RedisServer | None = None
+
+
+def url() -> str:
+    """The session's server's URL (started now if it is not running)."""
+    global _server
+    if _server is None:
+        server = RedisServer()
+        server.start()
+        _server = server
+    return _server.url
+
+
+def stop() -> None:
+    """Stop the session's server if it was started."""
+    global _server
+    server, _server = _server, None
+    if server is not None:
+        server.close()

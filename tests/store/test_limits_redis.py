@@ -1,0 +1,351 @@
+"""What the Redis limit store (:mod:`dispatcher.store.limits_redis`) adds to the contract
+(``test_contract_limits.py`` runs it too), against a real ``redis-server``
+(``redis_server.py``):
+
+* it decides what :class:`~dispatcher.store.limits.LimitCounters` decides: the same refusals
+  (limit, message, ``Retry-After``, headers), the same headers, the same spend, over random
+  sequences of admissions, settles, releases, spends and the passing of time;
+* several edges (stores on one server) share one set of limits; a settle is counted once
+  whichever edge retries it; seeding counts the ledger once however many edges start;
+* a dead edge's places in flight (and what they reserved) come back when their leases run out;
+  a living edge renews its leases;
+* an admission whose caller left before its answer does not keep its place;
+* what was posted before the store closed is written;
+* on the server's own clocks (no clock given) it limits and spends;
+* nothing of the embedded default imports ``coredis``.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from dispatcher.config import Limits
+from dispatcher.store.ledger import open_usage_ledger
+from dispatcher.store.limits import Held, MemoryLimits
+from dispatcher.store.limits_redis import RedisHeld, RedisLimits, open_redis_limits
+from dispatcher.store.seam import Hold, Refusal
+from dispatcher.store.usage import UsageRow
+
+from . import redis_server
+from .test_contract_limits import WALL, Clocks
+
+pytestmark = pytest.mark.skipif(redis_server.BINARY is None, reason="no redis-server")
+
+
+@pytest.fixture
+async def url() -> str:
+    url = redis_server.url()
+    async with open_redis_limits(url) as store:
+        await store.client.flushdb()
+    return url
+
+
+@asynccontextmanager
+async def edge(url: str, clocks: Clocks, **options: Any) -> AsyncIterator[RedisLimits]:
+    """One edge's store, on the test's clocks."""
+    async with open_redis_limits(
+        url, clock=lambda: clocks.now, wall=lambda: clocks.wall, **options
+    ) as store:
+        yield store
+
+
+def ledger_row(request_id: str, ended_at: float) -> UsageRow:
+    """A billable row of 15 tokens and 1 USD, attributed to ``t1``."""
+    return UsageRow(
+        request_id=request_id,
+        attempt=1,
+        model_group="m",
+        served_model="m",
+        provider_id="p",
+        node_id="n",
+        path="normalized",
+        attribution="t1",
+        prompt_tokens=10,
+        completion_tokens=5,
+        usage_source="reported",
+        outcome="completed",
+        billable_to="client",
+        queue_wait_s=0.0,
+        ttft_s=None,
+        duration_s=1.0,
+        ended_at=ended_at,
+        cost_usd=1.0,
+    )
+
+
+def hold(
+    request_id: str, tokens: int = 10, usd: float = 0.0, tenant: str = "t1", **limits: Any
+) -> Hold:
+    return Hold(request_id, tenant, Limits(**limits), tokens, usd)
+
+
+# ------------------------------------------------------------------ the reference's answers
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_it_answers_what_the_reference_answers(url: str, seed: int) -> None:
+    """Random operations on two tenants, applied to :class:`MemoryLimits` (the reference)
+    and to the Redis store on the same clocks: every decision is the same Refusal or the
+    same headers, and the spend and the places in flight agree after each step."""
+    rng = random.Random(seed)
+    clocks = Clocks()
+    reference = MemoryLimits(clock=lambda: clocks.now, wall=lambda: clocks.wall)
+
+    def limits() -> Limits:
+        def maybe(low: float, high: float, kind: type = int) -> Any:
+            if rng.random() < 0.4:
+                return None
+            if kind is float:
+                return rng.uniform(low, high)
+            return rng.randint(int(low), int(high))
+
+        return Limits(
+            rpm=maybe(1, 6),
+            tpm=maybe(20, 300),
+            max_concurrent=maybe(1, 4),
+            budget_tokens_day=maybe(50, 600),
+            budget_tokens_month=maybe(100, 900),
+            budget_usd_day=maybe(0.5, 5.0, float),
+            budget_usd_month=maybe(1.0, 8.0, float),
+        )
+
+    tenants = {"a": limits(), "b": limits()}
+    held: list[tuple[Held, RedisHeld]] = []
+    async with edge(url, clocks, hold_lease=1e9) as store:
+        for step in range(80):
+            action = rng.random()
+            tenant = rng.choice(sorted(tenants))
+            if action < 0.4:
+                asked = Hold(
+                    f"r{seed}-{step}",
+                    tenant,
+                    tenants[tenant],
+                    rng.randint(0, 120),
+                    round(rng.uniform(0, 1.5), 2),
+                )
+                expected = await reference.admit(asked)
+                got = await store.admit(asked)
+                if isinstance(expected, Refusal):
+                    assert got == expected, (step, asked)
+                else:
+                    assert isinstance(got, RedisHeld), (step, asked, got)
+                    assert got.headers == expected.headers, (step, asked)
+                    held.append((expected, got))
+            elif action < 0.6 and held:
+                theirs, ours = rng.choice(held)
+                attempt, tokens, usd = rng.randint(1, 2), rng.randint(0, 100), rng.random()
+                reference.settle(theirs, attempt, tokens, usd)
+                store.settle(ours, attempt, tokens, usd)
+            elif action < 0.8 and held:
+                theirs, ours = rng.choice(held)
+                answered = rng.random() < 0.5
+                reference.release(theirs, answered=answered)
+                store.release(ours, answered=answered)
+            elif action < 0.85:
+                tokens, usd = rng.randint(0, 50), rng.random()
+                reference.spend(tenant, tokens, usd)
+                store.spend(tenant, tokens, usd)
+            elif action < 0.98:
+                clocks.advance(rng.choice([0.0, 0.5, 5.0, 20.0, 59.999, 60.0]))
+            else:
+                clocks.advance(12 * 3600.0)  # past a UTC midnight
+            for name in tenants:
+                assert store.in_flight(name) == reference.in_flight(name), step
+                expected_spent, got_spent = reference.spent(name), store.spent(name)
+                assert got_spent.tokens_day == expected_spent.tokens_day, step
+                assert got_spent.tokens_month == expected_spent.tokens_month, step
+                assert got_spent.usd_day == pytest.approx(expected_spent.usd_day), step
+                assert got_spent.usd_month == pytest.approx(expected_spent.usd_month), step
+        await store.flush()
+        for name in tenants:
+            assert store.in_flight(name) == reference.in_flight(name)
+            assert store.spent(name).tokens_month == reference.spent(name).tokens_month
+
+
+# ------------------------------------------------------------------ several edges
+
+
+async def test_two_edges_share_the_limits(url: str) -> None:
+    clocks = Clocks()
+    async with edge(url, clocks) as one, edge(url, clocks) as other:
+        first = await one.admit(hold("r1", max_concurrent=2, rpm=3))
+        assert isinstance(first, RedisHeld)
+        assert isinstance(await other.admit(hold("r2", max_concurrent=2, rpm=3)), RedisHeld)
+        refused = await other.admit(hold("r3", max_concurrent=2, rpm=3))
+        assert isinstance(refused, Refusal)
+        assert refused.limit == "max_concurrent"
+        one.release(first, answered=False)
+        await one.flush()
+        assert isinstance(await other.admit(hold("r4", max_concurrent=2, rpm=3)), RedisHeld)
+        refused = await one.admit(hold("r5", max_concurrent=9, rpm=3))
+        assert isinstance(refused, Refusal)
+        assert refused.limit == "rpm"  # three requests in the minute, from both edges
+
+
+async def test_a_settle_counts_once_whichever_edge_retries_it(url: str) -> None:
+    clocks = Clocks()
+    async with edge(url, clocks) as one, edge(url, clocks) as other:
+        asked = hold("r1", 50, 1.0, tpm=100)
+        held = await one.admit(asked)
+        assert isinstance(held, RedisHeld)
+        one.settle(held, 1, 20, 0.5)
+        other.settle(RedisHeld(asked, ()), 1, 20, 0.5)  # the same row, from another edge
+        other.settle(RedisHeld(asked, ()), 2, 5, 0.25)  # another attempt's row adds
+        await one.flush()
+        await other.flush()
+        await one.refresh("t1")
+        spent = one.spent("t1")
+        assert (spent.tokens_day, spent.usd_day) == (25, 0.75)
+        probe = await other.admit(hold("r2", 0, tpm=100))
+        assert isinstance(probe, RedisHeld)
+        assert dict(probe.headers)[b"x-ratelimit-remaining-tokens"] == b"75"
+
+
+async def test_seeding_counts_the_ledger_once_for_all_edges(url: str, tmp_path: Path) -> None:
+    clocks = Clocks()
+    async with open_usage_ledger(tmp_path / "usage.sqlite3") as ledger:
+        ledger.record(ledger_row("today", WALL - 60))
+        ledger.record(ledger_row("earlier", WALL - 3 * 86400))
+        async with edge(url, clocks) as one, edge(url, clocks) as other:
+            await one.seed(ledger)
+            await other.seed(ledger)  # a second edge starting: the counters are kept
+            await other.refresh("t1")
+            for store in (one, other):
+                spent = store.spent("t1")
+                assert (spent.tokens_day, spent.tokens_month) == (15, 30)
+                assert spent.usd_month == 2.0
+
+
+async def test_a_dead_edges_places_come_back_with_their_lease(url: str) -> None:
+    clocks = Clocks()
+    limits: dict[str, Any] = {"max_concurrent": 1, "budget_tokens_day": 100}
+    async with edge(url, clocks, hold_lease=30.0) as dead:
+        assert isinstance(await dead.admit(hold("r1", 90, **limits)), RedisHeld)
+    # That edge is gone without releasing its request.
+    async with edge(url, clocks, hold_lease=30.0) as alive:
+        refused = await alive.admit(hold("r2", 5, **limits))
+        assert isinstance(refused, Refusal)
+        assert refused.limit == "max_concurrent"
+        clocks.advance(29.0)
+        assert isinstance(await alive.admit(hold("r3", 5, **limits)), Refusal)
+        clocks.advance(1.0)  # the lease ran out: its place and its 90 reserved tokens
+        assert isinstance(await alive.admit(hold("r4", 95, **limits)), RedisHeld)
+
+
+async def test_a_living_edge_renews_its_leases(url: str) -> None:
+    clocks = Clocks()
+    limits: dict[str, Any] = {"max_concurrent": 1}
+    async with (
+        edge(url, clocks, hold_lease=30.0, renew_every=0.02) as living,
+        edge(url, clocks, hold_lease=30.0) as other,
+    ):
+        held = await living.admit(hold("r1", **limits))
+        assert isinstance(held, RedisHeld)
+        for _ in range(4):  # 80 s on the store's clocks: past the first lease, and more
+            clocks.advance(20.0)
+            await trio.sleep(0.1)  # the renewer runs
+            refused = await other.admit(hold("r2", **limits))
+            assert isinstance(refused, Refusal)
+            assert refused.limit == "max_concurrent"
+        living.release(held, answered=False)
+        await living.flush()
+        assert isinstance(await other.admit(hold("r3", **limits)), RedisHeld)
+
+
+async def test_an_admission_left_before_its_answer_keeps_no_place(url: str) -> None:
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        with trio.CancelScope() as scope:
+            scope.cancel()  # the client went away while the admission was on its way
+            await store.admit(hold("r1", max_concurrent=1))
+        await store.flush()
+        await store.refresh("t1")
+        assert store.in_flight("t1") == 0
+        assert isinstance(await store.admit(hold("r2", max_concurrent=1)), RedisHeld)
+
+
+async def test_what_was_posted_before_closing_is_written(url: str) -> None:
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        held = await store.admit(hold("r1", 40, 2.0))
+        assert isinstance(held, RedisHeld)
+        store.settle(held, 1, 30, 1.5)
+        store.release(held, answered=True)
+        store.spend("t1", 5, 0.5)
+    async with edge(url, clocks) as reopened:
+        await reopened.refresh("t1")
+        spent = reopened.spent("t1")
+        assert (spent.tokens_day, spent.usd_day) == (35, 2.0)
+        assert reopened.in_flight("t1") == 0
+        assert reopened.statistics().lost == 0
+
+
+async def test_the_servers_clocks_by_default(url: str) -> None:
+    async with open_redis_limits(url) as store:
+        assert isinstance(await store.admit(hold("r1", rpm=1)), RedisHeld)
+        refused = await store.admit(hold("r2", rpm=1))
+        assert isinstance(refused, Refusal)
+        assert refused.limit == "rpm"
+        assert 0.0 < refused.retry_after <= 60.0
+        store.spend("t1", 7, 0.25)
+        await store.flush()
+        spent = store.spent("t1")
+        assert (spent.tokens_day, spent.tokens_month, spent.usd_month) == (7, 7, 0.25)
+
+
+def test_clocks_are_both_given_or_neither() -> None:
+    async def main() -> None:
+        async with open_redis_limits("redis://127.0.0.1:1/0", clock=lambda: 0.0):
+            pass  # pragma: no cover
+
+    with pytest.raises(ValueError, match="both clock and wall"):
+        trio.run(main)
+
+
+def test_the_embedded_default_never_imports_coredis() -> None:
+    code = (
+        "import sys, dispatcher.cli, dispatcher.edge, dispatcher.store.backends; "
+        "assert 'coredis' not in sys.modules, sorted(m for m in sys.modules if 'redis' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_a_write_is_retried_while_the_server_refuses_it(url: str) -> None:
+    """Settles and spends the server refuses wait in the writer (the request's path does
+    not), are written once it takes them, and are given up (counted) after their tries.
+    (The tenant's state key holding a string makes every script on it fail: WRONGTYPE.)"""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        held = await store.admit(hold("r1", 40))
+        assert isinstance(held, RedisHeld)
+        broken = "dispatcher:limits:{t1}:st"
+        state = await store.client.hgetall(broken)
+        await store.client.delete([broken])
+        await store.client.set(broken, "not a hash")
+        store.settle(held, 1, 30, 1.5)  # never blocks, the server refusing it
+        store.release(held, answered=True)
+        assert store.spent("t1").tokens_day == 30  # this edge counts it already
+        await trio.sleep(0.2)  # a few tries fail
+        assert store.statistics().retried >= 1
+        await store.client.delete([broken])
+        await store.client.hset(broken, state)
+        await store.flush()
+        assert store.statistics().lost == 0
+        await store.refresh("t1")
+        assert store.spent("t1").tokens_day == 30
+        assert store.in_flight("t1") == 0
+        await store.client.delete([broken])
+        await store.client.set(broken, "not a hash")
+        store.spend("t1", 5, 0.0)
+        await store.flush()  # every try fails
+        assert store.statistics().lost == 1
+        await store.client.delete([broken])
