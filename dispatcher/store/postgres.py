@@ -1,6 +1,7 @@
 """The shared backends on PostgreSQL: the usage ledger (:class:`PostgresUsage` under a
 :class:`~dispatcher.store.ledger.BatchedLedger`) and the stored responses
-(:class:`PostgresResponseStore`), which several edges can open on one database.
+(a :class:`~dispatcher.store.responses.BoundedResponseStore` over PostgreSQL), which several
+edges can open on one database.
 
 ::
 
@@ -33,22 +34,20 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
-import attrs
 import orjson
 import psycopg
 import trio
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
-from ..wire import JSONObject
 from .ledger import (
     MAX_PENDING_ROWS,
     RECENT_KEYS,
     BatchedLedger,
     open_batched_ledger,
 )
-from .responses import MAX_STORED, MAX_STORED_AGE, MAX_STORED_BYTES
-from .seam import ResponseStoreStatistics, StoredResponse, WriteResult
+from .responses import MAX_STORED, MAX_STORED_AGE, MAX_STORED_BYTES, BoundedResponseStore
+from .seam import StoredResponse, WriteResult
 from .usage import (
     GroupBy,
     UsageFilter,
@@ -60,7 +59,6 @@ from .usage_sqlite import ROW_COLUMNS, fold_totals, row_values, usage_group
 
 __all__ = [
     "POSTGRES_CONNECT_TIMEOUT",
-    "PostgresResponseStore",
     "PostgresUsage",
     "open_postgres_ledger",
     "open_postgres_response_store",
@@ -470,74 +468,6 @@ def _count(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     return found[0], found[1]
 
 
-@attrs.define(eq=False)
-class PostgresResponseStore:
-    """Stored responses on PostgreSQL, shared by the edges that open the same database: the
-    :class:`~dispatcher.store.seam.ResponseStore` the SQLite one is (same bounds, each
-    enforced over the whole table). Create it with :func:`open_postgres_response_store`.
-
-    :meth:`statistics` gives the count and size the last call of this store saw."""
-
-    _db: _ResponsesDatabase = attrs.field(alias="database")
-    max_entries: int
-    max_bytes: int
-    max_age: float
-    _clock: Callable[[], float]
-    _limiter: trio.CapacityLimiter = attrs.field(
-        init=False, factory=lambda: trio.CapacityLimiter(_POOL_SIZE)
-    )
-    _evicted: int = attrs.field(init=False, default=0)
-    _closed: bool = attrs.field(init=False, default=False)
-
-    def statistics(self) -> ResponseStoreStatistics:
-        return ResponseStoreStatistics(
-            entries=self._db.entries, bytes=self._db.bytes, evicted=self._evicted
-        )
-
-    async def _run(self, func: Callable[..., Any], *args: Any) -> Any:
-        if self._closed:
-            raise trio.ClosedResourceError("the response store is closed")
-        return await trio.to_thread.run_sync(func, *args, limiter=self._limiter)
-
-    async def put(
-        self,
-        response: JSONObject,
-        conversation: Sequence[JSONObject],
-        owner: str | None = None,
-    ) -> bool:
-        encoded = orjson.dumps(response)
-        history = orjson.dumps(list(conversation))
-        if len(encoded) + len(history) > self.max_bytes:
-            await trio.lowlevel.checkpoint()
-            return False
-        now = self._clock()
-        evicted: int = await self._run(
-            self._db.put,
-            response["id"],
-            owner,
-            encoded,
-            history,
-            now,
-            now - self.max_age,
-            self.max_entries,
-            self.max_bytes,
-        )
-        self._evicted += evicted
-        return True
-
-    async def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
-        found: StoredResponse | None = await self._run(
-            self._db.get, response_id, owner, self._clock() - self.max_age
-        )
-        return found
-
-    async def delete(self, response_id: str, owner: str | None = None) -> bool:
-        deleted: bool = await self._run(
-            self._db.delete, response_id, owner, self._clock() - self.max_age
-        )
-        return deleted
-
-
 @asynccontextmanager
 async def open_postgres_response_store(
     url: str,
@@ -547,24 +477,29 @@ async def open_postgres_response_store(
     max_age: float = MAX_STORED_AGE,
     clock: Callable[[], float] = time.time,
     connect_timeout: float = POSTGRES_CONNECT_TIMEOUT,
-) -> AsyncIterator[PostgresResponseStore]:
+) -> AsyncIterator[BoundedResponseStore]:
     """A response store on the PostgreSQL database ``url``, bounded as
     :func:`~dispatcher.store.responses.open_response_store`'s. Leaving the block closes
     the pool (shielded, at most :data:`_CLOSE_TIMEOUT` seconds, after the calls in flight)."""
     if max_entries < 1 or max_bytes < 1 or max_age <= 0:
         raise ValueError("max_entries and max_bytes must be >= 1, max_age > 0")
     database = await trio.to_thread.run_sync(_ResponsesDatabase, url, connect_timeout)
-    store = PostgresResponseStore(
-        database, max_entries=max_entries, max_bytes=max_bytes, max_age=max_age, clock=clock
+    store = BoundedResponseStore(
+        database,
+        max_entries=max_entries,
+        max_bytes=max_bytes,
+        max_age=max_age,
+        clock=clock,
+        limiter=trio.CapacityLimiter(_POOL_SIZE),
     )
     try:
         yield store
     finally:
-        store._closed = True
+        store.closed = True
         with trio.move_on_after(_CLOSE_TIMEOUT, shield=True) as waiting:
             # Every place of the limiter: the calls in flight end first.
             for _ in range(_POOL_SIZE):
-                await store._limiter.acquire_on_behalf_of(object())
+                await store.limiter.acquire_on_behalf_of(object())
         if waiting.cancelled_caught:
             log.error(
                 "response store: calls to %s still run after %g s; closing its pool anyway",

@@ -39,13 +39,13 @@ import orjson
 import trio
 
 from ..wire import JSONObject
-from .seam import ResponseStoreStatistics, StoredResponse
+from .seam import ResponseDatabase, ResponseStoreStatistics, StoredResponse
 
 __all__ = [
     "MAX_STORED",
     "MAX_STORED_AGE",
     "MAX_STORED_BYTES",
-    "SQLiteResponseStore",
+    "BoundedResponseStore",
     "beside_ledger",
     "open_response_store",
 ]
@@ -221,21 +221,24 @@ class _Database:
 
 
 @attrs.define(eq=False)
-class SQLiteResponseStore:
-    """Stored responses on SQLite, the embedded :class:`~dispatcher.store.seam.ResponseStore`
-    (see the module docstring). Create it with
-    :func:`open_response_store`."""
+class BoundedResponseStore:
+    """Stored responses (see the module docstring) over a
+    :class:`~dispatcher.store.seam.ResponseDatabase` -- SQLite here, PostgreSQL in
+    :mod:`.postgres` --, which it calls in worker threads, at most ``limiter``'s tokens at
+    once: the :class:`~dispatcher.store.seam.ResponseStore` both backends are. Create it with
+    :func:`open_response_store` (or
+    :func:`~dispatcher.store.postgres.open_postgres_response_store`)."""
 
-    _db: _Database = attrs.field(alias="database")
+    _db: ResponseDatabase = attrs.field(alias="database")
     max_entries: int
     max_bytes: int
     max_age: float
     _clock: Callable[[], float]
-    _limiter: trio.CapacityLimiter = attrs.field(
-        init=False, factory=lambda: trio.CapacityLimiter(1)
-    )
+    limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
+    """The calls in flight (one per token); closing waits for them."""
     _evicted: int = attrs.field(init=False, default=0)
-    _closed: bool = attrs.field(init=False, default=False)
+    closed: bool = attrs.field(init=False, default=False)
+    """Set when the opener's block is left: every call from then on raises."""
 
     def __len__(self) -> int:
         return self._db.entries
@@ -246,9 +249,9 @@ class SQLiteResponseStore:
         )
 
     async def _run(self, func: Callable[..., Any], *args: Any) -> Any:
-        if self._closed:
+        if self.closed:
             raise trio.ClosedResourceError("the response store is closed")
-        return await trio.to_thread.run_sync(func, *args, limiter=self._limiter)
+        return await trio.to_thread.run_sync(func, *args, limiter=self.limiter)
 
     async def put(
         self,
@@ -301,7 +304,7 @@ async def open_response_store(
     max_bytes: int = MAX_STORED_BYTES,
     max_age: float = MAX_STORED_AGE,
     clock: Callable[[], float] = time.time,
-) -> AsyncIterator[SQLiteResponseStore]:
+) -> AsyncIterator[BoundedResponseStore]:
     """A response store on the SQLite file ``path`` (created, with its directory, if
     missing; what it held before is kept within the bounds), or on a private in-memory
     database for ``":memory:"``. Leaving the block closes the database (shielded, at most
@@ -309,14 +312,14 @@ async def open_response_store(
     if max_entries < 1 or max_bytes < 1 or max_age <= 0:
         raise ValueError("max_entries and max_bytes must be >= 1, max_age > 0")
     database = await trio.to_thread.run_sync(_Database, path)
-    store = SQLiteResponseStore(
+    store = BoundedResponseStore(
         database, max_entries=max_entries, max_bytes=max_bytes, max_age=max_age, clock=clock
     )
     try:
         yield store
     finally:
-        store._closed = True
+        store.closed = True
         with trio.move_on_after(_CLOSE_TIMEOUT, shield=True) as closing:
-            await trio.to_thread.run_sync(database.close, limiter=store._limiter)
+            await trio.to_thread.run_sync(database.close, limiter=store.limiter)
         if closing.cancelled_caught:
             log.error("response store: the database was not closed in %g s", _CLOSE_TIMEOUT)

@@ -22,6 +22,7 @@ Every backend passes one contract suite (``tests/store/``), parametrized by back
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 from typing import Literal, Protocol, TypeVar, Unpack
 
@@ -46,6 +47,7 @@ __all__ = [
     "RateHeaders",
     "Refusal",
     "Reservation",
+    "ResponseDatabase",
     "ResponseStore",
     "ResponseStoreStatistics",
     "Spent",
@@ -158,6 +160,39 @@ class ResponseStoreStatistics:
     bytes: int
     evicted: int
     """Responses forgotten for a bound (not deleted by a client) since the store opened."""
+
+
+class ResponseDatabase(Protocol):
+    """A response store's database as :class:`~dispatcher.store.responses.BoundedResponseStore`
+    drives it: synchronous, called in worker threads (``trio.to_thread``), each call one
+    transaction. ``entries`` and ``bytes`` are what it holds, as its last call saw them."""
+
+    @property
+    def entries(self) -> int: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    def put(
+        self,
+        response_id: str,
+        owner: str | None,
+        response: builtins.bytes,
+        conversation: builtins.bytes,
+        now: float,
+        horizon: float,
+        max_entries: int,
+        max_bytes: int,
+    ) -> int:
+        """Keep one response (replacing one of the same id), then forget what is past the
+        bounds or stored at ``horizon`` or before, oldest first. Returns how many went."""
+        ...
+
+    def get(self, response_id: str, owner: str | None, horizon: float) -> StoredResponse | None: ...
+
+    def delete(self, response_id: str, owner: str | None, horizon: float) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class ResponseStore(Protocol):
