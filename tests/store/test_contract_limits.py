@@ -191,36 +191,38 @@ async def test_concurrent_admissions_never_exceed_a_limit(store: LimitStore[Any]
     assert store.in_flight("t1") == 3
 
 
+def ledger_row(request_id: str, ended_at: float, billable: bool = True) -> UsageRow:
+    """A row of 15 tokens and 1 USD, attributed to ``t1``: what seeding reads."""
+    return UsageRow(
+        request_id=request_id,
+        attempt=1,
+        model_group="m",
+        served_model="m",
+        provider_id="p",
+        node_id="n",
+        path="normalized",
+        attribution="t1",
+        prompt_tokens=10,
+        completion_tokens=5,
+        usage_source="reported",
+        outcome="completed",
+        billable_to="client" if billable else "operator",
+        queue_wait_s=0.0,
+        ttft_s=None,
+        duration_s=1.0,
+        ended_at=ended_at,
+        cost_usd=1.0,
+    )
+
+
 async def test_seeding_from_a_ledger_counts_this_month_only(
     store: LimitStore[Any], tmp_path: Path
 ) -> None:
-    def row(request_id: str, ended_at: float, billable: bool = True) -> UsageRow:
-        return UsageRow(
-            request_id=request_id,
-            attempt=1,
-            model_group="m",
-            served_model="m",
-            provider_id="p",
-            node_id="n",
-            path="normalized",
-            attribution="t1",
-            prompt_tokens=10,
-            completion_tokens=5,
-            usage_source="reported",
-            outcome="completed",
-            billable_to="client" if billable else "operator",
-            queue_wait_s=0.0,
-            ttft_s=None,
-            duration_s=1.0,
-            ended_at=ended_at,
-            cost_usd=1.0,
-        )
-
     async with open_usage_ledger(tmp_path / "usage.sqlite3") as ledger:
-        ledger.record(row("today", WALL - 60))
-        ledger.record(row("earlier", WALL - 3 * 86400))
-        ledger.record(row("last-month", WALL - 20 * 86400))
-        ledger.record(row("operator", WALL - 60, billable=False))
+        ledger.record(ledger_row("today", WALL - 60))
+        ledger.record(ledger_row("earlier", WALL - 3 * 86400))
+        ledger.record(ledger_row("last-month", WALL - 20 * 86400))
+        ledger.record(ledger_row("operator", WALL - 60, billable=False))
         await store.seed(ledger)
     spent = store.spent("t1")
     assert (spent.tokens_day, spent.usd_day) == (15, 1.0)

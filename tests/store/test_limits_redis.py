@@ -33,10 +33,9 @@ from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import Held, MemoryLimits
 from dispatcher.store.limits_redis import RedisHeld, RedisLimits, open_redis_limits
 from dispatcher.store.seam import Hold, Refusal
-from dispatcher.store.usage import UsageRow
 
 from . import redis_server
-from .test_contract_limits import WALL, Clocks
+from .test_contract_limits import WALL, Clocks, ledger_row
 
 pytestmark = pytest.mark.skipif(redis_server.BINARY is None, reason="no redis-server")
 
@@ -56,30 +55,6 @@ async def edge(url: str, clocks: Clocks, **options: Any) -> AsyncIterator[RedisL
         url, clock=lambda: clocks.now, wall=lambda: clocks.wall, **options
     ) as store:
         yield store
-
-
-def ledger_row(request_id: str, ended_at: float) -> UsageRow:
-    """A billable row of 15 tokens and 1 USD, attributed to ``t1``."""
-    return UsageRow(
-        request_id=request_id,
-        attempt=1,
-        model_group="m",
-        served_model="m",
-        provider_id="p",
-        node_id="n",
-        path="normalized",
-        attribution="t1",
-        prompt_tokens=10,
-        completion_tokens=5,
-        usage_source="reported",
-        outcome="completed",
-        billable_to="client",
-        queue_wait_s=0.0,
-        ttft_s=None,
-        duration_s=1.0,
-        ended_at=ended_at,
-        cost_usd=1.0,
-    )
 
 
 def hold(
