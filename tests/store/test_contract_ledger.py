@@ -25,6 +25,7 @@ from dispatcher.store.usage import (
     UsageGroup,
     UsageRow,
 )
+from tests.test_usage import make_row
 
 from .backends import LEDGERS, LedgerBackend
 
@@ -39,27 +40,8 @@ def backend(request: pytest.FixtureRequest) -> LedgerBackend:
 
 
 def row(request_id: str, attempt: int = 1, **changes: Any) -> UsageRow:
-    fields: dict[str, Any] = {
-        "request_id": request_id,
-        "attempt": attempt,
-        "model_group": "llama",
-        "served_model": "llama3:8b",
-        "provider_id": "p",
-        "node_id": "n",
-        "path": "normalized",
-        "attribution": "key-1",
-        "prompt_tokens": 10,
-        "completion_tokens": 20,
-        "usage_source": "reported",
-        "outcome": "completed",
-        "billable_to": "client",
-        "queue_wait_s": 0.01,
-        "ttft_s": 0.1,
-        "duration_s": 1.0,
-        "ended_at": T0,
-    }
-    fields.update(changes)
-    return UsageRow(**fields)
+    """The ledger tests' row (``tests/test_usage.py``), ending at this suite's ``T0``."""
+    return make_row(request_id, attempt, **{"ended_at": T0, **changes})
 
 
 def varied_rows() -> list[UsageRow]:
