@@ -44,6 +44,8 @@ __all__ = [
     "format_reset",
     "month_start",
     "periods",
+    "rate_headers",
+    "refusal_message",
     "seconds_to_next",
 ]
 
@@ -322,20 +324,16 @@ def _over_budget(counters: _Counters, limits: Limits, wall: float) -> _Over:
     tokens_month = counters.month.tokens + counters.reserved_tokens
     usd_day = counters.day.usd + counters.reserved_usd
     usd_month = counters.month.usd + counters.reserved_usd
-    budgets: tuple[tuple[LimitName, float | None, float, str, bool], ...] = (
-        ("budget_tokens_day", limits.budget_tokens_day, tokens_day, "tokens today", False),
-        ("budget_usd_day", limits.budget_usd_day, usd_day, "USD today", False),
-        ("budget_tokens_month", limits.budget_tokens_month, tokens_month, "tokens", True),
-        ("budget_usd_month", limits.budget_usd_month, usd_month, "USD", True),
+    budgets: tuple[tuple[LimitName, float | None, float], ...] = (
+        ("budget_tokens_day", limits.budget_tokens_day, tokens_day),
+        ("budget_usd_day", limits.budget_usd_day, usd_day),
+        ("budget_tokens_month", limits.budget_tokens_month, tokens_month),
+        ("budget_usd_month", limits.budget_usd_month, usd_month),
     )
-    for name, budget, spent, unit, month in budgets:
+    for name, budget, spent in budgets:
         if budget is not None and spent >= budget:
-            period = "this month (UTC)" if month else "(UTC)"
-            return (
-                name,
-                f"You exceeded your current quota: {spent:g} of {budget:g} {unit} {period}.",
-                seconds_to_next(wall, month=month),
-            )
+            month = name.endswith("_month")
+            return name, refusal_message(limits, name, spent, 0), seconds_to_next(wall, month=month)
     return None
 
 
@@ -345,7 +343,7 @@ def _over_concurrency(counters: _Counters, limits: Limits) -> _Over:
         return None
     return (
         "max_concurrent",
-        f"Too many requests in flight: limit {limit}. Retry when one has ended.",
+        refusal_message(limits, "max_concurrent", counters.in_flight, 0),
         CONCURRENCY_RETRY_AFTER,
     )
 
@@ -357,12 +355,7 @@ def _over_rpm(counters: _Counters, limits: Limits, now: float) -> _Over:
         return None
     # The oldest requests must leave the window until one place is free.
     frees_at = requests[len(requests) - limit] + WINDOW
-    return (
-        "rpm",
-        f"Rate limit reached on requests per min (RPM): Limit {limit}, Used {len(requests)}, "
-        "Requested 1.",
-        max(0.0, frees_at - now),
-    )
+    return "rpm", refusal_message(limits, "rpm", len(requests), 1), max(0.0, frees_at - now)
 
 
 def _over_tpm(counters: _Counters, limits: Limits, estimate: int, now: float) -> _Over:
@@ -379,26 +372,66 @@ def _over_tpm(counters: _Counters, limits: Limits, estimate: int, now: float) ->
         frees_at = charge.at + WINDOW
         if left + estimate <= limit or left <= 0:
             break
-    return (
-        "tpm",
-        f"Rate limit reached on tokens per min (TPM): Limit {limit}, Used {used}, "
-        f"Requested {estimate}.",
-        max(0.0, frees_at - now),
-    )
+    return "tpm", refusal_message(limits, "tpm", used, estimate), max(0.0, frees_at - now)
 
 
 def _headers(counters: _Counters, limits: Limits, now: float) -> RateHeaders:
-    """OpenAI's ``x-ratelimit-*`` headers for the limits set: the limit, what is left, and
-    when the oldest request (or tokens) in the window leave it."""
+    requests, charges = counters.requests, counters.charges
+    return rate_headers(
+        limits,
+        now,
+        len(requests),
+        requests[0] if requests else None,
+        counters.charged,
+        charges[0].at if charges else None,
+    )
+
+
+# -- what every limit store answers the same way -------------------------------------------
+
+
+def refusal_message(limits: Limits, limit: LimitName, used: float, requested: int) -> str:
+    """How a refusal of ``limit`` is worded, by every limit store: ``used`` is what counts
+    against it (spent and reserved for a budget), ``requested`` what the request asked."""
+    if limit.startswith("budget_"):
+        month = limit.endswith("_month")
+        unit = ("tokens" if "tokens" in limit else "USD") + ("" if month else " today")
+        period = "this month (UTC)" if month else "(UTC)"
+        budget = getattr(limits, limit)
+        return f"You exceeded your current quota: {used:g} of {budget:g} {unit} {period}."
+    if limit == "max_concurrent":
+        return (
+            f"Too many requests in flight: limit {limits.max_concurrent}. Retry when one has ended."
+        )
+    if limit == "rpm":
+        return (
+            f"Rate limit reached on requests per min (RPM): Limit {limits.rpm}, "
+            f"Used {int(used)}, Requested 1."
+        )
+    return (
+        f"Rate limit reached on tokens per min (TPM): Limit {limits.tpm}, Used {int(used)}, "
+        f"Requested {requested}."
+    )
+
+
+def rate_headers(
+    limits: Limits,
+    now: float,
+    requests: int,
+    oldest_request: float | None,
+    charged: int,
+    oldest_charge: float | None,
+) -> RateHeaders:
+    """OpenAI's ``x-ratelimit-*`` headers for the limits set, by every limit store: the
+    limit, what is left of it (``requests`` in the minute window, ``charged`` tokens), and
+    when the oldest request (or tokens) leave the window."""
     headers: list[tuple[bytes, bytes]] = []
     if limits.rpm is not None:
-        requests = counters.requests
-        reset = requests[0] + WINDOW - now if requests else 0.0
-        headers += _header_set(b"requests", limits.rpm, limits.rpm - len(requests), reset)
+        reset = oldest_request + WINDOW - now if oldest_request is not None else 0.0
+        headers += _header_set(b"requests", limits.rpm, limits.rpm - requests, reset)
     if limits.tpm is not None:
-        charges = counters.charges
-        reset = charges[0].at + WINDOW - now if charges else 0.0
-        headers += _header_set(b"tokens", limits.tpm, limits.tpm - counters.charged, reset)
+        reset = oldest_charge + WINDOW - now if oldest_charge is not None else 0.0
+        headers += _header_set(b"tokens", limits.tpm, limits.tpm - charged, reset)
     return tuple(headers)
 
 

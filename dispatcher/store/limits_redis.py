@@ -42,13 +42,12 @@ import coredis
 import coredis.exceptions
 import trio
 
-from ..config import Limits
 from .limits import (
     CONCURRENCY_RETRY_AFTER,
-    WINDOW,
-    format_reset,
     month_start,
     periods,
+    rate_headers,
+    refusal_message,
     seconds_to_next,
 )
 from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, UsageLedger
@@ -435,7 +434,7 @@ def _decision(hold: Hold, answer: list[str]) -> RedisHeld | Refusal:
     now, wall = float(answer[0]), float(answer[1])
     outcome, limit, used, retry = answer[2:6]
     requests, oldest_request, charged, oldest_charge = answer[6:10]
-    headers = _headers(
+    headers = rate_headers(
         hold.limits,
         now,
         int(requests),
@@ -453,60 +452,17 @@ def _decision(hold: Hold, answer: list[str]) -> RedisHeld | Refusal:
 def _refusal(
     hold: Hold, name: LimitName, used: str, retry: float, wall: float
 ) -> tuple[str, float]:
-    """The message and ``Retry-After`` of a refusal, as :class:`LimitCounters` words them."""
-    limits = hold.limits
+    """The message and ``Retry-After`` of a refusal, as :class:`LimitCounters` gives them."""
+    spent: float = float(used)
     if name.startswith("budget_"):
-        month = name.endswith("_month")
-        budget = getattr(limits, name)
-        unit = ("tokens" if "tokens" in name else "USD") + ("" if month else " today")
-        period = "this month (UTC)" if month else "(UTC)"
-        spent: float = int(float(used)) if "tokens" in name else float(used)
-        message = f"You exceeded your current quota: {spent:g} of {budget:g} {unit} {period}."
-        return message, seconds_to_next(wall, month=month)
+        if "tokens" in name:
+            spent = int(spent)
+        return refusal_message(hold.limits, name, spent, 0), seconds_to_next(
+            wall, month=name.endswith("_month")
+        )
     if name == "max_concurrent":
-        return (
-            f"Too many requests in flight: limit {limits.max_concurrent}. "
-            "Retry when one has ended.",
-            CONCURRENCY_RETRY_AFTER,
-        )
-    if name == "rpm":
-        return (
-            f"Rate limit reached on requests per min (RPM): Limit {limits.rpm}, Used {used}, "
-            "Requested 1.",
-            retry,
-        )
-    return (
-        f"Rate limit reached on tokens per min (TPM): Limit {limits.tpm}, "
-        f"Used {int(float(used))}, Requested {hold.tokens}.",
-        retry,
-    )
-
-
-def _headers(
-    limits: Limits,
-    now: float,
-    requests: int,
-    oldest_request: float | None,
-    charged: int,
-    oldest_charge: float | None,
-) -> RateHeaders:
-    """The ``x-ratelimit-*`` headers as :class:`LimitCounters` builds them."""
-    headers: list[tuple[bytes, bytes]] = []
-    if limits.rpm is not None:
-        reset = oldest_request + WINDOW - now if oldest_request is not None else 0.0
-        headers += _header_set(b"requests", limits.rpm, limits.rpm - requests, reset)
-    if limits.tpm is not None:
-        reset = oldest_charge + WINDOW - now if oldest_charge is not None else 0.0
-        headers += _header_set(b"tokens", limits.tpm, limits.tpm - charged, reset)
-    return tuple(headers)
-
-
-def _header_set(kind: bytes, limit: int, remaining: int, reset: float) -> list[tuple[bytes, bytes]]:
-    return [
-        (b"x-ratelimit-limit-" + kind, str(limit).encode()),
-        (b"x-ratelimit-remaining-" + kind, str(max(0, remaining)).encode()),
-        (b"x-ratelimit-reset-" + kind, format_reset(reset).encode()),
-    ]
+        return refusal_message(hold.limits, name, spent, 0), CONCURRENCY_RETRY_AFTER
+    return refusal_message(hold.limits, name, spent, hold.tokens), retry
 
 
 @asynccontextmanager
