@@ -12,11 +12,19 @@ def deselect_unless(
     configured: bool, folder: Path, reason: str, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     """For ``pytest_collection_modifyitems``: unless ``configured``, the tests under
-    ``folder`` are deselected from a wider run (one "deselected" count, not a line per test),
-    and skipped with ``reason`` when they are all that was asked for."""
+    ``folder`` are left out (:func:`leave_out`)."""
     if configured:
         return
-    ours = [item for item in items if folder in item.path.resolve().parents]
+    leave_out(
+        [item for item in items if folder in item.path.resolve().parents], reason, config, items
+    )
+
+
+def leave_out(
+    ours: list[pytest.Item], reason: str, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """``ours`` (some of ``items``) are deselected from a wider run (one "deselected" count,
+    not a line per test), and skipped with ``reason`` when they are all that was asked for."""
     if not ours:
         return
     if len(ours) == len(items):

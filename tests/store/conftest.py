@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.optional import leave_out
+
 from . import postgres_server, redis_server
 from .backends import POSTGRES
 
@@ -29,31 +31,16 @@ def _on_redis(item: pytest.Item) -> bool:
     return "[redis" in item.name or "redis" in item.path.name
 
 
-def _leave_out(
-    config: pytest.Config, items: list[pytest.Item], ours: list[pytest.Item], reason: str
-) -> None:
-    if not ours:
-        return
-    if len(ours) == len(items):  # asked for them alone: say why they do not run
-        for item in ours:
-            item.add_marker(pytest.mark.skip(reason=reason))
-        return
-    config.hook.pytest_deselected(items=ours)
-    chosen = set(ours)
-    items[:] = [item for item in items if item not in chosen]
-
-
 @pytest.hookimpl(trylast=True)  # after -k and -m: "asked for them alone" means that
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("CI"):
         return
     reason = postgres_server.unavailable_reason()
     if reason is not None:
-        _leave_out(
-            config, items, [i for i in items if _on_postgres(i)], f"PostgreSQL backends: {reason}"
-        )
+        ours = [item for item in items if _on_postgres(item)]
+        leave_out(ours, f"PostgreSQL backends: {reason}", config, items)
     if redis_server.BINARY is None:
-        _leave_out(config, items, [i for i in items if _on_redis(i)], REDIS_REASON)
+        leave_out([item for item in items if _on_redis(item)], REDIS_REASON, config, items)
 
 
 @pytest.fixture(scope="session", autouse=True)
