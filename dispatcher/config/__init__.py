@@ -181,6 +181,50 @@ class ResponsesSettings:
     ``x-dispatcher-dropped-tools`` header names them), or ``refuse`` it with a 400."""
 
 
+@attrs.frozen(kw_only=True)
+class StoreSettings:
+    """Where the edge keeps what several edges share (``docs/cluster.md``). Without a URL
+    each part is embedded: the limits in memory, the ledger and the stored responses in
+    SQLite (``usage_db``) -- one process, nothing to run."""
+
+    redis_url: str | None = attrs.field(default=None, repr=False)
+    """The tenants' limits and budgets, and the edges' heartbeats, on this Redis (>= 7) or
+    Valkey: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS)."""
+    redis_url_env: str | None = None
+    """An environment variable holding ``redis_url`` (the URL may hold a password)."""
+    database_url: str | None = attrs.field(default=None, repr=False)
+    """The usage ledger and the stored responses on this PostgreSQL:
+    ``postgresql://user[:password]@host:port/database``."""
+    database_url_env: str | None = None
+    """An environment variable holding ``database_url``."""
+    on_store_error: str = attrs.field(default="refuse", validator=_one_of("refuse", "local"))
+    """When Redis is unreachable or answers past ``timeout_s``: ``refuse`` a request that a
+    key's limits apply to (503, retryable), or enforce each key's limits ``local``ly, divided
+    by ``edge_count``, until Redis answers again."""
+    edge_count: int = 1
+    """How many edges share the load (``on_store_error = "local"`` divides by it)."""
+    timeout_s: float = 0.5
+    """Seconds a request's limit decision may take on Redis before the store counts as
+    failing."""
+    hold_lease_s: float = 60.0
+    """Seconds a request's place in flight survives its edge: the ``max_concurrent`` holds
+    of an edge that died come back within this."""
+    outbox: str | None = None
+    """The ledger's outbox with ``database_url``: a SQLite file on this edge's disk keeping
+    rows until PostgreSQL has them. ``dispatcher serve`` defaults it to
+    ``DATA_DIR/outbox.sqlite3``; embedded dispatchers to ``:memory:`` (not durable)."""
+    edge_id: str | None = None
+    """This edge's name in the cluster (default: host name and port)."""
+    heartbeat_s: float = 5.0
+    """Seconds between this edge's heartbeats in Redis; it is forgotten after three missed."""
+
+    def shared(self) -> bool:
+        """Whether any part is on a shared server."""
+        return bool(
+            self.redis_url or self.redis_url_env or self.database_url or self.database_url_env
+        )
+
+
 def _positive(_: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
     if value is not None and not value > 0:
         raise Invalid("must be > 0 (leave it out for no limit)", at=attribute.name)
@@ -330,6 +374,8 @@ class EdgeConfig:
     http: HTTPSettings = HTTPSettings()
     nodes: NodeSettings = NodeSettings()
     responses: ResponsesSettings = ResponsesSettings()
+    store: StoreSettings = StoreSettings()
+    """Shared backends for several edges (``docs/cluster.md``); embedded without."""
     metrics: MetricsSettings = MetricsSettings()
     """How a scraper reads ``/metrics`` without the admin key (``docs/metrics.md``)."""
     admission: QueuePolicySettings = QueuePolicySettings()
@@ -436,8 +482,18 @@ def _resolve_secrets(
         at = "metrics.token_env"
         for value in read(metrics.token_env, source=source, key=at, explicit=True, split=False):
             metrics = attrs.evolve(metrics, token=value, token_env=None)
+    store = config.store
+    for field in ("redis_url", "database_url"):
+        named = getattr(store, f"{field}_env")
+        if named is None:
+            continue
+        at = f"store.{field}_env"
+        for value in read(named, source=source, key=at, explicit=True, split=False):
+            changes: dict[str, Any] = {field: value, f"{field}_env": None}
+            store = attrs.evolve(store, **changes)
     resolved = attrs.evolve(
         config,
+        store=store,
         keys=tuple(keys),
         metrics=metrics,
         api_keys=config.api_keys
@@ -733,6 +789,7 @@ def _validate(config: EdgeConfig) -> list[tuple[str, str]]:
             check(policy.model_linger_s >= 0, f"{name}.model_linger_s", "must be >= 0")
     _validate_tenants(config, check, env_name)
     _validate_metrics(config.metrics, check, env_name)
+    _validate_store(config.store, check, env_name)
     return found
 
 
@@ -754,6 +811,38 @@ def _validate_metrics(
             parse_listen(metrics.listen) is not None,
             "metrics.listen",
             f'expected "host:port" (e.g. "127.0.0.1:9700"), got {metrics.listen!r}',
+        )
+
+
+def _validate_store(
+    store: StoreSettings,
+    check: Callable[[bool, str, str], None],
+    env_name: Callable[[str, str | None], None],
+) -> None:
+    for field, schemes in (
+        ("redis_url", ("redis", "rediss", "unix")),
+        ("database_url", ("postgresql", "postgres")),
+    ):
+        named = getattr(store, f"{field}_env")
+        value = getattr(store, field)
+        env_name(f"store.{field}_env", named)
+        check(value is None or named is None, "store", f"give {field}_env or {field}, not both")
+        if value is not None:
+            scheme = value.partition("://")[0] if "://" in value else ""
+            check(
+                scheme in schemes,
+                f"store.{field}",
+                f"expected a URL starting {' or '.join(s + '://' for s in schemes)}",
+            )
+    check(store.edge_count >= 1, "store.edge_count", "must be >= 1")
+    check(store.timeout_s > 0, "store.timeout_s", "must be > 0")
+    check(store.hold_lease_s > 0, "store.hold_lease_s", "must be > 0")
+    check(store.heartbeat_s > 0, "store.heartbeat_s", "must be > 0")
+    if store.edge_id is not None:
+        check(
+            _TENANT_ID.match(store.edge_id) is not None,
+            "store.edge_id",
+            "expected 1 to 64 of A-Z a-z 0-9 . _ : @ -, got " + repr(store.edge_id),
         )
 
 

@@ -1,27 +1,51 @@
 """The one place the edge's stores are chosen from its configuration: :func:`open_stores`.
 
-Today every backend is embedded (the default, and the only one: one process, SQLite and
-memory, never a server to run): the usage ledger on SQLite (``usage_db``, in memory without
-one), the stored responses on SQLite beside it, the tenants' limits in memory. A shared backend
-(Redis for the limits, PostgreSQL for the ledger and the responses) is one more branch here,
-and passes the same contract suite (``tests/store/``).
+* **Embedded** (the default: one process, nothing to run): the usage ledger on SQLite
+  (``usage_db``, in memory without one), the stored responses on SQLite beside it, the
+  tenants' limits in memory.
+* **Shared** (``[store]``, ``docs/cluster.md``): with ``redis_url`` the limits and budgets on
+  Redis (:mod:`.limits_redis`); with ``database_url`` the ledger and the stored responses on
+  PostgreSQL (:mod:`.postgres`). Either may be set alone. Their client libraries are imported
+  only here, and only when named (the ``cluster`` extra installs them).
+
+Every backend passes the same contract suite (``tests/store/``).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any, Literal
 
 import attrs
 
-from ..config import EdgeConfig
+from ..config import EdgeConfig, StoreSettings
 from .ledger import open_usage_ledger
 from .limits import MemoryLimits
 from .responses import beside_ledger, open_response_store
 from .seam import LimitStore, ResponseStore, UsageLedger
 
-__all__ = ["Stores", "open_stores"]
+__all__ = ["Backends", "Stores", "backends_of", "open_stores"]
+
+LimitsBackend = Literal["memory", "redis"]
+KeptBackend = Literal["sqlite", "postgresql"]
+
+
+@attrs.frozen
+class Backends:
+    """Which backend each part uses (what ``check-config`` and ``/admin/status`` say)."""
+
+    limits: LimitsBackend
+    ledger: KeptBackend
+    responses: KeptBackend
+
+
+def backends_of(store: StoreSettings) -> Backends:
+    """The backends ``[store]`` names (before its secrets resolve: a ``*_env`` counts)."""
+    redis = bool(store.redis_url or store.redis_url_env)
+    postgres = bool(store.database_url or store.database_url_env)
+    kept: KeptBackend = "postgresql" if postgres else "sqlite"
+    return Backends("redis" if redis else "memory", kept, kept)
 
 
 @attrs.frozen
@@ -31,19 +55,52 @@ class Stores:
     ledger: UsageLedger
     responses: ResponseStore
     limits: LimitStore[Any]
+    backends: Backends = Backends("memory", "sqlite", "sqlite")
 
 
 @asynccontextmanager
 async def open_stores(config: EdgeConfig) -> AsyncIterator[Stores]:
     """The stores ``config`` names, open for the block; leaving it, however it is left,
-    writes what is pending and closes them."""
-    async with (
-        open_usage_ledger(config.usage_db or ":memory:") as ledger,
-        open_response_store(
-            beside_ledger(config.usage_db),
-            max_entries=config.responses.max_stored,
-            max_bytes=config.responses.max_stored_bytes,
-            max_age=config.responses.max_age_s,
-        ) as responses,
-    ):
-        yield Stores(ledger, responses, MemoryLimits())
+    writes what is pending and closes them. A shared server that cannot be reached at start
+    is an error naming it (``RuntimeError``)."""
+    store = config.store
+    backends = backends_of(store)
+    async with AsyncExitStack() as stack:
+        ledger = await stack.enter_async_context(_open_ledger(config))
+        responses = await stack.enter_async_context(_open_responses(config))
+        limits = await stack.enter_async_context(_open_limits(store))
+        yield Stores(ledger, responses, limits, backends)
+
+
+@asynccontextmanager
+async def _open_limits(store: StoreSettings) -> AsyncIterator[LimitStore[Any]]:
+    if store.redis_url is None:
+        yield MemoryLimits()
+        return
+    from .limits_redis import open_redis_limits
+
+    async with open_redis_limits(store.redis_url, hold_lease=store.hold_lease_s) as limits:
+        yield limits
+
+
+def _open_ledger(config: EdgeConfig) -> AbstractAsyncContextManager[UsageLedger]:
+    url = config.store.database_url
+    if url is None:
+        return open_usage_ledger(config.usage_db or ":memory:")
+    from .postgres import open_postgres_ledger
+
+    return open_postgres_ledger(url)
+
+
+def _open_responses(config: EdgeConfig) -> AbstractAsyncContextManager[ResponseStore]:
+    bounds: dict[str, Any] = {
+        "max_entries": config.responses.max_stored,
+        "max_bytes": config.responses.max_stored_bytes,
+        "max_age": config.responses.max_age_s,
+    }
+    url = config.store.database_url
+    if url is None:
+        return open_response_store(beside_ledger(config.usage_db), **bounds)
+    from .postgres import open_postgres_response_store
+
+    return open_postgres_response_store(url, **bounds)
