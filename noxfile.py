@@ -65,6 +65,18 @@ def chaos(session: nox.Session) -> None:
 
 
 @nox.session
+def cluster(session: nox.Session) -> None:
+    """Several real edges (``dispatcher serve`` processes) sharing a real ``redis-server``
+    and a real PostgreSQL (Debian's packages; tests/cluster/): limits exact across edges,
+    a SIGKILLed edge, Redis and PostgreSQL stopped under load (docs/cluster.md)."""
+    session.install(".[test]")
+    session.run(
+        "pytest", "tests/cluster", "-p", "no:cacheprovider", *session.posargs,
+        env={"DISPATCHER_CLUSTER": "1"},
+    )  # fmt: skip
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff (with the ASYNC rules), flake8-async (ASYNC102 and friends) and the import
     contracts (import-linter)."""
