@@ -60,6 +60,7 @@ from .config.summary import (
     config_kind,
     describe_edge,
     describe_node,
+    describe_stores,
 )
 from .observe.logs import LOG_FORMATS, configure_logging
 from .shared.config_errors import ConfigFileError, Problem
@@ -199,6 +200,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     config = _edge_config(args)
     _check_tls(config)
     _check_usage_db(config.usage_db)
+    if config.store.outbox is not None:
+        _check_usage_db(config.store.outbox)
     log.debug("edge config: %r", config)  # secrets have repr=False
     return trio.run(_serve, config, functools.partial(_edge_config, args))
 
@@ -218,6 +221,9 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
     if config.usage_db is None:
         data_dir = config.default_data_dir()
         config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
+    if config.store.database_url is not None and config.store.outbox is None:
+        outbox = str(config.default_data_dir() / "outbox.sqlite3")
+        config = attrs.evolve(config, store=attrs.evolve(config.store, outbox=outbox))
     return config
 
 
@@ -389,13 +395,14 @@ async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = N
             models = ", ".join(sorted(dispatcher.registry.models())) or "none yet"
             grace = config.http.shutdown_grace
             auth = "".join(f"  {line}\n" for line in auth_summary(config))
+            stores = "".join(f"  {line}\n" for line in describe_stores(config, config.usage_db))
             if scrape is not None:
                 auth += f"  metrics listener (no auth): http://{_where(scrape.address)}/metrics\n"
             print(
                 f"trio-dispatcher edge listening on {base}/v1\n"
                 f"  models: {models}\n"
                 f"{auth}"
-                f"  usage ledger: {config.usage_db}\n"
+                f"{stores}"
                 f"  nodes connect to {'wss' if tls else 'ws'}://{address.host}:{address.port}"
                 "/v1/nodes/connect\n"
                 f"  Ctrl-C or SIGTERM drains (in-flight requests get {grace:g} s); "

@@ -157,7 +157,9 @@ def test_an_edge_is_described_without_its_secrets(
         "  metrics auth: on (the metrics token or an admin key)",
         "  metrics listener: http://127.0.0.1:9700/metrics and /healthz, no auth (metrics.listen)",
         f"  data dir: {tmp_path}/data/trio-dispatcher",
+        "  limits and budgets: in memory (this edge only)",
         f"  usage ledger: {tmp_path}/ledger/usage.sqlite3",
+        "  stored responses: SQLite, beside the ledger",
         "  in-process node: on (model echo)",
         "  drain: in-flight requests get 20 s (http.shutdown_grace)",
         "  node heartbeat: every 5 s, lost after 15 s",
@@ -166,6 +168,49 @@ def test_an_edge_is_described_without_its_secrets(
     ]
     assert "secret" not in result.stdout
     assert not (tmp_path / "ledger").exists()  # checking creates nothing
+
+
+SHARED_EDGE = """\
+port = 8701
+data_dir = "{data}"
+
+[store]
+redis_url_env = "EDGE_REDIS_URL"
+database_url = "postgresql://dispatcher:db-secret@db.internal:5432/dispatcher?sslmode=require"
+on_store_error = "local"
+edge_count = 3
+edge_id = "edge-1"
+"""
+
+
+def test_an_edge_on_shared_backends_names_them_without_their_passwords(tmp_path: Path) -> None:
+    write(tmp_path, "edge.toml", SHARED_EDGE.format(data=tmp_path / "data"))
+    env = {"EDGE_REDIS_URL": "redis://:redis-secret@cache.internal:6379/2"}
+    result = dispatcher(tmp_path, "check-config", "edge.toml", env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = lines.index(
+        "  limits and budgets: Redis redis://cache.internal:6379/2 (shared; "
+        "decided within 0.5 s, else local (limits / 3 per edge); a dead "
+        "edge's holds return within 60 s)"
+    )
+    assert lines[start + 1 : start + 4] == [
+        "  usage ledger: PostgreSQL postgresql://db.internal:5432/dispatcher?... (shared; "
+        f"outbox {tmp_path}/data/outbox.sqlite3)",
+        "  stored responses: PostgreSQL postgresql://db.internal:5432/dispatcher?... (shared)",
+        "  cluster: this edge is edge-1, heartbeat every 5 s",
+    ]
+    assert "secret" not in result.stdout
+
+
+def test_a_store_url_of_the_wrong_kind_is_refused(tmp_path: Path) -> None:
+    write(tmp_path, "edge.toml", '[store]\nredis_url = "postgresql://db/x"\n')
+    result = dispatcher(tmp_path, "check-config", "edge.toml")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "dispatcher: edge.toml: store.redis_url: expected a URL starting redis:// or "
+        "rediss:// or unix://\n"
+    )
 
 
 NODE = """\

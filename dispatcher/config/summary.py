@@ -11,6 +11,7 @@ or ``[[providers]]``; anything else is read as an edge's (an empty file is a wor
 
 from __future__ import annotations
 
+import socket
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,7 +21,14 @@ from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
 from . import EdgeConfig, QueuePolicySettings
 
-__all__ = ["KINDS", "ConfigKind", "config_kind", "describe_edge", "describe_node"]
+__all__ = [
+    "KINDS",
+    "ConfigKind",
+    "config_kind",
+    "describe_edge",
+    "describe_node",
+    "describe_stores",
+]
 
 ConfigKind = Literal["edge", "node"]
 KINDS: Final[tuple[ConfigKind, ...]] = ("edge", "node")
@@ -66,7 +74,7 @@ def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> 
         *auth,
         _metrics_listener(config),
         f"data dir: {config.default_data_dir()}",
-        f"usage ledger: {usage_db}",
+        *describe_stores(config, usage_db),
         f"in-process node: {'on (model echo)' if config.local_node else 'off'}",
         f"drain: in-flight requests get {_seconds(http.shutdown_grace)} (http.shutdown_grace)",
         f"node heartbeat: every {_seconds(config.nodes.heartbeat_interval)}, "
@@ -79,6 +87,41 @@ def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> 
         policy = _policy(settings) or "the defaults"
         aliases = f"; aliases {', '.join(settings.aliases)}" if settings.aliases else ""
         lines.append(f"model {name}: {policy}{aliases}")
+    return lines
+
+
+def describe_stores(config: EdgeConfig, usage_db: str | None) -> list[str]:
+    """Which backend each stored part uses (``[store]``, ``docs/cluster.md``)."""
+    store = config.store
+    if store.redis_url is None:
+        limits = "limits and budgets: in memory (this edge only)"
+    else:
+        mode = (
+            "refuse (503)"
+            if store.on_store_error == "refuse"
+            else f"local (limits / {store.edge_count} per edge)"
+        )
+        limits = (
+            f"limits and budgets: Redis {public_url(store.redis_url)} (shared; "
+            f"decided within {_seconds(store.timeout_s)}, else {mode}; a dead edge's "
+            f"holds return within {_seconds(store.hold_lease_s)})"
+        )
+    if store.database_url is None:
+        ledger = usage_db or ":memory:"
+        kept = [f"usage ledger: {ledger}", "stored responses: SQLite, beside the ledger"]
+    else:
+        database = public_url(store.database_url)
+        outbox = store.outbox or str(config.default_data_dir() / "outbox.sqlite3")
+        kept = [
+            f"usage ledger: PostgreSQL {database} (shared; outbox {outbox})",
+            f"stored responses: PostgreSQL {database} (shared)",
+        ]
+    lines = [limits, *kept]
+    if store.redis_url is not None:
+        edge_id = store.edge_id or f"{socket.gethostname()}:{config.port}"
+        lines.append(
+            f"cluster: this edge is {edge_id}, heartbeat every {_seconds(store.heartbeat_s)}"
+        )
     return lines
 
 
