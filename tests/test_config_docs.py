@@ -34,6 +34,8 @@ ENVIRON = {
     "TEAM_SEARCH_KEY": "sk-search",
     "BATCH_KEY": "sk-batch",
     "METRICS_TOKEN": "metrics-1",
+    "DISPATCHER_REDIS_URL": "redis://:redis-1@redis.internal:6379/0",
+    "DISPATCHER_DATABASE_URL": "postgresql://dispatcher:db-1@db.internal/dispatcher",
 }
 
 LOADERS: dict[str, ConfigKind] = {
@@ -42,6 +44,7 @@ LOADERS: dict[str, ConfigKind] = {
     "node.md": "node",
     "tunnel.md": "node",
     "tenants.md": "edge",
+    "cluster.md": "edge",
 }
 
 
