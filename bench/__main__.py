@@ -29,6 +29,8 @@ SECTIONS: dict[str, str] = {
     "edge": "bench.edge_bench",
     "gate": "bench.gate_bench",
     "usage": "bench.usage_bench",
+    # The shared stores next to the embedded ones: limits on Redis, the ledger on PostgreSQL.
+    "store": "bench.store_bench",
     "tunnel": "bench.tunnel_bench",
     "peer": "bench.peer",
     "streams": "bench.streams",
