@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import socket
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -231,8 +232,32 @@ async def _round_trips(store: Any, limits: Any, runs: int) -> list[float]:
     return times
 
 
-async def _micro(redis_url: str | None, runs: int) -> dict[str, float]:
-    """p50 of one admit + release, µs, per column."""
+async def _pings(redis_url: str, client: Any, runs: int) -> tuple[float, float]:
+    """p50 of a PING round trip, seconds: through ``client`` (coredis, as the store sends its
+    scripts), and on a bare Trio socket (the floor: loopback and redis-server alone)."""
+    host, _, rest = redis_url.removeprefix("redis://").partition(":")
+    port = int(rest.partition("/")[0])
+    perf = time.perf_counter
+    through: list[float] = []
+    for _ in range(runs):
+        start = perf()
+        await client.ping()
+        through.append(perf() - start)
+    bare: list[float] = []
+    with trio.socket.socket() as sock:
+        await sock.connect((host, port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(runs):
+            start = perf()
+            await sock.send(b"PING\r\n")
+            if not (await sock.recv(64)).startswith(b"+PONG"):
+                raise LoadError("redis-server did not answer PING with +PONG")
+            bare.append(perf() - start)
+    return percentile(through, 0.5), percentile(bare, 0.5)
+
+
+async def _micro(redis_url: str | None, runs: int, notes: list[str]) -> dict[str, float]:
+    """p50 of one admit + release, µs, per column (and a note on Redis's PING floor)."""
     from dispatcher.config import Limits
     from dispatcher.store.limits import MemoryLimits
 
@@ -246,6 +271,11 @@ async def _micro(redis_url: str | None, runs: int) -> dict[str, float]:
 
         async with open_redis_limits(redis_url, prefix="bench-micro:") as store:
             out[REDIS] = percentile(await _round_trips(store, limited, runs), 0.5)
+            through, bare = await _pings(redis_url, store.client, runs)
+        notes.append(
+            f"a PING round trip to the same redis-server, p50: {through * 1e6:.0f} µs through "
+            f"coredis (the store's client), {bare * 1e6:.0f} µs on a bare socket"
+        )
     return {name: value * 1e6 for name, value in out.items()}
 
 
@@ -272,7 +302,7 @@ async def limit_path(plan: Plan) -> Table:
             await _check_answer(edge, limited=name != NO_LIMITS)
             edges.append(edge)
         await _measure_edges(edges, plan, redis.pid if redis is not None else None)
-        micro = await _micro(redis_url, plan.micro_runs)
+        micro = await _micro(redis_url, plan.micro_runs, notes)
 
     results = {
         edge.name: {c: LoadResult.combined(edge.loads[c]) for c in CLIENTS} for edge in edges
