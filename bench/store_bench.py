@@ -368,6 +368,11 @@ async def limit_path(plan: Plan) -> Table:
         redis_cpu = next(edge.redis_cpu for edge in edges if edge.name == REDIS)
         redis_us = redis_cpu / results[REDIS][hi].seconds / redis_rps * 1e6
         notes.append(f"redis-server CPU at {hi} clients: ~{redis_us:.0f} µs per request")
+    if any(math.isnan(p(name, hi, 0.5)) for name in results):
+        notes.append(
+            f"n/a at {hi} clients: no request was both sent and answered inside a counted "
+            "window (each took longer than the window: a busy machine)"
+        )
     if missing is not None:
         notes.append(f"redis column skipped: {missing}")
     return Table(
