@@ -98,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke runs, for the sections that have one (peer)"
+        "--quick",
+        action="store_true",
+        help="smoke runs, for the sections that have one (peer, store)",
     )
     parser.add_argument(
         "--n",
