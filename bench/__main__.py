@@ -29,6 +29,8 @@ SECTIONS: dict[str, str] = {
     "edge": "bench.edge_bench",
     "gate": "bench.gate_bench",
     "usage": "bench.usage_bench",
+    # The shared stores next to the embedded ones: limits on Redis, the ledger on PostgreSQL.
+    "store": "bench.store_bench",
     "tunnel": "bench.tunnel_bench",
     "peer": "bench.peer",
     "streams": "bench.streams",
@@ -96,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke runs, for the sections that have one (peer)"
+        "--quick",
+        action="store_true",
+        help="smoke runs, for the sections that have one (peer, store)",
     )
     parser.add_argument(
         "--n",

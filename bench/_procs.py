@@ -138,8 +138,10 @@ async def node_daemon(
     *,
     env: Mapping[str, str] | None = None,
     log_level: str = "INFO",
+    headers: str = "",
 ) -> AsyncIterator[ServerProcess]:
-    """``dispatcher node`` with this config; yielded once the edge lists all ``models``."""
+    """``dispatcher node`` with this config; yielded once the edge lists all ``models``
+    (asked with ``headers``: extra header lines, a client key when the edge wants one)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "node.toml"
         config.write_text(node_toml)
@@ -152,6 +154,7 @@ async def node_daemon(
                         edge_port,
                         lambda listed: all(model in listed for model in models),
                         alive=lambda: proc.poll() is None,
+                        headers=headers,
                     )
             except (trio.TooSlowError, ServerDidNotStart):
                 raise ServerDidNotStart(

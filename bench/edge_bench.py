@@ -147,17 +147,22 @@ async def fetch(port: int, request: bytes) -> tuple[int, bytes, bytes]:
         sock.close()
 
 
-async def edge_models(port: int) -> list[str]:
-    status, _, body = await fetch(port, http_request("GET", "/v1/models"))
+async def edge_models(port: int, *, headers: str = "") -> list[str]:
+    """The models ``GET /v1/models`` lists (``headers``: extra header lines, a client key)."""
+    status, _, body = await fetch(port, http_request("GET", "/v1/models", headers=headers))
     if status != 200:
         raise LoadError(f"GET /v1/models answered {status}")
     return [model["id"] for model in orjson.loads(body)["data"]]
 
 
 async def wait_for_models(
-    port: int, wanted: Callable[[list[str]], bool], *, alive: Callable[[], bool] = lambda: True
+    port: int,
+    wanted: Callable[[list[str]], bool],
+    *,
+    alive: Callable[[], bool] = lambda: True,
+    headers: str = "",
 ) -> None:
-    while not wanted(await edge_models(port)):
+    while not wanted(await edge_models(port, headers=headers)):
         if not alive():
             raise ServerDidNotStart("the node process exited before joining the edge")
         await trio.sleep(0.02)
