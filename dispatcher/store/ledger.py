@@ -111,7 +111,6 @@ def groups_filter(
     return attrs.evolve(where, **filters), tuple(group_by)
 
 
-
 class BatchedLedger:
     """Records attempts and answers usage queries: the embedded
     :class:`~dispatcher.store.seam.UsageLedger`. Create it with :func:`open_usage_ledger`."""

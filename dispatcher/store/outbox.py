@@ -561,9 +561,7 @@ async def open_outbox_ledger(
     arguments are :func:`~.ledger.open_usage_ledger`'s; ``max_batch`` bounds the forwarder's
     transactions too."""
     box = await trio.to_thread.run_sync(Outbox, outbox)
-    forwarder = _Forwarder(
-        box, connect, where=where, unreachable=unreachable, max_batch=max_batch
-    )
+    forwarder = _Forwarder(box, connect, where=where, unreachable=unreachable, max_batch=max_batch)
     token = trio.lowlevel.current_trio_token()
     box.on_write = lambda: token.run_sync_soon(forwarder.kick)
     if box.depth:

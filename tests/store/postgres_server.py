@@ -178,7 +178,8 @@ def stop() -> None:
 
 def halt() -> None:
     """Stop the session's server, cutting off every session; :func:`resume` starts it again
-    on the same port. Every test on the server waits for it meanwhile: resume it in a ``finally``."""
+    on the same port. Every test on the server waits for it meanwhile: resume it in a
+    ``finally``."""
     server_url()
     assert _server is not None
     _server.halt()

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,8 +48,7 @@ def keys_in_commit_order(url: str) -> list[tuple[str, int]]:
     transaction's id; rows of one transaction in their insertion order)."""
     with psycopg.connect(url, autocommit=True) as conn:
         found = conn.execute(
-            "SELECT request_id, attempt FROM dispatcher_usage "
-            "ORDER BY xmin::text::bigint, ctid"
+            "SELECT request_id, attempt FROM dispatcher_usage ORDER BY xmin::text::bigint, ctid"
         ).fetchall()
     return [(request_id, attempt) for request_id, attempt in found]
 
@@ -77,7 +75,7 @@ async def test_an_outage_mid_load_loses_and_doubles_nothing(
     in the order they were recorded; ``record`` never fails; reads during the outage raise
     ``StoreUnavailable`` naming the server; the outage is logged once, its end too."""
     caplog.set_level(logging.INFO, logger="dispatcher.usage")
-    recorded = []
+    recorded: list[tuple[str, int]] = []
     async with open_postgres_ledger(
         postgres_url, outbox=tmp_path / "outbox.sqlite3", connect_timeout=2
     ) as ledger:
