@@ -1,12 +1,14 @@
-"""The shared backends on PostgreSQL: the usage ledger (:class:`PostgresUsage` under a
-:class:`~dispatcher.store.ledger.BatchedLedger`) and the stored responses
+"""The shared backends on PostgreSQL: the usage ledger (:class:`PostgresUsage` behind the
+durable local outbox of :mod:`dispatcher.store.outbox`) and the stored responses
 (a :class:`~dispatcher.store.responses.BoundedResponseStore` over PostgreSQL), which several
 edges can open on one database.
 
 ::
 
     async with (
-        open_postgres_ledger("postgresql://dispatcher@db/dispatcher") as ledger,
+        open_postgres_ledger(
+            "postgresql://dispatcher@db/dispatcher", outbox=data_dir / "usage-outbox.sqlite3"
+        ) as ledger,
         open_postgres_response_store("postgresql://dispatcher@db/dispatcher") as responses,
     ):
         ...
