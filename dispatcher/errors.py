@@ -13,6 +13,8 @@ it maps to; :func:`error_status_and_body` is the one place they become a respons
     ├── NoConfigFile          409 no_config_file: a reload with no file to read
     ├── UpstreamRejected      4xx the upstream's own status: the client's mistake, not retried
     ├── ShuttingDown          503 the edge is draining: nothing new is admitted
+    ├── StoreUnavailable      503 store_unavailable: a shared store (the usage ledger's
+    │                             PostgreSQL) cannot be reached now (.retry_after)
     ├── RateLimited           429 requests rate_limit_exceeded: a tenant over its RPM or
     │   │                         concurrency (.headers: x-ratelimit-*)
     │   ├── TokenRateLimited  429 tokens rate_limit_exceeded: over its TPM
@@ -147,6 +149,19 @@ class ShuttingDown(DispatcherError, status=503, code="shutting_down"):
         self, message: str, *, code: str | None = None, retry_after: float = DRAIN_RETRY_AFTER
     ) -> None:
         super().__init__(message, code=code, retry_after=retry_after)
+
+
+STORE_RETRY_AFTER = 5.0
+"""Seconds a client is told to wait when a shared store cannot be reached."""
+
+
+class StoreUnavailable(DispatcherError, status=503, code="store_unavailable"):
+    """A shared store cannot be reached now (the usage ledger's PostgreSQL, for
+    ``GET /v1/usage``): 503 with ``Retry-After``. What was recorded is kept (the ledger's
+    outbox); only the read failed."""
+
+    def __init__(self, message: str, *, retry_after: float = STORE_RETRY_AFTER) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 class RateLimited(DispatcherError, status=429, error_type="requests", code="rate_limit_exceeded"):

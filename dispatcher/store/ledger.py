@@ -64,8 +64,11 @@ __all__ = [
     "MAX_PENDING_ROWS",
     "RECENT_KEYS",
     "BatchedLedger",
+    "groups_filter",
+    "open_background_nursery",
     "open_batched_ledger",
     "open_usage_ledger",
+    "query_filter",
 ]
 
 log = logging.getLogger("dispatcher.usage")
@@ -85,6 +88,27 @@ _RETRY_DELAY: Final = 0.1
 
 
 # --------------------------------------------------------------------------- the ledger
+
+
+def query_filter(where: UsageFilter, limit: int, filters: FilterFields) -> UsageFilter:
+    """A query's filter (``where`` with ``filters`` over it), its ``limit`` checked: what
+    every ledger's :meth:`~BatchedLedger.query` takes."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, got {limit!r}")
+    if not 0 <= limit <= MAX_QUERY_LIMIT:
+        raise ValueError(f"limit must be between 0 and {MAX_QUERY_LIMIT}, got {limit}")
+    return attrs.evolve(where, **filters)
+
+
+def groups_filter(
+    where: UsageFilter, group_by: Sequence[GroupBy], filters: FilterFields
+) -> tuple[UsageFilter, tuple[GroupBy, ...]]:
+    """A grouped query's filter and grouping, checked: what every ledger's
+    :meth:`~BatchedLedger.query_groups` takes."""
+    unknown = [name for name in group_by if name not in GROUP_BY]
+    if unknown or len(set(group_by)) != len(group_by):
+        raise ValueError(f"group_by: expected distinct names of {GROUP_BY}, got {group_by}")
+    return attrs.evolve(where, **filters), tuple(group_by)
 
 
 class BatchedLedger:
@@ -191,11 +215,7 @@ class BatchedLedger:
         every matching row. ``filters`` are :class:`UsageFilter`'s fields by name, over
         ``where``'s (``query(since=t0, model="llama")``). Everything recorded before the call
         is included."""
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            raise TypeError(f"limit must be an int, got {limit!r}")
-        if not 0 <= limit <= MAX_QUERY_LIMIT:
-            raise ValueError(f"limit must be between 0 and {MAX_QUERY_LIMIT}, got {limit}")
-        where = attrs.evolve(where, **filters)
+        where = query_filter(where, limit, filters)
         await self.flush()
         return await trio.to_thread.run_sync(self._db.query, where, limit, limiter=self._limiter)
 
@@ -212,13 +232,10 @@ class BatchedLedger:
         (only rows billable to the client with ``billable``), grouped by ``group_by`` (any
         of :data:`GROUP_BY`, none: one group of every row), ordered by the groups' values.
         Everything recorded before the call is included."""
-        unknown = [name for name in group_by if name not in GROUP_BY]
-        if unknown or len(set(group_by)) != len(group_by):
-            raise ValueError(f"group_by: expected distinct names of {GROUP_BY}, got {group_by}")
-        where = attrs.evolve(where, **filters)
+        where, grouping = groups_filter(where, group_by, filters)
         await self.flush()
         return await trio.to_thread.run_sync(
-            self._db.query_groups, where, tuple(group_by), billable, limiter=self._limiter
+            self._db.query_groups, where, grouping, billable, limiter=self._limiter
         )
 
     async def billable_spend(self, since: float) -> list[UsageGroup]:
@@ -335,6 +352,30 @@ class BatchedLedger:
 
 
 @asynccontextmanager
+async def open_background_nursery(reason: str) -> AsyncIterator[trio.Nursery]:
+    """A nursery for a store's background tasks around the block that uses the store:
+    leaving the block cancels them (with ``reason``), and what the block raised comes out
+    as it was raised, not wrapped in a group. The tasks raise nothing but bugs (they log and
+    count their failures)."""
+    unwrapped: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                yield nursery
+            finally:
+                nursery.cancel_scope.cancel(reason=reason)
+    except BaseExceptionGroup as group:
+        # The group holds what the block raised, beside Cancelled if it was cancelled from
+        # outside. Give the caller that exception as it was raised.
+        raised = [exc for exc in group.exceptions if not isinstance(exc, trio.Cancelled)]
+        if len(raised) != 1:
+            raise
+        unwrapped = raised[0]
+    if unwrapped is not None:
+        raise unwrapped  # outside the `except`, so its __context__ is left as it was
+
+
+@asynccontextmanager
 async def open_usage_ledger(
     path: str | os.PathLike[str] | None = ":memory:",
     *,
@@ -387,24 +428,9 @@ async def open_batched_ledger(
         max_pending=max_pending,
     )
     try:
-        unwrapped: BaseException | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(ledger._serve_writer)
-                try:
-                    yield ledger
-                finally:
-                    nursery.cancel_scope.cancel(reason="usage ledger closing")
-        except BaseExceptionGroup as group:
-            # The writer raises nothing but bugs (it logs and counts write errors), so the
-            # group holds what the block raised, beside Cancelled if it was cancelled from
-            # outside. Give the caller that exception as it was raised, not wrapped.
-            raised = [exc for exc in group.exceptions if not isinstance(exc, trio.Cancelled)]
-            if len(raised) != 1:
-                raise
-            unwrapped = raised[0]
-        if unwrapped is not None:
-            raise unwrapped  # outside the `except`, so its __context__ is left as it was
+        async with open_background_nursery("usage ledger closing") as nursery:
+            nursery.start_soon(ledger._serve_writer)
+            yield ledger
     finally:
         with trio.move_on_after(FLUSH_TIMEOUT, shield=True):
             await ledger._drain()

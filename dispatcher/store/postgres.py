@@ -1,12 +1,14 @@
-"""The shared backends on PostgreSQL: the usage ledger (:class:`PostgresUsage` under a
-:class:`~dispatcher.store.ledger.BatchedLedger`) and the stored responses
+"""The shared backends on PostgreSQL: the usage ledger (:class:`PostgresUsage` behind the
+durable local outbox of :mod:`dispatcher.store.outbox`) and the stored responses
 (a :class:`~dispatcher.store.responses.BoundedResponseStore` over PostgreSQL), which several
 edges can open on one database.
 
 ::
 
     async with (
-        open_postgres_ledger("postgresql://dispatcher@db/dispatcher") as ledger,
+        open_postgres_ledger(
+            "postgresql://dispatcher@db/dispatcher", outbox=data_dir / "usage-outbox.sqlite3"
+        ) as ledger,
         open_postgres_response_store("postgresql://dispatcher@db/dispatcher") as responses,
     ):
         ...
@@ -29,6 +31,7 @@ the ``cluster`` extra for these backends).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -40,12 +43,8 @@ import trio
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
-from .ledger import (
-    MAX_PENDING_ROWS,
-    RECENT_KEYS,
-    BatchedLedger,
-    open_batched_ledger,
-)
+from .ledger import MAX_PENDING_ROWS, RECENT_KEYS
+from .outbox import OutboxLedger, open_outbox_ledger
 from .responses import MAX_STORED, MAX_STORED_AGE, MAX_STORED_BYTES, BoundedResponseStore
 from .seam import StoredResponse, WriteResult
 from .usage import (
@@ -59,6 +58,7 @@ from .usage_sqlite import ROW_COLUMNS, fold_totals, row_values, usage_group
 
 __all__ = [
     "POSTGRES_CONNECT_TIMEOUT",
+    "PostgresUnreachable",
     "PostgresUsage",
     "open_postgres_ledger",
     "open_postgres_response_store",
@@ -86,6 +86,10 @@ def where_is(url: str) -> str:
     return f"postgresql://{params.get('user') or ''}@{host}:{port}/{params.get('dbname') or ''}"
 
 
+class PostgresUnreachable(RuntimeError):
+    """PostgreSQL could not be reached (its message names the server, without a password)."""
+
+
 def _open_pool(url: str, size: int, timeout: float) -> ConnectionPool:
     """A pool of ``size`` autocommit connections to ``url``, open and connected: raises
     a :class:`RuntimeError` naming the server when it cannot be reached in ``timeout``."""
@@ -102,7 +106,7 @@ def _open_pool(url: str, size: int, timeout: float) -> ConnectionPool:
         pool.open(wait=True, timeout=timeout)
     except psycopg.OperationalError as exc:
         pool.close()
-        raise RuntimeError(
+        raise PostgresUnreachable(
             f"could not connect to PostgreSQL at {where_is(url)} within {timeout:g} s ({exc}): "
             "check that the server runs and that the URL (host, port, user, database) is right"
         ) from exc
@@ -333,18 +337,29 @@ def _where(matching: UsageFilter) -> tuple[str, list[object]]:
 async def open_postgres_ledger(
     url: str,
     *,
+    outbox: str | os.PathLike[str],
     connect_timeout: float = POSTGRES_CONNECT_TIMEOUT,
     batch_interval: float = 0.05,
     max_batch: int = 500,
     recent_keys: int = RECENT_KEYS,
     max_pending: int = MAX_PENDING_ROWS,
-) -> AsyncIterator[BatchedLedger]:
+) -> AsyncIterator[OutboxLedger]:
     """A usage ledger on the PostgreSQL database ``url`` (a libpq URL or ``key=value``
-    string): the batched writer of :func:`~dispatcher.store.ledger.open_usage_ledger` over
-    :class:`PostgresUsage`. Raises :class:`RuntimeError` naming the server when it cannot be
-    reached within ``connect_timeout`` seconds, or its tables are newer than this dispatcher."""
-    async with open_batched_ledger(
+    string), through a durable local outbox: the SQLite file ``outbox`` on this edge's disk
+    (``":memory:"`` for tests: not durable). See :mod:`dispatcher.store.outbox`: rows
+    recorded while PostgreSQL is down or slow wait in the outbox and are written, in order,
+    when it returns; rows a killed edge left there are written when it opens again.
+
+    The edge starts while PostgreSQL is down: when the server cannot be reached within
+    ``connect_timeout`` seconds, the ledger opens anyway (a WARNING names the server) and
+    connects when it comes back; until then its reads raise
+    :class:`~dispatcher.errors.StoreUnavailable`. Tables newer than this dispatcher's are
+    refused with a :class:`RuntimeError` at open."""
+    async with open_outbox_ledger(
         lambda: PostgresUsage(url, connect_timeout=connect_timeout),
+        outbox,
+        where=where_is(url),
+        unreachable=(PostgresUnreachable, psycopg.OperationalError),
         batch_interval=batch_interval,
         max_batch=max_batch,
         recent_keys=recent_keys,

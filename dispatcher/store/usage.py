@@ -251,3 +251,6 @@ class UsageLedgerStatistics:
     """Rows that met an existing row's primary key at write time and were dropped."""
     write_errors: int
     """Failed transactions (each retry counts) and rows the database refused."""
+    rows_in_outbox: int = 0
+    """Rows kept in the ledger's durable local outbox, waiting for its shared database
+    (:mod:`dispatcher.store.outbox`; counted in ``rows_pending`` too). Always 0 without one."""

@@ -72,7 +72,8 @@ async def _postgres_ledger(place: Path) -> AsyncIterator[UsageLedger]:
     from dispatcher.store.postgres import open_postgres_ledger
 
     url = await trio.to_thread.run_sync(postgres_server.schema_url, place)
-    async with open_postgres_ledger(url) as ledger:
+    # Through its durable outbox, a file at the place: reopened, it is found again.
+    async with open_postgres_ledger(url, outbox=place / "outbox.sqlite3") as ledger:
         yield ledger
 
 

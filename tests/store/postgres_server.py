@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Final
 
-__all__ = ["binaries", "schema_url", "stop", "unavailable_reason"]
+__all__ = ["binaries", "halt", "resume", "schema_url", "stop", "unavailable_reason"]
 
 _DEBIAN: Final = Path("/usr/lib/postgresql")
 _START_TIMEOUT: Final = 60
@@ -82,6 +82,7 @@ class _Server:
             shutil.rmtree(self.data, ignore_errors=True)
             self._run("initdb", *initdb, "--locale=C.UTF-8")
         self.port = 0
+        self._options = ""
         self._started = False
 
     def _run(self, tool: str, *args: str) -> None:
@@ -100,6 +101,7 @@ class _Server:
                 "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
                 "-c max_connections=200 -c TimeZone=Pacific/Kiritimati"  # UTC+14: days are UTC's
             )
+            self._options = options
             try:
                 self._run(
                     "pg_ctl", "-D", str(self.data), "-o", options, "-l",
@@ -111,6 +113,19 @@ class _Server:
             return
         log = (self._root / "log").read_text(errors="replace")
         raise RuntimeError(f"PostgreSQL did not start:\n{log}")
+
+    def halt(self) -> None:
+        """Stop the server (``-m fast``: every session is cut off, what was committed is
+        kept: it runs with ``synchronous_commit=off``, which an immediate stop would make
+        lose recent commits), keeping its data and port."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def resume(self) -> None:
+        """Start the halted server again, on the same port."""
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-o", self._options, "-l",
+            str(self._root / "log"), "-w", "-t", str(_START_TIMEOUT), "start",
+        )  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -159,6 +174,20 @@ def stop() -> None:
         server, _server = _server, None
     if server is not None:
         server.stop()
+
+
+def halt() -> None:
+    """Stop the session's server, cutting off every session; :func:`resume` starts it again
+    on the same port. Every test on the server waits for it meanwhile: resume it in a
+    ``finally``."""
+    server_url()
+    assert _server is not None
+    _server.halt()
+
+
+def resume() -> None:
+    assert _server is not None
+    _server.resume()
 
 
 def schema_url(place: Path) -> str:
