@@ -523,7 +523,7 @@ async def open_service_of(
         registry.on_join(dispatcher._node_joined)
         registry.on_leave(dispatcher._node_left)
         await nursery.start(admission.run)
-        await tenants.seed(ledger)
+        await nursery.start(tenants.seed_when_readable, ledger)
         try:
             yield dispatcher
         finally:

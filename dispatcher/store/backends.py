@@ -89,7 +89,7 @@ def _open_ledger(config: EdgeConfig) -> AbstractAsyncContextManager[UsageLedger]
         return open_usage_ledger(config.usage_db or ":memory:")
     from .postgres import open_postgres_ledger
 
-    return open_postgres_ledger(url)
+    return open_postgres_ledger(url, outbox=config.store.outbox or ":memory:")
 
 
 def _open_responses(config: EdgeConfig) -> AbstractAsyncContextManager[ResponseStore]:

@@ -9,6 +9,7 @@ policy in force, the tickets, the errors, the ledger), owned by the
 :class:`~dispatcher.service.Service`, which swaps its :class:`TenantPolicy` on a reload.
 """
 
+from ._driver import SEED_RETRY as SEED_RETRY
 from ._driver import TICKET_MEMORY as TICKET_MEMORY
 from ._driver import Tenants as Tenants
 from ._driver import Ticket as Ticket
@@ -26,6 +27,7 @@ from ._policy import legacy_key_id as legacy_key_id
 from ._policy import tenant_policy_from_config as tenant_policy_from_config
 
 __all__ = [
+    "SEED_RETRY",
     "TICKET_MEMORY",
     "UNLIMITED",
     "KeyDirectory",

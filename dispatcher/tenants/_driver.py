@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from ..admission import UnknownModel
-from ..errors import QuotaExceeded, RateLimited, TokenRateLimited
+from ..errors import QuotaExceeded, RateLimited, StoreUnavailable, TokenRateLimited
 from ..shared.tokens import estimate_prompt_tokens
 from ..store.seam import (
     Hold,
@@ -51,6 +51,8 @@ __all__ = [
 
 log = logging.getLogger("dispatcher.tenants")
 
+SEED_RETRY: Final = 5.0
+"""Seconds between tries of seeding the budgets while the ledger cannot be read."""
 TICKET_MEMORY: Final = 120.0
 """Seconds a released request's ticket waits for its billable usage row (the gate's
 accounting waits at most ``SETTLE_TIMEOUT``, 10 s, for an abandoned run's)."""
@@ -264,3 +266,37 @@ class Tenants:
         """What was spent before a restart still counts against the budgets: the store
         seeds them from the ledger (:meth:`~dispatcher.store.seam.LimitStore.seed`)."""
         await self.limits.seed(ledger)
+
+    async def seed_when_readable(
+        self,
+        ledger: UsageLedger,
+        *,
+        retry_every: float = SEED_RETRY,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """:meth:`seed` (started once the first try is over: ``nursery.start``), tried again
+        every ``retry_every`` seconds while the ledger cannot be read (a shared ledger's
+        database is down at start-up): the budgets count what is spent from now until then,
+        and what was spent before once it can be read. Seeding adds to the counters, so it
+        may come after requests were admitted."""
+        warned = False
+        while True:
+            try:
+                await self.seed(ledger)
+            except StoreUnavailable as exc:
+                if not warned:
+                    log.warning(
+                        "budgets not seeded from the usage ledger yet (%s): until it can be "
+                        "read, they count only what is spent from now; trying every %g s",
+                        exc,
+                        retry_every,
+                    )
+                    warned = True
+                    task_status.started()
+                await trio.sleep(retry_every)
+                continue
+            if warned:
+                log.info("budgets seeded from the usage ledger")
+            else:
+                task_status.started()
+            return

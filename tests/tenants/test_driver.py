@@ -12,11 +12,12 @@ import trio
 import trio.testing
 
 from dispatcher.admission import UnknownModel
-from dispatcher.errors import QuotaExceeded, RateLimited, TokenRateLimited
+from dispatcher.errors import QuotaExceeded, RateLimited, StoreUnavailable, TokenRateLimited
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import MemoryLimits
 from dispatcher.store.usage import UsageRow
 from dispatcher.tenants import (
+    SEED_RETRY,
     TICKET_MEMORY,
     KeyDirectory,
     Limits,
@@ -240,3 +241,38 @@ async def test_a_request_authenticated_before_a_reload_is_admitted_as_the_reload
     async with driver.admitted("r2", gone, "m", BODY) as ticket:
         assert ticket is not None
         assert ticket.tenant is gone  # removed meanwhile: it keeps what it was
+
+
+class _Unreadable:
+    """A ledger whose database is down for the first ``failures`` reads (then it reads the
+    real one)."""
+
+    def __init__(self, ledger: Any, failures: int) -> None:
+        self.ledger = ledger
+        self.failures = failures
+
+    async def billable_spend(self, since: float) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailable("the usage ledger's database cannot be reached")
+        return await self.ledger.billable_spend(since)
+
+
+async def test_budgets_are_seeded_once_the_ledger_can_be_read(
+    autojump_clock: trio.testing.MockClock, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "usage.sqlite3"
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(row("a", ended_at=NOON - 60, cost_usd=1.0))
+    driver = tenants()
+    async with open_usage_ledger(path) as ledger, trio.open_nursery() as nursery:
+        unreadable: Any = _Unreadable(ledger, failures=3)
+        await nursery.start(driver.seed_when_readable, unreadable)
+        assert driver.limits.spent("t1").tokens_day == 0  # started: not seeded yet
+        await trio.sleep(3 * SEED_RETRY - 0.5)
+        assert driver.limits.spent("t1").tokens_day == 0
+        await trio.sleep(1)
+        assert driver.limits.spent("t1").tokens_day == 15
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "budgets not seeded" in warnings[0].getMessage()
