@@ -138,6 +138,14 @@ def _parser() -> argparse.ArgumentParser:
         f"{DEFAULT_GIVE_UP_AFTER:g}, or give_up_after in the config)",
     )
     _check_config_parser(sub)
+    migrate = sub.add_parser(
+        "migrate",
+        help="create or update the shared database's tables ([store] database_url)",
+        description="What an edge does when it starts, alone: for an operator who migrates "
+        "before rolling the edges. Safe while edges run or start (an advisory lock).",
+    )
+    log_level(migrate, argparse.SUPPRESS)
+    migrate.add_argument("--config", required=True, help="edge config file (TOML)")
     return parser
 
 
@@ -172,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve_command(args)
         if args.command == "check-config":
             return _check_config_command(args)
+        if args.command == "migrate":
+            return _migrate_command(args)
         return _node_command(args)
     except expected as exc:
         return _fail(exc)
@@ -448,6 +458,22 @@ async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = N
                 )
                 server.shutdown()
     return status
+
+
+# --------------------------------------------------------------------------- migrate
+
+
+def _migrate_command(args: argparse.Namespace) -> int:
+    """The shared database's tables brought to this dispatcher's version: a line per part."""
+    from .store.backends import migrate_database  # the edge's code: not for every command
+
+    config = load_edge_config(args.config)
+    try:
+        lines = migrate_database(config.store)
+    except (ValueError, RuntimeError) as exc:
+        raise StartupError(str(exc)) from None
+    print("".join(f"{line}\n" for line in lines), end="", flush=True)
+    return 0
 
 
 # --------------------------------------------------------------------------- node

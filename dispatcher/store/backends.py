@@ -25,7 +25,7 @@ from .limits import MemoryLimits
 from .responses import beside_ledger, open_response_store
 from .seam import LimitStore, ResponseStore, UsageLedger
 
-__all__ = ["Backends", "Stores", "backends_of", "open_stores"]
+__all__ = ["Backends", "Stores", "backends_of", "migrate_database", "open_stores"]
 
 LimitsBackend = Literal["memory", "redis"]
 KeptBackend = Literal["sqlite", "postgresql"]
@@ -104,3 +104,17 @@ def _open_responses(config: EdgeConfig) -> AbstractAsyncContextManager[ResponseS
     from .postgres import open_postgres_response_store
 
     return open_postgres_response_store(url, **bounds)
+
+
+def migrate_database(store: StoreSettings) -> list[str]:
+    """``dispatcher migrate``: the shared database's tables brought to this dispatcher's
+    version (blocking), a line per component. Raises :class:`ValueError` when ``[store]``
+    names no database."""
+    if store.database_url is None:
+        raise ValueError(
+            "nothing to migrate: [store] names no database_url (the embedded SQLite files "
+            "migrate themselves when the edge opens them)"
+        )
+    from .postgres import migrate
+
+    return migrate(store.database_url)

@@ -60,6 +60,7 @@ __all__ = [
     "POSTGRES_CONNECT_TIMEOUT",
     "PostgresUnreachable",
     "PostgresUsage",
+    "migrate",
     "open_postgres_ledger",
     "open_postgres_response_store",
 ]
@@ -113,11 +114,30 @@ def _open_pool(url: str, size: int, timeout: float) -> ConnectionPool:
     return pool
 
 
+def migrate(url: str, *, connect_timeout: float = POSTGRES_CONNECT_TIMEOUT) -> list[str]:
+    """Bring every table of the shared backends on ``url`` to this dispatcher's version
+    (what opening them does too): a line per component saying what was done. Blocking: for
+    ``dispatcher migrate`` (or a worker thread). Raises :class:`PostgresUnreachable`, or a
+    :class:`RuntimeError` for tables newer than this dispatcher's."""
+    where = where_is(url)
+    pool = _open_pool(url, 1, connect_timeout)
+    lines = []
+    try:
+        with pool.connection() as conn:
+            for component, steps in (("usage", _USAGE_STEPS), ("responses", _RESPONSES_STEPS)):
+                before, after = _migrate(conn, component, steps, where)
+                done = f"migrated from version {before}" if before < after else "up to date"
+                lines.append(f"{where}: {component} tables at version {after} ({done})")
+    finally:
+        pool.close()
+    return lines
+
+
 def _migrate(
     conn: psycopg.Connection[Any], component: str, steps: Sequence[str], where: str
-) -> None:
+) -> tuple[int, int]:
     """Bring ``component``'s tables to version ``len(steps)`` (``steps[i]`` makes version
-    ``i + 1``), in one transaction under the migration lock."""
+    ``i + 1``), in one transaction under the migration lock: (the version before, after)."""
     latest = len(steps)
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
@@ -146,6 +166,7 @@ def _migrate(
             log.info(
                 "%s: %s tables migrated from version %d to %d", where, component, version, latest
             )
+    return version, latest
 
 
 # --------------------------------------------------------------------------- the usage ledger

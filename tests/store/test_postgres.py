@@ -174,3 +174,45 @@ print("ok")
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def _migrate(tmp_path: Path, config: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "edge.toml").write_text(config)
+    return subprocess.run(
+        [sys.executable, "-m", "dispatcher", "migrate", "--config", str(tmp_path / "edge.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_dispatcher_migrate_creates_the_tables_then_finds_them_up_to_date(
+    tmp_path: Path,
+) -> None:
+    server = postgres_server.server_url()
+    name = "migrate_" + tmp_path.name.lower().replace("-", "_")[-40:]
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    url = server.rsplit("/", 1)[0] + f"/{name}"
+    where = url  # no password in it: shown whole
+    config = f'[store]\ndatabase_url = "{url}"\n'
+    first = _migrate(tmp_path, config)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines() == [
+        f"{where}: usage tables at version 1 (migrated from version 0)",
+        f"{where}: responses tables at version 1 (migrated from version 0)",
+    ]
+    again = _migrate(tmp_path, config)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [
+        f"{where}: usage tables at version 1 (up to date)",
+        f"{where}: responses tables at version 1 (up to date)",
+    ]
+
+
+def test_dispatcher_migrate_without_a_database_says_there_is_nothing_to_do(
+    tmp_path: Path,
+) -> None:
+    result = _migrate(tmp_path, "")
+    assert result.returncode == 2
+    assert result.stderr.startswith("dispatcher: nothing to migrate: [store] names no database_url")
