@@ -1,0 +1,105 @@
+"""Acceptance 3 of several edges: faults injected into the real servers under load from the
+official openai SDK through two ``dispatcher serve`` processes -- PostgreSQL stopped for 30 s,
+an edge SIGKILLed with rows in its outbox, Redis stopped (each failure mode)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from tests.store import postgres_server
+
+from .cluster import TOKENS, Cluster, Edge, Tenant, open_cluster
+from .test_limits_across_edges import Outcome, admitted, ask, ledger_totals
+
+pytestmark = pytest.mark.slow
+
+
+async def steady_load(
+    cluster: Cluster, key: str, stop: trio.Event, *, workers: int = 4, **options: Any
+) -> list[Outcome]:
+    """``workers`` clients, each sending one request after another through the edges in turn,
+    until ``stop`` is set: every outcome."""
+    outcomes: list[Outcome] = []
+
+    async def worker(index: int) -> None:
+        while not stop.is_set():
+            edge = cluster.edges[index % len(cluster.edges)]
+            index += 1
+            call = functools.partial(ask, edge, key, **options)
+            outcomes.append(await trio.to_thread.run_sync(call))
+
+    async with trio.open_nursery() as nursery:
+        for index in range(workers):
+            nursery.start_soon(worker, index)
+    return outcomes
+
+
+async def test_postgres_stopped_for_30_s_under_load_fails_no_request_and_loses_no_row(
+    tmp_path: Path,
+) -> None:
+    tenants = (Tenant("load", {"rpm": 100_000, "budget_tokens_day": 10_000_000}),)
+    with open_cluster(tmp_path, "shared", tenants) as cluster:
+        stop = trio.Event()
+        outcomes: list[Outcome] = []
+        during: list[int] = []
+
+        async def load() -> None:
+            outcomes.extend(await steady_load(cluster, "sk-load", stop))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(load)
+            await trio.sleep(3)
+            await trio.to_thread.run_sync(postgres_server.halt)
+            try:
+                halted = time.monotonic()
+                await trio.sleep(2)
+                # What cannot be read says so: the ledger's report is a 503, not a 500.
+                report = await trio.to_thread.run_sync(
+                    lambda: cluster.edges[0].admin("GET", "/v1/usage?attribution=load")
+                )
+                during.append(report.status_code)
+                await trio.sleep(30 - (time.monotonic() - halted))
+            finally:
+                await trio.to_thread.run_sync(postgres_server.resume)
+            await trio.sleep(3)
+            stop.set()
+        assert during == [503]
+        assert {outcome.status for outcome in outcomes} == {200}, "a client request failed"
+        served = len(outcomes)
+        assert served > 100
+        for edge in cluster.edges:  # every row is in PostgreSQL once: either edge reads them
+            totals = await ledger_totals(edge, "load", requests=served, bound=60)
+            assert totals["billable"]["client"]["total_tokens"] == served * TOKENS
+
+
+async def test_an_edge_sigkilled_with_rows_in_its_outbox_sends_them_when_restarted(
+    tmp_path: Path,
+) -> None:
+    with open_cluster(tmp_path, "shared", (Tenant("kept", {"rpm": 1000}),)) as cluster:
+        edge_a = cluster.edges[0]
+        await trio.to_thread.run_sync(postgres_server.halt)
+        try:
+            outcomes = [await trio.to_thread.run_sync(ask, edge_a, "sk-kept") for _ in range(20)]
+            assert len(admitted(outcomes)) == 20
+            await trio.sleep(1)  # the rows are in the outbox file (written every 50 ms)
+            kill_with_node(cluster, edge_a)
+        finally:
+            await trio.to_thread.run_sync(postgres_server.resume)
+        edge_b = cluster.edges[0]
+        await ledger_totals(edge_b, "kept", requests=0)  # edge-a's rows are not there yet
+        restarted = await trio.to_thread.run_sync(cluster.start_edge, "edge-a")
+        for edge in (edge_b, restarted):
+            totals = await ledger_totals(edge, "kept", requests=20, bound=30)
+            assert totals["billable"]["client"]["total_tokens"] == 20 * TOKENS
+
+
+def kill_with_node(cluster: Cluster, edge: Edge) -> None:
+    cluster.kill(edge)
+    if edge.node is not None and edge.node.running:
+        cluster.processes.kill(edge.node)
