@@ -71,7 +71,8 @@ def cluster(session: nox.Session) -> None:
     a SIGKILLed edge, Redis and PostgreSQL stopped under load (docs/cluster.md)."""
     session.install(".[test]")
     session.run(
-        "pytest", "tests/cluster", "-p", "no:cacheprovider", *session.posargs,
+        "pytest", "tests/cluster", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0",
+        *session.posargs,
         env={"DISPATCHER_CLUSTER": "1"},
     )  # fmt: skip
 

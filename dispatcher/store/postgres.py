@@ -30,10 +30,11 @@ the ``cluster`` extra for these backends).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
@@ -43,6 +44,7 @@ import trio
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
+from ..errors import StoreUnavailable
 from .ledger import MAX_PENDING_ROWS, RECENT_KEYS
 from .outbox import OutboxLedger, open_outbox_ledger
 from .responses import MAX_STORED, MAX_STORED_AGE, MAX_STORED_BYTES, BoundedResponseStore
@@ -424,6 +426,18 @@ class _ResponsesDatabase:
             self._pool.close()
             raise
 
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of the pool; the database unreachable (or the pool out of
+        connections past its timeout) is :class:`~dispatcher.errors.StoreUnavailable`."""
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailable(
+                f"the stored responses' database ({self.where}) cannot be reached: {exc}"
+            ) from exc
+
     def put(
         self,
         response_id: str,
@@ -439,7 +453,7 @@ class _ResponsesDatabase:
         edges' too) for the transaction, so the bounds hold across edges."""
         size = len(response) + len(conversation)
         evicted = 0
-        with self._pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             conn.execute("LOCK TABLE dispatcher_responses IN SHARE ROW EXCLUSIVE MODE")
             conn.execute("DELETE FROM dispatcher_responses WHERE id = %s", (response_id,))
             aged = conn.execute(
@@ -469,7 +483,7 @@ class _ResponsesDatabase:
         return evicted
 
     def get(self, response_id: str, owner: str | None, horizon: float) -> StoredResponse | None:
-        with self._pool.connection() as conn:
+        with self._connection() as conn:
             found = conn.execute(
                 "SELECT response, conversation, size, stored_at FROM dispatcher_responses "
                 "WHERE id = %s AND owner IS NOT DISTINCT FROM %s AND stored_at > %s",
@@ -483,7 +497,7 @@ class _ResponsesDatabase:
         )
 
     def delete(self, response_id: str, owner: str | None, horizon: float) -> bool:
-        with self._pool.connection() as conn, conn.transaction():
+        with self._connection() as conn, conn.transaction():
             deleted = conn.execute(
                 "DELETE FROM dispatcher_responses "
                 "WHERE id = %s AND owner IS NOT DISTINCT FROM %s AND stored_at > %s",

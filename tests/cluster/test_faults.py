@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import trio
 
@@ -43,7 +44,10 @@ async def steady_load(
 async def test_postgres_stopped_for_30_s_under_load_fails_no_request_and_loses_no_row(
     tmp_path: Path,
 ) -> None:
-    tenants = (Tenant("load", {"rpm": 100_000, "budget_tokens_day": 10_000_000}),)
+    tenants = (
+        Tenant("load", {"rpm": 100_000, "budget_tokens_day": 10_000_000}),
+        Tenant("talk", {}),
+    )
     with open_cluster(tmp_path, "shared", tenants) as cluster:
         stop = trio.Event()
         outcomes: list[Outcome] = []
@@ -52,6 +56,9 @@ async def test_postgres_stopped_for_30_s_under_load_fails_no_request_and_loses_n
         async def load() -> None:
             outcomes.extend(await steady_load(cluster, "sk-load", stop))
 
+        edge_a, edge_b = cluster.edges
+        first = await trio.to_thread.run_sync(respond, edge_a, None)
+        assert first[0] == 200
         async with trio.open_nursery() as nursery:
             nursery.start_soon(load)
             await trio.sleep(3)
@@ -61,15 +68,22 @@ async def test_postgres_stopped_for_30_s_under_load_fails_no_request_and_loses_n
                 await trio.sleep(2)
                 # What cannot be read says so: the ledger's report is a 503, not a 500.
                 report = await trio.to_thread.run_sync(
-                    lambda: cluster.edges[0].admin("GET", "/v1/usage?attribution=load")
+                    lambda: edge_a.admin("GET", "/v1/usage?attribution=load")
                 )
                 during.append(report.status_code)
+                # A conversation cannot be continued (503, retryable); a new answer goes out
+                # unstored.
+                during.append((await trio.to_thread.run_sync(respond, edge_b, first[1]))[0])
+                during.append((await trio.to_thread.run_sync(respond, edge_b, None))[0])
+                assert time.monotonic() - halted < 28
                 await trio.sleep(30 - (time.monotonic() - halted))
             finally:
                 await trio.to_thread.run_sync(postgres_server.resume)
             await trio.sleep(3)
             stop.set()
-        assert during == [503]
+        assert during == [503, 503, 200]
+        # The database back, the other edge continues the conversation edge-a stored.
+        assert (await trio.to_thread.run_sync(respond, edge_b, first[1]))[0] == 200
         assert {outcome.status for outcome in outcomes} == {200}, "a client request failed"
         served = len(outcomes)
         assert served > 100
@@ -97,6 +111,19 @@ async def test_an_edge_sigkilled_with_rows_in_its_outbox_sends_them_when_restart
         for edge in (edge_b, restarted):
             totals = await ledger_totals(edge, "kept", requests=20, bound=30)
             assert totals["billable"]["client"]["total_tokens"] == 20 * TOKENS
+
+
+def respond(edge: Edge, previous: str | None) -> tuple[int, str | None]:
+    """A Responses API turn through the official SDK (continuing ``previous``): the status
+    and the response's id."""
+    with edge.client("sk-talk") as client:
+        try:
+            answer = client.responses.create(
+                model="echo", input="one two three", previous_response_id=previous
+            )
+        except openai.APIStatusError as error:
+            return error.status_code, None
+        return 200, answer.id
 
 
 def kill_with_node(cluster: Cluster, edge: Edge) -> None:

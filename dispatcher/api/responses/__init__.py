@@ -23,6 +23,7 @@ count, bytes and age), reached through the seam (``EdgeServices.response_store``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
@@ -31,7 +32,7 @@ import orjson
 import trio
 
 from ... import wire
-from ...errors import BadRequest, NotFound
+from ...errors import BadRequest, NotFound, StoreUnavailable
 from ...gate.attempts import Answer
 from ...http import PeerGone, Request, Responder
 from ...store.seam import ResponseStore, StoredResponse
@@ -100,6 +101,36 @@ StoreOf = Callable[[EdgeServices], ResponseStore]
 embedder or a test gave :func:`make_front_end`."""
 
 
+log = logging.getLogger("dispatcher.api.responses")
+
+
+@attrs.define
+class _Unstored:
+    """Answers that went out unstored (the store's database down): a WARNING for the first,
+    then at most one every :attr:`every` seconds with the count since -- not one a request."""
+
+    every: float = 60.0
+    _last: float | None = None
+    _since: int = 0
+
+    def warn(self, response_id: object, exc: StoreUnavailable) -> None:
+        self._since += 1
+        now = trio.current_time()
+        if self._last is not None and now - self._last < self.every:
+            return
+        log.warning(
+            "response %s answered but not stored (%d unstored since the last warning; a "
+            "previous_response_id naming them will not be found): %s",
+            response_id,
+            self._since,
+            exc,
+        )
+        self._last, self._since = now, 0
+
+
+_not_stored = _Unstored()
+
+
 def _edge_store(edge: EdgeServices) -> ResponseStore:
     return edge.response_store
 
@@ -139,7 +170,11 @@ def _create_route(store_of: StoreOf) -> Route:
         async def keep() -> None:
             # Before the answer's last byte: a client that chains on it at once finds it.
             if request.store and turn.fields["status"] in ("completed", "incomplete"):
-                await store.put(turn.response(), turn.conversation(history), owner)
+                try:
+                    await store.put(turn.response(), turn.conversation(history), owner)
+                except StoreUnavailable as exc:
+                    # The answer is the client's all the same: it goes out, unstored.
+                    _not_stored.warn(turn.fields["id"], exc)
 
         async with call.edge.gate.open(gated) as answer:
             assert isinstance(answer, Answer), "the predicate admits normalized candidates only"
