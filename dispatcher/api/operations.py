@@ -182,13 +182,9 @@ async def _reload(
     except RuntimeError as exc:
         message = f"this edge reloaded, but {exc}"
         raise DispatcherError(message, code="cluster_unreachable", status=503) from None
-    answer: dict[str, object] = {
-        "status": "reloaded",
-        "restart_required": list(kept),
-        "scope": scope,
-    }
+    answer: dict[str, object] = {"status": "reloaded", "restart_required": list(kept)}
     if scope == "cluster":
-        answer["edges_told"] = told
+        answer.update(scope=scope, edges_told=told)
     await responder.respond(200, (*JSON_HEADERS, *ctx.headers), orjson.dumps(answer))
 
 

@@ -401,8 +401,8 @@ class Cluster(Protocol):
     ) -> None:
         """What this edge says at each heartbeat (``report``, called then), and what it runs
         when another edge publishes a reload (``on_reload``, which must not raise). Called
-        once, when the edge is assembled; before that it reports nothing in flight and a
-        reload asked of it waits."""
+        once, when the edge is assembled; before that it reports nothing in flight and does
+        not listen for reloads."""
         ...
 
     def changed(self) -> None:
