@@ -59,8 +59,9 @@ from .paths.tunnel import Tunnels
 from .shared.forwarding import Forwarded
 from .shared.transport import Connection, memory_connection_pair
 from .store.backends import open_stores
+from .store.cluster import LocalCluster, edge_identity
 from .store.limits import MemoryLimits
-from .store.seam import ResponseStore, UsageLedger
+from .store.seam import Cluster, EdgeReport, ResponseStore, UsageLedger
 from .tenants import TenantPolicy, Tenants, tenant_policy_from_config
 
 log = logging.getLogger("dispatcher")
@@ -133,7 +134,12 @@ class Service:
     config_source: ConfigSource | None = None
     """Where :meth:`reload_config` reads the config again (``dispatcher serve``: its file);
     None: this dispatcher cannot reload by itself (:meth:`reload` still applies a config)."""
+    cluster: Cluster = attrs.Factory(lambda: LocalCluster(edge_identity(EdgeConfig())))
+    """The edges sharing this edge's stores: their heartbeats, reloads told to all
+    (``dispatcher.store.cluster``; this edge alone without ``store.redis_url``)."""
     started_at: float = attrs.field(factory=time.time)
+    _reloaded: tuple[float, str | None] | None = None
+    """When the config file was last read again, and why it was refused (None: applied)."""
     _stream_scopes: set[trio.CancelScope] = attrs.field(factory=set)
     _work: set[Work] = attrs.field(factory=set)
     _idle: trio.Event = attrs.field(factory=trio.Event)
@@ -289,8 +295,20 @@ class Service:
     def connected_nodes(self) -> int:
         return len(self.registry.sessions)
 
-    def status(self) -> EdgeStatus:
-        """The edge at a glance (``GET /admin/status``; see ``dispatcher.observe.status``)."""
+    def edge_report(self) -> EdgeReport:
+        """What this edge tells the others at each heartbeat (see :attr:`cluster`)."""
+        reloaded_at, reload_error = self._reloaded or (None, None)
+        return EdgeReport(
+            started_at=self.started_at,
+            in_flight=self.in_flight(),
+            reloaded_at=reloaded_at,
+            reload_error=reload_error,
+        )
+
+    async def status(self) -> EdgeStatus:
+        """The edge at a glance (``GET /admin/status``; see ``dispatcher.observe.status``),
+        with the live edges of its cluster (read from the store now)."""
+        edges = await self.cluster.edges()
         return edge_status(
             sessions=self.registry.sessions.values(),
             stats=self.admission.statistics(),
@@ -299,6 +317,8 @@ class Service:
             wall=time.time(),
             started_at=self.started_at,
             draining=self.draining,
+            edge_id=self.cluster.edge_id,
+            edges=edges,
         )
 
     def candidates(self) -> list[Candidate]:
@@ -434,6 +454,8 @@ class Service:
             kept = self.reload(config)
         except ConfigError as exc:
             refused = exc
+        self._reloaded = (time.time(), None if refused is None else str(refused))
+        self.cluster.changed()
         if refused is not None:
             # One line, no traceback: the message names the file, the key and the reason.
             log.error("reload refused, the old config keeps serving: %s", refused)
@@ -447,6 +469,27 @@ class Service:
         if kept:
             log.warning("reload: %s changed but need a restart: not applied", ", ".join(kept))
         return kept
+
+    async def reload_cluster(self) -> tuple[tuple[str, ...], int]:
+        """:meth:`reload_config` here, then ask every other edge of the cluster to reload
+        its own file (``POST /admin/reload?scope=cluster``). Returns what this edge did not
+        apply and how many other edges were told. Raises as :meth:`reload_config` does
+        (nothing is published then: fix this edge's file first), ``RuntimeError`` when the
+        cluster's store cannot be reached (this edge has reloaded)."""
+        kept = await self.reload_config()
+        told = await self.cluster.publish_reload()
+        log.info("reload: told %d other edge(s) of the cluster to reload", told)
+        return kept, told
+
+    async def _reload_asked(self) -> None:
+        """Another edge asked every edge to reload: this edge's own file, refused (and
+        logged) here when it is broken; the old config keeps serving."""
+        try:
+            await self.reload_config()
+        except ConfigError:
+            pass  # logged by reload_config; the heartbeat carries the refusal
+        except LookupError as exc:
+            log.warning("reload asked by another edge: %s", exc)
 
 
 def _raise_if_cut_off(work: Work) -> None:
@@ -518,7 +561,9 @@ async def open_service_of(
             nodelink_settings=settings,
             nursery=nursery,
             tenants=tenants,
+            cluster=stores.cluster,
         )
+        stores.cluster.bind(dispatcher.edge_report, dispatcher._reload_asked)
         metrics.inflight_source = dispatcher
         registry.on_join(dispatcher._node_joined)
         registry.on_leave(dispatcher._node_left)

@@ -63,7 +63,7 @@ _PAGE_HEADERS: Final = (
 async def _status(
     edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
 ) -> None:
-    body = status_json(edge.status())
+    body = status_json(await edge.status())
     await responder.respond(200, (*JSON_HEADERS, *_NO_STORE, *ctx.headers), body)
 
 

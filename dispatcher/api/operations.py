@@ -4,12 +4,15 @@ errors in the OpenAI shape, like the OpenAI routes beside them."""
 
 from __future__ import annotations
 
+import urllib.parse
+
 import attrs
 import orjson
 
 from ..config import ConfigError
 from ..errors import (
     BadRequest,
+    DispatcherError,
     Forbidden,
     NoConfigFile,
     ShuttingDown,
@@ -147,19 +150,42 @@ async def _usage(
     await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)
 
 
+def _reload_scope(query: str) -> str:
+    scopes = urllib.parse.parse_qs(query).get("scope", ["edge"])
+    if len(scopes) != 1 or scopes[0] not in ("edge", "cluster"):
+        raise BadRequest(
+            "scope must be edge (this edge, the default) or cluster (this edge, then every "
+            "edge sharing its Redis)",
+            param="scope",
+        )
+    return scopes[0]
+
+
 async def _reload(
     edge: EdgeServices, request: Request, responder: Responder, ctx: RouteContext
 ) -> None:
     """``POST /admin/reload``: what SIGHUP does. A file that cannot be used is a 400 with
-    the loader's message (the old config keeps serving)."""
+    the loader's message (the old config keeps serving). ``?scope=cluster``: then every
+    other edge sharing this edge's Redis is told to reload its own file; the answer says
+    how many were told (``edges_told``); nothing is told when this edge's file is refused,
+    and a Redis that cannot be reached is a 503 (this edge has reloaded)."""
+    scope = _reload_scope(request.query)
     try:
-        kept = await edge.reload_config()
+        if scope == "cluster":
+            kept, told = await edge.reload_cluster()
+        else:
+            kept, told = await edge.reload_config(), 0
     except ConfigError as exc:
         raise BadRequest(f"reload refused: {exc}", code="invalid_config") from None
     except LookupError as exc:
         raise NoConfigFile(str(exc)) from None
-    body = orjson.dumps({"status": "reloaded", "restart_required": list(kept)})
-    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), body)
+    except RuntimeError as exc:
+        message = f"this edge reloaded, but {exc}"
+        raise DispatcherError(message, code="cluster_unreachable", status=503) from None
+    answer: dict[str, object] = {"status": "reloaded", "restart_required": list(kept)}
+    if scope == "cluster":
+        answer.update(scope=scope, edges_told=told)
+    await responder.respond(200, (*JSON_HEADERS, *ctx.headers), orjson.dumps(answer))
 
 
 _GET = ("GET", "HEAD")

@@ -127,8 +127,16 @@ class EdgeServices(Protocol):
         """A model name safe as a metric label (served or configured, else "unknown")."""
         ...
 
-    def status(self) -> EdgeStatus:
-        """The edge at a glance: nodes, queues, requests in flight, recent failures."""
+    async def reload_cluster(self) -> tuple[tuple[str, ...], int]:
+        """:meth:`reload_config`, then ask every other edge sharing this edge's Redis to
+        reload its own file; returns what was not applied here and how many edges were told.
+        Raises as :meth:`reload_config` (nothing told), or ``RuntimeError`` (the store is
+        unreachable; this edge has reloaded)."""
+        ...
+
+    async def status(self) -> EdgeStatus:
+        """The edge at a glance: the edges of its cluster, nodes, queues, requests in
+        flight, recent failures."""
         ...
 
 

@@ -1,7 +1,8 @@
 """The edge at a glance: the document ``GET /admin/status`` answers (``docs/status.md``).
 
 :func:`edge_status` builds it from what the edge holds now -- the node sessions, admission's
-statistics, the request records (:mod:`dispatcher.observe.traffic`) -- as frozen attrs classes, so
+statistics, the request records (:mod:`dispatcher.observe.traffic`), the edges of its cluster
+(``dispatcher.store.seam.Cluster``) -- as frozen attrs classes, so
 its field names are fixed in one place; :func:`status_json` serialises it. Every list is
 bounded (the in-flight list at :data:`MAX_IN_FLIGHT`, the failures at the traffic's ring,
 nodes and models by what admission and the hello limits hold), and it holds no secret:
@@ -20,6 +21,7 @@ import orjson
 from ..admission import AdmissionStatistics
 from ..gate.catalog import candidates_for_session
 from ..link.registry import NodeSession
+from ..store.seam import EdgeList, EdgeRecord
 from .traffic import REFUSAL_WINDOW, RequestSummary, Traffic
 
 __all__ = [
@@ -97,6 +99,15 @@ class EdgeStatus:
     started_at: float
     uptime_s: float
     draining: bool
+    edge_id: str
+    """This edge's id among the edges of its cluster."""
+    edges: list[EdgeRecord]
+    """The live edges sharing its Redis, this one included, by id (this edge alone without
+    one)."""
+    edges_as_of: float
+    """Unix time ``edges`` was read."""
+    edges_error: str | None
+    """Why the list could not be read now (it is then the last one read)."""
     refusal_window_s: float
     nodes: list[NodeStatus]
     queues: list[QueueStatus]
@@ -176,6 +187,8 @@ def edge_status(
     wall: float,
     started_at: float,
     draining: bool,
+    edge_id: str,
+    edges: EdgeList,
 ) -> EdgeStatus:
     """The status document (``now``: ``trio.current_time()``, ``wall``: unix time)."""
     working = [record for record in traffic.in_flight.values() if record.work]
@@ -184,12 +197,26 @@ def edge_status(
         started_at=round(started_at, 3),
         uptime_s=round(max(0.0, wall - started_at), 3),
         draining=draining,
+        edge_id=edge_id,
+        edges=[_rounded(record) for record in edges.edges],
+        edges_as_of=round(edges.as_of, 3),
+        edges_error=edges.error,
         refusal_window_s=REFUSAL_WINDOW,
         nodes=[_node(session, stats, now) for session in sorted(sessions, key=_by_id)],
         queues=_queues(stats, traffic, now),
         in_flight_total=len(working),
         in_flight=[record.summary(now) for record in working[:MAX_IN_FLIGHT]],
         recent_failures=list(traffic.failures),
+    )
+
+
+def _rounded(record: EdgeRecord) -> EdgeRecord:
+    reloaded = record.reloaded_at
+    return attrs.evolve(
+        record,
+        started_at=round(record.started_at, 3),
+        heard_s=round(record.heard_s, 3),
+        reloaded_at=None if reloaded is None else round(reloaded, 3),
     )
 
 

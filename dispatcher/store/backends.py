@@ -14,16 +14,22 @@ Every backend passes the same contract suite (``tests/store/``).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+    nullcontext,
+)
 from typing import Any, Literal
 
 import attrs
 
 from ..config import EdgeConfig, StoreSettings
+from .cluster import LocalCluster, edge_identity
 from .ledger import open_usage_ledger
 from .limits import MemoryLimits
 from .responses import beside_ledger, open_response_store
-from .seam import LimitStore, ResponseStore, UsageLedger
+from .seam import Cluster, LimitStore, ResponseStore, UsageLedger
 
 __all__ = ["Backends", "Stores", "backends_of", "migrate_database", "open_stores"]
 
@@ -56,6 +62,8 @@ class Stores:
     responses: ResponseStore
     limits: LimitStore[Any]
     backends: Backends = Backends("memory", "sqlite", "sqlite")
+    cluster: Cluster = attrs.field(factory=lambda: LocalCluster(edge_identity(EdgeConfig())))
+    """The edges sharing these stores (this edge alone without ``redis_url``)."""
 
 
 @asynccontextmanager
@@ -69,7 +77,8 @@ async def open_stores(config: EdgeConfig) -> AsyncIterator[Stores]:
         ledger = await stack.enter_async_context(_open_ledger(config))
         responses = await stack.enter_async_context(_open_responses(config))
         limits = await stack.enter_async_context(_open_limits(store))
-        yield Stores(ledger, responses, limits, backends)
+        cluster = await stack.enter_async_context(_open_cluster(config))
+        yield Stores(ledger, responses, limits, backends, cluster)
 
 
 @asynccontextmanager
@@ -118,3 +127,15 @@ def migrate_database(store: StoreSettings) -> list[str]:
     from .postgres import migrate
 
     return migrate(store.database_url)
+
+
+def _open_cluster(config: EdgeConfig) -> AbstractAsyncContextManager[Cluster]:
+    """The edges sharing the Redis of ``redis_url`` (:mod:`.cluster_redis`: heartbeats,
+    reloads told to all); without it, this edge alone (:class:`.cluster.LocalCluster`)."""
+    identity = edge_identity(config)
+    url = config.store.redis_url
+    if url is None:
+        return nullcontext(LocalCluster(identity))
+    from .cluster_redis import open_redis_cluster
+
+    return open_redis_cluster(url, identity, heartbeat=config.store.heartbeat_s)

@@ -12,6 +12,9 @@ the configuration, in one place.
   reservation of its estimate, each billable attempt's usage row settles it (keyed by request
   and attempt, so a settle may be retried), and leaving the request releases what it holds.
   The embedded one is :class:`~dispatcher.store.limits.MemoryLimits`.
+* :class:`Cluster` -- the edges sharing the stores: who is alive (each edge's heartbeat), and
+  a reload asked of all of them. The embedded one is
+  :class:`~dispatcher.store.cluster.LocalCluster` (this edge alone).
 
 What admission learns about capacity it does not own comes from the nodes themselves (their
 ``capacity`` messages, :mod:`dispatcher.link`), not from a store: the node is the one place
@@ -23,7 +26,7 @@ Every backend passes one contract suite (``tests/store/``), parametrized by back
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal, Protocol, TypeVar, Unpack
 
 import attrs
@@ -41,6 +44,10 @@ from .usage import (
 )
 
 __all__ = [
+    "Cluster",
+    "EdgeList",
+    "EdgeRecord",
+    "EdgeReport",
     "Hold",
     "LimitName",
     "LimitStore",
@@ -329,4 +336,85 @@ class LimitStore(Protocol[ReservationT]):
     async def seed(self, ledger: UsageLedger) -> None:
         """At start-up: this month's billable spend per tenant, from ``ledger``, so a restart
         does not reset a budget. A shared store that keeps its own counters does nothing."""
+        ...
+
+
+# --------------------------------------------------------------------------- the edges
+
+
+@attrs.frozen(kw_only=True)
+class EdgeReport:
+    """What an edge says of itself at each heartbeat, besides who it is."""
+
+    started_at: float
+    """Unix time the edge started."""
+    in_flight: int
+    """Requests it is serving now."""
+    reloaded_at: float | None = None
+    """Unix time of its latest reload of its config file (None: none since it started)."""
+    reload_error: str | None = None
+    """Why that reload was refused (None: it was applied)."""
+
+
+@attrs.frozen(kw_only=True)
+class EdgeRecord:
+    """One live edge, as its latest heartbeat described it (``GET /admin/status``'s
+    ``edges``)."""
+
+    id: str
+    address: str
+    """Where it listens (``host:port`` as configured; the host name for a wildcard host)."""
+    version: str
+    started_at: float
+    in_flight: int
+    heard_s: float
+    """Seconds since its latest heartbeat (by the store's clock, not the edges')."""
+    reloaded_at: float | None
+    reload_error: str | None
+
+
+@attrs.frozen(kw_only=True)
+class EdgeList:
+    """The live edges, as read at ``as_of``."""
+
+    edges: tuple[EdgeRecord, ...]
+    """By id."""
+    as_of: float
+    """Unix time they were read (older than the question when the store did not answer)."""
+    error: str | None = None
+    """Why the store did not answer (``edges`` is then the last list read, or this edge
+    alone)."""
+
+
+class Cluster(Protocol):
+    """The edges that share this edge's stores: each announces itself by a heartbeat, and a
+    reload asked of one can be told to all. Every edge reloads its own config file, and
+    refuses a broken one on its own."""
+
+    @property
+    def edge_id(self) -> str:
+        """This edge's name among them."""
+        ...
+
+    def bind(
+        self, report: Callable[[], EdgeReport], on_reload: Callable[[], Awaitable[None]]
+    ) -> None:
+        """What this edge says at each heartbeat (``report``, called then), and what it runs
+        when another edge publishes a reload (``on_reload``, which must not raise). Called
+        once, when the edge is assembled; before that it reports nothing in flight and does
+        not listen for reloads."""
+        ...
+
+    def changed(self) -> None:
+        """What ``report`` says has changed: the next heartbeat goes now."""
+        ...
+
+    async def edges(self) -> EdgeList:
+        """The live edges, this one included, by id. Never raises for the store: when it
+        does not answer, the list says so (:attr:`EdgeList.error`)."""
+        ...
+
+    async def publish_reload(self) -> int:
+        """Ask every other edge to reload its config file; how many were told (0 alone).
+        Raises ``RuntimeError`` naming the store when it cannot be reached."""
         ...

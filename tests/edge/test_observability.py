@@ -602,7 +602,7 @@ async def test_status_lists_are_bounded() -> None:
             for number in range(MAX_IN_FLIGHT + 3):
                 record = stack.enter_context(traffic.open(f"open-{number}", None, "GET", "/x"))
                 record.routed("/v1/chat/completions", work=True)
-            document = edge.dispatcher.status()
+            document = await edge.dispatcher.status()
         assert traffic.in_flight == {}
     assert document.in_flight_total == MAX_IN_FLIGHT + 3
     assert len(document.in_flight) == MAX_IN_FLIGHT

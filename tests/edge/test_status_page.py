@@ -24,6 +24,7 @@ from dispatcher import wire
 from dispatcher.api.admin import PAGE
 from dispatcher.observe import status
 from dispatcher.observe.traffic import RequestSummary
+from dispatcher.store.seam import EdgeRecord
 
 from .fakes import connect, hello, wait_until
 from .test_observability import ADMIN_KEY, CLIENT_KEY, chat, open_edge
@@ -196,11 +197,14 @@ async def test_the_page_shows_nodes_queues_and_requests_and_follows_them(
         await trio.to_thread.run_sync(browser.get, url)
 
         def shows_everything(driver: WebDriver) -> bool:
+            edges = _section_text(driver, "edges")
             nodes = _section_text(driver, "nodes")
             queues = _section_text(driver, "queues")
             flight = _section_text(driver, "in-flight")
             return (
-                "node-a" in nodes
+                "Edges (1)" in edges  # the edge alone: no Redis
+                and f"{edge.dispatcher.cluster.edge_id} this edge" in edges
+                and "node-a" in nodes
                 and "node-b" in nodes
                 and "node-b label" in nodes
                 and "m" in queues
@@ -432,17 +436,19 @@ READS: dict[str, type[Any]] = {
     "q": status.QueueStatus,
     "r": RequestSummary,
     "f": RequestSummary,
+    "e": EdgeRecord,
 }
 """The script's names for the document's objects (its ``function (n) ...`` callbacks) and
 the class in ``dispatcher.status`` each one is."""
 
 
 def test_the_page_reads_only_fields_the_document_has() -> None:
-    """Every ``x.field`` the script reads of the document (``s`` the document, ``n`` a node,
-    ``r`` a request in flight ...) is a field of the class that document part is: a field
-    it does not have reads as ``undefined`` and its column shows a dash for ever."""
+    """Every ``x.field`` the script reads of the document (``s`` the document, ``e`` an edge,
+    ``n`` a node, ``r`` a request in flight ...) is a field of the class that document part
+    is: a field it does not have reads as ``undefined`` and its column shows a dash for
+    ever."""
     read: dict[str, set[str]] = {name: set() for name in READS}
-    for name, field in re.findall(r"(?<![\w.])([snpmqrf])\.([A-Za-z_]\w*)", SCRIPT):
+    for name, field in re.findall(r"(?<![\w.])([snpmqrfe])\.([A-Za-z_]\w*)", SCRIPT):
         read[name].add(field)
     unknown = {
         name: sorted(fields - {f.name for f in attrs.fields(READS[name])})
