@@ -13,6 +13,8 @@ it maps to; :func:`error_status_and_body` is the one place they become a respons
     ├── NoConfigFile          409 no_config_file: a reload with no file to read
     ├── UpstreamRejected      4xx the upstream's own status: the client's mistake, not retried
     ├── ShuttingDown          503 the edge is draining: nothing new is admitted
+    ├── LimitStoreUnavailable 503 limit_store_unavailable: the shared limit store (Redis) does
+    │                             not answer and ``on_store_error = "refuse"``
     ├── RateLimited           429 requests rate_limit_exceeded: a tenant over its RPM or
     │   │                         concurrency (.headers: x-ratelimit-*)
     │   ├── TokenRateLimited  429 tokens rate_limit_exceeded: over its TPM
@@ -147,6 +149,22 @@ class ShuttingDown(DispatcherError, status=503, code="shutting_down"):
         self, message: str, *, code: str | None = None, retry_after: float = DRAIN_RETRY_AFTER
     ) -> None:
         super().__init__(message, code=code, retry_after=retry_after)
+
+
+LIMIT_STORE_RETRY_AFTER = 2.0
+"""``Retry-After`` (seconds) of the 503 refusing a request the limit store cannot check: the
+edge probes the store about twice a second and serves again once it answers."""
+
+
+class LimitStoreUnavailable(DispatcherError, status=503, code="limit_store_unavailable"):
+    """The shared limit store (``[store] redis_url``) does not answer, or not within
+    ``timeout_s``, and ``on_store_error = "refuse"``: a request whose key has limits cannot be
+    checked against them, so it is refused (503, retry after
+    :data:`LIMIT_STORE_RETRY_AFTER`; ``dispatcher.store.limits_guard``). The message names the
+    limit store, never its address."""
+
+    def __init__(self, message: str, *, retry_after: float = LIMIT_STORE_RETRY_AFTER) -> None:
+        super().__init__(message, retry_after=retry_after)
 
 
 class RateLimited(DispatcherError, status=429, error_type="requests", code="rate_limit_exceeded"):
