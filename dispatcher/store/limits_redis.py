@@ -152,6 +152,8 @@ class _Op:
     done: trio.Event | None = None
     """Set when an awaited operation (admit, read) has its answer."""
     answer: list[str] | BaseException | None = None
+    sent: bool = False
+    """It went to the server (its script may have run there)."""
     abandoned: bool = False
     """Its caller left before the answer: not run if it had not started, and a hold it got is
     released at once."""
@@ -422,6 +424,7 @@ class RedisLimits:
 
     async def _run(self, op: _Op) -> list[str]:
         keys = [f"{self.prefix}{{{op.tenant_id}}}"]
+        op.sent = True
         with trio.fail_after(self.command_timeout):
             answer = await self._script(keys=keys, args=op.args)
         return [str(item) for item in cast(Sequence[Any], answer)]
@@ -460,14 +463,15 @@ class RedisLimits:
             finally:
                 self._running = None
             assert not isinstance(answer, _Parked)
-            self._acknowledge(op.tenant_id, op.seq)
+            if op.sent:  # (one failed at once acknowledges nothing: parked writes precede it)
+                self._acknowledge(op.tenant_id, op.seq)
             if op.done is not None:
                 op.answer = answer
                 op.done.set()
             if op.kind != "admit" or self._closed:
                 continue
             assert op.hold is not None
-            if isinstance(answer, BaseException):
+            if isinstance(answer, BaseException) and op.sent:
                 # The script may have run and its answer been lost (a command past its
                 # deadline): a hold it took goes at once, not at its lease's end. (Releasing
                 # a request the server does not hold does nothing.)
