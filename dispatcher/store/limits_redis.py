@@ -476,7 +476,7 @@ class RedisLimits:
                 # deadline): a hold it took goes at once, not at its lease's end. (Releasing
                 # a request the server does not hold does nothing.)
                 self._post("release", op.tenant_id, [op.hold.request_id, "0"])
-            elif op.left() and answer[2] == "held":
+            elif isinstance(answer, list) and op.left() and answer[2] == "held":
                 self.release(RedisHeld(op.hold, ()), answered=False)
 
     def _park(self, op: _Op) -> None:
