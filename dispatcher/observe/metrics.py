@@ -14,7 +14,7 @@ process-global state), so several dispatchers in one process, as in the tests, d
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import attrs
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,7 +27,7 @@ from ..admission import (
     REJECT_CAUSES,
     Admission,
 )
-from ..store.limits_guard import GuardedLimits
+from ..store.limits_guard import GuardedLimits, LimitGuardStatistics
 from ..tenants import Tenants
 from . import series
 from .series import (
@@ -200,9 +200,16 @@ class _InFlightCollector(Collector):
         )
 
 
+_ALWAYS_UP: Final = LimitGuardStatistics(
+    store="memory", mode="refuse", up=True, outages=0, refused=0, local=0, pending=0, parked=0,
+    lost=0,
+)  # fmt: skip
+"""What the embedded limits (in memory, they cannot fail) report."""
+
+
 class _LimitStoreCollector(Collector):
-    """The shared limit store's health (``[store] redis_url``): no series with the embedded
-    limits, which cannot fail."""
+    """The limit store's health: the shared one's (``[store] redis_url``,
+    :class:`~dispatcher.store.limits_guard.GuardedLimits`), else always up."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -210,13 +217,11 @@ class _LimitStoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         source = self._metrics.inflight_source
         limits = source.tenants.limits if source is not None else None
-        if not isinstance(limits, GuardedLimits):
-            return
-        stats = limits.statistics()
+        stats = limits.statistics() if isinstance(limits, GuardedLimits) else _ALWAYS_UP
         yield GaugeMetricFamily(
             "dispatcher_limit_store_up",
-            "1 while the shared limit store answers this edge's admissions, 0 during an "
-            "outage ([store] on_store_error decides them).",
+            "1 while the limit store answers this edge's admissions (always, for the embedded "
+            "one), 0 during an outage of the shared one ([store] on_store_error decides them).",
             value=1 if stats.up else 0,
         )
         errors = CounterMetricFamily(

@@ -326,8 +326,9 @@ class RedisLimits:
     # -- beyond the Protocol -----------------------------------------------------------
 
     async def flush(self) -> None:
-        """Wait until every operation posted before the call is written (or given up)."""
-        if self._queue:
+        """Wait until every operation posted before the call is written (or given up, or
+        parked while the store is suspended)."""
+        if self._queue or self._running is not None:
             await self._answer(self._post("barrier", "", [], awaited=True))
 
     async def refresh(self, tenant_id: str) -> None:

@@ -27,6 +27,7 @@ import trio
 
 from dispatcher.config import Limits
 from dispatcher.errors import LimitStoreUnavailable
+from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits_guard import (
     Guarded,
     GuardedLimits,
@@ -233,3 +234,15 @@ async def test_the_guard_closes_while_redis_is_down(server: RedisServer) -> None
         guard.release(held, answered=False)
     assert redis.statistics().lost >= 1
     assert redis.statistics().parked == 0
+
+
+async def test_redis_down_at_start_is_an_error_naming_the_store(server: RedisServer) -> None:
+    """Seeding the budgets is the edge's first call: with Redis down it stops the start with
+    an error naming the store (its address without the password)."""
+    async with guarded(server) as (_, guard):
+        server.stop()
+        async with open_usage_ledger(":memory:") as ledger:
+            with pytest.raises(
+                RuntimeError, match=r"the limit store \(redis://127\.0\.0\.1:\d+/0\)"
+            ):
+                await guard.seed(ledger)

@@ -384,3 +384,23 @@ async def test_a_suspended_store_parks_its_writes_and_writes_them_when_resumed()
             )
     finally:
         server.close()
+
+
+async def test_flush_waits_for_the_write_being_tried(url: str) -> None:
+    """The one write posted is being tried (the server refuses it: WRONGTYPE) when flush is
+    called: flush returns once it is written, not before."""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        await store.refresh("t1")
+        broken = "dispatcher:limits:{t1}:st"
+        state = await store.client.hgetall(broken)
+        await store.client.delete([broken])
+        await store.client.set(broken, "not a hash")
+        store.spend("t1", 5, 0.0)
+        await trio.sleep(0.1)  # the writer took it and is between tries
+        assert store.statistics().pending == 1
+        await store.client.delete([broken])
+        await store.client.hset(broken, state or {"rsv_tokens": "0"})
+        await store.flush()
+        assert store.statistics().pending == 0
+        assert store.statistics().lost == 0
