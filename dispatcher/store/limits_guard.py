@@ -4,9 +4,10 @@
 
 * An admission is asked of the shared store under a deadline (``timeout_s``). An error
   (:class:`~dispatcher.store.seam.StoreUnreachable`) or no answer in time starts an
-  **outage**: one WARNING naming the store and what happened, the shared store suspended (its
-  writes parked, :meth:`SharedLimitStore.suspend`), and from then on every admission is
-  decided on this edge at once, without waiting for the store:
+  **outage**, as does a write the store finds the server down for
+  (:attr:`SharedLimitStore.on_unreachable`): one WARNING naming the store and what happened,
+  the shared store suspended (its writes parked, :meth:`SharedLimitStore.suspend`), and from
+  then on every admission is decided on this edge at once, without waiting for the store:
 
   - ``refuse``: a request whose key has limits gets
     :class:`~dispatcher.errors.LimitStoreUnavailable` (503, ``Retry-After``);
@@ -120,6 +121,9 @@ class SharedLimitStore(LimitStore[Any], Protocol):
         ...
 
     def statistics(self) -> WriteStatistics: ...
+
+    on_unreachable: Callable[[str], None] | None
+    """Told (what failed) when a write finds the server not answering."""
 
 
 def store_place(url: str) -> str:
@@ -483,9 +487,11 @@ async def open_guarded_limits(
     if edge_count < 1:
         raise ValueError(f"edge_count must be at least 1, got {edge_count}")
     guard = GuardedLimits(inner, name, mode, edge_count, answer_within, probe_every, warn_every)
+    inner.on_unreachable = guard._fail  # a write that finds the store down starts an outage
     async with trio.open_nursery() as nursery:
         nursery.start_soon(guard._watch)
         try:
             yield guard
         finally:
+            inner.on_unreachable = None
             nursery.cancel_scope.cancel(reason="limit store closed")

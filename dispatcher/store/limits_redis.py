@@ -83,6 +83,8 @@ COMMAND_TIMEOUT: Final = 2.0
 PARK_LIMIT: Final = 100_000
 """Writes kept while the store is suspended; beyond, the oldest are given up (counted)."""
 _ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
+_UNREACHABLE: Final = (coredis.exceptions.ConnectionError, OSError, trio.TooSlowError)
+"""The errors that say the server is not answering (not that it refused one command)."""
 
 _SCRIPT: Final = (
     importlib.resources.files(__package__).joinpath("limits_redis.lua").read_text("utf-8")
@@ -198,6 +200,10 @@ class RedisLimits:
     """Unix time the scripts use instead of the server's (tests)."""
     command_timeout: float = COMMAND_TIMEOUT
     """Seconds one command may take before it counts as failed."""
+    on_unreachable: Callable[[str], None] | None = None
+    """Told (what failed) when a write finds the server not answering: the edge's guard
+    (:mod:`.limits_guard`) starts an outage, which suspends the store, so a write alone --
+    no admission asking -- is enough for an outage to be seen."""
     _script: Any = attrs.field(init=False, default=None)
     _queue: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -507,6 +513,8 @@ class RedisLimits:
             except _ERRORS as error:
                 if op.done is not None:
                     return StoreUnreachable(_failure(op.kind, error))
+                if isinstance(error, _UNREACHABLE) and self.on_unreachable is not None:
+                    self.on_unreachable(_failure(op.kind, error))
                 if self._suspension.is_set():
                     return _PARKED
                 if attempt + 1 == WRITE_ATTEMPTS:

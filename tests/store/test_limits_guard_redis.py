@@ -178,6 +178,31 @@ async def test_a_frozen_redis_is_refused_at_the_deadline_and_its_writes_land_aft
         assert redis.statistics().lost == 0
 
 
+async def test_a_write_alone_finds_redis_down(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No admission asks while Redis is frozen, only a release is posted: its failure starts
+    the outage (one WARNING, its retries not each logged), the release is held back rather
+    than given up after its tries, and lands once Redis answers."""
+    caplog.set_level(logging.INFO, logger="dispatcher.store")
+    async with guarded(server) as (redis, guard):
+        held = await guard.admit(hold("r1", max_concurrent=1))
+        assert isinstance(held, Guarded)
+        server.pause()
+        guard.release(held, answered=False)
+        with trio.fail_after(COMMAND_TIMEOUT + 2):
+            while guard.up:
+                await trio.sleep(0.02)
+        await trio.sleep(0.3)
+        assert redis.statistics().parked == 1
+        server.resume()
+        await back(guard)
+        again = await guard.admit(hold("r2", max_concurrent=1))
+        assert isinstance(again, Guarded), again
+        assert redis.statistics().lost == 0
+    assert len(warnings(caplog)) == 1
+
+
 async def test_local_divides_each_limit_by_the_edge_count(
     server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
