@@ -15,6 +15,8 @@ it maps to; :func:`error_status_and_body` is the one place they become a respons
     ├── ShuttingDown          503 the edge is draining: nothing new is admitted
     ├── StoreUnavailable      503 store_unavailable: a shared store (the usage ledger's
     │                             PostgreSQL) cannot be reached now (.retry_after)
+    ├── LimitStoreUnavailable 503 limit_store_unavailable: the shared limit store (Redis) does
+    │                             not answer and ``on_store_error = "refuse"``
     ├── RateLimited           429 requests rate_limit_exceeded: a tenant over its RPM or
     │   │                         concurrency (.headers: x-ratelimit-*)
     │   ├── TokenRateLimited  429 tokens rate_limit_exceeded: over its TPM
@@ -161,6 +163,22 @@ class StoreUnavailable(DispatcherError, status=503, code="store_unavailable"):
     outbox); only the read failed."""
 
     def __init__(self, message: str, *, retry_after: float = STORE_RETRY_AFTER) -> None:
+        super().__init__(message, retry_after=retry_after)
+
+
+LIMIT_STORE_RETRY_AFTER = 2.0
+"""``Retry-After`` (seconds) of the 503 refusing a request the limit store cannot check: the
+edge probes the store about twice a second and serves again once it answers."""
+
+
+class LimitStoreUnavailable(DispatcherError, status=503, code="limit_store_unavailable"):
+    """The shared limit store (``[store] redis_url``) does not answer, or not within
+    ``timeout_s``, and ``on_store_error = "refuse"``: a request whose key has limits cannot be
+    checked against them, so it is refused (503, retry after
+    :data:`LIMIT_STORE_RETRY_AFTER`; ``dispatcher.store.limits_guard``). The message names the
+    limit store, never its address."""
+
+    def __init__(self, message: str, *, retry_after: float = LIMIT_STORE_RETRY_AFTER) -> None:
         super().__init__(message, retry_after=retry_after)
 
 

@@ -24,6 +24,7 @@ from ..admission import (
     Predicate,
 )
 from ..errors import (
+    LimitStoreUnavailable,
     RateLimited,
     RunError,
     ShuttingDown,
@@ -173,7 +174,7 @@ def _outcome_of(exc: BaseException, outcome: str) -> str:
         return "failed"
     if isinstance(exc, PeerGone):
         return "client_gone"
-    if isinstance(exc, AdmissionError | RateLimited):
+    if isinstance(exc, AdmissionError | RateLimited | LimitStoreUnavailable):
         return "rejected"
     if isinstance(exc, RunError):
         return "failed"

@@ -14,7 +14,7 @@ process-global state), so several dispatchers in one process, as in the tests, d
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import attrs
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,6 +27,8 @@ from ..admission import (
     REJECT_CAUSES,
     Admission,
 )
+from ..store.limits_guard import GuardedLimits, LimitGuardStatistics
+from ..tenants import Tenants
 from . import series
 from .series import (
     CounterSeries,
@@ -158,11 +160,16 @@ class _AdmissionCollector(Collector):
 
 
 class InFlightSource(Protocol):
-    """What the in-flight gauges read at scrape time (the dispatcher provides it)."""
+    """What the in-flight gauges (and the limit store's series) read at scrape time (the
+    dispatcher provides it)."""
 
     def inflight_runs(self) -> int: ...
     def inflight_tunnels(self) -> int: ...
     def connected_nodes(self) -> int: ...
+    @property
+    def tenants(self) -> Tenants:
+        """Its tenants, whose limit store the ``dispatcher_limit_store_*`` series describe."""
+        ...
 
 
 class _InFlightCollector(Collector):
@@ -190,6 +197,59 @@ class _InFlightCollector(Collector):
             "dispatcher_connected_nodes",
             "Node sessions connected now (the in-process node included).",
             value=source.connected_nodes() if source is not None else 0,
+        )
+
+
+_ALWAYS_UP: Final = LimitGuardStatistics(
+    store="memory", mode="refuse", up=True, outages=0, refused=0, local=0, pending=0, parked=0,
+    lost=0,
+)  # fmt: skip
+"""What the embedded limits (in memory, they cannot fail) report."""
+
+
+class _LimitStoreCollector(Collector):
+    """The limit store's health: the shared one's (``[store] redis_url``,
+    :class:`~dispatcher.store.limits_guard.GuardedLimits`), else always up."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        source = self._metrics.inflight_source
+        limits = source.tenants.limits if source is not None else None
+        stats = limits.statistics() if isinstance(limits, GuardedLimits) else _ALWAYS_UP
+        yield GaugeMetricFamily(
+            "dispatcher_limit_store_up",
+            "1 while the limit store answers this edge's admissions (always, for the embedded "
+            "one), 0 during an outage of the shared one ([store] on_store_error decides them).",
+            value=1 if stats.up else 0,
+        )
+        errors = CounterMetricFamily(
+            "dispatcher_limit_store_errors",
+            "Client requests whose limits the shared limit store did not decide: refused "
+            "with 503 (mode refuse) or decided on this edge (mode local, and any key without "
+            "limits).",
+            labels=["mode"],
+        )
+        errors.add_metric(["refuse"], stats.refused)
+        errors.add_metric(["local"], stats.local)
+        yield errors
+        yield CounterMetricFamily(
+            "dispatcher_limit_store_outages",
+            "Times the shared limit store stopped answering this edge.",
+            value=stats.outages,
+        )
+        yield GaugeMetricFamily(
+            "dispatcher_limit_store_writes_pending",
+            "Settles, releases and spends posted to the shared limit store and not yet "
+            "written (those held back during an outage included).",
+            value=stats.pending + stats.parked,
+        )
+        yield CounterMetricFamily(
+            "dispatcher_limit_store_writes_lost",
+            "Writes to the shared limit store given up (after their tries, or held back "
+            "beyond the bound of an outage): spend its budgets do not count.",
+            value=stats.lost,
         )
 
 
@@ -232,6 +292,7 @@ class Metrics:
         """Requests inside a route's counted block now (``api.common.CountedRequest``)."""
         self.inflight_source: InFlightSource | None = None
         self.registry.register(_InFlightCollector(self))
+        self.registry.register(_LimitStoreCollector(self))
         self.queue_wait = self._histogram(
             "dispatcher_queue_wait_seconds",
             "Time admitted requests waited for their slot, per model group and class.",

@@ -86,9 +86,23 @@ async def _open_limits(store: StoreSettings) -> AsyncIterator[LimitStore[Any]]:
     if store.redis_url is None:
         yield MemoryLimits()
         return
-    from .limits_redis import open_redis_limits
+    from .limits_guard import open_guarded_limits, store_place
+    from .limits_redis import COMMAND_TIMEOUT, open_redis_limits
 
-    async with open_redis_limits(store.redis_url, hold_lease=store.hold_lease_s) as limits:
+    async with (
+        open_redis_limits(
+            store.redis_url,
+            hold_lease=store.hold_lease_s,
+            command_timeout=max(store.timeout_s, COMMAND_TIMEOUT),
+        ) as redis,
+        open_guarded_limits(
+            redis,
+            f"the limit store ({store_place(store.redis_url)})",
+            mode="local" if store.on_store_error == "local" else "refuse",
+            edge_count=store.edge_count,
+            answer_within=store.timeout_s,
+        ) as limits,
+    ):
         yield limits
 
 

@@ -1,4 +1,4 @@
-"""The tenants' limits on Redis (>= 7): :class:`RedisLimits`, a
+r"""The tenants' limits on Redis (>= 7): :class:`RedisLimits`, a
 :class:`~dispatcher.store.seam.LimitStore` several edges share, opened by
 :func:`open_redis_limits` (needs the ``redis`` extra: ``coredis``; nothing else of the edge
 imports it).
@@ -24,6 +24,16 @@ imports it).
 * :meth:`~RedisLimits.spent` and :meth:`~RedisLimits.in_flight` are synchronous: they answer
   what the server last told this edge, plus this edge's writes not yet acknowledged. Other
   edges' spend shows from this edge's next operation on that tenant: eventually consistent.
+
+When the server does not answer (down, unreachable, or past :attr:`RedisLimits.command_timeout`
+for one command), an awaited operation (:meth:`~RedisLimits.admit`) raises
+:class:`~dispatcher.store.seam.StoreUnreachable`, and a write is retried. The edge's guard
+(:mod:`.limits_guard`) then :meth:`~RedisLimits.suspend`\ s the store until a
+:meth:`~RedisLimits.ping` answers: meanwhile the writes are parked in order (at most
+:data:`PARK_LIMIT`, beyond which the oldest are given up) instead of each waiting out its
+tries, an awaited operation fails at once, and an admission whose caller left before it ran
+is skipped; :meth:`~RedisLimits.resume` puts the parked writes back in front, so a long outage
+leaves no backlog of retries between the server's return and the next admission.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from .limits import (
     refusal_message,
     seconds_to_next,
 )
-from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, UsageLedger
+from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, StoreUnreachable, UsageLedger
 
 __all__ = [
     "HOLD_LEASE",
@@ -68,7 +78,13 @@ WRITE_ATTEMPTS: Final = 6
 """Tries of one write before it is given up (and counted in the statistics)."""
 CLOSE_TIMEOUT: Final = 5.0
 """Seconds a closing store waits for its writer to write what was posted."""
-_ERRORS: Final = (coredis.exceptions.RedisError, OSError)
+COMMAND_TIMEOUT: Final = 2.0
+"""Seconds one command may take before it counts as failed (a write is then tried again)."""
+PARK_LIMIT: Final = 100_000
+"""Writes kept while the store is suspended; beyond, the oldest are given up (counted)."""
+_ERRORS: Final = (coredis.exceptions.RedisError, OSError, trio.TooSlowError)
+_UNREACHABLE: Final = (coredis.exceptions.ConnectionError, OSError, trio.TooSlowError)
+"""The errors that say the server is not answering (not that it refused one command)."""
 
 _SCRIPT: Final = (
     importlib.resources.files(__package__).joinpath("limits_redis.lua").read_text("utf-8")
@@ -93,7 +109,10 @@ class RedisLimitsStatistics:
     retried: int
     """Writes tried again after an error."""
     lost: int
-    """Writes given up after :data:`WRITE_ATTEMPTS` tries."""
+    """Writes given up: after :data:`WRITE_ATTEMPTS` tries, beyond :data:`PARK_LIMIT`, or
+    still parked when the store closed."""
+    parked: int = 0
+    """Writes held back while the store is suspended (written when it resumes)."""
 
 
 @attrs.frozen
@@ -135,8 +154,30 @@ class _Op:
     done: trio.Event | None = None
     """Set when an awaited operation (admit, read) has its answer."""
     answer: list[str] | BaseException | None = None
+    sent: bool = False
+    """It went to the server (its script may have run there)."""
     abandoned: bool = False
-    """Its admission's caller left before the answer: a hold it got is released at once."""
+    """Its caller left before the answer: not run if it had not started, and a hold it got is
+    released at once."""
+
+    def left(self) -> bool:
+        """:attr:`abandoned`, read after an await (when it may have changed)."""
+        return self.abandoned
+
+
+class _Parked:
+    """What :meth:`RedisLimits._execute` answers for a write it parked."""
+
+
+_PARKED: Final = _Parked()
+
+
+def _failure(kind: str, error: BaseException) -> str:
+    """What went wrong with one command, for a log line or a caller's error (coredis names
+    the host and port it could not reach, never the URL's password)."""
+    if isinstance(error, trio.TooSlowError):
+        return f"{kind}: no answer within the command timeout"
+    return f"{kind}: {type(error).__name__}: {error}"
 
 
 def _decimal(value: float | None) -> str:
@@ -157,6 +198,12 @@ class RedisLimits:
     """The monotonic clock the scripts use instead of the server's (tests)."""
     wall: Callable[[], float] | None = None
     """Unix time the scripts use instead of the server's (tests)."""
+    command_timeout: float = COMMAND_TIMEOUT
+    """Seconds one command may take before it counts as failed."""
+    on_unreachable: Callable[[str], None] | None = None
+    """Told (what failed) when a write finds the server not answering: the edge's guard
+    (:mod:`.limits_guard`) starts an outage, which suspends the store, so a write alone --
+    no admission asking -- is enough for an outage to be seen."""
     _script: Any = attrs.field(init=False, default=None)
     _queue: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -168,6 +215,12 @@ class RedisLimits:
     """This edge's admitted requests not yet released: the leases it renews."""
     _retried: int = attrs.field(init=False, default=0)
     _lost: int = attrs.field(init=False, default=0)
+    _running: _Op | None = attrs.field(init=False, default=None)
+    """The operation the writer runs now (taken off the queue)."""
+    _suspension: trio.Event = attrs.field(init=False, factory=trio.Event)
+    """Set while suspended (:meth:`suspend`): it also ends a retry's wait."""
+    _parked: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
+    _overflowed: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         self._script = self.client.register_script(_SCRIPT)
@@ -258,7 +311,14 @@ class RedisLimits:
         wall = self._wall()
         day, month = periods(wall)
         marker = f"{self.prefix}seeded:{month}"
-        if not await self.client.set(marker, "1", condition=coredis.PureToken.NX, ex=40 * 86400):
+        try:
+            with trio.fail_after(self.command_timeout):
+                first = await self.client.set(
+                    marker, "1", condition=coredis.PureToken.NX, ex=40 * 86400
+                )
+        except _ERRORS as error:
+            raise StoreUnreachable(_failure("seed", error)) from error
+        if not first:
             return
         since = month_start(wall)
         for group in await ledger.billable_spend(since):
@@ -272,8 +332,9 @@ class RedisLimits:
     # -- beyond the Protocol -----------------------------------------------------------
 
     async def flush(self) -> None:
-        """Wait until every operation posted before the call is written (or given up)."""
-        if self._queue:
+        """Wait until every operation posted before the call is written (or given up, or
+        parked while the store is suspended)."""
+        if self._queue or self._running is not None:
             await self._answer(self._post("barrier", "", [], awaited=True))
 
     async def refresh(self, tenant_id: str) -> None:
@@ -282,8 +343,40 @@ class RedisLimits:
 
     def statistics(self) -> RedisLimitsStatistics:
         return RedisLimitsStatistics(
-            pending=len(self._queue), retried=self._retried, lost=self._lost
+            pending=len(self._queue) + (self._running is not None),
+            retried=self._retried,
+            lost=self._lost,
+            parked=len(self._parked),
         )
+
+    async def ping(self) -> None:
+        """Whether the server answers now (within :attr:`command_timeout`), past the queue
+        of posted operations: raises :class:`~dispatcher.store.seam.StoreUnreachable` if
+        not."""
+        try:
+            with trio.fail_after(self.command_timeout):
+                await self.client.ping()
+        except _ERRORS as error:
+            raise StoreUnreachable(_failure("ping", error)) from error
+
+    def suspend(self) -> None:
+        """The server is known not to answer: from now on writes are parked (in order), not
+        tried, and an awaited operation fails at once, until :meth:`resume`."""
+        self._suspension.set()
+
+    def resume(self) -> None:
+        """The server answers again: the parked writes go first, in the order posted."""
+        if not self.suspended:
+            return
+        self._overflowed = False
+        self._suspension = trio.Event()
+        self._queue.extendleft(reversed(self._parked))
+        self._parked.clear()
+        self._wake.set()
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspension.is_set()
 
     # -- internals ---------------------------------------------------------------------
 
@@ -324,7 +417,7 @@ class RedisLimits:
         try:
             await op.done.wait()
         except BaseException:
-            op.abandoned = True  # a hold it gets is released by the writer
+            op.abandoned = True  # not run if not started; a hold it gets is released
             raise
         if isinstance(op.answer, BaseException):
             raise op.answer
@@ -338,7 +431,9 @@ class RedisLimits:
 
     async def _run(self, op: _Op) -> list[str]:
         keys = [f"{self.prefix}{{{op.tenant_id}}}"]
-        answer = await self._script(keys=keys, args=op.args)
+        op.sent = True
+        with trio.fail_after(self.command_timeout):
+            answer = await self._script(keys=keys, args=op.args)
         return [str(item) for item in cast(Sequence[Any], answer)]
 
     async def _renewer(self) -> None:
@@ -353,42 +448,75 @@ class RedisLimits:
                 self._post("renew", tenant_id, [repr(float(self.hold_lease)), *request_ids])
 
     async def _writer(self) -> None:
-        """Runs the posted operations, one at a time, in order."""
+        """Runs the posted operations, one at a time, in order; while the store is
+        suspended, parks the writes and fails the awaited operations at once."""
         queue = self._queue
         while True:
             if not queue:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            op = queue[0]
+            op = self._running = queue.popleft()
             try:
+                if op.abandoned:
+                    continue  # its caller left before it ran (an admission: nothing held)
+                if op.done is None and self._suspension.is_set():
+                    self._park(op)
+                    continue
                 answer = await self._execute(op)
+                if answer is _PARKED:
+                    self._park(op)
+                    continue
             finally:
-                queue.popleft()
+                self._running = None
+            assert not isinstance(answer, _Parked)
+            if op.sent:  # (one failed at once acknowledges nothing: parked writes precede it)
                 self._acknowledge(op.tenant_id, op.seq)
             if op.done is not None:
                 op.answer = answer
                 op.done.set()
-            if (
-                op.abandoned
-                and not self._closed
-                and isinstance(answer, list)
-                and answer[2] == "held"
-            ):
-                assert op.hold is not None
+            if op.kind != "admit" or self._closed:
+                continue
+            assert op.hold is not None
+            if isinstance(answer, BaseException) and op.sent:
+                # The script may have run and its answer been lost (a command past its
+                # deadline): a hold it took goes at once, not at its lease's end. (Releasing
+                # a request the server does not hold does nothing.)
+                self._post("release", op.tenant_id, [op.hold.request_id, "0"])
+            elif isinstance(answer, list) and op.left() and answer[2] == "held":
                 self.release(RedisHeld(op.hold, ()), answered=False)
 
-    async def _execute(self, op: _Op) -> list[str] | BaseException:
-        """A write is tried again (it is idempotent on the server); an awaited operation's
-        error goes to its caller."""
+    def _park(self, op: _Op) -> None:
+        """Keep a write until :meth:`resume` (the oldest goes beyond :data:`PARK_LIMIT`)."""
+        self._parked.append(op)
+        if len(self._parked) > PARK_LIMIT:
+            oldest = self._parked.popleft()
+            self._give_up(oldest, "the server was down with too many writes waiting")
+
+    def _give_up(self, op: _Op, why: str) -> None:
+        self._lost += 1
+        self._acknowledge(op.tenant_id, op.seq)
+        if not self._overflowed:  # once per suspension, not once per write
+            self._overflowed = True
+            log.error("limit store: writes given up (%s), the oldest first", why)
+
+    async def _execute(self, op: _Op) -> list[str] | BaseException | _Parked:
+        """A write is tried again (it is idempotent on the server) unless the store is
+        suspended (it is then parked); an awaited operation's error goes to its caller."""
         if op.kind == "barrier":
             return []
+        if self._suspension.is_set():
+            return StoreUnreachable(f"limit store: {op.kind} not sent: the server is not answering")
         for attempt in range(WRITE_ATTEMPTS):
             try:
                 answer = await self._run(op)
             except _ERRORS as error:
                 if op.done is not None:
-                    return error
+                    return StoreUnreachable(_failure(op.kind, error))
+                if isinstance(error, _UNREACHABLE) and self.on_unreachable is not None:
+                    self.on_unreachable(_failure(op.kind, error))
+                if self._suspension.is_set():
+                    return _PARKED
                 if attempt + 1 == WRITE_ATTEMPTS:
                     self._lost += 1
                     log.exception(
@@ -400,13 +528,31 @@ class RedisLimits:
                     return error
                 self._retried += 1
                 log.warning(
-                    "limit store: %s of %s failed, retrying: %s", op.kind, op.tenant_id, error
+                    "limit store: %s of %s failed, retrying: %s",
+                    op.kind,
+                    op.tenant_id,
+                    _failure(op.kind, error),
                 )
-                await trio.sleep(0.05 * 2**attempt)
+                with trio.move_on_after(0.05 * 2**attempt):
+                    await self._suspension.wait()  # suspended: parked, not tried again
+                if self._suspension.is_set():
+                    return _PARKED
                 continue
             self._see(op.tenant_id, answer)
             return answer
         raise AssertionError("unreachable")
+
+    def _close_parked(self) -> None:
+        """Closing while suspended: the parked writes are given up (counted, logged once)."""
+        parked, self._parked = self._parked, collections.deque()
+        if parked:
+            self._lost += len(parked)
+            log.error(
+                "limit store: %d writes given up: the server did not answer before the store "
+                "closed (settles, releases and spends of this edge's requests not counted in "
+                "Redis)",
+                len(parked),
+            )
 
     def _see(self, tenant_id: str, answer: list[str]) -> None:
         in_flight, day, day_tokens, day_usd, month, month_tokens, month_usd = answer[-7:]
@@ -474,18 +620,22 @@ async def open_redis_limits(
     renew_every: float | None = None,
     clock: Callable[[], float] | None = None,
     wall: Callable[[], float] | None = None,
+    command_timeout: float = COMMAND_TIMEOUT,
 ) -> AsyncIterator[RedisLimits]:
     """The limit store on the Redis at ``url`` (``redis://host:port/db``), with its writer
     running until the block is left; leaving it writes what was posted (at most
     :data:`CLOSE_TIMEOUT` seconds). A place in flight is a lease of ``hold_lease`` seconds,
     renewed every ``renew_every`` (a third of the lease by default) while the request is held.
     ``clock`` and ``wall`` (both or neither) replace the server's clocks: for tests only,
-    where every edge must share them."""
+    where every edge must share them. A command past ``command_timeout`` seconds counts as
+    failed."""
     if (clock is None) != (wall is None):
         raise ValueError("give both clock and wall, or neither (the server's TIME)")
     client: coredis.Redis[str] = coredis.Redis.from_url(url, decode_responses=True)
     async with client:
-        store = RedisLimits(client, prefix, hold_lease, renew_every, clock, wall)
+        store = RedisLimits(
+            client, prefix, hold_lease, renew_every, clock, wall, command_timeout=command_timeout
+        )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store._writer)
             nursery.start_soon(store._renewer)
@@ -496,3 +646,4 @@ async def open_redis_limits(
                     await store.flush()
                 store._closed = True
                 nursery.cancel_scope.cancel()
+                store._close_parked()

@@ -58,6 +58,7 @@ __all__ = [
     "ResponseStore",
     "ResponseStoreStatistics",
     "Spent",
+    "StoreUnreachable",
     "StoredResponse",
     "UsageDatabase",
     "UsageLedger",
@@ -294,6 +295,14 @@ class Spent:
     usd_month: float
 
 
+class StoreUnreachable(Exception):
+    """A shared store did not answer an operation a caller waits for (its server is down,
+    unreachable, or answered past the store's deadline): what a shared
+    :class:`LimitStore` raises from :meth:`LimitStore.admit` and what
+    :mod:`~dispatcher.store.limits_guard` turns into the edge's failure mode. The message
+    names what failed, never a password."""
+
+
 class LimitStore(Protocol[ReservationT]):
     """Every tenant's rate windows (``rpm``, ``tpm``), places in flight (``max_concurrent``)
     and budgets (tokens and USD per UTC day and month).
@@ -304,7 +313,11 @@ class LimitStore(Protocol[ReservationT]):
     async def admit(self, hold: Hold) -> ReservationT | Refusal:
         """Admit one client request, holding a place in flight, one request in the minute
         window and its estimate in the token window and the budgets; or refuse it (which
-        limit, when to retry, the headers)."""
+        limit, when to retry, the headers). A shared store that does not answer raises
+        :class:`StoreUnreachable`; the edge's guard over it
+        (:class:`~dispatcher.store.limits_guard.GuardedLimits`) raises
+        :class:`~dispatcher.errors.LimitStoreUnavailable` (503) instead, or decides on this
+        edge, as ``[store] on_store_error`` says."""
         ...
 
     def settle(self, reservation: ReservationT, attempt: int, tokens: int, usd: float) -> None:

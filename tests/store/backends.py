@@ -14,7 +14,8 @@ import trio
 
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import MemoryLimits
-from dispatcher.store.limits_redis import open_redis_limits
+from dispatcher.store.limits_guard import open_guarded_limits
+from dispatcher.store.limits_redis import RedisLimits, open_redis_limits
 from dispatcher.store.responses import open_response_store
 from dispatcher.store.seam import LimitStore, ResponseStore, UsageLedger
 
@@ -103,14 +104,26 @@ RESPONSES = (
 
 
 @asynccontextmanager
-async def _redis_limits(clock: Clock, wall: Clock) -> AsyncIterator[LimitStore[Any]]:
+async def _redis_limits(clock: Clock, wall: Clock) -> AsyncIterator[RedisLimits]:
     """A real redis-server (``redis_server.py``), its database emptied for each test."""
     async with open_redis_limits(redis_server.url(), clock=clock, wall=wall) as store:
         await store.client.flushdb()
         yield store
 
 
+@asynccontextmanager
+async def _guarded_redis_limits(clock: Clock, wall: Clock) -> AsyncIterator[LimitStore[Any]]:
+    """What the edge opens with ``[store] redis_url``: the Redis store behind its guard
+    (``dispatcher.store.limits_guard``), Redis answering."""
+    async with (
+        _redis_limits(clock, wall) as redis,
+        open_guarded_limits(redis, "the limit store", answer_within=10.0) as guard,
+    ):
+        yield guard
+
+
 LIMITS = (
     LimitBackend("memory", open=_memory_limits),
     LimitBackend("redis", open=_redis_limits),
+    LimitBackend("redis-guarded", open=_guarded_redis_limits),
 )

@@ -1,11 +1,13 @@
 """A real ``redis-server`` for the Redis backends' tests: started on first use on a free port
 (``redis-server`` takes no port 0), in a temp dir, without persistence; stopped when the test
 session ends (:func:`stop`, from ``tests/store/conftest.py``). Each xdist worker has its own.
-:class:`RedisServer` is one more, for a test that stops and restarts its server."""
+:class:`RedisServer` is one more, for a test that stops and restarts (or pauses and resumes)
+its server."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -67,11 +69,23 @@ class RedisServer:
                 time.sleep(0.2)  # its former port may be freeing
         raise RuntimeError(f"redis-server did not start: see {self.place.name}/redis.log")
 
+    def pause(self) -> None:
+        """Freeze the process (SIGSTOP): it keeps its data and its port, and answers nothing
+        (a server past every deadline) until :meth:`resume`."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused process run again (SIGCONT)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
-        """Stop the process (nothing is left running)."""
+        """Stop the process (nothing is left running; a paused one too)."""
         process, self.process = self.process, None
         if process is None:
             return
+        process.send_signal(signal.SIGCONT)
         process.terminate()
         try:
             process.wait(timeout=10)

@@ -9,7 +9,10 @@
   whichever edge retries it; seeding counts the ledger once however many edges start;
 * a dead edge's places in flight (and what they reserved) come back when their leases run out;
   a living edge renews its leases;
-* an admission whose caller left before its answer does not keep its place;
+* an admission whose caller left before its answer does not keep its place, and one whose
+  caller left before it ran is not run;
+* suspended (the guard knows Redis is down), the store parks its writes without trying them
+  and writes them first when resumed;
 * what was posted before the store closed is written;
 * on the server's own clocks (no clock given) it limits and spends;
 * nothing of the embedded default imports ``coredis``.
@@ -31,8 +34,13 @@ import trio
 from dispatcher.config import Limits
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import Held, MemoryLimits
-from dispatcher.store.limits_redis import RedisHeld, RedisLimits, open_redis_limits
-from dispatcher.store.seam import Hold, Refusal
+from dispatcher.store.limits_redis import (
+    RedisHeld,
+    RedisLimits,
+    RedisLimitsStatistics,
+    open_redis_limits,
+)
+from dispatcher.store.seam import Hold, Refusal, StoreUnreachable
 
 from . import redis_server
 from .test_contract_limits import WALL, Clocks, ledger_row
@@ -324,3 +332,75 @@ async def test_a_write_is_retried_while_the_server_refuses_it(url: str) -> None:
         await store.flush()  # every try fails
         assert store.statistics().lost == 1
         await store.client.delete([broken])
+
+
+async def test_an_admission_whose_caller_left_before_it_ran_is_not_run(url: str) -> None:
+    """A write the server refuses holds the queue (WRONGTYPE: retried); an admission behind
+    it whose caller leaves is skipped, not run later: it takes no request of ``rpm = 1``."""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        held = await store.admit(hold("r1", 40))
+        assert isinstance(held, RedisHeld)
+        broken = "dispatcher:limits:{t1}:st"
+        state = await store.client.hgetall(broken)
+        await store.client.delete([broken])
+        await store.client.set(broken, "not a hash")
+        store.settle(held, 1, 30, 0.0)  # retried at the head of the queue
+        with trio.move_on_after(0.05):
+            await store.admit(hold("gone", tenant="t2", rpm=1))
+        await store.client.delete([broken])
+        await store.client.hset(broken, state)
+        await store.flush()
+        assert isinstance(await store.admit(hold("r2", tenant="t2", rpm=1)), RedisHeld)
+
+
+async def test_a_suspended_store_parks_its_writes_and_writes_them_when_resumed() -> None:
+    """While Redis is known down, writes are parked in order without a try each (no backlog
+    of retries to wait out when it returns) and an admission fails at once; resumed, they
+    are written first."""
+    server = redis_server.RedisServer()
+    server.start()
+    try:
+        async with open_redis_limits(server.url) as store:
+            server.stop()
+            store.suspend()
+            for _ in range(200):
+                store.spend("t1", 1, 0.0)
+            with pytest.raises(StoreUnreachable):
+                await store.admit(hold("r1", rpm=5))
+            await trio.sleep(0.3)  # nothing is tried: six tries each would take 1.5 s
+            stats = store.statistics()
+            assert (stats.parked, stats.retried, stats.lost) == (200, 0, 0)
+            assert store.spent("t1").tokens_day == 200  # this edge counts them already
+            server.start()
+            await store.ping()
+            store.resume()
+            with trio.fail_after(5):
+                await store.flush()
+            await store.refresh("t1")
+            assert store.spent("t1").tokens_day == 200
+            assert store.statistics() == RedisLimitsStatistics(
+                pending=0, retried=0, lost=0, parked=0
+            )
+    finally:
+        server.close()
+
+
+async def test_flush_waits_for_the_write_being_tried(url: str) -> None:
+    """The one write posted is being tried (the server refuses it: WRONGTYPE) when flush is
+    called: flush returns once it is written, not before."""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        await store.refresh("t1")
+        broken = "dispatcher:limits:{t1}:st"
+        state = await store.client.hgetall(broken)
+        await store.client.delete([broken])
+        await store.client.set(broken, "not a hash")
+        store.spend("t1", 5, 0.0)
+        await trio.sleep(0.1)  # the writer took it and is between tries
+        assert store.statistics().pending == 1
+        await store.client.delete([broken])
+        await store.client.hset(broken, state or {"rsv_tokens": "0"})
+        await store.flush()
+        assert store.statistics().pending == 0
+        assert store.statistics().lost == 0

@@ -28,6 +28,7 @@ from ... import wire
 from ...admission import ModelUnavailable, QueueTimeout
 from ...errors import (
     DispatcherError,
+    LimitStoreUnavailable,
     NotFound,
     RunError,
     ShuttingDown,
@@ -92,10 +93,11 @@ ERROR_TYPES: Final = {
 }
 """Anthropic's error type for each status it documents."""
 
-OVERLOADED: Final = (QueueTimeout, ModelUnavailable, ShuttingDown, RunError)
+OVERLOADED: Final = (QueueTimeout, ModelUnavailable, ShuttingDown, LimitStoreUnavailable, RunError)
 """The errors of an edge that cannot answer now, retryable later: 529 ``overloaded_error``
-(a queue wait that timed out, a model whose node may come back, a draining edge, every
-attempt failed -- ``RunError`` covers ``AllAttemptsFailed`` -- or a node lost at send). A
+(a queue wait that timed out, a model whose node may come back, a draining edge, a limit
+store that does not answer, every attempt failed -- ``RunError`` covers
+``AllAttemptsFailed`` -- or a node lost at send). A
 full queue is 429 ``rate_limit_error``, as Anthropic's docs answer a client over its
 rate."""
 
