@@ -130,3 +130,81 @@ def kill_with_node(cluster: Cluster, edge: Edge) -> None:
     cluster.kill(edge)
     if edge.node is not None and edge.node.running:
         cluster.processes.kill(edge.node)
+
+
+def store_up(edge: Edge) -> bool:
+    """``dispatcher_limit_store_up`` in the edge's ``/metrics``."""
+    text = edge.admin("GET", "/metrics").text
+    return "\ndispatcher_limit_store_up 1.0" in text
+
+
+async def normal_within(cluster: Cluster, key: str, bound: float) -> float:
+    """Seconds until every edge admits ``key``'s requests again (fails past ``bound``)."""
+    started = time.monotonic()
+    for edge in cluster.edges:
+        while (await trio.to_thread.run_sync(ask, edge, key)).status != 200:
+            assert time.monotonic() - started < bound, f"{edge.name} not serving again"
+            await trio.sleep(0.1)
+    return time.monotonic() - started
+
+
+async def test_redis_stopped_mid_load_refuse_fails_new_requests_and_admitted_streams_finish(
+    tmp_path: Path,
+) -> None:
+    tenants = (Tenant("busy", {"rpm": 100_000}), Tenant("exact", {"rpm": 4}))
+    with open_cluster(tmp_path, "shared", tenants) as cluster:
+        assert cluster.redis is not None
+        streams: list[Outcome] = []
+
+        async def stream(edge: Edge) -> None:
+            call = functools.partial(ask, edge, "sk-busy", stream=True, delay=0.6)
+            streams.append(await trio.to_thread.run_sync(call))
+
+        async with trio.open_nursery() as nursery:
+            for edge in cluster.edges:
+                nursery.start_soon(stream, edge)
+            await trio.sleep(1)  # admitted and streaming: five tokens 0.6 s apart
+            await trio.to_thread.run_sync(cluster.redis.stop)
+            refused = [
+                await trio.to_thread.run_sync(ask, edge, "sk-busy") for edge in cluster.edges
+            ]
+        assert [(o.status, o.code) for o in refused] == [(503, "limit_store_unavailable")] * 2
+        assert [(o.status, o.tokens) for o in streams] == [(200, TOKENS)] * 2
+        await trio.to_thread.run_sync(cluster.redis.start)
+        await normal_within(cluster, "sk-busy", 5.0)
+        # Normal means shared again: the two edges admit 4 of 12 in total.
+        outcomes = [
+            await trio.to_thread.run_sync(ask, cluster.edges[i % 2], "sk-exact") for i in range(12)
+        ]
+        assert len(admitted(outcomes)) == 4
+        for edge in cluster.edges:
+            warnings = [line for line in edge.proc.stderr().splitlines() if "WARNING" in line]
+            outage = [line for line in warnings if "limit store" in line]
+            assert len(outage) == 1, outage  # one per outage, not one per request
+
+
+async def test_redis_stopped_with_local_limits_each_edge_holds_its_share(tmp_path: Path) -> None:
+    tenants = (Tenant("shared", {"rpm": 10}), Tenant("after", {"rpm": 4}))
+    store = {"on_store_error": "local", "edge_count": 2}
+    with open_cluster(tmp_path, "shared", tenants, store=store) as cluster:
+        assert cluster.redis is not None
+        await trio.to_thread.run_sync(cluster.redis.stop)
+        outcomes = [
+            await trio.to_thread.run_sync(ask, cluster.edges[i % 2], "sk-shared") for i in range(30)
+        ]
+        by_edge = {
+            edge.name: len([o for o in admitted(outcomes) if o.edge == edge.name])
+            for edge in cluster.edges
+        }
+        assert by_edge == {"edge-a": 5, "edge-b": 5}
+        assert {o.status for o in outcomes} == {200, 429}
+        await trio.to_thread.run_sync(cluster.redis.start)
+        back = time.monotonic()
+        for edge in cluster.edges:  # each edge's own word that it decides on Redis again
+            while not await trio.to_thread.run_sync(store_up, edge):
+                assert time.monotonic() - back < 5.0, f"{edge.name} still local"
+                await trio.sleep(0.1)
+        outcomes = [
+            await trio.to_thread.run_sync(ask, cluster.edges[i % 2], "sk-after") for i in range(12)
+        ]
+        assert len(admitted(outcomes)) == 4  # in total across both edges: shared again
