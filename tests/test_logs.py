@@ -141,3 +141,23 @@ def test_configure_logging(log_format: str) -> None:
         assert (document["message"], document["k"]) == ("line\none", "v w")
     else:
         assert lines[0].endswith('dispatcher.test: line\\none k="v w"')
+
+
+def test_coredis_retries_are_not_logged_at_info() -> None:
+    """A Redis that is down makes coredis log every retry at INFO, several a second: the
+    edge's own WARNING says it once."""
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("INFO", "text", stream)
+        logging.getLogger("coredis").info("Retry attempt 1 due to error")
+        logging.getLogger("coredis").warning("a real problem")
+        logging.getLogger("dispatcher").info("ours")
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    text = stream.getvalue()
+    assert "Retry attempt" not in text
+    assert "a real problem" in text
+    assert "ours" in text

@@ -134,6 +134,11 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, ensure_ascii=True, separators=(",", ":"), default=str)
 
 
+QUIET_LIBRARIES: Final = ("coredis",)
+"""Libraries whose INFO lines say what our own WARNINGs already say (coredis logs every
+retry of a connection to a Redis that is down, several a second during an outage)."""
+
+
 def configure_logging(
     level: str | int = "INFO", log_format: LogFormat = "text", stream: TextIO | None = None
 ) -> logging.Handler:
@@ -146,4 +151,6 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    for chatty in QUIET_LIBRARIES:
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))
     return handler

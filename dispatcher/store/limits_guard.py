@@ -45,7 +45,7 @@ import attrs
 import trio
 
 from ..config import Limits
-from ..errors import LimitStoreUnavailable
+from ..errors import LimitStoreUnavailable, StoreUnavailable
 from .limits import MemoryLimits, month_start, periods
 from .seam import (
     Hold,
@@ -315,12 +315,14 @@ class GuardedLimits:
         return self.inner.in_flight(tenant_id) + self._local_in_flight[tenant_id]
 
     async def seed(self, ledger: UsageLedger) -> None:
-        """The store's seeding; a store that does not answer at start is an error naming
-        it (``RuntimeError``)."""
+        """The store's seeding. A store that does not answer starts an outage (the edge
+        serves in its failure mode) and raises
+        :class:`~dispatcher.errors.StoreUnavailable`: the tenants' driver tries again."""
         try:
             await self.inner.seed(ledger)
         except StoreUnreachable as error:
-            raise RuntimeError(f"{self.name} does not answer: {error}") from error
+            self._fail(str(error))
+            raise StoreUnavailable(f"{self.name} does not answer: {error}") from error
 
     # -- beyond the Protocol -----------------------------------------------------------
 

@@ -39,6 +39,7 @@ leaves no backlog of retries between the server's return and the next admission.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.resources
 import logging
 import time
@@ -307,7 +308,8 @@ class RedisLimits:
     async def seed(self, ledger: UsageLedger) -> None:
         """Seeds the counters from the ledger once per month for all edges: the first edge
         to set the month's marker key does it; the others (and restarts) find the counters
-        kept. (An edge that dies while seeding leaves the month under-counted.)"""
+        kept. A ledger that cannot be read leaves the month to the next try. (An edge that
+        dies while seeding leaves the month under-counted.)"""
         wall = self._wall()
         day, month = periods(wall)
         marker = f"{self.prefix}seeded:{month}"
@@ -321,7 +323,15 @@ class RedisLimits:
         if not first:
             return
         since = month_start(wall)
-        for group in await ledger.billable_spend(since):
+        try:
+            groups = await ledger.billable_spend(since)
+        except BaseException:
+            # Not seeded after all: the next edge to start (or this one's next try) seeds.
+            with trio.move_on_after(self.command_timeout, shield=True):
+                with contextlib.suppress(*_ERRORS):
+                    await self.client.delete([marker])
+            raise
+        for group in groups:
             if group.key is None or group.day is None or not group.day.startswith(month):
                 continue
             tokens = group.prompt_tokens + group.completion_tokens

@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from dispatcher.config import Limits
-from dispatcher.errors import LimitStoreUnavailable
+from dispatcher.errors import LimitStoreUnavailable, StoreUnavailable
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits_guard import (
     Guarded,
@@ -261,13 +261,25 @@ async def test_the_guard_closes_while_redis_is_down(server: RedisServer) -> None
     assert redis.statistics().parked == 0
 
 
-async def test_redis_down_at_start_is_an_error_naming_the_store(server: RedisServer) -> None:
-    """Seeding the budgets is the edge's first call: with Redis down it stops the start with
-    an error naming the store (its address without the password)."""
+async def test_redis_down_at_start_is_an_outage_and_seeding_waits_for_it(
+    server: RedisServer,
+) -> None:
+    """Seeding the budgets is the edge's first call: with Redis down the edge starts in its
+    failure mode (an outage: refused here) and seeding raises ``StoreUnavailable`` naming the
+    store (its address without the password), which the tenants' driver tries again."""
     async with guarded(server) as (_, guard):
         server.stop()
         async with open_usage_ledger(":memory:") as ledger:
             with pytest.raises(
-                RuntimeError, match=r"the limit store \(redis://127\.0\.0\.1:\d+/0\)"
+                StoreUnavailable, match=r"the limit store \(redis://127\.0\.0\.1:\d+/0\)"
             ):
                 await guard.seed(ledger)
+            assert not guard.up
+            with pytest.raises(LimitStoreUnavailable):
+                await guard.admit(hold("r1", rpm=5))
+            server.start()
+            with trio.fail_after(5):
+                while not guard.up:
+                    await trio.sleep(0.1)
+            await guard.seed(ledger)
+            assert isinstance(await guard.admit(hold("r2", rpm=5)), Guarded)
