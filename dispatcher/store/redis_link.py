@@ -358,9 +358,7 @@ class RedisLink:
         conn.write(data)  # whole on the wire or in conn.out: nothing to cancel half-way
         waiter = _Waiter(trio.lowlevel.current_task(), expected, [])
         conn.waiters.append(waiter)
-        replies: list[Reply] = await trio.lowlevel.wait_task_rescheduled(
-            lambda _: _abandon(waiter)
-        )
+        replies: list[Reply] = await trio.lowlevel.wait_task_rescheduled(lambda _: _abandon(waiter))
         return replies
 
     async def _connect(self) -> _Connection:
@@ -368,93 +366,96 @@ class RedisLink:
             if self._closed:
                 raise trio.ClosedResourceError("the Redis link is closed")
             if self._conn is None:
-                sock, raw = await self._open_socket()
-                conn = _Connection(sock, raw, self.address.describe(), self)
-                self._conn = conn
-                self._connects += 1
-                self._nursery.start_soon(conn.read)
+                self._install(*await _open_socket(self.address, self.connect_timeout))
+            assert self._conn is not None
             return self._conn
 
-    async def _open_socket(self) -> tuple[trio.socket.SocketType, socket.socket]:
-        """A connected socket, logged in and on its database."""
-        address, where = self.address, self.address.describe()
-        sock: trio.socket.SocketType | None = None
-        try:
-            with trio.fail_after(self.connect_timeout):
-                if address.path is not None:
-                    targets: list[tuple[int, object]] = [(socket.AF_UNIX, address.path)]
-                else:
-                    infos = await trio.socket.getaddrinfo(
-                        address.host, address.port, type=socket.SOCK_STREAM
-                    )
-                    targets = [(family, sockaddr) for family, _, _, _, sockaddr in infos]
-                error: OSError | None = None
-                for family, target in targets:
-                    raw = socket.socket(family, socket.SOCK_STREAM)
-                    sock = trio.socket.from_stdlib_socket(raw)
-                    try:
-                        await sock.connect(target)
-                    except OSError as exc:
-                        sock.close()
-                        sock, error = None, exc
-                        continue
-                    if family != socket.AF_UNIX:
-                        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    await self._log_in(sock)
-                    opened, sock = sock, None
-                    return opened, raw
-                raise RedisLinkError(f"cannot connect to Redis at {where}: {error}") from error
-        except trio.TooSlowError:
-            raise RedisLinkError(
-                f"no Redis answered at {where} within {self.connect_timeout} s"
-            ) from None
-        except RespProtocolError as exc:
-            raise RedisLinkError(f"what answered at {where} does not speak RESP2") from exc
-        except OSError as exc:
-            if isinstance(exc, RedisLinkError):
-                raise
-            raise RedisLinkError(f"cannot connect to Redis at {where}: {exc}") from exc
-        finally:
-            if sock is not None:  # connected, and failed or cancelled while logging in
-                sock.close()
-
-    async def _log_in(self, sock: trio.socket.SocketType) -> None:
-        address = self.address
-        commands: list[tuple[Arg, ...]] = []
-        if address.password is not None:
-            user = (address.username,) if address.username else ()
-            commands.append(("AUTH", *user, address.password))
-        if address.db:
-            commands.append(("SELECT", address.db))
-        if not commands:
-            return
-        data = encode_commands(commands)
-        while data:
-            data = data[await sock.send(data) :]
-        parser, replies = RespParser(), list[Reply]()
-        while len(replies) < len(commands):
-            reply = parser.next_reply()
-            if reply is NEED_DATA:
-                chunk = await sock.recv(_READ_SIZE)
-                if not chunk:
-                    raise RedisLinkError(f"Redis at {address.describe()} closed the connection")
-                parser.feed(chunk)
-            else:
-                replies.append(reply)
-        for command, reply in zip(commands, replies, strict=True):
-            if isinstance(reply, ReplyError):
-                name = "AUTH" if command[0] == "AUTH" else "SELECT"
-                hint = "the user and password in the URL" if name == "AUTH" else "the URL's db"
-                raise RedisLinkError(
-                    f"Redis at {address.describe()} refused {name}: {reply.message} "
-                    f"(check {hint})"
-                )
+    def _install(self, sock: trio.socket.SocketType, raw: socket.socket) -> None:
+        conn = _Connection(sock, raw, self.address.describe(), self)
+        self._conn = conn
+        self._connects += 1
+        self._nursery.start_soon(conn.read)
 
     def _close(self) -> None:
         self._closed = True
         conn = self._conn
         if conn is not None:
             conn.fail(None, "the Redis link was closed")
+
+
+async def _open_socket(
+    address: RedisAddress, connect_timeout: float
+) -> tuple[trio.socket.SocketType, socket.socket]:
+    """A connected socket, logged in and on its database."""
+    where = address.describe()
+    sock: trio.socket.SocketType | None = None
+    try:
+        with trio.fail_after(connect_timeout):
+            if address.path is not None:
+                targets: list[tuple[int, object]] = [(socket.AF_UNIX, address.path)]
+            else:
+                infos = await trio.socket.getaddrinfo(
+                    address.host, address.port, type=socket.SOCK_STREAM
+                )
+                targets = [(family, sockaddr) for family, _, _, _, sockaddr in infos]
+            error: OSError | None = None
+            for family, target in targets:
+                raw = socket.socket(family, socket.SOCK_STREAM)
+                sock = trio.socket.from_stdlib_socket(raw)
+                try:
+                    await sock.connect(target)
+                except OSError as exc:
+                    sock.close()
+                    sock, error = None, exc
+                    continue
+                if family != socket.AF_UNIX:
+                    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await _log_in(sock, address)
+                opened, sock = sock, None
+                return opened, raw
+            raise RedisLinkError(f"cannot connect to Redis at {where}: {error}") from error
+    except trio.TooSlowError:
+        raise RedisLinkError(f"no Redis answered at {where} within {connect_timeout} s") from None
+    except RespProtocolError as exc:
+        raise RedisLinkError(f"what answered at {where} does not speak RESP2") from exc
+    except OSError as exc:
+        if isinstance(exc, RedisLinkError):
+            raise
+        raise RedisLinkError(f"cannot connect to Redis at {where}: {exc}") from exc
+    finally:
+        if sock is not None:  # connected, and failed or cancelled while logging in
+            sock.close()
+
+
+async def _log_in(sock: trio.socket.SocketType, address: RedisAddress) -> None:
+    commands: list[tuple[Arg, ...]] = []
+    if address.password is not None:
+        user = (address.username,) if address.username else ()
+        commands.append(("AUTH", *user, address.password))
+    if address.db:
+        commands.append(("SELECT", address.db))
+    if not commands:
+        return
+    data = encode_commands(commands)
+    while data:
+        data = data[await sock.send(data) :]
+    parser, replies = RespParser(), list[Reply]()
+    while len(replies) < len(commands):
+        reply = parser.next_reply()
+        if reply is NEED_DATA:
+            chunk = await sock.recv(_READ_SIZE)
+            if not chunk:
+                raise RedisLinkError(f"Redis at {address.describe()} closed the connection")
+            parser.feed(chunk)
+        else:
+            replies.append(reply)
+    for command, reply in zip(commands, replies, strict=True):
+        if isinstance(reply, ReplyError):
+            name = "AUTH" if command[0] == "AUTH" else "SELECT"
+            hint = "the user and password in the URL" if name == "AUTH" else "the URL's db"
+            raise RedisLinkError(
+                f"Redis at {address.describe()} refused {name}: {reply.message} (check {hint})"
+            )
 
 
 @asynccontextmanager
@@ -469,10 +470,14 @@ async def open_redis_link(
     block closes it. ``url``: see :func:`parse_redis_url` (a malformed one raises
     :class:`ValueError`)."""
     address = parse_redis_url(url)
-    async with trio.open_nursery() as nursery:
-        link = RedisLink(address, connect_timeout, write_timeout, nursery)
-        try:
-            await link._connect()
-            yield link
-        finally:
-            link._close()
+    sock, raw = await _open_socket(address, connect_timeout)  # outside the nursery: unwrapped
+    try:
+        async with trio.open_nursery() as nursery:
+            link = RedisLink(address, connect_timeout, write_timeout, nursery)
+            try:
+                link._install(sock, raw)
+                yield link
+            finally:
+                link._close()
+    finally:
+        sock.close()  # idempotent: closed already unless the nursery failed to open
