@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import trio
@@ -49,11 +49,11 @@ async def link() -> AsyncIterator[RedisLink]:
 
 
 @pytest.fixture
-def server() -> AsyncIterator[redis_server.RedisServer]:
+def server() -> Iterator[redis_server.RedisServer]:
     """A server of the test's own, to stop and start."""
     server = redis_server.RedisServer()
     server.start()
-    yield server  # type: ignore[misc]
+    yield server
     server.close()
 
 
@@ -139,7 +139,7 @@ async def test_auth_with_a_password_and_select() -> None:
         user = url.replace("//:", "//default:")
         async with open_redis_link(user) as link:
             assert await link.call("GET", "here") is None  # db 0
-        with pytest.raises(RedisLinkError, match="refused AUTH.*check the user and password"):
+        with pytest.raises(RedisLinkError, match=r"refused AUTH.*check the user and password"):
             async with open_redis_link(url.replace("s3cret", "wrong")):
                 pass
         with pytest.raises(RedisLinkError, match="refused SELECT"):
