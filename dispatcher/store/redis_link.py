@@ -54,8 +54,8 @@ from .resp import (
 )
 
 __all__ = [
-    "CONNECT_TIMEOUT",
-    "WRITE_TIMEOUT",
+    "REDIS_CONNECT_TIMEOUT",
+    "REDIS_WRITE_TIMEOUT",
     "RedisAddress",
     "RedisLink",
     "RedisLinkError",
@@ -65,9 +65,9 @@ __all__ = [
     "parse_redis_url",
 ]
 
-CONNECT_TIMEOUT: Final = 5.0
+REDIS_CONNECT_TIMEOUT: Final = 5.0
 """Seconds to connect, AUTH and SELECT."""
-WRITE_TIMEOUT: Final = 10.0
+REDIS_WRITE_TIMEOUT: Final = 10.0
 """Seconds a write may wait for the socket to take more bytes before the link is broken."""
 _READ_SIZE: Final = 64 * 1024
 
@@ -462,8 +462,8 @@ async def _log_in(sock: trio.socket.SocketType, address: RedisAddress) -> None:
 async def open_redis_link(
     url: str,
     *,
-    connect_timeout: float = CONNECT_TIMEOUT,
-    write_timeout: float = WRITE_TIMEOUT,
+    connect_timeout: float = REDIS_CONNECT_TIMEOUT,
+    write_timeout: float = REDIS_WRITE_TIMEOUT,
 ) -> AsyncIterator[RedisLink]:
     """A :class:`RedisLink` to the Redis at ``url``, connected (AUTH and SELECT done) before
     the block runs: an unreachable server raises :class:`RedisLinkError` here. Leaving the

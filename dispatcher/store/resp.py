@@ -31,9 +31,9 @@ from typing import Final, TypeAlias
 import attrs
 
 __all__ = [
-    "MAX_ARRAY",
-    "MAX_BULK",
-    "MAX_LINE",
+    "MAX_RESP_ARRAY",
+    "MAX_RESP_BULK",
+    "MAX_RESP_LINE",
     "NEED_DATA",
     "Arg",
     "NeedData",
@@ -46,11 +46,11 @@ __all__ = [
     "encode_reply",
 ]
 
-MAX_BULK: Final = 512 * 1024 * 1024
+MAX_RESP_BULK: Final = 512 * 1024 * 1024
 """Redis's own limit on a string (``proto-max-bulk-len``)."""
-MAX_ARRAY: Final = 1024 * 1024
+MAX_RESP_ARRAY: Final = 1024 * 1024
 """Elements of one array (at any depth) the parser accepts."""
-MAX_LINE: Final = 64 * 1024
+MAX_RESP_LINE: Final = 64 * 1024
 """Bytes of a line (a status, an error message, a number) the parser accepts."""
 
 
@@ -154,7 +154,11 @@ class RespParser:
     """Replies out of a byte stream, incrementally (see the module docstring)."""
 
     def __init__(
-        self, *, max_bulk: int = MAX_BULK, max_array: int = MAX_ARRAY, max_line: int = MAX_LINE
+        self,
+        *,
+        max_bulk: int = MAX_RESP_BULK,
+        max_array: int = MAX_RESP_ARRAY,
+        max_line: int = MAX_RESP_LINE,
     ) -> None:
         self._buffer = bytearray()
         self._pos = 0
