@@ -6,7 +6,9 @@
   from the configuration;
 * the embedded backends: :mod:`.ledger` (a batched writer) over :mod:`.usage_sqlite`,
   :mod:`.responses` (SQLite), :mod:`.limits` (memory, over a sans-IO core);
-* :mod:`.usage` -- the ledger's rows and queries as plain data.
+* :mod:`.usage` -- the ledger's rows and queries as plain data;
+* :mod:`.redis_link` -- one pipelined Redis connection driven by Trio, over :mod:`.resp`
+  (RESP2, sans-IO).
 
 Every backend passes the contract suite in ``tests/store/``.
 """

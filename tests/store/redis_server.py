@@ -29,25 +29,28 @@ def _answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
             conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
+            return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up, with a password
     except OSError:
         return False
 
 
 class RedisServer:
-    """One ``redis-server`` process in its own temp dir."""
+    """One ``redis-server`` process in its own temp dir; ``password``: it requires one
+    (``--requirepass``, the ``default`` user's), and its :attr:`url` carries it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, password: str | None = None) -> None:
         if BINARY is None:
             raise RuntimeError("redis-server is not installed: apt-get install redis-server")
         self.binary = BINARY
+        self.password = password
         self.place = tempfile.TemporaryDirectory(prefix="dispatcher-redis-")
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        login = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{login}127.0.0.1:{self.port}/0"
 
     def start(self) -> str:
         """Start it (on its former port if it ran before); its URL."""
@@ -55,6 +58,8 @@ class RedisServer:
             port = self.port or _free_port()
             command = [self.binary, "--port", str(port), "--bind", "127.0.0.1"]
             command += ["--dir", self.place.name, "--save", "", "--appendonly", "no"]
+            if self.password is not None:
+                command += ["--requirepass", self.password]
             with Path(self.place.name, "redis.log").open("ab") as log:
                 process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 10.0
