@@ -274,12 +274,13 @@ async def test_redis_down_at_start_is_an_outage_and_seeding_waits_for_it(
                 StoreUnavailable, match=r"the limit store \(redis://127\.0\.0\.1:\d+/0\)"
             ):
                 await guard.seed(ledger)
-            assert not guard.up
+            statistics = guard.statistics
+            assert not statistics().up
             with pytest.raises(LimitStoreUnavailable):
                 await guard.admit(hold("r1", rpm=5))
             server.start()
             with trio.fail_after(5):
-                while not guard.up:
+                while not statistics().up:
                     await trio.sleep(0.1)
             await guard.seed(ledger)
             assert isinstance(await guard.admit(hold("r2", rpm=5)), Guarded)
