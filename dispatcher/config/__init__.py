@@ -189,7 +189,8 @@ class StoreSettings:
 
     redis_url: str | None = attrs.field(default=None, repr=False)
     """The tenants' limits and budgets, and the edges' heartbeats, on this Redis (>= 7) or
-    Valkey: ``redis://[:password@]host:port/db`` (``rediss://`` for TLS)."""
+    Valkey: ``redis://[[user]:password@]host:port/db`` or ``unix://[:password@]/path?db=N``
+    (no TLS: keep Redis on a private network)."""
     redis_url_env: str | None = None
     """An environment variable holding ``redis_url`` (the URL may hold a password)."""
     database_url: str | None = attrs.field(default=None, repr=False)
@@ -820,7 +821,7 @@ def _validate_store(
     env_name: Callable[[str, str | None], None],
 ) -> None:
     for field, schemes in (
-        ("redis_url", ("redis", "rediss", "unix")),
+        ("redis_url", ("redis", "unix")),
         ("database_url", ("postgresql", "postgres")),
     ):
         named = getattr(store, f"{field}_env")
@@ -834,6 +835,13 @@ def _validate_store(
                 f"store.{field}",
                 f"expected a URL starting {' or '.join(s + '://' for s in schemes)}",
             )
+    if store.redis_url is not None:
+        query = store.redis_url.partition("?")[2]
+        check(
+            query == "" or re.fullmatch(r"db=\d+", query) is not None,
+            "store.redis_url",
+            "takes no options but ?db=N (timeouts are [store] timeout_s)",
+        )
     check(store.edge_count >= 1, "store.edge_count", "must be >= 1")
     check(store.timeout_s > 0, "store.timeout_s", "must be > 0")
     check(store.hold_lease_s > 0, "store.hold_lease_s", "must be > 0")

@@ -464,20 +464,24 @@ async def open_redis_link(
     *,
     connect_timeout: float = REDIS_CONNECT_TIMEOUT,
     write_timeout: float = REDIS_WRITE_TIMEOUT,
+    lazy: bool = False,
 ) -> AsyncIterator[RedisLink]:
     """A :class:`RedisLink` to the Redis at ``url``, connected (AUTH and SELECT done) before
-    the block runs: an unreachable server raises :class:`RedisLinkError` here. Leaving the
-    block closes it. ``url``: see :func:`parse_redis_url` (a malformed one raises
+    the block runs: an unreachable server raises :class:`RedisLinkError` here -- unless
+    ``lazy``: then the first call connects (a server down at start is that call's error).
+    Leaving the block closes it. ``url``: see :func:`parse_redis_url` (a malformed one raises
     :class:`ValueError`)."""
     address = parse_redis_url(url)
-    sock, raw = await _open_socket(address, connect_timeout)  # outside the nursery: unwrapped
+    opened = None if lazy else await _open_socket(address, connect_timeout)  # unwrapped
     try:
         async with trio.open_nursery() as nursery:
             link = RedisLink(address, connect_timeout, write_timeout, nursery)
             try:
-                link._install(sock, raw)
+                if opened is not None:
+                    link._install(*opened)
                 yield link
             finally:
                 link._close()
     finally:
-        sock.close()  # idempotent: closed already unless the nursery failed to open
+        if opened is not None:
+            opened[0].close()  # idempotent: closed already unless the nursery failed to open

@@ -26,7 +26,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.skipif(redis_server.BINARY is None, reason="no redis-se
 async def url() -> str:
     url = redis_server.url()
     async with open_redis_limits(url) as store:
-        await store.client.flushdb()
+        await store.client.call("FLUSHDB")
     return url
 
 
@@ -311,27 +311,27 @@ async def test_a_write_is_retried_while_the_server_refuses_it(url: str) -> None:
         held = await store.admit(hold("r1", 40))
         assert isinstance(held, RedisHeld)
         broken = "dispatcher:limits:{t1}:st"
-        state = await store.client.hgetall(broken)
-        await store.client.delete([broken])
-        await store.client.set(broken, "not a hash")
+        state = await store.client.call("HGETALL", broken)
+        await store.client.call("DEL", broken)
+        await store.client.call("SET", broken, "not a hash")
         store.settle(held, 1, 30, 1.5)  # never blocks, the server refusing it
         store.release(held, answered=True)
         assert store.spent("t1").tokens_day == 30  # this edge counts it already
         await trio.sleep(0.2)  # a few tries fail
         assert store.statistics().retried >= 1
-        await store.client.delete([broken])
-        await store.client.hset(broken, state)
+        await store.client.call("DEL", broken)
+        await store.client.call("HSET", broken, *cast(list[bytes], state))
         await store.flush()
         assert store.statistics().lost == 0
         await store.refresh("t1")
         assert store.spent("t1").tokens_day == 30
         assert store.in_flight("t1") == 0
-        await store.client.delete([broken])
-        await store.client.set(broken, "not a hash")
+        await store.client.call("DEL", broken)
+        await store.client.call("SET", broken, "not a hash")
         store.spend("t1", 5, 0.0)
         await store.flush()  # every try fails
         assert store.statistics().lost == 1
-        await store.client.delete([broken])
+        await store.client.call("DEL", broken)
 
 
 async def test_an_admission_whose_caller_left_before_it_ran_is_not_run(url: str) -> None:
@@ -342,14 +342,14 @@ async def test_an_admission_whose_caller_left_before_it_ran_is_not_run(url: str)
         held = await store.admit(hold("r1", 40))
         assert isinstance(held, RedisHeld)
         broken = "dispatcher:limits:{t1}:st"
-        state = await store.client.hgetall(broken)
-        await store.client.delete([broken])
-        await store.client.set(broken, "not a hash")
+        state = await store.client.call("HGETALL", broken)
+        await store.client.call("DEL", broken)
+        await store.client.call("SET", broken, "not a hash")
         store.settle(held, 1, 30, 0.0)  # retried at the head of the queue
         with trio.move_on_after(0.05):
             await store.admit(hold("gone", tenant="t2", rpm=1))
-        await store.client.delete([broken])
-        await store.client.hset(broken, state)
+        await store.client.call("DEL", broken)
+        await store.client.call("HSET", broken, *cast(list[bytes], state))
         await store.flush()
         assert isinstance(await store.admit(hold("r2", tenant="t2", rpm=1)), RedisHeld)
 
@@ -393,14 +393,15 @@ async def test_flush_waits_for_the_write_being_tried(url: str) -> None:
     async with edge(url, clocks) as store:
         await store.refresh("t1")
         broken = "dispatcher:limits:{t1}:st"
-        state = await store.client.hgetall(broken)
-        await store.client.delete([broken])
-        await store.client.set(broken, "not a hash")
+        state = await store.client.call("HGETALL", broken)
+        await store.client.call("DEL", broken)
+        await store.client.call("SET", broken, "not a hash")
         store.spend("t1", 5, 0.0)
         await trio.sleep(0.1)  # the writer took it and is between tries
         assert store.statistics().pending == 1
-        await store.client.delete([broken])
-        await store.client.hset(broken, state or {"rsv_tokens": "0"})
+        await store.client.call("DEL", broken)
+        fields = cast(list[bytes], state) or [b"rsv_tokens", b"0"]
+        await store.client.call("HSET", broken, *fields)
         await store.flush()
         assert store.statistics().pending == 0
         assert store.statistics().lost == 0
