@@ -29,7 +29,6 @@ that goes wrong fails the section. Every process started is stopped when its blo
 from __future__ import annotations
 
 import hashlib
-import inspect
 import math
 import socket
 import tempfile
@@ -233,15 +232,15 @@ async def _round_trips(store: Any, limits: Any, runs: int) -> list[float]:
 
 
 async def _pings(redis_url: str, client: Any, runs: int) -> tuple[float, float]:
-    """p50 of a PING round trip, seconds: through ``client`` (coredis, as the store sends its
-    scripts), and on a bare Trio socket (the floor: loopback and redis-server alone)."""
+    """p50 of a PING round trip, seconds: through ``client`` (the store's RESP link, as it sends
+    its scripts), and on a bare Trio socket (the floor: loopback and redis-server alone)."""
     host, _, rest = redis_url.removeprefix("redis://").partition(":")
     port = int(rest.partition("/")[0])
     perf = time.perf_counter
     through: list[float] = []
     for _ in range(runs):
         start = perf()
-        await client.ping()
+        await client.call("PING")
         through.append(perf() - start)
     bare: list[float] = []
     with trio.socket.socket() as sock:
@@ -274,7 +273,7 @@ async def _micro(redis_url: str | None, runs: int, notes: list[str]) -> dict[str
             through, bare = await _pings(redis_url, store.client, runs)
         notes.append(
             f"a PING round trip to the same redis-server, p50: {through * 1e6:.0f} µs through "
-            f"coredis (the store's client), {bare * 1e6:.0f} µs on a bare socket"
+            f"the store's RESP link, {bare * 1e6:.0f} µs on a bare socket"
         )
     return {name: value * 1e6 for name, value in out.items()}
 
@@ -434,7 +433,7 @@ async def ledger_writes(plan: Plan) -> Table:
 
     notes: list[str] = []
     runs: dict[str, LedgerRun | None] = {}
-    columns = ["sqlite (file)", "postgresql"]
+    columns = ["sqlite (file)", "postgresql"]  # postgresql: through the outbox, as edges run
     with tempfile.TemporaryDirectory(prefix="store-bench-") as directory:
         runs["sqlite (file)"] = await _write(
             open_usage_ledger(Path(directory) / USAGE_DB_NAME), plan.rows
@@ -444,20 +443,21 @@ async def ledger_writes(plan: Plan) -> Table:
             notes.append(f"postgresql column skipped: {missing}")
             runs["postgresql"] = None
         else:
-            from dispatcher.store.postgres import open_postgres_ledger
+            from dispatcher.store.ledger import open_batched_ledger
+            from dispatcher.store.postgres import PostgresUsage, open_postgres_ledger
 
-            opener: Any = open_postgres_ledger
+            columns.append("postgresql direct")
             async with running_postgres() as postgres:
-                runs["postgresql"] = await _write(opener(postgres.url), plan.rows)
-                # The outbox in front of PostgreSQL (issue #23), once open_postgres_ledger
-                # takes one: measured as another column, the outbox a file beside SQLite's.
-                if "outbox" in inspect.signature(open_postgres_ledger).parameters:
-                    columns.append("postgresql + outbox")
-                    outbox = str(Path(directory) / "outbox.sqlite3")
-                    url = await trio.to_thread.run_sync(fresh_database, postgres.url, "outbox")
-                    runs["postgresql + outbox"] = await _write(
-                        opener(url, outbox=outbox), plan.rows
-                    )
+                # What the edge runs: the batched writer into the outbox file, forwarded on.
+                outbox = str(Path(directory) / "outbox.sqlite3")
+                runs["postgresql"] = await _write(
+                    open_postgres_ledger(postgres.url, outbox=outbox), plan.rows
+                )
+                # The batched writer straight into PostgreSQL (no outbox): the reference.
+                url = await trio.to_thread.run_sync(fresh_database, postgres.url, "direct")
+                runs["postgresql direct"] = await _write(
+                    open_batched_ledger(lambda: PostgresUsage(url)), plan.rows
+                )
 
     def cells(value: Callable[[LedgerRun], str]) -> list[str]:
         return [value(done) if (done := runs[name]) is not None else "n/a" for name in columns]

@@ -60,6 +60,7 @@ from .limits import (
     seconds_to_next,
 )
 from .redis_link import RedisLink, RedisLinkError, RedisReplyError, open_redis_link
+from .resp import Arg, ReplyError
 from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, StoreUnreachable, UsageLedger
 
 __all__ = [
@@ -74,6 +75,8 @@ log = logging.getLogger("dispatcher.store.limits_redis")
 
 HOLD_LEASE: Final = 60.0
 """Seconds a place in flight is held without its edge renewing it."""
+PIPELINE: Final = 64
+"""The most operations the writer sends in one pipeline (one round trip)."""
 WRITE_ATTEMPTS: Final = 6
 """Tries of one write before it is given up (and counted in the statistics)."""
 CLOSE_TIMEOUT: Final = 5.0
@@ -156,6 +159,8 @@ class _Op:
     answer: list[str] | BaseException | None = None
     sent: bool = False
     """It went to the server (its script may have run there)."""
+    alone: bool = False
+    """Its pipeline failed it: it goes again the one-at-a-time way, with its retries."""
     abandoned: bool = False
     """Its caller left before the answer: not run if it had not started, and a hold it got is
     released at once."""
@@ -214,8 +219,8 @@ class RedisLimits:
     """This edge's admitted requests not yet released: the leases it renews."""
     _retried: int = attrs.field(init=False, default=0)
     _lost: int = attrs.field(init=False, default=0)
-    _running: _Op | None = attrs.field(init=False, default=None)
-    """The operation the writer runs now (taken off the queue)."""
+    _running: list[_Op] = attrs.field(init=False, factory=list)
+    """The operations the writer runs now (taken off the queue: one, or a pipeline)."""
     _suspension: trio.Event = attrs.field(init=False, factory=trio.Event)
     """Set while suspended (:meth:`suspend`): it also ends a retry's wait."""
     _parked: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
@@ -337,7 +342,7 @@ class RedisLimits:
     async def flush(self) -> None:
         """Wait until every operation posted before the call is written (or given up, or
         parked while the store is suspended)."""
-        if self._queue or self._running is not None:
+        if self._queue or self._running:
             await self._answer(self._post("barrier", "", [], awaited=True))
 
     async def refresh(self, tenant_id: str) -> None:
@@ -346,7 +351,7 @@ class RedisLimits:
 
     def statistics(self) -> RedisLimitsStatistics:
         return RedisLimitsStatistics(
-            pending=len(self._queue) + (self._running is not None),
+            pending=len(self._queue) + len(self._running),
             retried=self._retried,
             lost=self._lost,
             parked=len(self._parked),
@@ -452,43 +457,72 @@ class RedisLimits:
                 self._post("renew", tenant_id, [repr(float(self.hold_lease)), *request_ids])
 
     async def _writer(self) -> None:
-        """Runs the posted operations, one at a time, in order; while the store is
-        suspended, parks the writes and fails the awaited operations at once."""
+        """Runs the posted operations in order: those queued together in one pipeline (one
+        round trip), else one at a time; while the store is suspended, parks the writes and
+        fails the awaited operations at once."""
         queue = self._queue
         while True:
             if not queue:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            op = self._running = queue.popleft()
-            try:
-                if op.abandoned:
-                    continue  # its caller left before it ran (an admission: nothing held)
-                if op.done is None and self._suspension.is_set():
-                    self._park(op)
-                    continue
-                answer = await self._execute(op)
-                if answer is _PARKED:
-                    self._park(op)
-                    continue
-            finally:
-                self._running = None
-            assert not isinstance(answer, _Parked)
-            if op.sent:  # (one failed at once acknowledges nothing: parked writes precede it)
-                self._acknowledge(op.tenant_id, op.seq)
-            if op.done is not None:
-                op.answer = answer
-                op.done.set()
-            if op.kind != "admit" or self._closed:
+            op = queue.popleft()
+            if op.abandoned:
+                continue  # its caller left before it ran (an admission: nothing held)
+            if op.done is None and self._suspension.is_set():
+                self._park(op)
                 continue
-            assert op.hold is not None
-            if isinstance(answer, BaseException) and op.sent:
-                # The script may have run and its answer been lost (a command past its
-                # deadline): a hold it took goes at once, not at its lease's end. (Releasing
-                # a request the server does not hold does nothing.)
-                self._post("release", op.tenant_id, [op.hold.request_id, "0"])
-            elif isinstance(answer, list) and op.left() and answer[2] == "held":
-                self.release(RedisHeld(op.hold, ()), answered=False)
+            batch = self._running = [op]
+            while (
+                queue
+                and len(batch) < PIPELINE
+                and op.kind != "barrier"
+                and not op.alone
+                and queue[0].kind != "barrier"
+                and not queue[0].alone
+                and not self._suspension.is_set()
+            ):
+                follower = queue.popleft()
+                if not follower.abandoned:
+                    batch.append(follower)
+            try:
+                if len(batch) == 1:
+                    answers: list[list[str] | BaseException | _Parked | None] = [
+                        await self._execute(op)
+                    ]
+                else:
+                    answers = [*await self._execute_many(batch)]
+            finally:
+                self._running = []
+            again = [done for done, answer in zip(batch, answers, strict=True) if answer is None]
+            for done in again:
+                done.alone = True
+            queue.extendleft(reversed(again))  # first, in their order, one at a time
+            for done, answer in zip(batch, answers, strict=True):
+                if answer is not None:
+                    self._finish(done, answer)
+
+    def _finish(self, op: _Op, answer: list[str] | BaseException | _Parked) -> None:
+        """What an operation's answer does: parked, acknowledged, told to its caller; an
+        admission's hold whose caller left (or whose answer was lost) is released."""
+        if isinstance(answer, _Parked):
+            self._park(op)
+            return
+        if op.sent:  # (one failed at once acknowledges nothing: parked writes precede it)
+            self._acknowledge(op.tenant_id, op.seq)
+        if op.done is not None:
+            op.answer = answer
+            op.done.set()
+        if op.kind != "admit" or self._closed:
+            return
+        assert op.hold is not None
+        if isinstance(answer, BaseException) and op.sent:
+            # The script may have run and its answer been lost (a command past its
+            # deadline): a hold it took goes at once, not at its lease's end. (Releasing
+            # a request the server does not hold does nothing.)
+            self._post("release", op.tenant_id, [op.hold.request_id, "0"])
+        elif isinstance(answer, list) and op.left() and answer[2] == "held":
+            self.release(RedisHeld(op.hold, ()), answered=False)
 
     def _park(self, op: _Op) -> None:
         """Keep a write until :meth:`resume` (the oldest goes beyond :data:`PARK_LIMIT`)."""
@@ -503,6 +537,43 @@ class RedisLimits:
         if not self._overflowed:  # once per suspension, not once per write
             self._overflowed = True
             log.error("limit store: writes given up (%s), the oldest first", why)
+
+    async def _execute_many(self, batch: list[_Op]) -> list[list[str] | BaseException | None]:
+        """``batch`` (no barrier) in one pipeline: each script's answer, in order, or None
+        for a write to go again the one-at-a-time way (:meth:`_execute`: loaded, retried,
+        parked) -- one the server answered with an error (NOSCRIPT after a restart,
+        WRONGTYPE), or every write of a pipeline that failed (each is idempotent on the
+        server). An admission of a failed pipeline gets the error (a hold it may have taken
+        is released: :meth:`_finish`)."""
+        sha = self.client.script_sha(_SCRIPT)
+        commands: list[list[Arg]] = [
+            ["EVALSHA", sha, 1, f"{self.prefix}{{{op.tenant_id}}}", *op.args] for op in batch
+        ]
+        for op in batch:
+            op.sent = True
+        try:
+            with trio.fail_after(self.command_timeout):
+                replies = await self.client.call_many(commands)
+        except _ERRORS as error:
+            if isinstance(error, _UNREACHABLE) and self.on_unreachable is not None:
+                self.on_unreachable(_failure("pipeline", error))
+            return [
+                StoreUnreachable(_failure(op.kind, error)) if op.done is not None else None
+                for op in batch
+            ]
+        answers: list[list[str] | BaseException | None] = []
+        for op, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, list):
+                answer = [item.decode() if isinstance(item, bytes) else str(item) for item in reply]
+                self._see(op.tenant_id, answer)
+                answers.append(answer)
+            elif op.done is not None and not (
+                isinstance(reply, ReplyError) and reply.code == "NOSCRIPT"
+            ):
+                answers.append(StoreUnreachable(f"{op.kind}: the server refused it: {reply!r}"))
+            else:
+                answers.append(None)
+        return answers
 
     async def _execute(self, op: _Op) -> list[str] | BaseException | _Parked:
         """A write is tried again (it is idempotent on the server) unless the store is

@@ -321,14 +321,20 @@ class RedisLink:
             return []
         return await self._send(encode_commands(commands), len(commands))
 
+    def script_sha(self, script: str) -> str:
+        """The SHA1 EVALSHA names ``script`` by (for a pipeline of EVALSHAs: a NOSCRIPT
+        reply in it means the server must load it, as :meth:`evalsha` does)."""
+        sha = self._shas.get(script)
+        if sha is None:
+            sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()
+        return sha
+
     async def evalsha(
         self, script: str, keys: Sequence[Arg] = (), args: Sequence[Arg] = ()
     ) -> Reply:
         """Run the Lua ``script`` by its SHA1 (EVALSHA); if the server does not have it
         (NOSCRIPT: a restart, SCRIPT FLUSH), load it and run it, in one round trip."""
-        sha = self._shas.get(script)
-        if sha is None:
-            sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()
+        sha = self.script_sha(script)
         command = ("EVALSHA", sha, len(keys), *keys, *args)
         try:
             return await self.call(*command)

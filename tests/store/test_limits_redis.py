@@ -346,6 +346,7 @@ async def test_an_admission_whose_caller_left_before_it_ran_is_not_run(url: str)
         await store.client.call("DEL", broken)
         await store.client.call("SET", broken, "not a hash")
         store.settle(held, 1, 30, 0.0)  # retried at the head of the queue
+        await trio.sleep(0.02)  # the writer has it (alone: else one pipeline takes both)
         with trio.move_on_after(0.05):
             await store.admit(hold("gone", tenant="t2", rpm=1))
         await store.client.call("DEL", broken)
@@ -405,3 +406,29 @@ async def test_flush_waits_for_the_write_being_tried(url: str) -> None:
         await store.flush()
         assert store.statistics().pending == 0
         assert store.statistics().lost == 0
+
+
+async def test_operations_queued_together_go_in_one_pipeline_a_refused_one_goes_alone(
+    url: str,
+) -> None:
+    """What is queued when the writer takes its next operation goes in one round trip. A
+    write the server refuses in it (WRONGTYPE) goes again alone, with its retries, after the
+    others were answered: an admission queued behind it does not wait for those retries."""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        await store.refresh("t1")
+        broken = "dispatcher:limits:{t1}:st"
+        state = await store.client.call("HGETALL", broken)
+        await store.client.call("DEL", broken)
+        await store.client.call("SET", broken, "not a hash")
+        store.spend("t1", 5, 0.0)  # queued with the admission below: no checkpoint between
+        with trio.fail_after(0.5):  # its six tries alone take over 3 s
+            assert isinstance(await store.admit(hold("r1", tenant="t2", rpm=1)), RedisHeld)
+        assert store.statistics().pending == 1  # the spend, being tried again alone
+        await store.client.call("DEL", broken)
+        fields = cast(list[bytes], state) or [b"rsv_tokens", b"0"]
+        await store.client.call("HSET", broken, *fields)
+        await store.flush()
+        assert store.statistics().lost == 0
+        await store.refresh("t1")
+        assert store.spent("t1").tokens_day == 5
