@@ -77,6 +77,7 @@ RESTART_ONLY: Final = (
     "nodes",
     "responses",
     "metrics.listen",
+    "store",
 )
 """Settings a reload does not change (the listening sockets and their TLS, the server limits,
 the files, the node link, the in-process node): a restart applies them. A dotted name is a

@@ -195,12 +195,19 @@ async def test_settings_that_need_a_restart_are_named_and_not_applied(tmp_path: 
         httpx.AsyncClient(base_url=edge.url, timeout=30) as client,
     ):
         edge.dispatcher.config_source = lambda: attrs.evolve(
-            load(edge.path), port=9, http=attrs.evolve(load(edge.path).http, max_body_size=1)
+            load(edge.path),
+            port=9,
+            http=attrs.evolve(load(edge.path).http, max_body_size=1),
+            store=attrs.evolve(load(edge.path).store, redis_url="redis://127.0.0.1:9/0"),
         )
         response = await client.post("/admin/reload", headers=ADMIN)
         assert edge.dispatcher.config.port == 0
         assert edge.dispatcher.config.http.max_body_size > 1
-    assert response.json() == {"status": "reloaded", "restart_required": ["port", "http"]}
+        assert edge.dispatcher.config.store.redis_url is None
+    assert response.json() == {
+        "status": "reloaded",
+        "restart_required": ["port", "http", "store"],
+    }
 
 
 async def test_reload_needs_an_admin_key_and_a_config_file(tmp_path: Path) -> None:
