@@ -28,6 +28,7 @@ from ..admission import (
     Admission,
 )
 from ..store.limits_guard import GuardedLimits, LimitGuardStatistics
+from ..store.seam import UsageLedger
 from ..tenants import Tenants
 from . import series
 from .series import (
@@ -171,6 +172,11 @@ class InFlightSource(Protocol):
         """Its tenants, whose limit store the ``dispatcher_limit_store_*`` series describe."""
         ...
 
+    @property
+    def ledger(self) -> UsageLedger:
+        """Its usage ledger, which the ``dispatcher_usage_rows_*`` series describe."""
+        ...
+
 
 class _InFlightCollector(Collector):
     def __init__(self, metrics: Metrics) -> None:
@@ -205,6 +211,37 @@ _ALWAYS_UP: Final = LimitGuardStatistics(
     lost=0,
 )  # fmt: skip
 """What the embedded limits (in memory, they cannot fail) report."""
+
+
+class _LedgerCollector(Collector):
+    """The usage ledger's writer: rows waiting (in memory or in the outbox in front of a
+    shared database) and rows lost."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        source = self._metrics.inflight_source
+        if source is None:
+            return
+        stats = source.ledger.statistics()
+        yield GaugeMetricFamily(
+            "dispatcher_usage_rows_pending",
+            "Usage rows recorded and not yet in the ledger's database (the outbox's included).",
+            value=stats.rows_pending,
+        )
+        yield GaugeMetricFamily(
+            "dispatcher_usage_rows_in_outbox",
+            "Usage rows kept in this edge's durable outbox until PostgreSQL has them "
+            "([store] database_url; 0 without one). Growing: PostgreSQL is down or slow.",
+            value=stats.rows_in_outbox,
+        )
+        yield CounterMetricFamily(
+            "dispatcher_usage_rows_lost",
+            "Usage rows never written (beyond the writer's bound, refused by the database, "
+            "or pending when a closing flush ran out of time).",
+            value=stats.rows_lost,
+        )
 
 
 class _LimitStoreCollector(Collector):
@@ -293,6 +330,7 @@ class Metrics:
         self.inflight_source: InFlightSource | None = None
         self.registry.register(_InFlightCollector(self))
         self.registry.register(_LimitStoreCollector(self))
+        self.registry.register(_LedgerCollector(self))
         self.queue_wait = self._histogram(
             "dispatcher_queue_wait_seconds",
             "Time admitted requests waited for their slot, per model group and class.",

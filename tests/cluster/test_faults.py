@@ -75,6 +75,9 @@ async def test_postgres_stopped_for_30_s_under_load_fails_no_request_and_loses_n
                 # unstored.
                 during.append((await trio.to_thread.run_sync(respond, edge_b, first[1]))[0])
                 during.append((await trio.to_thread.run_sync(respond, edge_b, None))[0])
+                # The rows wait in the edges' outboxes, and /metrics says so.
+                waiting = await trio.to_thread.run_sync(metric, edge_a, "usage_rows_in_outbox")
+                assert waiting > 0
                 assert time.monotonic() - halted < 28
                 await trio.sleep(30 - (time.monotonic() - halted))
             finally:
@@ -82,6 +85,8 @@ async def test_postgres_stopped_for_30_s_under_load_fails_no_request_and_loses_n
             await trio.sleep(3)
             stop.set()
         assert during == [503, 503, 200]
+        for edge in cluster.edges:  # every outbox empties once PostgreSQL is back
+            await wait_for_metric(edge, "usage_rows_in_outbox", 0.0, bound=30)
         # The database back, the other edge continues the conversation edge-a stored.
         assert (await trio.to_thread.run_sync(respond, edge_b, first[1]))[0] == 200
         assert {outcome.status for outcome in outcomes} == {200}, "a client request failed"
@@ -130,6 +135,22 @@ def kill_with_node(cluster: Cluster, edge: Edge) -> None:
     cluster.kill(edge)
     if edge.node is not None and edge.node.running:
         cluster.processes.kill(edge.node)
+
+
+def metric(edge: Edge, name: str) -> float:
+    """The value of the series ``dispatcher_<name>`` (no labels) in the edge's /metrics."""
+    for line in edge.admin("GET", "/metrics").text.splitlines():
+        if line.startswith(f"dispatcher_{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"no dispatcher_{name} in {edge.name}'s /metrics")
+
+
+async def wait_for_metric(edge: Edge, name: str, value: float, *, bound: float) -> None:
+    with trio.move_on_after(bound):
+        while await trio.to_thread.run_sync(metric, edge, name) != value:
+            await trio.sleep(0.2)
+        return
+    raise AssertionError(f"{edge.name}: dispatcher_{name} is not {value} after {bound} s")
 
 
 def store_up(edge: Edge) -> bool:
