@@ -59,8 +59,14 @@ from .limits import (
     refusal_message,
     seconds_to_next,
 )
-from .redis_link import RedisLink, RedisLinkError, RedisReplyError, open_redis_link
-from .resp import Arg, ReplyError
+from .redis_link import (
+    RedisLink,
+    RedisLinkError,
+    RedisReplyError,
+    Submitted,
+    open_redis_link,
+)
+from .resp import Arg, Reply, ReplyError
 from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, StoreUnreachable, UsageLedger
 
 __all__ = [
@@ -221,6 +227,12 @@ class RedisLimits:
     _lost: int = attrs.field(init=False, default=0)
     _running: list[_Op] = attrs.field(init=False, factory=list)
     """The operations the writer runs now (taken off the queue: one, or a pipeline)."""
+    _flights: collections.deque[tuple[list[_Op], Submitted | BaseException]] = attrs.field(
+        init=False, factory=collections.deque
+    )
+    """Pipelines written, their replies not yet handled (:meth:`_receiver`)."""
+    _flown: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _all_landed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _suspension: trio.Event = attrs.field(init=False, factory=trio.Event)
     """Set while suspended (:meth:`suspend`): it also ends a retry's wait."""
     _parked: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
@@ -342,7 +354,7 @@ class RedisLimits:
     async def flush(self) -> None:
         """Wait until every operation posted before the call is written (or given up, or
         parked while the store is suspended)."""
-        if self._queue or self._running:
+        if self._queue or self._running or self._flights:
             await self._answer(self._post("barrier", "", [], awaited=True))
 
     async def refresh(self, tenant_id: str) -> None:
@@ -351,7 +363,9 @@ class RedisLimits:
 
     def statistics(self) -> RedisLimitsStatistics:
         return RedisLimitsStatistics(
-            pending=len(self._queue) + len(self._running),
+            pending=len(self._queue)
+            + len(self._running)
+            + sum(len(batch) for batch, _ in self._flights),
             retried=self._retried,
             lost=self._lost,
             parked=len(self._parked),
@@ -457,9 +471,13 @@ class RedisLimits:
                 self._post("renew", tenant_id, [repr(float(self.hold_lease)), *request_ids])
 
     async def _writer(self) -> None:
-        """Runs the posted operations in order: those queued together in one pipeline (one
-        round trip), else one at a time; while the store is suspended, parks the writes and
-        fails the awaited operations at once."""
+        """Sends the posted operations in order: those queued together as one pipeline,
+        written at once, without waiting for the replies of the pipelines before (Redis
+        runs one connection's commands in order, so an admission still follows this edge's
+        own releases); :meth:`_receiver` handles the replies. A barrier, an operation going
+        again alone, and everything while the store is suspended wait for the pipelines in
+        flight, then go one at a time; while suspended, writes are parked and awaited
+        operations fail at once."""
         queue = self._queue
         while True:
             if not queue:
@@ -473,34 +491,77 @@ class RedisLimits:
                 self._park(op)
                 continue
             batch = self._running = [op]
-            while (
-                queue
-                and len(batch) < PIPELINE
-                and op.kind != "barrier"
-                and not op.alone
-                and queue[0].kind != "barrier"
-                and not queue[0].alone
-                and not self._suspension.is_set()
-            ):
-                follower = queue.popleft()
-                if not follower.abandoned:
-                    batch.append(follower)
             try:
-                if len(batch) == 1:
-                    answers: list[list[str] | BaseException | _Parked | None] = [
-                        await self._execute(op)
-                    ]
-                else:
-                    answers = [*await self._execute_many(batch)]
+                if op.kind == "barrier" or op.alone or self._suspension.is_set():
+                    await self._landed()
+                    # Writes of the landed pipelines sent back to go alone were posted
+                    # before this one: they go first.
+                    earlier = 0
+                    while earlier < len(queue) and queue[earlier].seq < op.seq:
+                        earlier += 1
+                    if earlier:
+                        queue.insert(earlier, op)
+                        continue
+                    answer = await self._execute(op)
+                    self._finish(op, answer)
+                    continue
+                while (
+                    queue
+                    and len(batch) < PIPELINE
+                    and queue[0].kind != "barrier"
+                    and not queue[0].alone
+                ):
+                    follower = queue.popleft()
+                    if not follower.abandoned:
+                        batch.append(follower)
+                sent = await self._submit(batch)
             finally:
                 self._running = []
-            again = [done for done, answer in zip(batch, answers, strict=True) if answer is None]
-            for done in again:
-                done.alone = True
-            queue.extendleft(reversed(again))  # first, in their order, one at a time
-            for done, answer in zip(batch, answers, strict=True):
+            self._flights.append((batch, sent))
+            self._flown.set()
+
+    async def _landed(self) -> None:
+        """Wait until every pipeline in flight has its replies handled."""
+        while self._flights:
+            self._all_landed = trio.Event()
+            await self._all_landed.wait()
+
+    async def _receiver(self) -> None:
+        """Handles the pipelines' replies, in the order they were sent."""
+        flights = self._flights
+        while True:
+            if not flights:
+                self._all_landed.set()
+                self._flown = trio.Event()
+                await self._flown.wait()
+                continue
+            batch, sent = flights[0]
+            answers = await self._pipeline_answers(batch, sent)
+            flights.popleft()
+            again = [op for op, answer in zip(batch, answers, strict=True) if answer is None]
+            for op in again:
+                op.alone = True
+            self._queue.extendleft(reversed(again))  # first, in their order, one at a time
+            if again:
+                self._wake.set()
+            for op, answer in zip(batch, answers, strict=True):
                 if answer is not None:
-                    self._finish(done, answer)
+                    self._finish(op, answer)
+
+    async def _submit(self, batch: list[_Op]) -> Submitted | BaseException:
+        """Write ``batch``'s scripts as one pipeline (or the error that kept them from the
+        wire)."""
+        sha = self.client.script_sha(_SCRIPT)
+        commands: list[list[Arg]] = [
+            ["EVALSHA", sha, 1, f"{self.prefix}{{{op.tenant_id}}}", *op.args] for op in batch
+        ]
+        for op in batch:
+            op.sent = True
+        try:
+            with trio.fail_after(self.command_timeout):
+                return await self.client.submit(commands)
+        except _ERRORS as error:
+            return error
 
     def _finish(self, op: _Op, answer: list[str] | BaseException | _Parked) -> None:
         """What an operation's answer does: parked, acknowledged, told to its caller; an
@@ -538,23 +599,25 @@ class RedisLimits:
             self._overflowed = True
             log.error("limit store: writes given up (%s), the oldest first", why)
 
-    async def _execute_many(self, batch: list[_Op]) -> list[list[str] | BaseException | None]:
-        """``batch`` (no barrier) in one pipeline: each script's answer, in order, or None
-        for a write to go again the one-at-a-time way (:meth:`_execute`: loaded, retried,
-        parked) -- one the server answered with an error (NOSCRIPT after a restart,
-        WRONGTYPE), or every write of a pipeline that failed (each is idempotent on the
-        server). An admission of a failed pipeline gets the error (a hold it may have taken
-        is released: :meth:`_finish`)."""
-        sha = self.client.script_sha(_SCRIPT)
-        commands: list[list[Arg]] = [
-            ["EVALSHA", sha, 1, f"{self.prefix}{{{op.tenant_id}}}", *op.args] for op in batch
-        ]
-        for op in batch:
-            op.sent = True
-        try:
-            with trio.fail_after(self.command_timeout):
-                replies = await self.client.call_many(commands)
-        except _ERRORS as error:
+    async def _pipeline_answers(
+        self, batch: list[_Op], sent: Submitted | BaseException
+    ) -> list[list[str] | BaseException | None]:
+        """Each script's answer of a pipeline, in order, or None for a write to go again the
+        one-at-a-time way (:meth:`_execute`: loaded, retried, parked) -- one the server
+        answered with an error (NOSCRIPT after a restart, WRONGTYPE), or every write of a
+        pipeline that failed (each is idempotent on the server). An admission of a failed
+        pipeline gets the error (a hold it may have taken is released: :meth:`_finish`)."""
+        replies: list[Reply] | None = None
+        error: BaseException
+        if isinstance(sent, BaseException):
+            error = sent
+        else:
+            try:
+                with trio.fail_after(self.command_timeout):
+                    replies = await sent.replies()
+            except _ERRORS as failed:
+                error = failed
+        if replies is None:
             if isinstance(error, _UNREACHABLE) and self.on_unreachable is not None:
                 self.on_unreachable(_failure("pipeline", error))
             return [
@@ -713,6 +776,7 @@ async def open_redis_limits(
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store._writer)
+            nursery.start_soon(store._receiver)
             nursery.start_soon(store._renewer)
             try:
                 yield store

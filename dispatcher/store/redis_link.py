@@ -61,6 +61,7 @@ __all__ = [
     "RedisLinkError",
     "RedisLinkStatistics",
     "RedisReplyError",
+    "Submitted",
     "open_redis_link",
     "parse_redis_url",
 ]
@@ -175,9 +176,31 @@ class RedisLinkStatistics:
 @attrs.define(eq=False, slots=True)
 class _Waiter:
     task: trio.lowlevel.Task | None
-    """None once its caller was cancelled: its replies are read and dropped."""
+    """None once its caller was cancelled (or for a submission): its replies are read and
+    dropped, or handed to :attr:`done`'s waiter."""
     expected: int
     replies: list[Reply]
+    done: trio.Event | None = None
+    """A submission's (:meth:`RedisLink.submit`): set when its replies, or its error, are in."""
+    error: RedisLinkError | None = None
+
+
+@attrs.frozen(eq=False)
+class Submitted:
+    """Commands written by :meth:`RedisLink.submit`, whose replies are still to come."""
+
+    _waiter: _Waiter
+
+    async def replies(self) -> list[Reply]:
+        """Their replies in order, an error reply as a :class:`~.resp.ReplyError` value;
+        :class:`RedisLinkError` if the connection failed first. Leaving the wait (cancelled)
+        leaves the replies to be read and dropped."""
+        waiter = self._waiter
+        assert waiter.done is not None
+        await waiter.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.replies
 
 
 @attrs.define(eq=False)
@@ -255,7 +278,9 @@ class _Connection:
                     waiter.replies.append(reply)
                     if len(waiter.replies) == waiter.expected:
                         waiters.popleft()
-                        if waiter.task is not None:
+                        if waiter.done is not None:
+                            waiter.done.set()
+                        elif waiter.task is not None:
                             trio.lowlevel.reschedule(waiter.task, outcome.Value(waiter.replies))
         except trio.ClosedResourceError:
             pass  # failed and closed meanwhile
@@ -275,7 +300,11 @@ class _Connection:
         self.sock.close()  # wakes the reader and a flusher with ClosedResourceError
         waiters, self.waiters = self.waiters, collections.deque()
         for waiter in waiters:
-            if waiter.task is not None:
+            if waiter.done is not None:
+                waiter.error = self._error()
+                waiter.error.__cause__ = cause
+                waiter.done.set()
+            elif waiter.task is not None:
                 error = self._error()
                 error.__cause__ = cause
                 trio.lowlevel.reschedule(waiter.task, outcome.Error(error))
@@ -320,6 +349,20 @@ class RedisLink:
             await trio.lowlevel.checkpoint()
             return []
         return await self._send(encode_commands(commands), len(commands))
+
+    async def submit(self, commands: Sequence[Sequence[Arg]]) -> Submitted:
+        """Write the commands now, in order after every command written before, and return
+        without waiting for their replies (:meth:`Submitted.replies`): a pipeline whose
+        sender goes on writing while the replies come. Connects first if need be (the only
+        wait); :class:`RedisLinkError` if the connection is broken."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        conn = self._conn
+        if conn is None:
+            conn = await self._connect()
+        conn.write(encode_commands(commands))
+        waiter = _Waiter(None, len(commands), [], trio.Event())
+        conn.waiters.append(waiter)
+        return Submitted(waiter)
 
     def script_sha(self, script: str) -> str:
         """The SHA1 EVALSHA names ``script`` by (for a pipeline of EVALSHAs: a NOSCRIPT
