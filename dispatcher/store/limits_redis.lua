@@ -136,7 +136,6 @@ local function snapshot()
 end
 
 local function answer(head)
-  keep()
   local out = {f(now), f(wall)}
   for _, v in ipairs(head) do table.insert(out, v) end
   for _, v in ipairs(snapshot()) do table.insert(out, v) end
@@ -154,6 +153,9 @@ end
 
 local op = ARGV[3]
 advance()
+-- A tenant's keys are kept KEEP past its last admission or spend: what else comes (a
+-- settle, a release, a renewal) follows an admission by at most HOLD_KEEP.
+if op == 'admit' or op == 'spend' then keep() end
 
 if op == 'admit' then
   local rid, tokens, usd, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
