@@ -302,6 +302,15 @@ def test_the_embedded_default_never_imports_coredis() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+_RESTORE = "redis.call('DEL', KEYS[1]) redis.call('HSET', KEYS[1], unpack(ARGV))"
+
+
+async def restore(store: RedisLimits, key: str, fields: list[bytes]) -> None:
+    """Put the tenant's state hash back at once (one script: a write the store retries
+    meanwhile must not land between a DEL and an HSET, and be overwritten)."""
+    await store.client.call("EVAL", _RESTORE, 1, key, *fields)
+
+
 async def test_a_write_is_retried_while_the_server_refuses_it(url: str) -> None:
     """Settles and spends the server refuses wait in the writer (the request's path does
     not), are written once it takes them, and are given up (counted) after their tries.
@@ -319,8 +328,7 @@ async def test_a_write_is_retried_while_the_server_refuses_it(url: str) -> None:
         assert store.spent("t1").tokens_day == 30  # this edge counts it already
         await trio.sleep(0.2)  # a few tries fail
         assert store.statistics().retried >= 1
-        await store.client.call("DEL", broken)
-        await store.client.call("HSET", broken, *cast(list[bytes], state))
+        await restore(store, broken, cast(list[bytes], state))
         await store.flush()
         assert store.statistics().lost == 0
         await store.refresh("t1")
@@ -349,8 +357,7 @@ async def test_an_admission_whose_caller_left_before_it_ran_is_not_run(url: str)
         await trio.sleep(0.02)  # the writer has it (alone: else one pipeline takes both)
         with trio.move_on_after(0.05):
             await store.admit(hold("gone", tenant="t2", rpm=1))
-        await store.client.call("DEL", broken)
-        await store.client.call("HSET", broken, *cast(list[bytes], state))
+        await restore(store, broken, cast(list[bytes], state))
         await store.flush()
         assert isinstance(await store.admit(hold("r2", tenant="t2", rpm=1)), RedisHeld)
 
@@ -400,9 +407,7 @@ async def test_flush_waits_for_the_write_being_tried(url: str) -> None:
         store.spend("t1", 5, 0.0)
         await trio.sleep(0.1)  # the writer took it and is between tries
         assert store.statistics().pending == 1
-        await store.client.call("DEL", broken)
-        fields = cast(list[bytes], state) or [b"rsv_tokens", b"0"]
-        await store.client.call("HSET", broken, *fields)
+        await restore(store, broken, cast(list[bytes], state) or [b"rsv_tokens", b"0"])
         await store.flush()
         assert store.statistics().pending == 0
         assert store.statistics().lost == 0
@@ -425,9 +430,7 @@ async def test_operations_queued_together_go_in_one_pipeline_a_refused_one_goes_
         with trio.fail_after(0.5):  # its six tries alone take over 3 s
             assert isinstance(await store.admit(hold("r1", tenant="t2", rpm=1)), RedisHeld)
         assert store.statistics().pending == 1  # the spend, being tried again alone
-        await store.client.call("DEL", broken)
-        fields = cast(list[bytes], state) or [b"rsv_tokens", b"0"]
-        await store.client.call("HSET", broken, *fields)
+        await restore(store, broken, cast(list[bytes], state) or [b"rsv_tokens", b"0"])
         await store.flush()
         assert store.statistics().lost == 0
         await store.refresh("t1")

@@ -244,18 +244,19 @@ async def test_a_request_authenticated_before_a_reload_is_admitted_as_the_reload
 
 
 class _Unreadable:
-    """A ledger whose database is down for the first ``failures`` reads (then it reads the
-    real one)."""
+    """A ledger whose database is down for the first ``failures`` reads, then answers what
+    the real one answered (read beforehand: no worker thread under the virtual clock)."""
 
-    def __init__(self, ledger: Any, failures: int) -> None:
-        self.ledger = ledger
+    def __init__(self, groups: Any, failures: int) -> None:
+        self.groups = groups
         self.failures = failures
 
     async def billable_spend(self, since: float) -> Any:
+        await trio.lowlevel.checkpoint()
         if self.failures:
             self.failures -= 1
             raise StoreUnavailable("the usage ledger's database cannot be reached")
-        return await self.ledger.billable_spend(since)
+        return self.groups
 
 
 async def test_budgets_are_seeded_once_the_ledger_can_be_read(
@@ -264,9 +265,10 @@ async def test_budgets_are_seeded_once_the_ledger_can_be_read(
     path = tmp_path / "usage.sqlite3"
     async with open_usage_ledger(path) as ledger:
         ledger.record(row("a", ended_at=NOON - 60, cost_usd=1.0))
+        groups = await ledger.billable_spend(NOON - 40 * 86400)
     driver = tenants()
-    async with open_usage_ledger(path) as ledger, trio.open_nursery() as nursery:
-        unreadable: Any = _Unreadable(ledger, failures=3)
+    async with trio.open_nursery() as nursery:
+        unreadable: Any = _Unreadable(groups, failures=3)
         await nursery.start(driver.seed_when_readable, unreadable)
         assert driver.limits.spent("t1").tokens_day == 0  # started: not seeded yet
         await trio.sleep(3 * SEED_RETRY - 0.5)
