@@ -208,8 +208,7 @@ def test_a_store_url_of_the_wrong_kind_is_refused(tmp_path: Path) -> None:
     result = dispatcher(tmp_path, "check-config", "edge.toml")
     assert result.returncode == 2
     assert result.stderr == (
-        "dispatcher: edge.toml: store.redis_url: expected a URL starting redis:// or "
-        "unix://\n"
+        "dispatcher: edge.toml: store.redis_url: expected a URL starting redis:// or unix://\n"
     )
 
 
