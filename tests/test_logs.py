@@ -143,9 +143,9 @@ def test_configure_logging(log_format: str) -> None:
         assert lines[0].endswith('dispatcher.test: line\\none k="v w"')
 
 
-def test_coredis_retries_are_not_logged_at_info() -> None:
-    """A Redis that is down makes coredis log every retry at INFO, several a second: the
-    edge's own WARNING says it once."""
+def test_the_store_clients_retries_are_not_logged() -> None:
+    """A Redis or PostgreSQL that is down makes coredis (INFO) and psycopg's pool (WARNING)
+    log every retry, several a second: the edge's own WARNING says it once."""
     stream = io.StringIO()
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -153,6 +153,8 @@ def test_coredis_retries_are_not_logged_at_info() -> None:
         configure_logging("INFO", "text", stream)
         logging.getLogger("coredis").info("Retry attempt 1 due to error")
         logging.getLogger("coredis").warning("a real problem")
+        logging.getLogger("psycopg.pool").warning("error connecting in 'dispatcher ...'")
+        logging.getLogger("psycopg.pool").error("a real pool problem")
         logging.getLogger("dispatcher").info("ours")
     finally:
         root.handlers[:], _ = saved
@@ -160,4 +162,6 @@ def test_coredis_retries_are_not_logged_at_info() -> None:
     text = stream.getvalue()
     assert "Retry attempt" not in text
     assert "a real problem" in text
+    assert "error connecting" not in text
+    assert "a real pool problem" in text
     assert "ours" in text

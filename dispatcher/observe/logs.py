@@ -134,9 +134,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, ensure_ascii=True, separators=(",", ":"), default=str)
 
 
-QUIET_LIBRARIES: Final = ("coredis",)
-"""Libraries whose INFO lines say what our own WARNINGs already say (coredis logs every
-retry of a connection to a Redis that is down, several a second during an outage)."""
+QUIET_LIBRARIES: Final = {"coredis": logging.WARNING, "psycopg.pool": logging.ERROR}
+"""Libraries' loggers and the level below which they are not shown: their lines say what our
+own WARNINGs already say once (coredis logs every retry of a connection to a Redis that is
+down at INFO, several a second; psycopg's pool every failed connection at WARNING)."""
 
 
 def configure_logging(
@@ -151,6 +152,6 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
-    for chatty in QUIET_LIBRARIES:
-        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))
+    for chatty, shown in QUIET_LIBRARIES.items():
+        logging.getLogger(chatty).setLevel(max(shown, root.level))
     return handler

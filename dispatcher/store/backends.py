@@ -20,7 +20,7 @@ from contextlib import (
     asynccontextmanager,
     nullcontext,
 )
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
@@ -31,27 +31,7 @@ from .limits import MemoryLimits
 from .responses import beside_ledger, open_response_store
 from .seam import Cluster, LimitStore, ResponseStore, UsageLedger
 
-__all__ = ["Backends", "Stores", "backends_of", "migrate_database", "open_stores"]
-
-LimitsBackend = Literal["memory", "redis"]
-KeptBackend = Literal["sqlite", "postgresql"]
-
-
-@attrs.frozen
-class Backends:
-    """Which backend each part uses (what ``check-config`` and ``/admin/status`` say)."""
-
-    limits: LimitsBackend
-    ledger: KeptBackend
-    responses: KeptBackend
-
-
-def backends_of(store: StoreSettings) -> Backends:
-    """The backends ``[store]`` names (before its secrets resolve: a ``*_env`` counts)."""
-    redis = bool(store.redis_url or store.redis_url_env)
-    postgres = bool(store.database_url or store.database_url_env)
-    kept: KeptBackend = "postgresql" if postgres else "sqlite"
-    return Backends("redis" if redis else "memory", kept, kept)
+__all__ = ["Stores", "migrate_database", "open_stores"]
 
 
 @attrs.frozen
@@ -61,24 +41,23 @@ class Stores:
     ledger: UsageLedger
     responses: ResponseStore
     limits: LimitStore[Any]
-    backends: Backends = Backends("memory", "sqlite", "sqlite")
-    cluster: Cluster = attrs.field(factory=lambda: LocalCluster(edge_identity(EdgeConfig())))
+    cluster: Cluster
     """The edges sharing these stores (this edge alone without ``redis_url``)."""
 
 
 @asynccontextmanager
 async def open_stores(config: EdgeConfig) -> AsyncIterator[Stores]:
     """The stores ``config`` names, open for the block; leaving it, however it is left,
-    writes what is pending and closes them. A shared server that cannot be reached at start
-    is an error naming it (``RuntimeError``)."""
+    writes what is pending and closes them. A shared server down at start is no error: the
+    ledger keeps its rows in the outbox, the limits serve in their failure mode
+    (``[store] on_store_error``), until it answers."""
     store = config.store
-    backends = backends_of(store)
     async with AsyncExitStack() as stack:
         ledger = await stack.enter_async_context(_open_ledger(config))
         responses = await stack.enter_async_context(_open_responses(config))
         limits = await stack.enter_async_context(_open_limits(store))
         cluster = await stack.enter_async_context(_open_cluster(config))
-        yield Stores(ledger, responses, limits, backends, cluster)
+        yield Stores(ledger, responses, limits, cluster)
 
 
 @asynccontextmanager

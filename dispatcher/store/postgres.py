@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -93,9 +94,11 @@ class PostgresUnreachable(RuntimeError):
     """PostgreSQL could not be reached (its message names the server, without a password)."""
 
 
-def _open_pool(url: str, size: int, timeout: float) -> ConnectionPool:
+def _open_pool(url: str, size: int, timeout: float, *, wait: bool = True) -> ConnectionPool:
     """A pool of ``size`` autocommit connections to ``url``, open and connected: raises
-    a :class:`RuntimeError` naming the server when it cannot be reached in ``timeout``."""
+    a :class:`RuntimeError` naming the server when it cannot be reached in ``timeout``.
+    Without ``wait``, open and connecting in the background (each call waits ``timeout``
+    for a connection)."""
     pool: ConnectionPool = ConnectionPool(
         url,
         min_size=1,
@@ -106,7 +109,7 @@ def _open_pool(url: str, size: int, timeout: float) -> ConnectionPool:
         name=f"dispatcher {where_is(url)}",
     )
     try:
-        pool.open(wait=True, timeout=timeout)
+        pool.open(wait=wait, timeout=timeout)
     except psycopg.OperationalError as exc:
         pool.close()
         raise PostgresUnreachable(
@@ -417,21 +420,37 @@ class _ResponsesDatabase:
 
     def __init__(self, url: str, connect_timeout: float) -> None:
         self.where = where_is(url)
-        self._pool = _open_pool(url, _POOL_SIZE, connect_timeout)
+        self.entries = self.bytes = 0
+        self._ready = False
+        self._readying = threading.Lock()
         try:
-            with self._pool.connection() as conn:
-                _migrate(conn, "responses", _RESPONSES_STEPS, self.where)
-                self.entries, self.bytes = _count(conn)
+            self._pool = _open_pool(url, _POOL_SIZE, connect_timeout)
+        except PostgresUnreachable as exc:
+            # The edge starts all the same: the pool connects in the background, and the
+            # tables are migrated on the first call that reaches the server.
+            log.warning("stored responses: %s; until it answers, they cannot be read", exc)
+            self._pool = _open_pool(url, _POOL_SIZE, connect_timeout, wait=False)
+            return
+        try:
+            with self._connection():
+                pass  # migrated now, at start, while the server answers
         except BaseException:
             self._pool.close()
             raise
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A connection of the pool; the database unreachable (or the pool out of
-        connections past its timeout) is :class:`~dispatcher.errors.StoreUnavailable`."""
+        """A connection of the pool, on tables migrated to this dispatcher's version; the
+        database unreachable (or the pool out of connections past its timeout) is
+        :class:`~dispatcher.errors.StoreUnavailable`."""
         try:
             with self._pool.connection() as conn:
+                if not self._ready:
+                    with self._readying:
+                        if not self._ready:
+                            _migrate(conn, "responses", _RESPONSES_STEPS, self.where)
+                            self.entries, self.bytes = _count(conn)
+                            self._ready = True
                 yield conn
         except psycopg.OperationalError as exc:
             raise StoreUnavailable(

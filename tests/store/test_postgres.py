@@ -15,6 +15,7 @@ import psycopg
 import pytest
 import trio
 
+from dispatcher.errors import StoreUnavailable
 from dispatcher.store.postgres import (
     PostgresUnreachable,
     PostgresUsage,
@@ -216,3 +217,36 @@ def test_dispatcher_migrate_without_a_database_says_there_is_nothing_to_do(
     result = _migrate(tmp_path, "")
     assert result.returncode == 2
     assert result.stderr.startswith("dispatcher: nothing to migrate: [store] names no database_url")
+
+
+async def test_the_response_store_opens_while_postgres_is_down_and_serves_once_it_is_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The edge starts with its database down: the store opens (a WARNING names the
+    server), a call says the store cannot be reached (503), and once the server answers the
+    tables are migrated on the first call and the store works."""
+    url = await trio.to_thread.run_sync(postgres_server.schema_url, tmp_path)
+    await trio.to_thread.run_sync(postgres_server.halt)
+    halted = True
+    try:
+        async with open_postgres_response_store(url, connect_timeout=1.0) as store:
+            with pytest.raises(StoreUnavailable, match="stored responses' database"):
+                await store.get("resp_0", "alice")
+            await trio.to_thread.run_sync(postgres_server.resume)
+            halted = False
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        await store.put(response("resp_0"), CONVERSATION, "alice")
+                        break
+                    except StoreUnavailable:
+                        await trio.sleep(0.2)
+            found = await store.get("resp_0", "alice")
+            assert found is not None
+            assert found.response == response("resp_0")
+            assert store.statistics().entries == 1
+    finally:
+        if halted:
+            await trio.to_thread.run_sync(postgres_server.resume)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("stored responses" in w and "could not connect" in w for w in warnings)
