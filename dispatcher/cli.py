@@ -232,8 +232,8 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         data_dir = config.default_data_dir()
         config = attrs.evolve(config, usage_db=str(data_dir / "usage.sqlite3"))
     if config.store.database_url is not None and config.store.outbox is None:
-        outbox = str(config.default_data_dir() / "outbox.sqlite3")
-        config = attrs.evolve(config, store=attrs.evolve(config.store, outbox=outbox))
+        store = attrs.evolve(config.store, outbox=config.outbox_path())
+        config = attrs.evolve(config, store=store)
     return config
 
 

@@ -37,6 +37,7 @@ import hashlib
 import math
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -415,6 +416,15 @@ class EdgeConfig:
             return Path(self.data_dir).expanduser()
         base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
         return Path(base) / "trio-dispatcher"
+
+    def outbox_path(self) -> str:
+        """The ledger's outbox with ``[store] database_url``: ``store.outbox``, else
+        ``DATA_DIR/outbox.sqlite3`` (what ``dispatcher serve`` uses)."""
+        return self.store.outbox or str(self.default_data_dir() / "outbox.sqlite3")
+
+    def edge_id(self, hostname: str | None = None) -> str:
+        """This edge's name in the cluster: ``store.edge_id``, else ``HOSTNAME:PORT``."""
+        return self.store.edge_id or f"{hostname or socket.gethostname()}:{self.port}"
 
 
 # --------------------------------------------------------------------------- secrets

@@ -11,7 +11,6 @@ or ``[[providers]]``; anything else is read as an edge's (an empty file is a wor
 
 from __future__ import annotations
 
-import socket
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -111,16 +110,15 @@ def describe_stores(config: EdgeConfig, usage_db: str | None) -> list[str]:
         kept = [f"usage ledger: {ledger}", "stored responses: SQLite, beside the ledger"]
     else:
         database = public_url(store.database_url)
-        outbox = store.outbox or str(config.default_data_dir() / "outbox.sqlite3")
         kept = [
-            f"usage ledger: PostgreSQL {database} (shared; outbox {outbox})",
+            f"usage ledger: PostgreSQL {database} (shared; outbox {config.outbox_path()})",
             f"stored responses: PostgreSQL {database} (shared)",
         ]
     lines = [limits, *kept]
     if store.redis_url is not None:
-        edge_id = store.edge_id or f"{socket.gethostname()}:{config.port}"
         lines.append(
-            f"cluster: this edge is {edge_id}, heartbeat every {_seconds(store.heartbeat_s)}"
+            f"cluster: this edge is {config.edge_id()}, heartbeat every "
+            f"{_seconds(store.heartbeat_s)}"
         )
     return lines
 

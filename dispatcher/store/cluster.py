@@ -62,7 +62,7 @@ def edge_identity(config: EdgeConfig, hostname: str | None = None) -> EdgeIdenti
     hostname = hostname or socket.gethostname()
     host = hostname if config.host in _WILDCARDS else config.host
     address = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
-    return EdgeIdentity(id=config.store.edge_id or f"{hostname}:{config.port}", address=address)
+    return EdgeIdentity(id=config.edge_id(hostname), address=address)
 
 
 def record_of(identity: EdgeIdentity, report: EdgeReport, heard_s: float) -> EdgeRecord:
