@@ -191,6 +191,11 @@ def _failure(kind: str, error: BaseException) -> str:
     return f"{kind}: {type(error).__name__}: {error}"
 
 
+def _strings(reply: list[Reply]) -> list[str]:
+    """A script's answer as text (Redis sends its strings as bytes, its integers as ints)."""
+    return [item.decode() if isinstance(item, bytes) else str(item) for item in reply]
+
+
 def _decimal(value: float | None) -> str:
     return "" if value is None else repr(value)
 
@@ -451,13 +456,17 @@ class RedisLimits:
             return ["", ""]
         return [repr(float(self.clock())), repr(float(self.wall()))]
 
+    def _key(self, op: _Op) -> str:
+        """The tenant's base key (its hash tag: one cluster slot for all its keys)."""
+        return f"{self.prefix}{{{op.tenant_id}}}"
+
     async def _run(self, op: _Op) -> list[str]:
-        keys = [f"{self.prefix}{{{op.tenant_id}}}"]
+        keys = [self._key(op)]
         op.sent = True
         with trio.fail_after(self.command_timeout):
             answer = await self.client.evalsha(_SCRIPT, keys, op.args)
         assert isinstance(answer, list), answer
-        return [item.decode() if isinstance(item, bytes) else str(item) for item in answer]
+        return _strings(answer)
 
     async def _renewer(self) -> None:
         """Renews this edge's leases: its requests keep their places while it lives."""
@@ -552,9 +561,7 @@ class RedisLimits:
         """Write ``batch``'s scripts as one pipeline (or the error that kept them from the
         wire)."""
         sha = self.client.script_sha(_SCRIPT)
-        commands: list[list[Arg]] = [
-            ["EVALSHA", sha, 1, f"{self.prefix}{{{op.tenant_id}}}", *op.args] for op in batch
-        ]
+        commands: list[list[Arg]] = [["EVALSHA", sha, 1, self._key(op), *op.args] for op in batch]
         for op in batch:
             op.sent = True
         try:
@@ -627,7 +634,7 @@ class RedisLimits:
         answers: list[list[str] | BaseException | None] = []
         for op, reply in zip(batch, replies, strict=True):
             if isinstance(reply, list):
-                answer = [item.decode() if isinstance(item, bytes) else str(item) for item in reply]
+                answer = _strings(reply)
                 self._see(op.tenant_id, answer)
                 answers.append(answer)
             elif op.done is not None and not (
