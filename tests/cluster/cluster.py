@@ -26,7 +26,7 @@ import openai
 
 from tests.chaos.processes import Proc, Processes, tracebacks
 from tests.store import postgres_server
-from tests.store.redis_server import RedisServer
+from tests.store.redis_server import RedisServer, own_server
 
 Backend = Literal["shared", "memory"]
 """``shared``: ``[store]`` names the Redis and the PostgreSQL; ``memory``: every edge keeps
@@ -219,17 +219,6 @@ def new_database() -> str:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        server.place.cleanup()
-
-
-@contextlib.contextmanager
 def open_cluster(
     place: Path,
     backend: Backend,
@@ -243,7 +232,7 @@ def open_cluster(
         redis: RedisServer | None = None
         database: str | None = None
         if backend == "shared":
-            redis = stack.enter_context(redis_server())
+            redis = stack.enter_context(own_server())
             database = new_database()
         processes = Processes(place)
         stack.callback(processes.close)

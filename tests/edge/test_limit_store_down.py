@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from dispatcher.config import EdgeConfig, KeySettings, StoreSettings
-from tests.store.redis_server import BINARY, RedisServer
+from tests.store.redis_server import BINARY, RedisServer, own_server
 
 from .fakes import ServedEdge, serve_edge
 
@@ -32,12 +32,8 @@ CHAT = {"model": "echo", "messages": MESSAGES}
 
 @pytest.fixture
 def server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
+    with own_server() as server:
         yield server
-    finally:
-        server.close()
 
 
 @asynccontextmanager

@@ -6,12 +6,14 @@ its server."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 BINARY = shutil.which("redis-server")
@@ -101,6 +103,18 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         self.place.cleanup()
+
+
+@contextlib.contextmanager
+def own_server() -> Iterator[RedisServer]:
+    """A ``redis-server`` of the caller's own for the block (to stop and start again),
+    closed however the block is left."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 _server: RedisServer | None = None

@@ -172,9 +172,8 @@ async def test_a_published_reload_reaches_the_other_edges_not_its_publisher(url:
 async def test_redis_gone_the_list_says_so_and_the_heartbeat_comes_back(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    server = redis_server.RedisServer()
-    url = server.start()
-    try:
+    with redis_server.own_server() as server:
+        url = server.url
         async with edge(url, "lonely") as lonely:
             lonely.bind(report(in_flight=1), no_reload)
             assert await ids(lonely) == ["lonely"]
@@ -198,8 +197,7 @@ async def test_redis_gone_the_list_says_so_and_the_heartbeat_comes_back(
                     while await ids(lonely) != ["lonely"]:
                         await trio.sleep(0.05)
             assert any("works again" in r.getMessage() for r in caplog.records)
-    finally:
-        server.close()
+
         gc.collect()  # those connections' warnings come here, under this test's filter
 
 

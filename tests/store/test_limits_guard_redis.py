@@ -38,7 +38,7 @@ from dispatcher.store.limits_guard import (
 from dispatcher.store.limits_redis import RedisLimits, open_redis_limits
 from dispatcher.store.seam import Hold, Refusal
 
-from .redis_server import BINARY, RedisServer
+from .redis_server import BINARY, RedisServer, own_server
 
 pytestmark = pytest.mark.skipif(BINARY is None, reason="no redis-server")
 
@@ -52,12 +52,8 @@ BACK_WITHIN = 5.0
 
 @pytest.fixture
 def server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
+    with own_server() as server:
         yield server
-    finally:
-        server.close()
 
 
 @asynccontextmanager

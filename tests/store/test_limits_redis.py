@@ -366,9 +366,7 @@ async def test_a_suspended_store_parks_its_writes_and_writes_them_when_resumed()
     """While Redis is known down, writes are parked in order without a try each (no backlog
     of retries to wait out when it returns) and an admission fails at once; resumed, they
     are written first."""
-    server = redis_server.RedisServer()
-    server.start()
-    try:
+    with redis_server.own_server() as server:
         async with open_redis_limits(server.url) as store:
             server.stop()
             store.suspend()
@@ -390,8 +388,6 @@ async def test_a_suspended_store_parks_its_writes_and_writes_them_when_resumed()
             assert store.statistics() == RedisLimitsStatistics(
                 pending=0, retried=0, lost=0, parked=0
             )
-    finally:
-        server.close()
 
 
 async def test_flush_waits_for_the_write_being_tried(url: str) -> None:

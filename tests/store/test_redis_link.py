@@ -51,10 +51,8 @@ async def link() -> AsyncIterator[RedisLink]:
 @pytest.fixture
 def server() -> Iterator[redis_server.RedisServer]:
     """A server of the test's own, to stop and start."""
-    server = redis_server.RedisServer()
-    server.start()
-    yield server
-    server.close()
+    with redis_server.own_server() as server:
+        yield server
 
 
 async def test_replies_of_every_type(link: RedisLink) -> None:
