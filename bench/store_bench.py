@@ -61,13 +61,16 @@ MAX_CONCURRENT = 100_000
 """The limited tenant's limits: set (each is checked and counted), never reached."""
 NODE_SLOTS = 256
 
-ROUNDS = 3
+ROUNDS = 8
 """Each edge is measured in this many rounds per concurrency, taking turns."""
 WARMUP = 0.3
-DURATION = 3.0
+DURATION = 4.0
 """Counted seconds per edge and concurrency, all rounds together."""
 CLIENTS = (1, 64)
 MICRO_RUNS = 5_000
+IDLE_PINGS = 200
+IDLE_GAP = 0.005
+"""PINGs sent after this many seconds idle (the gap between one client's admissions)."""
 MICRO_WARMUP = 200
 ROWS = 50_000
 
@@ -231,9 +234,11 @@ async def _round_trips(store: Any, limits: Any, runs: int) -> list[float]:
     return times
 
 
-async def _pings(redis_url: str, client: Any, runs: int) -> tuple[float, float]:
+async def _pings(redis_url: str, client: Any, runs: int) -> tuple[float, float, float]:
     """p50 of a PING round trip, seconds: through ``client`` (the store's RESP link, as it sends
-    its scripts), and on a bare Trio socket (the floor: loopback and redis-server alone)."""
+    its scripts), on a bare Trio socket back to back (the floor: loopback and redis-server
+    alone), and on the bare socket after :data:`IDLE_GAP` idle (what one client's requests
+    see: a server, and a CPU, woken from idle)."""
     host, _, rest = redis_url.removeprefix("redis://").partition(":")
     port = int(rest.partition("/")[0])
     perf = time.perf_counter
@@ -243,16 +248,19 @@ async def _pings(redis_url: str, client: Any, runs: int) -> tuple[float, float]:
         await client.call("PING")
         through.append(perf() - start)
     bare: list[float] = []
+    idle: list[float] = []
     with trio.socket.socket() as sock:
         await sock.connect((host, port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(runs):
+        for i in range(runs + IDLE_PINGS):
+            if i >= runs:
+                await trio.sleep(IDLE_GAP)
             start = perf()
             await sock.send(b"PING\r\n")
             if not (await sock.recv(64)).startswith(b"+PONG"):
                 raise LoadError("redis-server did not answer PING with +PONG")
-            bare.append(perf() - start)
-    return percentile(through, 0.5), percentile(bare, 0.5)
+            (bare if i < runs else idle).append(perf() - start)
+    return percentile(through, 0.5), percentile(bare, 0.5), percentile(idle, 0.5)
 
 
 async def _micro(redis_url: str | None, runs: int, notes: list[str]) -> dict[str, float]:
@@ -270,10 +278,12 @@ async def _micro(redis_url: str | None, runs: int, notes: list[str]) -> dict[str
 
         async with open_redis_limits(redis_url, prefix="bench-micro:") as store:
             out[REDIS] = percentile(await _round_trips(store, limited, runs), 0.5)
-            through, bare = await _pings(redis_url, store.client, runs)
+            through, bare, idle = await _pings(redis_url, store.client, runs)
         notes.append(
             f"a PING round trip to the same redis-server, p50: {through * 1e6:.0f} µs through "
-            f"the store's RESP link, {bare * 1e6:.0f} µs on a bare socket"
+            f"the store's RESP link, {bare * 1e6:.0f} µs on a bare socket, "
+            f"{idle * 1e6:.0f} µs on it after {IDLE_GAP * 1e3:g} ms idle (one client's cadence: "
+            "each request's admission wakes redis-server, and the edge, from idle)"
         )
     return {name: value * 1e6 for name, value in out.items()}
 

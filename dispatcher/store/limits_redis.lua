@@ -4,9 +4,10 @@
 --
 -- ARGV[1], ARGV[2]: the monotonic and wall clocks as decimal strings, or both empty: the
 -- server's TIME (the default; an injected clock is the tests' seam). ARGV[3]: the operation,
--- the rest its arguments. Every answer ends with the tenant's snapshot (in flight, then the
--- day and month spent). Numbers that are not integers travel as strings ("%.17g": the same
--- doubles as Python's), since Redis truncates a Lua number to an integer.
+-- the rest its arguments. Every answer is one string, its fields separated by spaces (no
+-- field holds one; a field may be empty), and ends with the tenant's snapshot (in flight,
+-- then the day and month spent). Numbers are written "%d" (integers) or "%.17g" (the same
+-- doubles as Python's).
 --
 -- The semantics are dispatcher/store/limits.py's LimitCounters (the reference), with one
 -- addition: a place in flight is a lease (ZSET "fly", scored by its expiry), so the holds of
@@ -58,48 +59,66 @@ end
 
 local function hold_key(rid) return base .. ':hold:' .. rid end
 
-local function unreserve(rid)
-  local hk = hold_key(rid)
-  local h = redis.call('HMGET', hk, 'reserved', 'tokens', 'usd')
-  if h[1] ~= '1' then return end
-  redis.call('HSET', hk, 'reserved', '0')
-  redis.call('HINCRBY', K_ST, 'rsv_tokens', -num(h[2]))
-  redis.call('HSET', K_ST, 'rsv_usd', f(num(redis.call('HGET', K_ST, 'rsv_usd')) - num(h[3])))
+-- The tenant's hash, read once per call into S and written back once (if changed): one
+-- HMGET and at most one HSET, where each field's own command would cost a call apiece.
+local S
+local changed = false
+local function load()
+  local v = redis.call('HMGET', K_ST, 'day', 'day_tokens', 'day_usd', 'month', 'month_tokens',
+    'month_usd', 'rsv_tokens', 'rsv_usd', 'charged')
+  S = {day = v[1] or '', day_tokens = num(v[2]), day_usd = num(v[3]), month = v[4] or '',
+    month_tokens = num(v[5]), month_usd = num(v[6]), rsv_tokens = num(v[7]),
+    rsv_usd = num(v[8]), charged = num(v[9])}
+end
+local function int(x) return string.format('%d', x) end
+local function save()
+  if not changed then return end
+  redis.call('HSET', K_ST, 'day', S.day, 'day_tokens', int(S.day_tokens),
+    'day_usd', f(S.day_usd), 'month', S.month, 'month_tokens', int(S.month_tokens),
+    'month_usd', f(S.month_usd), 'rsv_tokens', int(S.rsv_tokens), 'rsv_usd', f(S.rsv_usd),
+    'charged', int(S.charged))
 end
 
+-- A hold's reservation (its fields reserved, tokens, usd) comes off the tenant's total;
+-- true if it was still reserved (the caller marks the hold so).
+local function unreserve(reserved, tokens, usd)
+  if reserved ~= '1' then return false end
+  S.rsv_tokens = S.rsv_tokens - num(tokens)
+  S.rsv_usd = S.rsv_usd - num(usd)
+  changed = true
+  return true
+end
+
+-- A live charge (still in the tpm window) becomes `tokens`; the caller sets the hold's charge.
 local function recharge(rid, tokens)
   local old = redis.call('HGET', K_TOK, rid)
-  if old then  -- live: in the window still
-    redis.call('HINCRBY', K_ST, 'charged', tokens - num(old))
+  if old then
+    S.charged = S.charged + tokens - num(old)
+    changed = true
     redis.call('HSET', K_TOK, rid, tokens)
   end
-  redis.call('HSET', hold_key(rid), 'charge', tokens)
 end
 
 local function roll(day, month)
-  local st = redis.call('HMGET', K_ST, 'day', 'month')
-  if not st[1] or day > st[1] then
-    redis.call('HSET', K_ST, 'day', day, 'day_tokens', 0, 'day_usd', '0')
-  end
-  if not st[2] or month > st[2] then
-    redis.call('HSET', K_ST, 'month', month, 'month_tokens', 0, 'month_usd', '0')
-  end
+  if day > S.day then S.day, S.day_tokens, S.day_usd = day, 0, 0; changed = true end
+  if month > S.month then S.month, S.month_tokens, S.month_usd = month, 0, 0; changed = true end
 end
 
 local function spend(tokens, usd, at)
   local day, month = periods(at)
   roll(day, month)
-  local st = redis.call('HMGET', K_ST, 'day', 'day_usd', 'month', 'month_usd')
-  if st[1] == day then  -- spend of an earlier period counts in it no more
-    redis.call('HINCRBY', K_ST, 'day_tokens', tokens)
-    redis.call('HSET', K_ST, 'day_usd', f(num(st[2]) + usd))
+  if S.day == day then  -- spend of an earlier period counts in it no more
+    S.day_tokens, S.day_usd = S.day_tokens + tokens, S.day_usd + usd
   end
-  if st[3] == month then
-    redis.call('HINCRBY', K_ST, 'month_tokens', tokens)
-    redis.call('HSET', K_ST, 'month_usd', f(num(st[4]) + usd))
+  if S.month == month then
+    S.month_tokens, S.month_usd = S.month_tokens + tokens, S.month_usd + usd
   end
+  changed = true
 end
 
+-- The windows move on, leases run out: what an admission (or a read) decides on. Answers
+-- the places in flight. (A settle or a release needs none of it: what it changes is the
+-- same whether the windows moved first or not.)
 local function advance()
   local cutoff = f(now - WINDOW)
   redis.call('ZREMRANGEBYSCORE', K_REQ, '-inf', cutoff)
@@ -107,84 +126,97 @@ local function advance()
   if #gone > 0 then
     local sum = 0
     for _, t in ipairs(redis.call('HMGET', K_TOK, unpack(gone))) do sum = sum + num(t) end
-    redis.call('HINCRBY', K_ST, 'charged', -sum)
+    S.charged = S.charged - sum
     redis.call('ZREM', K_CHG, unpack(gone))
     redis.call('HDEL', K_TOK, unpack(gone))
+    if redis.call('ZCARD', K_CHG) == 0 then S.charged = 0 end
+    changed = true
   end
-  if redis.call('ZCARD', K_CHG) == 0 then redis.call('HSET', K_ST, 'charged', 0) end
   -- Leases run out: the holds of an edge that died (or never released them) come back.
-  for _, rid in ipairs(redis.call('ZRANGEBYSCORE', K_FLY, '-inf', f(now))) do
-    unreserve(rid)
-    redis.call('HSET', hold_key(rid), 'released', '1')
+  local expired = redis.call('ZRANGEBYSCORE', K_FLY, '-inf', f(now))
+  if #expired > 0 then
+    for _, rid in ipairs(expired) do
+      local hk = hold_key(rid)
+      local h = redis.call('HMGET', hk, 'reserved', 'tokens', 'usd')
+      if h[2] then  -- the hold is known (kept HOLD_KEEP)
+        unreserve(h[1], h[2], h[3])
+        redis.call('HSET', hk, 'reserved', '0', 'released', '1')
+      end
+    end
+    redis.call('ZREMRANGEBYSCORE', K_FLY, '-inf', f(now))
   end
-  redis.call('ZREMRANGEBYSCORE', K_FLY, '-inf', f(now))
-  if redis.call('ZCARD', K_FLY) == 0 then  -- nothing in flight reserves anything
-    redis.call('HSET', K_ST, 'rsv_tokens', 0, 'rsv_usd', '0')
+  local flying = redis.call('ZCARD', K_FLY)
+  if flying == 0 and (S.rsv_tokens ~= 0 or S.rsv_usd ~= 0) then
+    S.rsv_tokens, S.rsv_usd = 0, 0  -- nothing in flight reserves anything
+    changed = true
   end
   roll(periods(wall))
+  return flying
 end
 
 local function keep()
   for _, key in ipairs({K_ST, K_REQ, K_CHG, K_TOK, K_FLY}) do redis.call('EXPIRE', key, KEEP) end
 end
 
-local function snapshot()
-  local st = redis.call('HMGET', K_ST, 'day', 'day_tokens', 'day_usd', 'month',
-    'month_tokens', 'month_usd')
-  return {tostring(redis.call('ZCARD', K_FLY)), st[1] or '', st[2] or '0', st[3] or '0',
-    st[4] or '', st[5] or '0', st[6] or '0'}
-end
-
-local function answer(head)
+-- Every answer: the clocks, the operation's own head, then the tenant's snapshot (in flight,
+-- the day and month spent). `flying` is the places in flight if the caller knows them.
+local function answer(head, flying)
+  save()
+  if not flying then flying = redis.call('ZCOUNT', K_FLY, '(' .. f(now), '+inf') end
   local out = {f(now), f(wall)}
-  for _, v in ipairs(head) do table.insert(out, v) end
-  for _, v in ipairs(snapshot()) do table.insert(out, v) end
-  return out
+  for _, v in ipairs(head) do out[#out + 1] = v end
+  out[#out + 1] = tostring(flying)
+  out[#out + 1] = S.day
+  out[#out + 1] = int(S.day_tokens)
+  out[#out + 1] = f(S.day_usd)
+  out[#out + 1] = S.month
+  out[#out + 1] = int(S.month_tokens)
+  out[#out + 1] = f(S.month_usd)
+  return table.concat(out, ' ')
 end
 
--- What the x-ratelimit headers need: requests in the window and the oldest one's time,
--- tokens charged and the oldest charge's time.
-local function header_state()
+-- What the x-ratelimit headers need: requests in the window (`requests`) and the oldest
+-- one's time, tokens charged and the oldest charge's time.
+local function with_headers(head, requests)
   local oldest_req = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')
   local oldest_chg = redis.call('ZRANGE', K_CHG, 0, 0, 'WITHSCORES')
-  return {tostring(redis.call('ZCARD', K_REQ)), oldest_req[2] or '',
-    tostring(num(redis.call('HGET', K_ST, 'charged'))), oldest_chg[2] or ''}
+  head[#head + 1] = tostring(requests)
+  head[#head + 1] = oldest_req[2] or ''
+  head[#head + 1] = int(S.charged)
+  head[#head + 1] = oldest_chg[2] or ''
+  return head
 end
 
 local op = ARGV[3]
-advance()
--- A tenant's keys are kept KEEP past its last admission or spend: what else comes (a
--- settle, a release, a renewal) follows an admission by at most HOLD_KEEP.
-if op == 'admit' or op == 'spend' then keep() end
+load()
 
 if op == 'admit' then
+  local flying = advance()
+  -- A tenant's keys are kept KEEP past its last admission or spend: what else comes (a
+  -- settle, a release, a renewal) follows an admission by at most HOLD_KEEP.
+  keep()
   local rid, tokens, usd, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local rpm, tpm, conc = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-  local st = redis.call('HMGET', K_ST, 'day_tokens', 'day_usd', 'month_tokens', 'month_usd',
-    'rsv_tokens', 'rsv_usd', 'charged')
-  local rsv_tokens, rsv_usd = num(st[5]), num(st[6])
-  local budgets = {
-    {'budget_tokens_day', tonumber(ARGV[11]), num(st[1]) + rsv_tokens},
-    {'budget_usd_day', tonumber(ARGV[12]), num(st[2]) + rsv_usd},
-    {'budget_tokens_month', tonumber(ARGV[13]), num(st[3]) + rsv_tokens},
-    {'budget_usd_month', tonumber(ARGV[14]), num(st[4]) + rsv_usd},
-  }
+  local n = redis.call('ZCARD', K_REQ)
   local refusal = nil
+  local budgets = {
+    {'budget_tokens_day', ARGV[11], S.day_tokens + S.rsv_tokens},
+    {'budget_usd_day', ARGV[12], S.day_usd + S.rsv_usd},
+    {'budget_tokens_month', ARGV[13], S.month_tokens + S.rsv_tokens},
+    {'budget_usd_month', ARGV[14], S.month_usd + S.rsv_usd},
+  }
   for _, b in ipairs(budgets) do
-    if b[2] and b[3] >= b[2] then refusal = {b[1], f(b[3]), '0'}; break end
+    local cap = tonumber(b[2])
+    if cap and b[3] >= cap then refusal = {b[1], f(b[3]), '0'}; break end
   end
-  if not refusal and conc then
-    local flying = redis.call('ZCARD', K_FLY)
-    if flying >= conc then refusal = {'max_concurrent', tostring(flying), '0'} end
+  if not refusal and conc and flying >= conc then
+    refusal = {'max_concurrent', tostring(flying), '0'}
   end
-  if not refusal and rpm then
-    local n = redis.call('ZCARD', K_REQ)
-    if n >= rpm then
-      local at = redis.call('ZRANGE', K_REQ, n - rpm, n - rpm, 'WITHSCORES')
-      refusal = {'rpm', tostring(n), f(math.max(0, tonumber(at[2]) + WINDOW - now))}
-    end
+  if not refusal and rpm and n >= rpm then
+    local at = redis.call('ZRANGE', K_REQ, n - rpm, n - rpm, 'WITHSCORES')
+    refusal = {'rpm', tostring(n), f(math.max(0, tonumber(at[2]) + WINDOW - now))}
   end
-  local used = num(st[7])
+  local used = S.charged
   if not refusal and tpm and used + tokens > tpm and used > 0 then
     local charges = redis.call('ZRANGE', K_CHG, 0, -1, 'WITHSCORES')
     local left, frees_at = used, now
@@ -193,66 +225,83 @@ if op == 'admit' then
       frees_at = tonumber(charges[i + 1]) + WINDOW
       if left + tokens <= tpm or left <= 0 then break end
     end
-    refusal = {'tpm', tostring(used), f(math.max(0, frees_at - now))}
+    refusal = {'tpm', int(used), f(math.max(0, frees_at - now))}
   end
   if refusal then
-    local head = {'refused', refusal[1], refusal[2], refusal[3]}
-    for _, v in ipairs(header_state()) do table.insert(head, v) end
-    return answer(head)
+    return answer(with_headers({'refused', refusal[1], refusal[2], refusal[3]}, n), flying)
   end
   local sn = f(now)
   redis.call('ZADD', K_REQ, sn, rid)
   redis.call('ZADD', K_CHG, sn, rid)
   redis.call('HSET', K_TOK, rid, tokens)
-  redis.call('HINCRBY', K_ST, 'charged', tokens)
   redis.call('ZADD', K_FLY, f(now + lease), rid)
-  redis.call('HINCRBY', K_ST, 'rsv_tokens', tokens)
-  redis.call('HSET', K_ST, 'rsv_usd', f(rsv_usd + usd))
+  S.charged = S.charged + tokens
+  S.rsv_tokens, S.rsv_usd = S.rsv_tokens + tokens, S.rsv_usd + usd
+  changed = true
   local hk = hold_key(rid)
   redis.call('DEL', hk)
   redis.call('HSET', hk, 'tokens', tokens, 'usd', f(usd), 'charge', tokens, 'reserved', '1',
     'released', '0', 'settled', 0)
   redis.call('EXPIRE', hk, HOLD_KEEP)
-  local head = {'held', '', '', ''}
-  for _, v in ipairs(header_state()) do table.insert(head, v) end
-  return answer(head)
+  return answer(with_headers({'held', '', '', ''}, n + 1), flying + 1)
 end
 
-if op == 'settle' then
-  local rid, attempt, tokens, usd = ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+-- A request's attempt settles once (keyed by the request and the attempt, on any edge): its
+-- live charge becomes what it used, its reservation comes off, what it spent counts.
+local function settle(rid, attempt, tokens, usd)
   local hk = hold_key(rid)
   if redis.call('HSETNX', hk, 's:' .. attempt, '1') == 0 then
-    return answer({'again'})  -- this (request, attempt) settled before
+    return 'again'  -- this (request, attempt) settled before
   end
   redis.call('EXPIRE', hk, HOLD_KEEP)
-  local h = redis.call('HMGET', hk, 'settled', 'charge', 'tokens')
+  local h = redis.call('HMGET', hk, 'settled', 'charge', 'tokens', 'reserved', 'usd')
   if h[3] then  -- the hold is known (else only the spend counts)
     local charge = tokens
     if num(h[1]) > 0 then charge = tokens + num(h[2]) end
     recharge(rid, charge)
-    redis.call('HINCRBY', hk, 'settled', 1)
-    unreserve(rid)
+    unreserve(h[4], h[3], h[5])
+    redis.call('HSET', hk, 'charge', charge, 'settled', num(h[1]) + 1, 'reserved', '0')
   end
   spend(tokens, usd, wall)
-  return answer({'settled'})
+  return 'settled'
+end
+
+-- A request leaves (once): its place in flight and what it still reserved come back; one
+-- not answered and never settled costs nothing.
+local function release(rid, answered)
+  local hk = hold_key(rid)
+  local h = redis.call('HMGET', hk, 'released', 'settled', 'reserved', 'tokens', 'usd')
+  if h[1] ~= '0' then return 'again' end  -- released before, or unknown
+  redis.call('ZREM', K_FLY, rid)
+  unreserve(h[3], h[4], h[5])
+  if num(h[2]) == 0 and answered ~= '1' then  -- it costs nothing
+    recharge(rid, 0)
+    redis.call('HSET', hk, 'released', '1', 'reserved', '0', 'charge', 0)
+  else
+    redis.call('HSET', hk, 'released', '1', 'reserved', '0')
+  end
+  return 'released'
+end
+
+if op == 'settle' then
+  return answer({settle(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]))})
 end
 
 if op == 'release' then
-  local rid, answered = ARGV[4], ARGV[5]
-  local hk = hold_key(rid)
-  local h = redis.call('HMGET', hk, 'released', 'settled')
-  if h[1] ~= '0' then return answer({'again'}) end  -- released before, or unknown
-  redis.call('HSET', hk, 'released', '1')
-  redis.call('ZREM', K_FLY, rid)
-  unreserve(rid)
-  if num(h[2]) == 0 and answered ~= '1' then recharge(rid, 0) end  -- it costs nothing
-  return answer({'released'})
+  return answer({release(ARGV[4], ARGV[5])})
+end
+
+if op == 'finish' then  -- a settle and the same request's release, posted one after the other
+  settle(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]))
+  return answer({release(ARGV[4], ARGV[8])})
 end
 
 if op == 'spend' then
   local id, tokens, usd = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
   local at = wall
   if ARGV[7] ~= '' then at = tonumber(ARGV[7]) end
+  keep()
+  roll(periods(wall))
   if redis.call('SET', base .. ':op:' .. id, '1', 'NX', 'EX', HOLD_KEEP) then
     spend(tokens, usd, at)
     return answer({'spent'})
@@ -267,7 +316,7 @@ if op == 'renew' then  -- the places still held get a new lease
 end
 
 if op == 'read' then
-  return answer({'read'})
+  return answer({'read'}, advance())
 end
 
 return redis.error_reply('unknown operation ' .. tostring(op))

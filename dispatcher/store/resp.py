@@ -107,8 +107,8 @@ def encode_command(*args: Arg) -> bytes:
         raise ValueError("a Redis command needs at least its name")
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
-        data = _arg_bytes(arg)
-        parts += (b"$%d\r\n" % len(data), data, _CRLF)
+        data = arg.encode() if type(arg) is str else _arg_bytes(arg)
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(parts)
 
 

@@ -14,6 +14,8 @@
 * suspended (the guard knows Redis is down), the store parks its writes without trying them
   and writes them first when resumed;
 * what was posted before the store closed is written;
+* a settle and its release posted together are one script on the server; an admission with
+  nothing queued is sent by its caller, not through the writer's tasks;
 * on the server's own clocks (no clock given) it limits and spends;
 * nothing of the embedded default imports ``coredis``.
 """
@@ -431,3 +433,75 @@ async def test_operations_queued_together_go_in_one_pipeline_a_refused_one_goes_
         assert store.statistics().lost == 0
         await store.refresh("t1")
         assert store.spent("t1").tokens_day == 5
+
+
+async def _script_calls(store: RedisLimits) -> int:
+    """Scripts the server ran since it started (``INFO commandstats``)."""
+    info = await store.client.call("INFO", "commandstats")
+    assert isinstance(info, bytes)
+    for line in info.decode().splitlines():
+        if line.startswith("cmdstat_evalsha:"):
+            return int(line.split("calls=")[1].split(",")[0])
+    return 0
+
+
+async def test_a_settle_and_its_release_posted_together_are_one_script(url: str) -> None:
+    """A request's settle and its release, posted with no write between them, run as one
+    script (one call on the server, not two), with what each does: the place comes back,
+    the reservation comes off, the spend counts; a second release of it does nothing."""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        held = await store.admit(hold("r1", 50, max_concurrent=1, budget_tokens_day=100))
+        assert isinstance(held, RedisHeld)
+        await store.flush()
+        before = await _script_calls(store)
+        store.settle(held, 1, 30, 0.25)
+        store.release(held, answered=True)
+        await store.flush()
+        assert await _script_calls(store) == before + 1
+        assert store.in_flight("t1") == 0
+        assert store.spent("t1").tokens_day == 30
+        assert store.spent("t1").usd_day == 0.25
+        # 30 spent and nothing reserved: 70 tokens of the day's 100 are left, for one place.
+        again = await store.admit(hold("r2", 70, max_concurrent=1, budget_tokens_day=100))
+        assert isinstance(again, RedisHeld)
+        store.release(held, answered=True)  # again: nothing is posted
+        store.release(again, answered=False)
+        await store.flush()
+        assert store.in_flight("t1") == 0
+        assert store.spent("t1").tokens_day == 30
+
+
+class _Steps(trio.abc.Instrument):
+    """The names of the tasks that ran a step while it was installed."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.names.add(task.name)
+
+
+async def test_an_admission_with_nothing_queued_is_sent_by_its_caller(url: str) -> None:
+    """With no write waiting, an admission does not pass through the store's writer and
+    receiver tasks (two scheduler turns instead of five): neither runs a step while it is
+    answered; with a write queued before it, it goes through them, after that write."""
+    clocks = Clocks()
+    async with edge(url, clocks) as store:
+        await store.refresh("t1")  # connected, the script loaded
+        steps = _Steps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            held = await store.admit(hold("r1", max_concurrent=1))
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert isinstance(held, RedisHeld)
+        assert not {name for name in steps.names if name.endswith(("_writer", "_receiver"))}
+        store.release(held, answered=False)  # queued: the next admission follows it
+        steps = _Steps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            assert isinstance(await store.admit(hold("r2", max_concurrent=1)), RedisHeld)
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert any(name.endswith("_writer") for name in steps.names)
