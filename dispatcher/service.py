@@ -252,6 +252,10 @@ class Service:
         return config.node_id
 
     def on_capacity(self, session: NodeSession, change: wire.Capacity) -> None:
+        """A new grant of the node's: admission takes it as the candidate's slots, and the
+        node hears it was applied (a ``demand`` with its serial: a smaller grant is trusted
+        by the node only then)."""
+        session.grant_serial = max(session.grant_serial, change.serial)
         if session.draining:
             return  # a draining node takes nothing new, whatever it announces
         for candidate in candidates_for_session(session):
@@ -259,6 +263,18 @@ class Service:
                 self.admission.capacity_changed(
                     candidate.key, change.slots, change.long_context_slots
                 )
+        report_demand(self.admission, session)
+
+    async def report_demands(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Tells each node what this edge wants of it (``demand``) whenever admission's
+        queues or slots change: one pass per change, however many came together."""
+        task_status.started()
+        while True:
+            await self.admission.wait_changed()
+            for session in list(self.registry.sessions.values()):
+                report_demand(self.admission, session)
 
     def on_draining(self, session: NodeSession) -> None:
         """The node said ``node.draining``: admit nothing more onto its candidates (their
@@ -569,12 +585,47 @@ async def open_service_of(
         registry.on_join(dispatcher._node_joined)
         registry.on_leave(dispatcher._node_left)
         await nursery.start(admission.run)
+        await nursery.start(dispatcher.report_demands)
         await nursery.start(tenants.seed_when_readable, ledger)
         try:
             yield dispatcher
         finally:
             registry.closing = True  # the node sessions end as the edge's, not as lost nodes
             nursery.cancel_scope.cancel(reason="dispatcher closed")
+
+
+def report_demand(admission: Admission, session: NodeSession) -> None:
+    """Post ``demand`` to the node for each of its candidates whose report changed: the
+    requests waiting, or the grant applied (the node waits for it to trust a smaller one),
+    or the slots held when they are beyond the grant or come back to it (within its grant
+    the node counts this edge's runs itself: no report per request)."""
+    if session.closed_reason is not None or session.draining:
+        return
+    serial = session.grant_serial
+    for candidate in candidates_for_session(session):
+        now = admission.demand(candidate.key)
+        if now is None:
+            continue
+        waiting, held, slots = now
+        where = (candidate.provider_id, candidate.model)
+        # Nothing said yet is "nothing waits, nothing beyond the hello's grant".
+        was_waiting, was_held, was_serial = session.demand_sent.get(where, (0, 0, 0))
+        if (
+            waiting == was_waiting
+            and serial == was_serial
+            and (held == was_held or (held <= slots and was_held <= slots))
+        ):
+            continue
+        session.demand_sent[where] = (waiting, held, serial)
+        session.post(
+            wire.Demand(
+                provider_id=candidate.provider_id,
+                model=candidate.model,
+                waiting=waiting,
+                in_use=held,
+                serial=serial,
+            )
+        )
 
 
 __all__ = ["Service", "ShuttingDown", "Work", "open_service", "open_service_of"]

@@ -734,6 +734,18 @@ class AdmissionCore:
             ejections=self._health.ejections,
         )
 
+    def demand(self, key: CandidateKey) -> tuple[int, int, int] | None:
+        """What the node behind ``key`` is told this edge wants of it (``demand``): the
+        requests its group has queued, the candidate's slots held (in use and draining), and
+        its slots now; None if the candidate is not known. O(1)."""
+        group = self._groups.get(key.model)
+        state = group.candidates.get(key) if group is not None else None
+        if group is None or state is None:
+            return None
+        held = state.in_use[_SHORT] + state.in_use[_LONG]
+        held += state.draining[_SHORT] + state.draining[_LONG]
+        return group.depth[_SHORT] + group.depth[_LONG], held, state.limits[0]
+
     def is_queued(self, waiter_id: WaiterId) -> bool:
         return waiter_id in self._waiters
 

@@ -119,6 +119,7 @@ class Admission:
         self._wakeup = trio.Event()
         self._armed = math.inf
         self._running = False
+        self._changed = trio.Event()
 
     @property
     def policy(self) -> PolicySnapshot:
@@ -216,6 +217,15 @@ class Admission:
     def statistics(self) -> AdmissionStatistics:
         return self._core.statistics()
 
+    def demand(self, key: CandidateKey) -> tuple[int, int, int] | None:
+        """``(waiting, held, slots)`` of a candidate (see ``AdmissionCore.demand``)."""
+        return self._core.demand(key)
+
+    async def wait_changed(self) -> None:
+        """Until the queues or the slots change after the call (a waiter comes or goes, a
+        slot is taken or freed, a capacity changes)."""
+        await self._changed.wait()
+
     def knows_model(self, model: str) -> bool:
         """Whether a request for ``model`` (a group or an alias) would not be refused as
         unknown: a node serves it, a request waits for it, or the policy names it. See
@@ -236,7 +246,9 @@ class Admission:
 
     def _carry_out(self, decisions: Sequence[Decision]) -> None:
         """Hand each decision to its parked task; an admission for a task that is gone is
-        released at once (which may admit someone else)."""
+        released at once (which may admit someone else). Wakes :meth:`wait_changed`."""
+        self._changed.set()
+        self._changed = trio.Event()
         pending = deque(decisions)
         while pending:
             decision = pending.popleft()

@@ -339,6 +339,11 @@ class NodeSession:
     """The node said it is draining (``node.draining``): nothing new is routed to it."""
     drain_grace: float = 0.0
     """The grace the node gave its work when it said it is draining."""
+    grant_serial: int = 0
+    """The last grant of the node's (``capacity.serial``) this edge applied: its ``demand``
+    reports say so."""
+    demand_sent: dict[tuple[str, str], tuple[int, int, int]] = attrs.field(factory=dict)
+    """The last ``demand`` told the node per (provider, model): waiting, held, serial."""
     end_code: LostCode | None = None
     """Why the session ended (set with :attr:`closed_reason`)."""
     ended: trio.Event = attrs.field(factory=trio.Event)

@@ -8,7 +8,13 @@ Direction::
                    tunnel.start, tunnel.end, (binary) tunnel data, node.draining
     edge -> node   welcome, ping, run.request, run.cancel,
                    tunnel.request, tunnel.credit, tunnel.cancel, (binary) tunnel data,
-                   edge.draining
+                   edge.draining, demand
+
+Slots are the node's to grant (protocol 2): a node may serve several edges, so what its
+``hello`` announces for a model is this edge's grant, not the node's whole capacity, and
+each ``capacity`` that follows is a new grant (numbered by ``serial``). The edge reports its
+``demand`` per provider and model (requests waiting, slots in use, the last grant applied),
+from which the node shares its slots between its edges (``nodes/grants.py``).
 
 Every run event carries the ``run_id`` the edge chose and a per-run ``seq`` starting at 0.
 Exactly one terminal event (completed, failed, cancelled) ends a run.
@@ -20,7 +26,8 @@ from typing import Any, ClassVar, Final, Literal, TypeAlias, get_args
 
 import attrs
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+"""2: slots are granted per edge (``capacity.serial``, ``demand``)."""
 MAX_FRAME_SIZE: Final = 4 * 1024 * 1024
 """Largest frame either side sends or accepts, text or binary, in bytes."""
 MAX_TUNNEL_CHUNK: Final = 64 * 1024
@@ -76,13 +83,17 @@ class Hello:
 
 @attrs.frozen(kw_only=True)
 class Capacity:
-    """A change of one model's slot counts on one provider, without reconnecting."""
+    """A new grant of one model's slots on one provider to this edge, without reconnecting:
+    the edge admits at most ``slots`` on it from now on (what already runs finishes)."""
 
     TYPE: ClassVar[str] = "capacity"
     provider_id: str
     model: str
     slots: int
     long_context_slots: int = 0
+    serial: int = 0
+    """This grant's number, increasing over the session (the ``hello``'s grants are 0): the
+    edge's ``demand`` says the last one it applied."""
 
 
 @attrs.frozen(kw_only=True)
@@ -251,6 +262,23 @@ class Ping:
 
 
 @attrs.frozen(kw_only=True)
+class Demand:
+    """What this edge wants of one provider's model on the node: ``waiting`` requests queued
+    that it could serve, ``in_use`` slots this edge holds on it (admitted, whether or not
+    their ``run.request`` was sent yet), as of the node's grants up to ``serial`` (applied
+    before this was sent). The edge sends it when these change; the node shares its slots
+    between its edges by it, and trusts a smaller grant only once a ``demand`` with its
+    serial confirms it."""
+
+    TYPE: ClassVar[str] = "demand"
+    provider_id: str
+    model: str
+    waiting: int
+    in_use: int
+    serial: int
+
+
+@attrs.frozen(kw_only=True)
 class RunRequest(_RunFields):
     """Run ``body`` (an OpenAI chat-completions request body, ``model`` already replaced by
     the served name) on provider ``provider_id``."""
@@ -334,6 +362,7 @@ EdgeMessage: TypeAlias = (
     | TunnelCredit
     | TunnelCancel
     | EdgeDraining
+    | Demand
 )
 Message: TypeAlias = NodeMessage | EdgeMessage
 

@@ -227,7 +227,8 @@ class _Half:
             this_side = "edge" if kind is m.Hello else "node"
             return self._fail(
                 f"protocol version {message.protocol} is not supported "
-                f"(this {this_side} speaks {PROTOCOL_VERSION})",
+                f"(this {this_side} speaks {PROTOCOL_VERSION}): run the same trio-dispatcher "
+                "release on the edges and their nodes",
                 UnsupportedVersion,
             )
         self.state = then
@@ -430,7 +431,7 @@ class NodeProtocol(_Half):
             if key in known:
                 return ACCEPTED
             return Tolerated(f"{_describe(message)} for {key!r}, which is not running here")
-        if isinstance(message, m.Ping):
+        if isinstance(message, m.Ping | m.Demand):
             return ACCEPTED
         if isinstance(message, m.EdgeDraining):
             self.edge_draining = True

@@ -65,14 +65,20 @@ class ScriptedNode:
     async def send(self, message: wire.Message) -> None:
         await self.conn.send(wire.encode(message))
 
+    demands: list[wire.Demand] = attrs.field(factory=list)
+
     async def receive(self) -> wire.Message:
-        """The next non-ping message from the edge."""
+        """The next message from the edge but a ping (answered) or a demand (kept in
+        :attr:`demands`: the scripted node grants nothing)."""
         while True:
             frame = await self.conn.receive()
             assert isinstance(frame, str)
             message = wire.decode(frame)
             if isinstance(message, wire.Ping):
                 await self.send(wire.Pong(nonce=message.nonce))
+                continue
+            if isinstance(message, wire.Demand):
+                self.demands.append(message)
                 continue
             self.seen.append(message)
             return message

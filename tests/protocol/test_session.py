@@ -56,7 +56,8 @@ def test_wire_is_the_protocol_package() -> None:
         (p.TunnelData("t", b"x"), "expected hello, got a binary frame"),
         (
             p.Hello(protocol=99, node_id="n"),
-            "protocol version 99 is not supported (this edge speaks 1)",
+            "protocol version 99 is not supported (this edge speaks 2): run the same "
+            "trio-dispatcher release on the edges and their nodes",
         ),
     ],
 )
@@ -340,10 +341,13 @@ def test_node_wants_a_welcome_after_its_hello() -> None:
 def test_node_refuses_another_protocol_version() -> None:
     node = p.NodeProtocol()
     node.send(HELLO)
-    welcome = p.Welcome(protocol=2, generation=1, heartbeat_interval=1.0)
+    welcome = p.Welcome(protocol=1, generation=1, heartbeat_interval=1.0)
     verdict = node.receive(welcome)
     assert isinstance(verdict, p.UnsupportedVersion)  # reconnecting cannot help
-    assert error(verdict) == "protocol version 2 is not supported (this node speaks 1)"
+    assert error(verdict) == (
+        "protocol version 1 is not supported (this node speaks 2): run the same "
+        "trio-dispatcher release on the edges and their nodes"
+    )
     assert node.welcome is None
     assert node.generation is None
 
