@@ -118,7 +118,13 @@ def _parser() -> argparse.ArgumentParser:
 
     node = sub.add_parser("node", help="run a node that dials the edge and serves models")
     log_level(node, argparse.SUPPRESS)
-    node.add_argument("--edge", default=None, help=f"edge websocket URL ({DEFAULT_EDGE_URL})")
+    node.add_argument(
+        "--edge",
+        action="append",
+        default=None,
+        help=f"edge websocket URL ({DEFAULT_EDGE_URL}); repeat it to serve several edges, "
+        "which share this node's slots",
+    )
     node.add_argument("--config", help="node config file (TOML)")
     node.add_argument("--token", help="node token, if the edge requires one")
     node.add_argument("--id", dest="node_id", help="node id (default: from config or hostname)")
@@ -483,10 +489,16 @@ def _node_command(args: argparse.Namespace) -> int:
     config = load_node_config(args.config) if args.config else default_node_config()
     changes: dict[str, Any] = {}
     if args.edge:
-        reason = check_edge_url(args.edge)
-        if reason is not None:
-            raise StartupError(f"--edge: {reason}")
-        changes["edge_url"] = args.edge
+        for url in args.edge:
+            reason = check_edge_url(url)
+            if reason is not None:
+                raise StartupError(f"--edge: {reason}")
+        if len(set(args.edge)) < len(args.edge):
+            raise StartupError("--edge: an edge is given twice")
+        if len(args.edge) == 1:
+            changes["edge_url"], changes["edges"] = args.edge[0], ()
+        else:
+            changes["edges"] = tuple(args.edge)
     if args.token:
         changes["token"] = args.token
     if args.node_id:
@@ -507,7 +519,7 @@ def _node_command(args: argparse.Namespace) -> int:
             f"{config.give_up_after:g} s; --keep-trying never does"
         )
     print(
-        f"trio-dispatcher node {config.node_id} dialling {config.edge_url}\n"
+        f"trio-dispatcher node {config.node_id} dialling {', '.join(config.edge_urls)}\n"
         f"  {patience}\n"
         f"  Ctrl-C or SIGTERM drains (in-flight runs get {config.drain_grace:g} s); "
         "twice stops at once",
@@ -529,7 +541,9 @@ def _check_node(config: NodeConfig, source: str | None) -> None:
             if not source:
                 raise
             found.append(Problem(source, f"providers[{index}].{exc.key}", exc.reason))
-    if config.edge_ca_file is not None and config.edge_url.lower().startswith("wss:"):
+    if config.edge_ca_file is not None and any(
+        url.lower().startswith("wss:") for url in config.edge_urls
+    ):
         try:
             edge_ssl_context(config)
         except (OSError, ssl.SSLError) as exc:

@@ -75,6 +75,8 @@ from nodes.dial import WEBSOCKET_CLOSE_TIMEOUT, DialFailed, close_budget, edge_d
 from nodes.dial import Dial as Dial
 from nodes.dial import NodeRejected as NodeRejected
 from nodes.dial import dial_edge as dial_edge
+from nodes.granting import EdgeGrants, hello_with_grants
+from nodes.grants import Key
 from nodes.reconnect import Backoff as Backoff
 from nodes.reconnect import DialCause, GiveUp, Reconnect, Retry, advice
 from nodes.runner import Runner, open_runner
@@ -100,6 +102,9 @@ protocol error (bad hello, unsupported protocol version), unsupported or invalid
 going away, restarting, timeouts -- is transient and retried with backoff."""
 
 NODE_DRAINING: Final = "node_draining"
+BEYOND_GRANT: Final = "beyond_grant"
+"""The failure code of a run or tunnel an edge sent beyond the slots this node granted it (a
+protocol error of the edge's: refused, never run)."""
 """The failure code of a run or tunnel the edge sent after the node said it is draining."""
 
 EXIT_REJECTED: Final = 2
@@ -193,7 +198,7 @@ class _Link:
     every frame this node sends is recorded in it, in wire order (under the one send lock
     that serializes the runner's writer, pongs and tunnels)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, grants: EdgeGrants | None = None, edge: str = "") -> None:
         self._conn = conn
         self._lock = _SendTurn()
         self._idle = trio.lowlevel.ParkingLot()
@@ -201,11 +206,33 @@ class _Link:
         self.draining = False
         """This node decided to drain: it refuses new runs and tunnels (set before
         ``node.draining`` is on the wire)."""
+        self.grants = grants
+        """The node's slots over its edges (None: this session has them all, unchecked)."""
+        self.edge = edge
+        """This session's edge, as :attr:`grants` knows it (its URL)."""
+        self.counted: dict[str, Key] = {}
+        """The runs and tunnels :attr:`grants` counts, by id, until they end."""
+
+    def start_work(self, message: wire.RunRequest | wire.TunnelRequest) -> bool:
+        """Count a run or tunnel against this edge's grant: False if it is beyond it."""
+        if self.grants is None or (isinstance(message, wire.TunnelRequest) and not message.model):
+            return True
+        key = (message.provider_id, message.model)
+        if not self.grants.run_started(self.edge, key):
+            return False
+        work_id = message.run_id if isinstance(message, wire.RunRequest) else message.tunnel_id
+        self.counted[work_id] = key
+        return True
 
     async def send(self, message: wire.NodeMessage) -> None:
         frame = wire.encode(message)
         async with self._lock:
             self.protocol.send(message)
+            if self.counted and isinstance(message, _ANSWERS):
+                ended = message.tunnel_id if isinstance(message, wire.TunnelEnd) else message.run_id
+                key = self.counted.pop(ended, None)
+                if key is not None and self.grants is not None:
+                    self.grants.run_ended(self.edge, key)
             await self._conn.send(frame)
         if isinstance(message, _ANSWERS) and self.protocol.is_idle():
             self._idle.unpark_all()
@@ -247,9 +274,15 @@ async def serve_node_session(
     adapters: Mapping[str, Adapter] | None = None,
     tunnels: Mapping[str, AnyTunnelProvider] | None = None,
     drain: Drain | None = None,
+    grants: EdgeGrants | None = None,
     task_status: trio.TaskStatus[wire.Welcome] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one connection to the edge, from ``hello`` until the connection ends.
+
+    ``grants``: the node's slots shared over its edge sessions (:mod:`nodes.granting`): the
+    hello announces this edge's grants (``config.edge_url`` names the edge), the session
+    sends the grants that follow and counts its runs against them. None: the session has
+    every slot (the in-process node, the tests of one session).
 
     Returns when the session is over for a transient reason (connection lost, edge silent,
     protocol error, handshake timeout), or once it has drained after ``drain`` was requested,
@@ -265,10 +298,14 @@ async def serve_node_session(
         adapters = build_adapters(config.providers)
     if tunnels is None:
         tunnels = tunnel_providers(config.providers)
-    link = _Link(conn)
+    edge = config.edge_url
+    link = _Link(conn, grants, edge)
+    hello = hello_from_config(config)
+    if grants is not None:
+        hello = hello_with_grants(hello, grants.join(edge))
     code, reason = CLOSE_GOING_AWAY, "node shutting down"  # unless the session ends otherwise
     try:
-        welcome = await _handshake(conn, link, config)
+        welcome = await _handshake(conn, link, config, hello)
         log.info(
             "node %s registered with the edge: generation %d, heartbeat every %.1f s",
             config.node_id,
@@ -298,12 +335,15 @@ async def serve_node_session(
         log.exception("node session failed")
     finally:
         link.protocol.close()
+        if grants is not None:
+            grants.leave(edge)
         with trio.move_on_after(close_budget(), shield=True):
             await conn.aclose(code, reason)
 
 
-async def _handshake(conn: Connection, link: _Link, config: NodeConfig) -> wire.Welcome:
-    hello = hello_from_config(config)
+async def _handshake(
+    conn: Connection, link: _Link, config: NodeConfig, hello: wire.Hello
+) -> wire.Welcome:
     log.info(
         "connected; announcing node %s with %d provider(s), %d model(s)",
         config.node_id,
@@ -371,6 +411,8 @@ async def _serve_welcomed(
             nursery.start_soon(receive)
             if drain is not None:
                 nursery.start_soon(drain_when_asked, drain)
+            if link.grants is not None:
+                nursery.start_soon(link.grants.send_grants, link.edge, link.send)
     except* DropConnection as group:
         reason = str(first_leaf(group, DropConnection))
         log.warning("dropping the connection to the edge (%s)", reason)
@@ -441,6 +483,17 @@ async def _carry_out(
     elif isinstance(message, wire.RunRequest | wire.TunnelRequest) and link.draining:
         log.info("%s: refused, this node is draining", _describe_work(message))
         await link.send(_draining_refusal(message))
+    elif isinstance(message, wire.RunRequest | wire.TunnelRequest) and not link.start_work(message):
+        log.warning(
+            "%s: refused, the edge at %s sent it beyond the slots this node granted it "
+            "(a protocol error of the edge's)",
+            _describe_work(message),
+            link.edge,
+        )
+        await link.send(_beyond_grant_refusal(message))
+    elif isinstance(message, wire.Demand):
+        if link.grants is not None:
+            link.grants.report(link.edge, message)
     elif isinstance(message, wire.RunRequest):
         log.debug(
             "run %s: request for %s on provider %s",
@@ -496,6 +549,17 @@ def _draining_refusal(message: wire.RunRequest | wire.TunnelRequest) -> wire.Nod
     )
 
 
+def _beyond_grant_refusal(message: wire.RunRequest | wire.TunnelRequest) -> wire.NodeMessage:
+    """The answer to work an edge sent beyond its grant: a failure with code
+    :data:`BEYOND_GRANT`, not retryable here (the edge's own count is wrong)."""
+    why = "beyond the slots this node granted this edge"
+    if isinstance(message, wire.RunRequest):
+        return wire.RunFailed(
+            run_id=message.run_id, seq=0, code=BEYOND_GRANT, message=f"run refused: {why}"
+        )
+    return wire.TunnelEnd(tunnel_id=message.tunnel_id, error=f"{BEYOND_GRANT}: {why}")
+
+
 def _describe_work(message: wire.RunRequest | wire.TunnelRequest) -> str:
     if isinstance(message, wire.RunRequest):
         return f"run {message.run_id}"
@@ -533,9 +597,15 @@ async def serve_node(  # noqa: ASYNC128 (task_status is passed on to _reconnect_
     dial: Dial | None = None,
     rng: random.Random | None = None,
     drain: Drain | None = None,
+    dials: Mapping[str, Dial] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep this node connected to the edge until cancelled, or until it has drained.
+
+    With several edges (``config.edges``), one session per edge, each reconnecting on its
+    own, all over the same provider pools, sharing the node's slots
+    (:class:`~nodes.granting.EdgeGrants`); ``dials`` gives the dial of an edge by its URL
+    (the tests' seam). ``task_status.started()`` comes with the first welcome from any.
 
     Dials with ``dial`` (default :func:`dial_edge`), serves a session, and after any
     connection loss or dial failure waits a :class:`Backoff` delay (reset after a session
@@ -562,18 +632,89 @@ async def serve_node(  # noqa: ASYNC128 (task_status is passed on to _reconnect_
     Raises ``ValueError`` at once, before dialling, when the default dial is used and
     ``config.edge_url`` is not an edge's node endpoint (a mistake no retry can fix).
     """
-    if dial is None:
-        dial = edge_dial(config)
+    edges = config.edge_urls
+    if dial is not None and len(edges) > 1:
+        raise ValueError("serve_node(dial=...) dials one edge: this config names several")
+    dials = {
+        url: (dials or {}).get(url)
+        or dial
+        or edge_dial(attrs.evolve(config, edge_url=url, edges=()))
+        for url in edges
+    }
     if drain is None:
         drain = Drain()  # never requested
+    grants = EdgeGrants(config)
     # The providers' pools live as long as the node, around every session: the connections
     # to the providers survive a reconnect to the edge.
     async with (
         open_adapters(build_adapters(config.providers)) as adapters,
         open_tunnel_pools(tunnel_providers(config.providers)) as tunnels,
     ):
-        await _reconnect_loop(config, dial, rng, drain, adapters, tunnels, task_status)
+        if len(edges) == 1:
+            await _reconnect_loop(
+                config, dials[edges[0]], rng, drain, adapters, tunnels, grants, task_status
+            )
+        else:
+            await _serve_edges(config, dials, rng, drain, adapters, tunnels, grants, task_status)
     log.info("node %s drained: stopping", config.node_id)
+
+
+class _FirstStarted:
+    """One ``task_status`` for several loops: started once, by the first welcome."""
+
+    def __init__(self, task_status: trio.TaskStatus[None]) -> None:
+        self._task_status = task_status
+        self._started = False
+
+    def started(self, value: None = None) -> None:
+        if not self._started:
+            self._started = True
+            self._task_status.started()
+
+
+async def _serve_edges(
+    config: NodeConfig,
+    dials: Mapping[str, Dial],
+    rng: random.Random | None,
+    drain: Drain,
+    adapters: Mapping[str, Adapter],
+    tunnels: Mapping[str, AnyTunnelProvider],
+    grants: EdgeGrants,
+    task_status: trio.TaskStatus[None],
+) -> None:
+    """:func:`serve_node` with several edges: one reconnect loop per edge, each on its own
+    (a lost, superseded or unreachable edge touches no other session), all over the same
+    pools and grants. An edge that cannot be reached is tried for ever (with the warnings
+    naming the cause); one that rejects the node is logged and left; only when every edge
+    rejected it is the first rejection raised."""
+    started = _FirstStarted(task_status)
+    failures: list[NodeRejected | EdgeUnreachable] = []
+
+    async def one_edge(url: str) -> None:
+        # An edge of several that is down when the node starts is restarting, not a wrong
+        # URL to give up on (the others let the node in): it is tried for ever, warned of.
+        edge_config = attrs.evolve(config, edge_url=url, edges=(), keep_trying=True)
+        try:
+            await _reconnect_loop(
+                edge_config,
+                dials[url],
+                rng,
+                drain,
+                adapters,
+                tunnels,
+                grants,
+                started,  # its started() is all the loop calls
+            )
+        except (NodeRejected, EdgeUnreachable) as exc:
+            failures.append(exc)
+            remaining = len(dials) - len(failures)
+            log.warning("leaving the edge at %s; %d other edge(s) still served", url, remaining)
+
+    async with trio.open_nursery() as nursery:
+        for url in dials:
+            nursery.start_soon(one_edge, url, name=f"edge {url}")
+    if failures and len(failures) == len(dials) and not drain.is_requested():
+        raise failures[0]
 
 
 async def _reconnect_loop(
@@ -583,10 +724,12 @@ async def _reconnect_loop(
     drain: Drain,
     adapters: Mapping[str, Adapter],
     tunnels: Mapping[str, AnyTunnelProvider],
+    grants: EdgeGrants,
     task_status: trio.TaskStatus[None],
 ) -> None:
-    """:func:`serve_node`'s loop: dial, serve a session, back off, until drained; what to do
-    after each attempt is the :class:`~nodes.reconnect.Reconnect` policy's decision."""
+    """:func:`serve_node`'s loop for one edge (``config.edge_url``): dial, serve a session,
+    back off, until drained; what to do after each attempt is the
+    :class:`~nodes.reconnect.Reconnect` policy's decision."""
     policy = Reconnect(
         Backoff(config.reconnect_min_backoff, config.reconnect_max_backoff, rng=rng),
         give_up_after=None if config.keep_trying else config.give_up_after,
@@ -616,6 +759,7 @@ async def _reconnect_loop(
                         adapters=adapters,
                         tunnels=tunnels,
                         drain=drain,
+                        grants=grants,
                         task_status=_WelcomeStatus(partial(on_welcome, attempt)),
                     )
             cause = DialCause.other(

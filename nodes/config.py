@@ -233,6 +233,9 @@ class NodeConfig:
     node_id: str
     label: str = ""
     edge_url: str = DEFAULT_EDGE_URL
+    edges: tuple[str, ...] = ()
+    """Several edges to serve at once (their node endpoints' URLs); empty: ``edge_url``
+    alone. The node shares its slots between them (:mod:`nodes.granting`)."""
     token: str | None = attrs.field(default=None, repr=False)
     providers: tuple[ProviderConfig, ...] = ()
     heartbeat_timeout_factor: float = 3.0
@@ -259,6 +262,11 @@ class NodeConfig:
     edge_tls_server_name: str | None = None
     """For a ``wss://`` edge: the name its certificate must carry (and the SNI sent), when it
     is not the URL's host (an edge dialled by IP address, say)."""
+
+    @property
+    def edge_urls(self) -> tuple[str, ...]:
+        """The edges this node serves: :attr:`edges`, or :attr:`edge_url` alone."""
+        return self.edges or (self.edge_url,)
 
 
 _ENDPOINT_SEGMENTS: Final = frozenset({"v1", "node", "nodes", "connect"})
@@ -370,6 +378,7 @@ class _NodeTable:
     id: str | None = None
     label: str | None = None
     edge_url: str | None = None
+    edges: tuple[str, ...] | None = None
     token: str | None = attrs.field(default=None, repr=False)
     token_env: Annotated[str, _ENV_VAR] | None = None
     heartbeat_timeout_factor: Annotated[float, _number(minimum=1.0)] | None = None
@@ -518,6 +527,17 @@ def parse_node_config(
         bad_url = check_edge_url(node.edge_url)
         if bad_url is not None:
             report("node.edge_url", bad_url)
+    if node.edges is not None:
+        if node.edge_url is not None:
+            report("node.edges", "give edge_url (one edge) or edges (several), not both")
+        if not node.edges:
+            report("node.edges", "expected at least one edge URL")
+        for index, url in enumerate(node.edges):
+            bad_url = check_edge_url(url)
+            if bad_url is not None:
+                report(f"node.edges[{index}]", bad_url)
+            elif url in node.edges[:index]:
+                report(f"node.edges[{index}]", f"{url!r} is listed twice")
     token = _node_token(node, environ, report)
     defaults = NodeConfig(node_id="")
     min_backoff = defaults.reconnect_min_backoff
@@ -561,6 +581,7 @@ def parse_node_config(
 _NODE_SETTINGS: Final = (
     "label",
     "edge_url",
+    "edges",
     "heartbeat_timeout_factor",
     "handshake_timeout",
     "reconnect_reset_after",

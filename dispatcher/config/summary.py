@@ -141,12 +141,17 @@ def _policy(settings: QueuePolicySettings) -> str:
 
 
 def describe_node(config: NodeConfig) -> list[str]:
-    """The node's id, the edge it dials (and how it trusts it), and each provider with its
+    """The node's id, the edges it dials (and how it trusts them), and each provider with its
     models and slots."""
     label = f" ({config.label})" if config.label else ""
     lines = [
         f"node id: {config.node_id}{label}",
-        f"edge: {public_url(config.edge_url)}{_edge_trust(config)}",
+        *(f"edge: {public_url(url)}{_edge_trust(config, url)}" for url in config.edge_urls),
+        *(
+            ["slots: shared between the edges (each is granted a share)"]
+            if len(config.edge_urls) > 1
+            else []
+        ),
         "token: " + ("set (not shown)" if config.token else "none"),
         f"drain: in-flight runs and tunnels get {_seconds(config.drain_grace)} (drain_grace)",
     ]
@@ -156,8 +161,8 @@ def describe_node(config: NodeConfig) -> list[str]:
     return lines
 
 
-def _edge_trust(config: NodeConfig) -> str:
-    if not config.edge_url.lower().startswith("wss:"):
+def _edge_trust(config: NodeConfig, url: str) -> str:
+    if not url.lower().startswith("wss:"):
         return ""
     parts = [f"CA file {Path(config.edge_ca_file)}" if config.edge_ca_file else "system CAs"]
     if config.edge_tls_server_name:

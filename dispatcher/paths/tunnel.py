@@ -177,6 +177,7 @@ class Tunnel(Lease):
             wire.TunnelRequest(
                 tunnel_id=self.tunnel_id,
                 provider_id=self.candidate.provider_id,
+                model=self.candidate.model,
                 method=method,
                 path=path,
                 query=query,

@@ -307,6 +307,8 @@ class TunnelRequest(_TunnelFields):
 
     TYPE: ClassVar[str] = "tunnel.request"
     provider_id: str
+    model: str = ""
+    """The model group whose slot the tunnel holds (the node counts it against that grant)."""
     method: str
     path: str
     query: str = ""

@@ -22,6 +22,9 @@ whitespace after it), or ``chunk_count`` tokens ``"tok0 "``, ``"tok1 "``... when
 one token per chunk (SSE event / NDJSON line). ``expected_text`` is their concatenation.
 Usage: ``prompt_tokens`` (a knob) and one completion token per chunk.
 
+Both count the requests they answer at once (``active``, ``most_active``: what bounds an
+engine's concurrency).
+
 Knobs (both fakes): ``status`` (non-200: an error response in the provider's shape, with
 ``error_message`` and, OpenAI only, ``error_code`` as ``error.code`` (also in the error event
 of ``fail_mode="error"``); ``error_body``, when set, is sent as the JSON error body instead;
@@ -144,6 +147,10 @@ class FakeProvider:
     disconnects: list[SeenRequest] = attrs.field(factory=list, init=False)
     """Requests whose client left mid-response, in the order they were seen leaving."""
     server: Server | None = attrs.field(default=None, init=False)
+    active: int = attrs.field(default=0, init=False)
+    """Requests being answered right now (an engine's runs in flight)."""
+    most_active: int = attrs.field(default=0, init=False)
+    """The most :attr:`active` ever was: what a node's slots must bound."""
     _changed: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot, init=False)
 
     # ---------------------------------------------------------------- for tests
@@ -201,6 +208,8 @@ class FakeProvider:
         )
         self.requests.append(seen)
         self._changed.unpark_all()
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
         try:
             await self._answer(seen, responder)
         except PeerGone:
@@ -211,6 +220,7 @@ class FakeProvider:
                 self._gone(seen)
             raise
         finally:
+            self.active -= 1
             seen.finished.set()
             self._changed.unpark_all()
 

@@ -208,6 +208,28 @@ def test_minimal_config_uses_defaults(tmp_path: Path) -> None:
         ),
         ("providers = 3\n", "providers: expected an array of tables, got 3"),
         ("[node\n", "invalid TOML"),
+        (
+            VALID.replace("[node]\n", '[node]\nedges = ["ws://a:8700/v1/nodes/connect"]\n'),
+            "node.edges: give edge_url (one edge) or edges (several), not both",
+        ),
+        (
+            VALID.replace('edge_url = "wss://edge.example:8700/v1/nodes/connect"', "edges = []"),
+            "node.edges: expected at least one edge URL",
+        ),
+        (
+            VALID.replace(
+                'edge_url = "wss://edge.example:8700/v1/nodes/connect"',
+                'edges = ["ws://a:8700/v1/nodes/connect", "ws://a:8700/v1/nodes/connect"]',
+            ),
+            "node.edges[1]: 'ws://a:8700/v1/nodes/connect' is listed twice",
+        ),
+        (
+            VALID.replace(
+                'edge_url = "wss://edge.example:8700/v1/nodes/connect"',
+                'edges = ["ws://a:8700/v1/nodes/connect", "ws://b:8700/v1/node/connect"]',
+            ),
+            "node.edges[1]: expected a URL ending in /v1/nodes/connect",
+        ),
     ],
 )
 def test_invalid_config_names_file_key_and_reason(tmp_path: Path, text: str, message: str) -> None:
@@ -352,3 +374,17 @@ async def test_serve_node_refuses_a_bad_edge_url_before_dialling() -> None:
         pytest.raises(ValueError, match=r"^edge_url: expected a ws:// or wss:// URL"),
     ):
         await serve_node(config)
+
+
+def test_several_edges(tmp_path: Path) -> None:
+    """``edges`` names the edges a node serves at once; without it, ``edge_url`` alone."""
+    urls = ("ws://a:8700/v1/nodes/connect", "wss://b:8700/v1/nodes/connect")
+    text = VALID.replace(
+        'edge_url = "wss://edge.example:8700/v1/nodes/connect"',
+        f"edges = [{', '.join(repr(url) for url in urls)}]",
+    )
+    config = load_node_config(write(tmp_path, text), environ={"NODE_TOKEN": "t"})
+    assert config.edges == urls
+    assert config.edge_urls == urls
+    one = load_node_config(write(tmp_path, VALID), environ={"NODE_TOKEN": "t"})
+    assert one.edge_urls == ("wss://edge.example:8700/v1/nodes/connect",)

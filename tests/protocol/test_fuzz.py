@@ -490,7 +490,7 @@ class HostileEdge(RuleBasedStateMachine):
         if isinstance(message, p.EdgeDraining):
             self.edge_draining = True
             return p.Accepted
-        if isinstance(message, p.Ping):
+        if isinstance(message, p.Ping | p.Demand):
             return p.Accepted
         return p.ProtocolError  # a second welcome, or any node -> edge message
 
