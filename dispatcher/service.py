@@ -145,6 +145,7 @@ class Service:
     _work: set[Work] = attrs.field(factory=set)
     _idle: trio.Event = attrs.field(factory=trio.Event)
     _drain_deadline: float | None = None
+    _peers: tuple[wire.EdgePeer, ...] = ()
     shutting_down: bool = False
     """Set when what the drain left is ended (streams get their final event at once)."""
 
@@ -195,6 +196,8 @@ class Service:
             on_capacity=self.on_capacity,
             on_draining=self.on_draining,
             peer=peer,
+            edge_id=self.cluster.edge_id,
+            peers=self.peers,
         )
 
     async def attach_local_node(self, node_config: NodeConfig | None = None) -> str:
@@ -264,6 +267,26 @@ class Service:
                     candidate.key, change.slots, change.long_context_slots
                 )
         report_demand(self.admission, session)
+
+    def peers(self) -> tuple[wire.EdgePeer, ...]:
+        """The other live edges, as last read (:meth:`watch_peers`): what a node's welcome
+        lists."""
+        return self._peers
+
+    async def watch_peers(
+        self, every: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Read the live edges every ``every`` seconds (a store that does not answer leaves
+        the last list read)."""
+        task_status.started()
+        while True:
+            listed = await self.cluster.edges()
+            self._peers = tuple(
+                wire.EdgePeer(id=record.id, node_url=record.node_url)
+                for record in listed.edges
+                if record.id != self.cluster.edge_id and record.node_url
+            )
+            await trio.sleep(every)
 
     async def report_demands(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -586,6 +609,7 @@ async def open_service_of(
         registry.on_leave(dispatcher._node_left)
         await nursery.start(admission.run)
         await nursery.start(dispatcher.report_demands)
+        await nursery.start(dispatcher.watch_peers, config.store.heartbeat_s)
         await nursery.start(tenants.seed_when_readable, ledger)
         try:
             yield dispatcher

@@ -584,11 +584,12 @@ class _Attempt:
 class _WelcomeStatus:
     """A ``task_status`` for :func:`serve_node_session` that reports the first welcome."""
 
-    def __init__(self, on_welcome: Callable[[], None]) -> None:
+    def __init__(self, on_welcome: Callable[[wire.Welcome], None]) -> None:
         self._on_welcome = on_welcome
 
     def started(self, value: Any = None) -> None:
-        self._on_welcome()
+        assert isinstance(value, wire.Welcome)
+        self._on_welcome(value)
 
 
 async def serve_node(  # noqa: ASYNC128 (task_status is passed on to _reconnect_loop)
@@ -635,12 +636,11 @@ async def serve_node(  # noqa: ASYNC128 (task_status is passed on to _reconnect_
     edges = config.edge_urls
     if dial is not None and len(edges) > 1:
         raise ValueError("serve_node(dial=...) dials one edge: this config names several")
-    dials = {
-        url: (dials or {}).get(url)
-        or dial
-        or edge_dial(attrs.evolve(config, edge_url=url, edges=()))
-        for url in edges
-    }
+    if dial is not None:
+        dials = {edges[0]: dial}
+    for url in edges:  # a URL that can never work is said before dialling
+        if dials is None or url not in dials:
+            edge_dial(attrs.evolve(config, edge_url=url, edges=()))
     if drain is None:
         drain = Drain()  # never requested
     grants = EdgeGrants(config)
@@ -650,12 +650,8 @@ async def serve_node(  # noqa: ASYNC128 (task_status is passed on to _reconnect_
         open_adapters(build_adapters(config.providers)) as adapters,
         open_tunnel_pools(tunnel_providers(config.providers)) as tunnels,
     ):
-        if len(edges) == 1:
-            await _reconnect_loop(
-                config, dials[edges[0]], rng, drain, adapters, tunnels, grants, task_status
-            )
-        else:
-            await _serve_edges(config, dials, rng, drain, adapters, tunnels, grants, task_status)
+        edges_served = _Edges(config, dials or {}, rng, drain, adapters, tunnels, grants)
+        await edges_served.serve(task_status)
     log.info("node %s drained: stopping", config.node_id)
 
 
@@ -672,49 +668,150 @@ class _FirstStarted:
             self._task_status.started()
 
 
-async def _serve_edges(
-    config: NodeConfig,
-    dials: Mapping[str, Dial],
-    rng: random.Random | None,
-    drain: Drain,
-    adapters: Mapping[str, Adapter],
-    tunnels: Mapping[str, AnyTunnelProvider],
-    grants: EdgeGrants,
-    task_status: trio.TaskStatus[None],
-) -> None:
-    """:func:`serve_node` with several edges: one reconnect loop per edge, each on its own
-    (a lost, superseded or unreachable edge touches no other session), all over the same
-    pools and grants. An edge that cannot be reached is tried for ever (with the warnings
-    naming the cause); one that rejects the node is logged and left; only when every edge
-    rejected it is the first rejection raised."""
-    started = _FirstStarted(task_status)
-    failures: list[NodeRejected | EdgeUnreachable] = []
+@attrs.define(eq=False)
+class _EdgeLoop:
+    """One edge the node serves: its reconnect loop's scope, and what its welcomes said."""
 
-    async def one_edge(url: str) -> None:
-        # An edge of several that is down when the node starts is restarting, not a wrong
-        # URL to give up on (the others let the node in): it is tried for ever, warned of.
-        edge_config = attrs.evolve(config, edge_url=url, edges=(), keep_trying=True)
-        try:
-            await _reconnect_loop(
-                edge_config,
-                dials[url],
-                rng,
-                drain,
-                adapters,
-                tunnels,
-                grants,
-                started,  # its started() is all the loop calls
+    url: str
+    learned: bool
+    """Told by another edge's welcome (not in the node's config)."""
+    edges: _Edges
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    edge_id: str | None = None
+    in_session: bool = False
+
+    def welcomed(self, welcome: wire.Welcome) -> None:
+        self.in_session = True
+        self.edges.welcomed(self, welcome)
+
+    def ended(self) -> None:
+        self.in_session = False
+
+
+@attrs.define(eq=False)
+class _Edges:
+    """:func:`serve_node`'s edges: one reconnect loop per edge, each on its own (a lost,
+    superseded or unreachable edge touches no other session), all over the same provider
+    pools and grants.
+
+    The configured edges are served from the start; each welcome names the other live edges
+    sharing the stores (``welcome.edges``), and those the node does not serve yet are
+    dialled too (**learned**), so adding an edge needs no change on any node. A learned edge
+    no welcome lists any more, and not in a session, is forgotten. Two loops that reach the
+    same edge (its id, ``welcome.edge_id``, under two URLs) keep the configured one.
+
+    With one configured edge, its loop is the node's as before: it gives up
+    (:class:`EdgeUnreachable`) or is rejected (:class:`NodeRejected`) as configured. With
+    several, an edge that cannot be reached is tried for ever (it is restarting, not a
+    wrong URL); one that rejects the node is left. When every configured edge rejected the
+    node (or was given up on), the first reason is raised and the learned ones end too."""
+
+    config: NodeConfig
+    dials: Mapping[str, Dial]
+    rng: random.Random | None
+    drain: Drain
+    adapters: Mapping[str, Adapter]
+    tunnels: Mapping[str, AnyTunnelProvider]
+    grants: EdgeGrants
+    loops: dict[str, _EdgeLoop] = attrs.Factory(dict)
+    failures: list[NodeRejected | EdgeUnreachable] = attrs.Factory(list)
+    _nursery: trio.Nursery | None = None
+    _started: _FirstStarted | None = None
+
+    async def serve(self, task_status: trio.TaskStatus[None]) -> None:
+        self._started = _FirstStarted(task_status)
+        configured = self.config.edge_urls
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for url in configured:
+                self._start(url, learned=False)
+        self._nursery = None
+        if len(self.failures) == len(configured) and not self.drain.is_requested():
+            raise self.failures[0]
+
+    def welcomed(self, loop: _EdgeLoop, welcome: wire.Welcome) -> None:
+        loop.edge_id = welcome.edge_id or None
+        if loop.edge_id is not None:
+            for other in list(self.loops.values()):
+                if other is loop or other.edge_id != loop.edge_id:
+                    continue
+                extra = loop if loop.learned else other if other.learned else None
+                if extra is not None:
+                    log.info(
+                        "edge %s is served at %s already: not dialling %s",
+                        loop.edge_id,
+                        (other if extra is loop else loop).url,
+                        extra.url,
+                    )
+                    self._forget(extra)
+        listed_ids = {peer.id for peer in welcome.edges}
+        listed_urls = {peer.node_url for peer in welcome.edges}
+        for other in list(self.loops.values()):
+            gone = other.edge_id not in listed_ids and other.url not in listed_urls
+            if other is not loop and other.learned and not other.in_session and gone:
+                log.info("the edge at %s is no longer listed: not dialling it", other.url)
+                self._forget(other)
+        known_ids = {other.edge_id for other in self.loops.values()}
+        for peer in welcome.edges:
+            if peer.node_url in self.loops or peer.id in known_ids:
+                continue
+            log.info(
+                "edge %s at %s told of edge %s: serving it too at %s",
+                loop.edge_id or "?",
+                loop.url,
+                peer.id,
+                peer.node_url,
             )
-        except (NodeRejected, EdgeUnreachable) as exc:
-            failures.append(exc)
-            remaining = len(dials) - len(failures)
-            log.warning("leaving the edge at %s; %d other edge(s) still served", url, remaining)
+            self._start(peer.node_url, learned=True)
 
-    async with trio.open_nursery() as nursery:
-        for url in dials:
-            nursery.start_soon(one_edge, url, name=f"edge {url}")
-    if failures and len(failures) == len(dials) and not drain.is_requested():
-        raise failures[0]
+    def _start(self, url: str, *, learned: bool) -> None:
+        if self._nursery is None or url in self.loops:
+            return
+        loop = self.loops[url] = _EdgeLoop(url, learned, self)
+        self._nursery.start_soon(self._run, loop, name=f"edge {url}")
+
+    def _forget(self, loop: _EdgeLoop) -> None:
+        loop.scope.cancel(reason="edge forgotten")
+        if self.loops.get(loop.url) is loop:
+            del self.loops[loop.url]
+
+    async def _run(self, loop: _EdgeLoop) -> None:
+        alone = len(self.config.edge_urls) == 1 and not loop.learned
+        edge_config = attrs.evolve(
+            self.config,
+            edge_url=loop.url,
+            edges=(),
+            keep_trying=self.config.keep_trying or not alone,
+        )
+        dial = self.dials.get(loop.url) or edge_dial(edge_config)
+        assert self._started is not None
+        try:
+            with loop.scope:
+                await _reconnect_loop(
+                    edge_config,
+                    dial,
+                    self.rng,
+                    self.drain,
+                    self.adapters,
+                    self.tunnels,
+                    self.grants,
+                    self._started,  # its started() is all the loop calls
+                    loop,
+                )
+        except (NodeRejected, EdgeUnreachable) as exc:
+            if self.loops.get(loop.url) is loop:
+                del self.loops[loop.url]
+            if loop.learned:
+                log.warning("leaving the edge at %s (told of by another edge)", loop.url)
+                return
+            self.failures.append(exc)
+            configured = len(self.config.edge_urls)
+            if len(self.failures) == configured:
+                assert self._nursery is not None
+                self._nursery.cancel_scope.cancel(reason="every configured edge failed")
+            else:
+                left = configured - len(self.failures)
+                log.warning("leaving the edge at %s; %d other edge(s) still served", loop.url, left)
 
 
 async def _reconnect_loop(
@@ -726,6 +823,7 @@ async def _reconnect_loop(
     tunnels: Mapping[str, AnyTunnelProvider],
     grants: EdgeGrants,
     task_status: trio.TaskStatus[None],
+    watcher: _EdgeLoop | None = None,
 ) -> None:
     """:func:`serve_node`'s loop for one edge (``config.edge_url``): dial, serve a session,
     back off, until drained; what to do after each attempt is the
@@ -736,11 +834,13 @@ async def _reconnect_loop(
         reset_after=config.reconnect_reset_after,
     )
 
-    def on_welcome(attempt: _Attempt) -> None:
+    def on_welcome(attempt: _Attempt, welcome: wire.Welcome) -> None:
         attempt.welcomed = True
         if not policy.welcomed_once:
             task_status.started()
         policy.welcomed()
+        if watcher is not None:
+            watcher.welcomed(welcome)
 
     while not drain.is_requested():
         connected_at: float | None = None
@@ -767,6 +867,8 @@ async def _reconnect_loop(
                 if attempt.welcomed
                 else "the edge ended the session before welcoming the node"
             )
+            if watcher is not None:
+                watcher.ended()
         except NodeRejected as exc:
             _log_rejection(config, exc)
             raise

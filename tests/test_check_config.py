@@ -212,6 +212,16 @@ def test_a_store_url_of_the_wrong_kind_is_refused(tmp_path: Path) -> None:
     )
 
 
+def test_a_node_url_that_is_not_a_node_endpoint_is_refused(tmp_path: Path) -> None:
+    write(tmp_path, "edge.toml", '[store]\nnode_url = "http://edge-a:8700/v1/nodes"\n')
+    result = dispatcher(tmp_path, "check-config", "edge.toml")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "dispatcher: edge.toml: store.node_url: expected a ws:// or wss:// URL ending in "
+        "/v1/nodes/connect, got 'http://edge-a:8700/v1/nodes'\n"
+    )
+
+
 NODE = """\
 [node]
 id = "gpu-1"

@@ -217,6 +217,10 @@ class StoreSettings:
     ``DATA_DIR/outbox.sqlite3``; embedded dispatchers to ``:memory:`` (not durable)."""
     edge_id: str | None = None
     """This edge's name in the cluster (default: host name and port)."""
+    node_url: str | None = None
+    """Where nodes dial this edge (its node endpoint, ``ws://`` or ``wss://`` ending in
+    ``/v1/nodes/connect``), told to every node that joins another edge, so that it joins this
+    one too (default: the edge's address, ``ws://`` or ``wss://`` with TLS)."""
     heartbeat_s: float = 5.0
     """Seconds between this edge's heartbeats in Redis; it is forgotten after three missed."""
 
@@ -861,6 +865,13 @@ def _validate_store(
             _TENANT_ID.match(store.edge_id) is not None,
             "store.edge_id",
             "expected 1 to 64 of A-Z a-z 0-9 . _ : @ -, got " + repr(store.edge_id),
+        )
+    if store.node_url is not None:
+        check(
+            re.fullmatch(r"wss?://[^/\s]+(/\S*)?/v1/nodes/connect", store.node_url) is not None,
+            "store.node_url",
+            "expected a ws:// or wss:// URL ending in /v1/nodes/connect, got "
+            + repr(store.node_url),
         )
 
 

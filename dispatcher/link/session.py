@@ -301,12 +301,16 @@ async def serve_node_connection(
     on_draining: Callable[[NodeSession], None] | None = None,
     peer: str = "in-memory",
     authenticated_as: str | None = None,
+    edge_id: str = "",
+    peers: Callable[[], tuple[wire.EdgePeer, ...]] | None = None,
 ) -> None:
     """Serve one node connection until it closes. Never raises for anything the node does.
     Every session that ends logs why (``node ... left: <reason>``).
 
     ``authenticated_as``: the connection is trusted as this credential (the in-process node,
-    :data:`LOCAL_CREDENTIAL`): its ``hello.token`` is not checked."""
+    :data:`LOCAL_CREDENTIAL`): its ``hello.token`` is not checked. The welcome names this
+    edge (``edge_id``) and the other live edges (``peers()``), for the node to serve them
+    too."""
     session: NodeSession | None = None
     ending = _Ending()
     close_code, close_reason = CLOSE_GOING_AWAY, "session ended"
@@ -330,6 +334,8 @@ async def serve_node_connection(
                 protocol=wire.PROTOCOL_VERSION,
                 generation=session.generation,
                 heartbeat_interval=settings.heartbeat_interval,
+                edge_id=edge_id,
+                edges=peers() if peers is not None else (),
             )
         )
         await _serve_session(conn, session, settings, on_capacity, on_draining, ending)

@@ -53,16 +53,23 @@ class EdgeIdentity:
     id: str
     address: str
     version: str = VERSION
+    node_url: str = ""
+    """Where nodes dial it (told to the nodes of the other edges)."""
 
 
 def edge_identity(config: EdgeConfig, hostname: str | None = None) -> EdgeIdentity:
     """This edge's identity from its config: ``store.edge_id``, else ``hostname:port``; its
     address is ``host:port`` as configured, with the host name for a wildcard host (``""``,
-    ``0.0.0.0``, ``::``)."""
+    ``0.0.0.0``, ``::``); its node URL ``store.node_url``, else its node endpoint at that
+    address (none on port 0: the port is not known yet, and no node is told of it)."""
     hostname = hostname or socket.gethostname()
     host = hostname if config.host in _WILDCARDS else config.host
     address = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
-    return EdgeIdentity(id=config.edge_id(hostname), address=address)
+    scheme = "wss" if config.http.tls_certificate is not None else "ws"
+    node_url = config.store.node_url or (
+        f"{scheme}://{address}/v1/nodes/connect" if config.port else ""  # port 0: unknown yet
+    )
+    return EdgeIdentity(id=config.edge_id(hostname), address=address, node_url=node_url)
 
 
 def record_of(identity: EdgeIdentity, report: EdgeReport, heard_s: float) -> EdgeRecord:
@@ -70,6 +77,7 @@ def record_of(identity: EdgeIdentity, report: EdgeReport, heard_s: float) -> Edg
         id=identity.id,
         address=identity.address,
         version=identity.version,
+        node_url=identity.node_url,
         started_at=report.started_at,
         in_flight=report.in_flight,
         heard_s=heard_s,
@@ -86,6 +94,7 @@ def encode_record(identity: EdgeIdentity, instance: str, report: EdgeReport) -> 
             "id": identity.id,
             "instance": instance,
             "address": identity.address,
+            "node_url": identity.node_url,
             "version": identity.version,
             **attrs.asdict(report),
         }
@@ -102,6 +111,7 @@ def decode_record(text: str, now_ms: int) -> EdgeRecord | None:
             id=str(fields["id"]),
             address=str(fields["address"]),
             version=str(fields["version"]),
+            node_url=str(fields.get("node_url", "")),
             started_at=float(fields["started_at"]),
             in_flight=int(fields["in_flight"]),
             heard_s=max(0.0, (now_ms - heard_ms) / 1000),

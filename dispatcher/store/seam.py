@@ -384,6 +384,8 @@ class EdgeRecord:
     """Seconds since its latest heartbeat (by the store's clock, not the edges')."""
     reloaded_at: float | None
     reload_error: str | None
+    node_url: str = ""
+    """Where nodes dial it ("" from an edge of an earlier release)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -242,15 +242,26 @@ class EdgeDraining:
 
 
 @attrs.frozen(kw_only=True)
+class EdgePeer:
+    """Another edge sharing this one's stores: its id and where nodes dial it."""
+
+    id: str
+    node_url: str
+
+
+@attrs.frozen(kw_only=True)
 class Welcome:
     """The edge accepted the node's ``hello``: the protocol version it speaks, the session's
     fresh ``generation``, and how often it pings (``<= 0`` turns the node's heartbeat check
-    off)."""
+    off); ``edge_id``, this edge's name among several, and ``edges``, the other live edges
+    sharing its stores, for the node to serve them too."""
 
     TYPE: ClassVar[str] = "welcome"
     protocol: int
     generation: int
     heartbeat_interval: float
+    edge_id: str = ""
+    edges: tuple[EdgePeer, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -183,3 +183,66 @@ async def test_an_edge_that_leaves_frees_its_slots(autojump_clock: trio.testing.
         await b_connections[0].aclose()  # edge b is gone: its half comes back to a
         await wait_until(lambda: slots(a) == SLOTS, timeout=30)
         node_scope.cancel()
+
+
+async def test_a_node_given_one_edge_serves_the_edges_its_welcome_names(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The node's config names edge a alone; a's welcome names edge b (a live edge sharing
+    its stores): the node dials b too and shares its slots between them. When b is gone and
+    a no longer lists it, the node stops dialling it and a gets every slot back."""
+    from dispatcher.config import StoreSettings
+
+    async with (
+        open_dispatcher(EdgeConfig(local_node=False, store=StoreSettings(edge_id="a"))) as a,
+        open_dispatcher(EdgeConfig(local_node=False, store=StoreSettings(edge_id="b"))) as b,
+        trio.open_nursery() as nursery,
+    ):
+        a._peers = (wire.EdgePeer(id="b", node_url=URLS[1]),)  # as a Redis cluster lists it
+        b._peers = (wire.EdgePeer(id="a", node_url=URLS[0]),)
+        b_connections: list[Connection] = []
+        b_dials = 0
+        b_down = False
+
+        @asynccontextmanager
+        async def dial_b() -> AsyncIterator[Connection]:
+            nonlocal b_dials
+            b_dials += 1
+            if b_down:
+                raise OSError("connection refused")
+            edge_end, node_end = memory_connection_pair()
+            b_connections.append(edge_end)
+            await b.attach_node(edge_end)
+            yield node_end
+
+        a_connections: list[Connection] = []
+
+        @asynccontextmanager
+        async def dial_a() -> AsyncIterator[Connection]:
+            edge_end, node_end = memory_connection_pair()
+            a_connections.append(edge_end)
+            await a.attach_node(edge_end)
+            yield node_end
+
+        config = attrs.evolve(node_config(), edges=(), edge_url=URLS[0])
+        node_scope = trio.CancelScope()
+
+        async def node() -> None:
+            with node_scope:
+                await serve_node(config, dials={URLS[0]: dial_a, URLS[1]: dial_b})
+
+        nursery.start_soon(node)
+        await wait_until(lambda: (slots(a), slots(b)) == (SLOTS // 2, SLOTS // 2), timeout=30)
+        assert len(a.registry.sessions) == len(b.registry.sessions) == 1
+        # b is gone for good: a stops listing it; the node's next welcome from a forgets it.
+        b_down = True
+        a._peers = ()
+        await b_connections[0].aclose()
+        await wait_until(lambda: slots(a) == SLOTS, timeout=30)
+        await a_connections[-1].aclose()  # the node reconnects to a: a new welcome
+        await wait_until(lambda: len(a_connections) == 2, timeout=30)
+        await wait_until(lambda: slots(a) == SLOTS, timeout=30)
+        dials_then = b_dials
+        await trio.sleep(120)  # the node's backoff is at most 0.2 s: it would have dialled
+        assert b_dials == dials_then
+        node_scope.cancel()

@@ -15,13 +15,16 @@ traceback or a refused run.
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.chaos.processes import Processes, tracebacks
 from tests.nodes.fake_providers import FakeOpenAI, serve_fake_openai
+from tests.store import redis_server
 
 SLOTS = 3
 REQUESTS = 48
@@ -143,3 +146,71 @@ async def test_two_edges_never_run_more_than_the_nodes_slots(tmp_path: Path) -> 
     for proc in processes.procs:
         assert not tracebacks(proc.stderr()), proc.stderr()[-3000:]
         assert "beyond_grant" not in proc.stderr(), proc.stderr()[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.skipif(redis_server.BINARY is None, reason="no redis-server")
+async def test_a_node_given_one_edge_serves_every_edge_sharing_its_redis(tmp_path: Path) -> None:
+    """Two ``dispatcher serve`` sharing a real redis-server; ``dispatcher node --edge A``
+    names edge A alone. A's welcome names B (B's heartbeat in Redis carries where nodes dial
+    it), so the node serves B too: both edges list its model, and their slots add up to the
+    node's."""
+    processes = Processes(tmp_path)
+    fake = FakeOpenAI(chunk_count=2)
+    with redis_server.own_server() as redis:
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve_fake_openai, fake)
+                ports = [_free_port(), _free_port()]
+                for name, port in zip(("edge-a", "edge-b"), ports, strict=True):
+                    config = tmp_path / f"{name}.toml"
+                    config.write_text(
+                        EDGE_TOML.format(data=tmp_path / name)
+                        + f'host = "127.0.0.1"\n[store]\nredis_url = "{redis.url}"\n'
+                        + f'edge_id = "{name}"\nheartbeat_s = 0.2\n'
+                    )
+                    proc = processes.spawn(
+                        name,
+                        ["-m", "dispatcher", "serve", "--config", str(config), "--port", str(port)],
+                    )
+                    await proc.wait_for_stdout(
+                        r"listening on http://127\.0\.0\.1:\d+/v1", START_TIMEOUT
+                    )
+                node_config = tmp_path / "node.toml"
+                node_config.write_text(NODE_TOML.format(base_url=fake.base_url, slots=SLOTS))
+                await trio.sleep(1.0)  # a few heartbeats: each edge lists the other
+                processes.spawn(
+                    "node",
+                    [
+                        "-m", "dispatcher", "node", "--config", str(node_config),
+                        "--edge", f"ws://127.0.0.1:{ports[0]}/v1/nodes/connect",
+                    ],
+                )  # fmt: skip
+                async with httpx.AsyncClient(timeout=60) as client:
+                    with trio.fail_after(START_TIMEOUT):
+                        for port in ports:
+                            while not await _serves(client, port):
+                                await trio.sleep(0.05)
+                        while True:
+                            totals = [(await _slots(client, port))["total"] for port in ports]
+                            if sum(totals) == SLOTS and all(totals):
+                                break
+                            await trio.sleep(0.05)
+                    for port in ports:
+                        response = await client.post(
+                            f"http://127.0.0.1:{port}/v1/chat/completions",
+                            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                        )
+                        assert response.status_code == 200, response.text
+                nursery.cancel_scope.cancel()
+        finally:
+            processes.close()
+    node_log = processes.procs[-1].stderr()
+    assert "told of edge edge-b" in node_log, node_log[-3000:]
+    for proc in processes.procs:
+        assert not tracebacks(proc.stderr()), proc.stderr()[-3000:]

@@ -21,17 +21,36 @@ from dispatcher.store.seam import EdgeReport
 
 def test_the_edge_id_defaults_to_the_host_name_and_port() -> None:
     config = EdgeConfig(host="0.0.0.0", port=8700)
-    assert edge_identity(config, hostname="box") == EdgeIdentity(id="box:8700", address="box:8700")
+    assert edge_identity(config, hostname="box") == EdgeIdentity(
+        id="box:8700", address="box:8700", node_url="ws://box:8700/v1/nodes/connect"
+    )
     named = attrs.evolve(config, host="10.0.0.5", store=StoreSettings(edge_id="edge-1"))
     assert edge_identity(named, hostname="box") == EdgeIdentity(
-        id="edge-1", address="10.0.0.5:8700"
+        id="edge-1", address="10.0.0.5:8700", node_url="ws://10.0.0.5:8700/v1/nodes/connect"
     )
     v6 = EdgeConfig(host="fd00::5", port=1)
     assert edge_identity(v6, hostname="box").address == "[fd00::5]:1"
 
 
+def test_the_node_url_is_the_edges_endpoint_unless_configured() -> None:
+    """Where nodes dial the edge: ``store.node_url``, else its node endpoint at its address
+    (``wss://`` with TLS); none on port 0 (not known before it listens)."""
+    tls = attrs.evolve(
+        EdgeConfig(host="edge.example", port=443),
+        http=attrs.evolve(EdgeConfig().http, tls_certificate="c.pem", tls_private_key="k.pem"),
+    )
+    assert edge_identity(tls).node_url == "wss://edge.example:443/v1/nodes/connect"
+    assert edge_identity(EdgeConfig(port=0)).node_url == ""
+    proxied = attrs.evolve(
+        tls, store=StoreSettings(node_url="wss://nodes.example/edge-a/v1/nodes/connect")
+    )
+    assert edge_identity(proxied).node_url == "wss://nodes.example/edge-a/v1/nodes/connect"
+
+
 def test_a_record_comes_back_as_it_was_written() -> None:
-    identity = EdgeIdentity(id="e", address="h:1", version="1.2")
+    identity = EdgeIdentity(
+        id="e", address="h:1", version="1.2", node_url="ws://h:1/v1/nodes/connect"
+    )
     report = EdgeReport(started_at=10.5, in_flight=4, reloaded_at=20.0, reload_error="bad")
     kept = orjson.loads(encode_record(identity, "instance-1", report))
     assert kept["instance"] == "instance-1"
@@ -39,6 +58,7 @@ def test_a_record_comes_back_as_it_was_written() -> None:
     record = decode_record(orjson.dumps(kept).decode(), now_ms=31_500)
     assert record is not None
     assert (record.id, record.address, record.version) == ("e", "h:1", "1.2")
+    assert record.node_url == "ws://h:1/v1/nodes/connect"
     assert (record.started_at, record.in_flight, record.heard_s) == (10.5, 4, 1.5)
     assert (record.reloaded_at, record.reload_error) == (20.0, "bad")
     assert decode_record("not json", 0) is None
