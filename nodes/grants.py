@@ -337,9 +337,8 @@ class Allocator:
         ranked = sorted(shares, key=lambda pair: pair[1].priority())
         targets = water_fill(slots, [(share.floor, share.demand) for _, share in ranked])
         for (edge, share), target in zip(ranked, targets, strict=True):
-            lowered = min(share.granted, max(target, share.floor))
-            if lowered < share.granted:
-                self._send(edge, key, share, lowered, out)
+            if share.granted > target:  # never below its floor: no target is
+                self._send(edge, key, share, target, out)
         free = slots - sum(share.held for _, share in shares)
         for (edge, share), target in zip(ranked, targets, strict=True):
             if free <= 0:
