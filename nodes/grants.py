@@ -5,40 +5,45 @@ arbitrates them itself: every edge session gets, per key (``provider_id``, ``mod
 **grant** -- a ``capacity`` message telling that edge how many of the key's slots it may fill
 -- and the grants of a key never promise more than the key has. The :class:`Allocator` decides
 the grants; the node's sessions carry them (nothing here sends, waits or reads a clock: each
-method takes one event and returns the :class:`Grant`\\ s to send now, in order).
+method takes one event and returns the :class:`Grant`\\ s to send now, in order). A grant's
+``long_context_slots`` are the key's in proportion (a soft split; the slots are the bound).
 
 **Demand.** Each edge tells the node, per key, how many requests wait for it there
 (``waiting``) and how many slots it uses (``in_use``: admitted, whether or not the node has
-seen the run yet), echoing the ``serial`` of the last grant it applied (:meth:`Allocator.report`).
-The node shares a key's slots out by demand (what it uses plus what waits), max-min fair:
-no edge gets more than it asks while another gets less than it asks, and a run already going
-is never taken back. Slots nobody asks for are granted too, spread evenly over the edges, so a
-node with one edge grants it everything (as before there were grants) and an idle edge can
-start its first request without asking first. When there are fewer slots than edges that want
-one, the edge that has waited longest without a slot gets the next one that frees (no edge
-starves); the one that has held a slot longest gives its up first.
+seen the run yet), echoing the ``serial`` of the last grant it applied
+(:meth:`Allocator.report`). The node shares a key's slots out by demand (what the edge uses
+plus what waits), max-min fair: no edge gets more than it asks while another gets less than it
+asks, and a grant is never lowered below what its edge uses (a run is never taken back). Slots
+nobody asks for are granted too, spread evenly over the edges, so a node with one edge grants
+it everything (as before there were grants) and an idle edge can start its first request
+without asking first. When there are fewer slots than edges that want one, the edge that has
+waited longest with no slot in use gets the next one that frees, and the one that got its slot
+longest ago gives it up first: the edges take turns, none starves. A slot granted and not yet
+filled is not taken back for an edge that started waiting later.
 
 **A grant that grows counts at once; one that shrinks counts only once the edge confirms
 it.** Messages cross on the wire: when the node lowers an edge's grant, the edge may already
 have admitted requests under the old one whose ``run.request`` is still on its way. So the
-node keeps counting that edge as possibly using what the old grant allowed (:meth:`Allocator.held`)
-until a report of the edge's on that key echoes the lowering grant's serial (or a later one);
-from then on it counts what that report says the edge uses, at least its latest grant and the
-runs the node sees. Only slots nobody may be holding are granted to another edge: the sum of
-what the node counts for the edges of a key never exceeds its slots (after the operator lowers
-a key's slots below what is in use, until enough runs end; no grant grows meanwhile). A run
-the node receives beyond what it counts for that edge is refused (:meth:`Allocator.run_started`
-says False): an edge that keeps to the grants it received and reports honestly never is,
-whatever the delays, and one that does not cannot take another edge's slots.
+node keeps counting that edge as possibly using what the old grant allowed
+(:meth:`Allocator.held`) until a report of the edge's on that key echoes the lowering grant's
+serial (or a later one); from then on it counts the largest of the latest grant, what the
+edge's last report says it uses and the runs the node sees. Only slots nobody may be holding
+are granted to another edge: what the node counts for the edges of a key never adds up to more
+than its slots (except after the operator lowers a key's slots below what is in use: then no
+grant grows until enough runs end). A run the node receives beyond what it counts for that edge
+is refused (:meth:`Allocator.run_started` says False): an edge that keeps to the grants it
+received and reports honestly never is, whatever the delays; one that does not cannot take
+another edge's slots (nor can its reports: one never raises what the node counts for it).
 
 **What the node's sessions must do.** Send each edge its grants in the order returned (their
 serials increase, over all keys, and never repeat: they come from one counter, so a session
 that returns under the same name never confirms with an old serial). Send the grants
 :meth:`Allocator.run_ended` returns before telling the edge the run ended, so an edge whose
 grant was lowered learns it before it sees the slot free (else it may refill the slot once
-more before giving it up; safe, only later). The edge reports a key each time its waiting or
-its in-use count changes and after applying each capacity message for that key -- a lowered
-grant is freed for the other edges by that report alone.
+more before giving it up: safe, only later). The edge reports a key each time its waiting or
+in-use count changes and after applying each capacity message for that key: a lowered grant
+is freed for the other edges by that report alone. Events of an edge that has left (or of a
+key the node does not have) are ignored, so the sessions may race with :meth:`Allocator.leave`.
 """
 
 from __future__ import annotations
@@ -351,9 +356,9 @@ class Allocator:
         for edge, share in shares:
             if not share.announced or share.long_context != self._long_context(key, share.granted):
                 self._send(edge, key, share, share.granted, out)
-        self._mark(shares)
 
     def _mark(self, shares: list[tuple[EdgeId, _Share]]) -> None:
+        """Which edges starve (requests waiting, no slot in use), and since when."""
         for _, share in shares:
             starving = share.waiting > 0 and share.floor == 0
             if starving != share.starving:

@@ -56,6 +56,18 @@ def test_an_odd_slot_stays_with_the_edge_that_has_it() -> None:
     assert [alloc.granted(e, K) for e in "AB"] == [2, 1]
 
 
+def test_a_grant_grows_only_by_what_nobody_may_be_using() -> None:
+    alloc = Allocator({K: (4, 0)})
+    alloc.join("A")
+    joined = alloc.join("B")  # A lowered to 2, but counted at 4 until it confirms
+    assert sent(joined) == [("A", K, 2), ("B", K, 0)]
+    raised = alloc.set_capacity(K, 5, 0)
+    # A's target is 3 (within what it may still use: free); B's is 2, but one slot is free
+    assert sent(raised) == [("A", K, 3), ("B", K, 1)]
+    assert sum(alloc.held(e, K) for e in "AB") == 5
+    assert sent(confirm(alloc, "A", raised)) == [("B", K, 2)]
+
+
 def test_a_first_waiter_takes_an_idle_slot_after_its_holder_confirms() -> None:
     alloc = Allocator({K: (1, 0)})
     alloc.join("A")

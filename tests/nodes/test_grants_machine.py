@@ -30,10 +30,11 @@ Invariants, after every step:
 When nothing is in flight (and no hostile edge is connected), also: the node's view is the
 edges' (held = max(grant, in use), runs = in use); every slot of a key is granted (held
 adds up to exactly its slots) unless the runs alone exceed them; work conservation (free
-slots and a waiting edge: some waiting edge may admit); the starving edges are exactly the
-ones with waiters and no slot. Fairness: from such a quiet state, with an edge starving on a
-key, a run of that key ends anywhere and everything is delivered with the edges admitting as
-soon as they may: the longest-starved edge has a slot.
+slots and a waiting edge: some waiting edge may admit); each edge's long-context part is in
+proportion to its grant; the starving edges are exactly the ones with waiters and no slot in
+use. Fairness: from such a quiet state, with an edge starving on a key, a run of that key ends
+anywhere and everything is delivered with the edges admitting as soon as they may: the
+longest-starved edge has a slot.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class MEdge:
     to_node: collections.deque[Report | Start | Stop] = attrs.Factory(collections.deque)
     applied: int = 0
     grant: dict[Key, int] = attrs.Factory(lambda: dict.fromkeys(KEYS, 0))
+    long_context: dict[Key, int] = attrs.Factory(lambda: dict.fromkeys(KEYS, 0))
     waiting: dict[Key, int] = attrs.Factory(lambda: dict.fromkeys(KEYS, 0))
     in_use: dict[Key, int] = attrs.Factory(lambda: dict.fromkeys(KEYS, 0))
     unsent: dict[Key, list[int]] = attrs.Factory(lambda: {key: [] for key in KEYS})
@@ -221,8 +223,9 @@ class GrantsMachine(RuleBasedStateMachine):
     def deliver_to_edge(self, edge: MEdge, *, greedy: bool = False) -> None:
         message = edge.to_edge.popleft()
         match message:
-            case Grant(_, key, slots, _, serial):
+            case Grant(_, key, slots, long_context, serial):
                 edge.grant[key] = slots
+                edge.long_context[key] = long_context
                 edge.applied = serial
                 edge.report(key)
             case Ended(key, run):
@@ -504,6 +507,9 @@ class GrantsMachine(RuleBasedStateMachine):
             for edge in self.edges.values():
                 granted = self.alloc.granted(edge.id, key)
                 assert edge.grant[key] == granted
+                assert edge.long_context[key] == (
+                    0 if slots == 0 else min(granted, self.long_context[key] * granted // slots)
+                )
                 assert edge.in_use[key] == self.alloc.runs(edge.id, key)
                 assert self.alloc.held(edge.id, key) == max(granted, edge.in_use[key])
                 runs += edge.in_use[key]
