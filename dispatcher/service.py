@@ -258,6 +258,8 @@ class Service:
         """A new grant of the node's: admission takes it as the candidate's slots, and the
         node hears it was applied (a ``demand`` with its serial: a smaller grant is trusted
         by the node only then)."""
+        if change.serial and change.serial < session.grant_serial:
+            return  # overtaken on the wire by a newer grant: that one stands
         session.grant_serial = max(session.grant_serial, change.serial)
         if session.draining:
             return  # a draining node takes nothing new, whatever it announces

@@ -227,12 +227,16 @@ class _Link:
     async def send(self, message: wire.NodeMessage) -> None:
         frame = wire.encode(message)
         async with self._lock:
-            self.protocol.send(message)
             if self.counted and isinstance(message, _ANSWERS):
                 ended = message.tunnel_id if isinstance(message, wire.TunnelEnd) else message.run_id
                 key = self.counted.pop(ended, None)
                 if key is not None and self.grants is not None:
-                    self.grants.run_ended(self.edge, key)
+                    # This edge's new grants go before the end: it sees a lowered grant
+                    # before it sees the slot free.
+                    for grant in self.grants.run_ended(self.edge, key):
+                        self.protocol.send(grant)
+                        await self._conn.send(wire.encode(grant))
+            self.protocol.send(message)
             await self._conn.send(frame)
         if isinstance(message, _ANSWERS) and self.protocol.is_idle():
             self._idle.unpark_all()

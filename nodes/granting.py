@@ -11,7 +11,8 @@ decisions to the sessions.
   session's one writer: no session writes to another's connection.
 * The session tells :meth:`EdgeGrants.report` each ``demand`` the edge sends,
   :meth:`EdgeGrants.run_started` each ``run.request`` and ``tunnel.request`` (False: beyond
-  what the edge holds, refused without running), :meth:`EdgeGrants.run_ended` each end.
+  what the edge holds, refused without running), :meth:`EdgeGrants.run_ended` each end, and
+  writes the grants it answers before the end itself.
 """
 
 from __future__ import annotations
@@ -78,8 +79,17 @@ class EdgeGrants:
         holds (the caller refuses it; nothing is counted)."""
         return self.allocator.run_started(edge, key)
 
-    def run_ended(self, edge: EdgeId, key: Key) -> None:
+    def run_ended(self, edge: EdgeId, key: Key) -> list[wire.Capacity]:
+        """A run or tunnel of ``edge`` on ``key`` ended: the grants for ``edge`` waiting to
+        be sent, to write *before* the end itself (so an edge whose grant was lowered learns
+        it before it sees the slot free, and does not fill it once more); the others'
+        go to their outboxes."""
         self._deliver(self.allocator.run_ended(edge, key))
+        outbox = self._outboxes.get(edge)
+        if outbox is None or not outbox.grants:
+            return []
+        grants, outbox.grants = list(outbox.grants), collections.deque()
+        return [_capacity(grant) for grant in grants]
 
     async def send_grants(
         self, edge: EdgeId, send: Callable[[wire.Capacity], Awaitable[None]]
@@ -94,16 +104,9 @@ class EdgeGrants:
                 outbox.ready = trio.Event()
                 await outbox.ready.wait()
                 continue
-            grant = outbox.grants.popleft()
-            await send(
-                wire.Capacity(
-                    provider_id=grant.key[0],
-                    model=grant.key[1],
-                    slots=grant.slots,
-                    long_context_slots=grant.long_context_slots,
-                    serial=grant.serial,
-                )
-            )
+            # A grant taken by run_ended meanwhile may overtake this one: the edge applies
+            # only the newest serial it has seen.
+            await send(_capacity(outbox.grants.popleft()))
 
     def _deliver(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
@@ -111,6 +114,16 @@ class EdgeGrants:
             if outbox is not None:
                 outbox.grants.append(grant)
                 outbox.ready.set()
+
+
+def _capacity(grant: Grant) -> wire.Capacity:
+    return wire.Capacity(
+        provider_id=grant.key[0],
+        model=grant.key[1],
+        slots=grant.slots,
+        long_context_slots=grant.long_context_slots,
+        serial=grant.serial,
+    )
 
 
 def hello_with_grants(hello: wire.Hello, grants: Mapping[Key, Grant]) -> wire.Hello:
