@@ -246,3 +246,39 @@ async def test_a_node_given_one_edge_serves_the_edges_its_welcome_names(
         await trio.sleep(120)  # the node's backoff is at most 0.2 s: it would have dialled
         assert b_dials == dials_then
         node_scope.cancel()
+
+
+async def test_a_drained_node_drains_on_every_edge(autojump_clock: trio.testing.MockClock) -> None:
+    """The node's drain (its SIGTERM) is told to every edge: each stops routing to it, the
+    runs going on either finish, then the node leaves both."""
+    from nodes.agent import Drain
+
+    running = Running()
+    async with (
+        open_dispatcher(EdgeConfig(local_node=False)) as a,
+        open_dispatcher(EdgeConfig(local_node=False)) as b,
+        trio.open_nursery() as nursery,
+    ):
+        drain = Drain()
+        left = trio.Event()
+
+        async def node() -> None:
+            await serve_node(
+                node_config(), dials={URLS[0]: dial_to(a), URLS[1]: dial_to(b)}, drain=drain
+            )
+            left.set()
+
+        nursery.start_soon(node)
+        await wait_until(lambda: slots(a) > 0 and slots(b) > 0, timeout=30)
+        nursery.start_soon(running.run, a, 3, 1.0)
+        nursery.start_soon(running.run, b, 3, 1.0)
+        await wait_until(lambda: running.now == 2, timeout=30)
+        drain.request()
+        await wait_until(
+            lambda: all(s.draining for d in (a, b) for s in d.registry.sessions.values()),
+            timeout=30,
+        )
+        with trio.fail_after(60):
+            await left.wait()
+        assert running.completed == 2
+        await wait_until(lambda: not a.registry.sessions and not b.registry.sessions)
