@@ -77,8 +77,10 @@ QUICK_ROUNDS = 2
 QUICK_DURATION = 1.0
 
 HANDOVER_SLOTS = 4
-A_CLIENTS = 6
-"""Clients keeping edge A saturated: more than the slots, so A always has requests waiting."""
+A_CLIENTS = 10
+"""Clients keeping edge A saturated: well beyond the slots, so A always has requests waiting
+(with only a few more than the slots, all of those between two requests at once make A's
+demand dip below the slots, and the node lowers A's grant to spread the spare one)."""
 A_WORDS = (2, 8)
 """Each of A's long runs echoes between this many words (chosen at random per request)..."""
 TOKEN_DELAY = 0.01
