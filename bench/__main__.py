@@ -31,6 +31,8 @@ SECTIONS: dict[str, str] = {
     "usage": "bench.usage_bench",
     # The shared stores next to the embedded ones: limits on Redis, the ledger on PostgreSQL.
     "store": "bench.store_bench",
+    # A node behind several edges: one edge vs two, a slot handed from a busy edge to another.
+    "cluster": "bench.cluster_bench",
     "tunnel": "bench.tunnel_bench",
     "peer": "bench.peer",
     "streams": "bench.streams",
@@ -100,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke runs, for the sections that have one (peer, store)",
+        help="smoke runs, for the sections that have one (peer, store, cluster)",
     )
     parser.add_argument(
         "--n",

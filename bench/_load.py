@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import IO
@@ -255,6 +255,8 @@ class LoadResult:
     """Load generator CPU seconds per wall second during the measured window."""
     server_cpu: float = float("nan")
     """The same for the server process, when its pid was given."""
+    pid_cpu: dict[int, float] = field(default_factory=dict)
+    """The same for each of the ``watch_pids`` given, by pid."""
 
     @classmethod
     def combined(cls, parts: Sequence[LoadResult]) -> LoadResult:
@@ -267,6 +269,11 @@ class LoadResult:
             latencies=[latency for part in parts for latency in part.latencies],
             client_cpu=sum(part.client_cpu * part.seconds for part in parts) / seconds,
             server_cpu=sum(part.server_cpu * part.seconds for part in parts) / seconds,
+            pid_cpu={
+                pid: sum(part.pid_cpu[pid] * part.seconds for part in parts) / seconds
+                for pid in parts[0].pid_cpu
+                if all(pid in part.pid_cpu for part in parts)
+            },
         )
 
     @property
@@ -286,30 +293,35 @@ class LoadResult:
 
 
 async def request_load(
-    port: int,
+    port: int | Sequence[int],
     request: bytes,
     *,
     clients: int,
     duration: float,
     warmup: float,
     server_pid: int | None = None,
+    watch_pids: Sequence[int] = (),
 ) -> LoadResult:
     """``clients`` keep-alive connections, each sending ``request`` back to back.
 
     Runs ``warmup + duration`` seconds; counts the responses completed inside the last
-    ``duration`` seconds and their latencies (send to last byte).
+    ``duration`` seconds and their latencies (send to last byte). Several ports: the
+    connections are spread over them in turn (client i to ``port[i % len(port)]``).
+    ``watch_pids``: processes whose CPU over the counted window goes to ``pid_cpu``.
     """
+    ports = [port] if isinstance(port, int) else list(port)
     socks: list[Sock] = []
     latencies: list[float] = []
     completed = 0
     try:
-        for _ in range(clients):
-            socks.append(await connect(port))
+        for i in range(clients):
+            socks.append(await connect(ports[i % len(ports)]))
         start = time.perf_counter()
         measure_from = start + warmup
         stop_at = measure_from + duration
         cpu_at: list[float] = []
         server_cpu_at: list[float] = []
+        pid_cpu_at: dict[int, list[float]] = {}
 
         async def worker(sock: Sock) -> None:
             nonlocal completed
@@ -330,10 +342,14 @@ async def request_load(
             cpu_at.append(time.process_time())
             if server_pid is not None:
                 server_cpu_at.append(cpu_seconds(server_pid))
+            for pid in watch_pids:
+                pid_cpu_at.setdefault(pid, []).append(cpu_seconds(pid))
             await trio.sleep(duration)
             cpu_at.append(time.process_time())
             if server_pid is not None:
                 server_cpu_at.append(cpu_seconds(server_pid))
+            for pid in watch_pids:
+                pid_cpu_at[pid].append(cpu_seconds(pid))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cpu_marks)
@@ -347,7 +363,13 @@ async def request_load(
         return (marks[1] - marks[0]) / duration if len(marks) == 2 else float("nan")
 
     return LoadResult(
-        clients, completed, duration, latencies, rate(cpu_at), server_cpu=rate(server_cpu_at)
+        clients,
+        completed,
+        duration,
+        latencies,
+        rate(cpu_at),
+        server_cpu=rate(server_cpu_at),
+        pid_cpu={pid: rate(marks) for pid, marks in pid_cpu_at.items()},
     )
 
 

@@ -1,9 +1,10 @@
-"""Processes of the ``peer`` and ``streams`` sections: the real daemons and the client.
+"""Processes of the ``peer``, ``streams``, ``store`` and ``cluster`` sections: the real
+daemons and the client.
 
 * :func:`edge_daemon` -- ``python -m dispatcher serve --config edge.toml --no-local-node
   --port 0`` (the port is read from its banner);
 * :func:`node_daemon` -- ``python -m dispatcher node --config node.toml``, yielded once the
-  edge lists every wanted model;
+  edge (each edge, for a node serving several) lists every wanted model;
 * :func:`client_process` -- ``python -m bench._client``, driven with one JSON line per
   command (:class:`Client`);
 * :func:`litellm_proxy` -- ``litellm --config litellm.yaml --port P`` when it is installed.
@@ -132,7 +133,7 @@ async def edge_daemon(edge_toml: str, *, log_level: str = "INFO") -> AsyncIterat
 
 @asynccontextmanager
 async def node_daemon(
-    edge_port: int,
+    edge_port: int | Sequence[int],
     node_toml: str,
     models: Sequence[str],
     *,
@@ -141,7 +142,10 @@ async def node_daemon(
     headers: str = "",
 ) -> AsyncIterator[ServerProcess]:
     """``dispatcher node`` with this config; yielded once the edge lists all ``models``
-    (asked with ``headers``: extra header lines, a client key when the edge wants one)."""
+    (asked with ``headers``: extra header lines, a client key when the edge wants one).
+    Several edge ports (a node serving several edges, ``[node] edges``): once every one of
+    those edges lists them."""
+    edge_ports = [edge_port] if isinstance(edge_port, int) else list(edge_port)
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "node.toml"
         config.write_text(node_toml)
@@ -150,12 +154,13 @@ async def node_daemon(
         async with _daemon("node", argv, env=env) as (node, proc):
             try:
                 with trio.fail_after(30):
-                    await wait_for_models(
-                        edge_port,
-                        lambda listed: all(model in listed for model in models),
-                        alive=lambda: proc.poll() is None,
-                        headers=headers,
-                    )
+                    for port in edge_ports:
+                        await wait_for_models(
+                            port,
+                            lambda listed: all(model in listed for model in models),
+                            alive=lambda: proc.poll() is None,
+                            headers=headers,
+                        )
             except (trio.TooSlowError, ServerDidNotStart):
                 raise ServerDidNotStart(
                     f"node did not join (exit {proc.poll()}): {node.stderr_tail(3)}"
