@@ -4,28 +4,21 @@ the ``cluster`` bench section, ``bench/cluster_bench.py``).
 
 ``nodes/grants.py`` asks the node's sessions to send the grants ``Allocator.run_ended``
 returns *before* telling the edge the run ended, so that an edge whose grant was lowered
-learns it before it sees the slot free. The node sends the ``run.completed`` first (the
-session's ``send_grants`` task writes the lowered grant after it): the busy edge refills the
-freed slot from its own queue, and the idle edge is served only at the busy edge's *second*
-run end. ``test_several_edges``' hand-over test does not see it: its busy edge's runs all end
-at the same moment. Virtual time, in-memory connections.
+learns it before it sees the slot free. When the node sent the ``run.completed`` first (the
+session's ``send_grants`` task wrote the lowered grant after it), the busy edge refilled the
+freed slot from its own queue, and the idle edge was served only at the busy edge's *second*
+run end; ``_Link.send`` now writes the grants before the end. ``test_several_edges``'
+hand-over test did not see it: its busy edge's runs all end at the same moment. Virtual
+time, in-memory connections.
 """
 
 from __future__ import annotations
 
-import pytest
 import trio
 import trio.testing
 
 from tests.edge.fakes import wait_until
 from tests.nodes.test_several_edges import SLOTS, Running, slots, two_edges_one_node
-
-pytestmark = pytest.mark.xfail(
-    strict=True,
-    reason="the node sends a run's end before the lowered grant the end caused (nodes/agent.py "
-    "_Link.send calls grants.run_ended, whose capacity the session's send_grants task writes "
-    "after the run.completed): the busy edge refills the slot first",
-)
 
 
 async def test_the_idle_edge_is_served_at_the_first_run_end_of_staggered_runs(
