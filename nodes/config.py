@@ -523,6 +523,14 @@ def parse_node_config(
         later.append((key, reason))
 
     node = file.node
+    if node.id is not None:
+        bad_id = _bad_id(node.id)
+        if bad_id is not None:
+            report("node.id", bad_id)
+    for index, provider in enumerate(file.providers):
+        bad_id = _bad_id(provider.id)
+        if bad_id is not None:
+            report(f"providers[{index}].id", bad_id)
     if node.edge_url is not None:
         bad_url = check_edge_url(node.edge_url)
         if bad_url is not None:
@@ -576,6 +584,17 @@ def parse_node_config(
         reconnect_max_backoff=max_backoff,
         **settings,
     )
+
+
+def _bad_id(value: str) -> str | None:
+    """Why an edge would refuse ``value`` as a node or provider id in the hello, or None."""
+    if not 0 < len(value) <= wire.MAX_ID_LENGTH:
+        return f"must be 1 to {wire.MAX_ID_LENGTH} characters"
+    if wire.ID_PATTERN.fullmatch(value) is None:
+        return (
+            f"expected letters, digits and . _ : - (starting with a letter or digit), got {value!r}"
+        )
+    return None
 
 
 _NODE_SETTINGS: Final = (

@@ -106,12 +106,12 @@ class HelloLimits:
     max_providers: int = 32
     max_models: int = 512
     """Models over all of the node's providers."""
-    max_name_length: int = 128
+    max_name_length: int = wire.MAX_ID_LENGTH
     """Node id, provider id, model names and capabilities; the label may be 200."""
     max_capabilities: int = 16
 
 
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+_ID = wire.ID_PATTERN
 """Node and provider ids: safe in a header, a metric label and a log line."""
 _MODEL = re.compile(r"[A-Za-z0-9._:/@+=~-]+")
 """Model names (public and served): what model ids look like, nothing that needs escaping."""

@@ -32,6 +32,8 @@ from ._endpoint import (
     CLOSE_POLICY,
     CLOSE_PROTOCOL_ERROR,
     CLOSE_SUPERSEDED,
+    ID_PATTERN,
+    MAX_ID_LENGTH,
     NODE_CONNECT_PATH,
 )
 from ._errors import LocalProtocolError, ProtocolError, UnsupportedVersion
@@ -106,8 +108,10 @@ __all__ = [
     "CLOSE_SUPERSEDED",
     "DEFAULT_TUNNEL_WINDOW",
     "EDGE_MESSAGE_TYPES",
+    "ID_PATTERN",
     "MAX_ABANDONED",
     "MAX_FRAME_SIZE",
+    "MAX_ID_LENGTH",
     "MAX_TUNNEL_CHUNK",
     "MESSAGE_TYPES",
     "NODE_CONNECT_PATH",

@@ -4,7 +4,14 @@ from here: the edge closes with them, the node reads them."""
 
 from __future__ import annotations
 
+import re
 from typing import Final
+
+ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+"""A node id or a provider id, as the edge accepts it in a ``hello`` (and a node's config
+checks it before dialling)."""
+MAX_ID_LENGTH: Final = 128
+"""The longest node id, provider id or model name a ``hello`` may carry."""
 
 NODE_CONNECT_PATH: Final = "/v1/nodes/connect"
 """The edge's websocket endpoint for nodes; an edge URL's path ends with it (a reverse proxy

@@ -209,6 +209,15 @@ def test_minimal_config_uses_defaults(tmp_path: Path) -> None:
         ("providers = 3\n", "providers: expected an array of tables, got 3"),
         ("[node\n", "invalid TOML"),
         (
+            VALID.replace('id = "gpu-box-1"', 'id = "gpu box 1"'),
+            "node.id: expected letters, digits and . _ : - (starting with a letter or digit), "
+            "got 'gpu box 1'",
+        ),
+        (
+            VALID.replace('id = "llamafile"', 'id = "llama file"'),
+            "providers[2].id: expected letters, digits and . _ : -",
+        ),
+        (
             VALID.replace("[node]\n", '[node]\nedges = ["ws://a:8700/v1/nodes/connect"]\n'),
             "node.edges: give edge_url (one edge) or edges (several), not both",
         ),
