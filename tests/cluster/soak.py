@@ -75,6 +75,9 @@ REQUEST_BOUND = 90.0
 """No request may take longer than this (it is recorded as hung)."""
 START_BOUND = 60.0
 REJOIN_BOUND = 30.0
+QUIET = 2.0
+"""Seconds the conductor lets pass after a fault's recovery before the next fault: each
+fault's effects are its own."""
 
 _WORD = re.compile(r"\s*\S+\s*")
 _VOCABULARY = (
@@ -607,7 +610,7 @@ class Event:
 
 def make_events(count: int) -> list[Event]:
     """A node SIGKILLed every ~300 requests (a quarter of a shorter run), rotating; the edge
-    ``edge-a`` SIGKILLed once (at ~45%) and Redis restarted once (at ~75%)."""
+    ``edge-a`` SIGKILLed once (at ~45%) and Redis restarted once (at ~85%)."""
     every = min(300, max(50, count // 4))
     rotation = list(NODES)
     events = [
@@ -615,7 +618,7 @@ def make_events(count: int) -> list[Event]:
         for number, at in enumerate(range(every, count - every // 3, every))
     ]
     events.append(Event("edge", int(count * 0.45), "edge-a"))
-    events.append(Event("redis", int(count * 0.75), "redis"))
+    events.append(Event("redis", int(count * 0.85), "redis"))
     events.sort(key=lambda event: event.at)
     return events
 
@@ -735,6 +738,7 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
                     while sent < event.at:
                         await due.wait()
                     await CONDUCT[event.kind](topology, event, client)
+                    await trio.sleep(QUIET)
         finally:
             conductor_done.set()
 

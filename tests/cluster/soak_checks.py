@@ -191,33 +191,40 @@ def check_failures_explained(run: SoakRun) -> Check:
 def check_surviving_edge(run: SoakRun) -> Check:
     """While the other edge is dead (from its SIGKILL until it serves again with every
     node), what the surviving edge answers is what it answers without a fault: complete, the
-    client's own leave, or the limited key's 429. Recovery may hide what the death did."""
+    client's own leave, or the limited key's 429. Recovery may hide what the death did. (A
+    request whose attempt ran on a node SIGKILLed later, once the edge was back, is that
+    kill's: counted apart.)"""
+    by = rows_by_client(run)
     evidence = []
     during: list[Seen] = []
+    node_kills = 0
     for event in events(run, "edge"):
         if not event.recovered:
             evidence.append(f"{event.describe()}: the window never closed")
             continue
         survivors = [name for name in EDGES if name != event.target]
         for seen in run.seen:
-            if (
-                seen.edge in survivors
-                and seen.started <= event.back
-                and seen.ended >= (event.started)
+            if seen.edge not in survivors or not (
+                seen.started <= event.back and seen.ended >= event.started
             ):
-                during.append(seen)
-                ok = seen.view in ("complete", "left") or (
-                    seen.view == "http_429" and seen.plan.key is LIMITED
-                )
-                if not ok:
-                    evidence.append(seen.describe())
+                continue
+            during.append(seen)
+            if seen.view in ("complete", "left") or (
+                seen.view == "http_429" and seen.plan.key is LIMITED
+            ):
+                continue
+            if hit_by_node_kill(run, seen, by.get(seen.request_id, [])) is not None:
+                node_kills += 1
+                continue
+            evidence.append(seen.describe())
     if run.events and not during and not evidence:
         evidence.append("no request ran on the surviving edge while the other was dead")
     views = Counter(seen.view for seen in during)
     return Check(
         "the surviving edge's requests unaffected by the other's death",
         not evidence,
-        f"{len(during)} requests on the surviving edge meanwhile: {_counts(views)}",
+        f"{len(during)} requests on the surviving edge meanwhile: {_counts(views)}"
+        + (f" ({node_kills} hit by a node kill after it)" if node_kills else ""),
         evidence,
     )
 
