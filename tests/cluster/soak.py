@@ -23,9 +23,11 @@ outbox), and restarts Redis once (emptied: no persistence).
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -66,8 +68,7 @@ FLAKY = ("node-3", "flaky")
 LIMITED = Tenant("limited", {"rpm": 40, "max_concurrent": 2, "tpm": 2500})
 """The key with limits: held globally (both edges, one Redis)."""
 OPEN = (Tenant("open-1", {}), Tenant("open-2", {}))
-PROBE = Tenant("probe", {})
-TENANTS = (LIMITED, *OPEN, PROBE)
+TENANTS = (LIMITED, *OPEN)
 
 MAX_ATTEMPTS = 3
 HOLD_LEASE = 3.0
@@ -610,14 +611,14 @@ class Event:
 
 def make_events(count: int) -> list[Event]:
     """A node SIGKILLed every ~300 requests (a quarter of a shorter run), rotating; the edge
-    ``edge-a`` SIGKILLed once (at ~45%) and Redis restarted once (at ~85%)."""
+    ``edge-a`` SIGKILLed once (at ~40%) and Redis restarted once (at ~85%)."""
     every = min(300, max(50, count // 4))
     rotation = list(NODES)
     events = [
         Event("node", at, rotation[number % len(rotation)])
         for number, at in enumerate(range(every, count - every // 3, every))
     ]
-    events.append(Event("edge", int(count * 0.45), "edge-a"))
+    events.append(Event("edge", int(count * 0.4), "edge-a"))
     events.append(Event("redis", int(count * 0.85), "redis"))
     events.sort(key=lambda event: event.at)
     return events
@@ -640,6 +641,16 @@ class SoakRun:
     """Each edge's /metrics at the end."""
     engines: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     """Each engine's ``/_status`` at the end."""
+    cuts: int = 0
+    """Consistent cuts taken (:func:`take_cuts`)."""
+    unstable_cuts: int = 0
+    """Cuts given up: an edge's two reads differed (a message was still arriving)."""
+    held_most: dict[tuple[str, str], float] = attrs.field(factory=dict)
+    """The most slots of each (node, provider) the edges held together (in the cuts)."""
+    granted_most: dict[tuple[str, str], float] = attrs.field(factory=dict)
+    """The most slots of each (node, provider) the edges were granted together (cuts)."""
+    beyond: list[str] = attrs.field(factory=list)
+    """The cuts that found the edges beyond a node's slots."""
     rows: list[dict[str, Any]] = attrs.field(factory=list)
     logs: dict[str, str] = attrs.field(factory=dict)
     """Every process's stderr, by incarnation name."""
@@ -652,6 +663,7 @@ async def kill_node(topology: Topology, event: Event, client: httpx.AsyncClient)
     node = event.target
     proc = topology.nodes[node]
     joins = {edge.name: _joins(edge, node) for edge in topology.live_edges()}
+    lefts = {edge.name: _lefts(edge, node) for edge in topology.live_edges()}
     event.started = time.time()
     topology.processes.kill(proc)
     # The engines must see every connection of the dead node closed before it restarts: the
@@ -663,9 +675,19 @@ async def kill_node(topology: Topology, event: Event, client: httpx.AsyncClient)
                 await trio.sleep(0.05)
     topology.start_node(node)
     with trio.move_on_after(REJOIN_BOUND):
-        while any(_joins(topology.edges[name], node) <= count for name, count in joins.items()):
+        # back: every live edge saw the dead session leave and the new one join
+        while any(
+            _joins(topology.edges[name], node) <= joins[name]
+            or _lefts(topology.edges[name], node) <= lefts[name]
+            for name in joins
+        ):
             await trio.sleep(0.05)
         event.back = time.time()
+
+
+def _lefts(edge: EdgeRef, node: str) -> int:
+    """How many of ``node``'s sessions left ``edge``'s current incarnation (its log)."""
+    return len(re.findall(rf"node {re.escape(node)} generation \d+ left: ", edge.proc.stderr()))
 
 
 def _joins(edge: EdgeRef, node: str) -> int:
@@ -716,6 +738,7 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
     threads = trio.CapacityLimiter(run.concurrency)
     due = trio.Event()
     conductor_done = trio.Event()
+    faults = trio.Lock()
     clients: dict[tuple[int, str, int, str], openai.OpenAI] = {}
     lock = threading.Lock()
 
@@ -737,7 +760,8 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
                 for event in run.events:
                     while sent < event.at:
                         await due.wait()
-                    await CONDUCT[event.kind](topology, event, client)
+                    async with faults:
+                        await CONDUCT[event.kind](topology, event, client)
                     await trio.sleep(QUIET)
         finally:
             conductor_done.set()
@@ -761,6 +785,7 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
     started = time.monotonic()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conductor)
+        nursery.start_soon(take_cuts, topology, run, faults)
         send, receive = trio.open_memory_channel[Plan](0)
         async with trio.open_nursery() as workers:
             for number in range(run.concurrency):
@@ -786,6 +811,79 @@ GAUGES = (
     "dispatcher_inflight_tunnels",
     "dispatcher_usage_rows_in_outbox",
 )
+
+
+def per_candidate(metrics: Metrics, *names: str) -> dict[tuple[str, str], float]:
+    """The sum of the gauges ``names`` of each (node, provider) of ``m``."""
+    found: dict[tuple[str, str], float] = {}
+    for name in names:
+        for labels, value in metrics.get(name, []):
+            if labels.get("model") == MODEL:
+                key = (labels["node"], labels["provider"])
+                found[key] = found.get(key, 0.0) + value
+    return found
+
+
+CUT_EVERY = 0.5
+"""Seconds between two cuts (:func:`take_cuts`)."""
+CUT_SETTLE = 0.2
+"""Seconds a frozen node's last messages get to reach the edges before a cut is read."""
+
+
+async def take_cuts(topology: Topology, run: SoakRun, faults: trio.Lock) -> None:
+    """Until cancelled, every :data:`CUT_EVERY` seconds, one node after the other: a
+    consistent cut of what the two edges believe of that node's slots. The node is frozen
+    (SIGSTOP) -- only its ``capacity`` messages change an edge's grant -- and once what it
+    sent has arrived, each edge is read twice, in turn (A, B, A, B); then it runs on
+    (SIGCONT). When both reads of each edge agree, nothing was still arriving, and what they
+    say held at one instant: each edge's grant (``dispatcher_slots_total``) and what it holds
+    (in use and draining, at most its grant). Together they must not exceed the node's slots.
+    Never while a fault is being injected (``faults``)."""
+    first, second = (topology.edges[name] for name in EDGES)
+    rotation = list(NODES)
+    async with httpx.AsyncClient(timeout=10) as client:
+        for turn in itertools.count():
+            await trio.sleep(CUT_EVERY)
+            node = rotation[turn % len(rotation)]
+            async with faults:
+                proc = topology.nodes[node]
+                if not proc.running:
+                    continue
+                taken_at = time.time()
+                proc.popen.send_signal(signal.SIGSTOP)
+                try:
+                    await trio.sleep(CUT_SETTLE)
+                    reads = [await scrape(client, e) for e in (first, second, first, second)]
+                except httpx.HTTPError:
+                    continue
+                finally:
+                    proc.popen.send_signal(signal.SIGCONT)
+            granted = [per_candidate(read, "dispatcher_slots_total") for read in reads]
+            held = [
+                per_candidate(read, "dispatcher_slots_in_use", "dispatcher_slots_draining")
+                for read in reads
+            ]
+            keys = [key for key in configured_slots() if key[0] == node]
+            if any(granted[0].get(k) != granted[2].get(k) for k in keys) or any(
+                granted[1].get(k) != granted[3].get(k) for k in keys
+            ):
+                run.unstable_cuts += 1
+                continue
+            run.cuts += 1
+            for key in keys:
+                slots = configured_slots()[key]
+                for what, reading, most in (
+                    ("granted", granted, run.granted_most),
+                    ("held", held, run.held_most),
+                ):
+                    together = reading[0].get(key, 0.0) + reading[1].get(key, 0.0)
+                    most[key] = max(most.get(key, 0.0), together)
+                    if together > slots:
+                        run.beyond.append(
+                            f"{key[0]}/{key[1]}: {what} {together:g} of {slots} at "
+                            f"{taken_at:.3f} ({first.name} {reading[0].get(key, 0.0):g}, "
+                            f"{second.name} {reading[1].get(key, 0.0):g})"
+                        )
 
 
 def configured_slots() -> dict[tuple[str, str], int]:
