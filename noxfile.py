@@ -68,8 +68,7 @@ def chaos(session: nox.Session) -> None:
 def cluster(session: nox.Session) -> None:
     """Several real edges (``dispatcher serve`` processes) sharing a real ``redis-server``
     and a real PostgreSQL (Debian's packages; tests/cluster/): limits exact across edges,
-    a SIGKILLed edge, Redis and PostgreSQL stopped under load, and the cluster soak's
-    300-request version (``nox -s cluster-chaos`` runs it long; docs/cluster.md)."""
+    a SIGKILLed edge, Redis and PostgreSQL stopped under load (docs/cluster.md)."""
     session.install(".[test]")
     session.run(
         "pytest", "tests/cluster", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0",
@@ -80,17 +79,17 @@ def cluster(session: nox.Session) -> None:
 
 @nox.session(name="cluster-chaos")
 def cluster_chaos(session: nox.Session) -> None:
-    """The cluster soak at full length (tests/cluster/test_soak.py, issue #24): Redis,
-    PostgreSQL, two edges and three nodes each serving both, CLUSTER_SOAK_REQUESTS (default
-    2,000) requests from the official openai SDK while nodes, an edge and Redis are killed
-    and restarted; its summary printed. CLUSTER_SOAK_SEED and CLUSTER_SOAK_CONCURRENCY pass
-    through. ``nox -s cluster`` runs its 300-request version."""
+    """The cluster soak at full length (tests/cluster_chaos/, issue #24): Redis, PostgreSQL,
+    two edges and three nodes each serving both, CLUSTER_CHAOS_REQUESTS (default 2,000)
+    requests from the official openai SDK while nodes, an edge and Redis are killed and
+    restarted; its summary printed. CLUSTER_CHAOS_SEED and CLUSTER_CHAOS_CONCURRENCY pass
+    through. The test command runs its 300-request version (docs/cluster.md)."""
     session.install(".[test]")
-    requests = os.environ.get("CLUSTER_SOAK_REQUESTS", "2000")
+    requests = os.environ.get("CLUSTER_CHAOS_REQUESTS", "2000")
     session.run(
-        "pytest", "tests/cluster/test_soak.py", "-s", "-p", "no:cacheprovider",
+        "pytest", "tests/cluster_chaos", "-s", "-p", "no:cacheprovider",
         "-o", "faulthandler_timeout=0", *session.posargs,
-        env={"DISPATCHER_CLUSTER": "1", "CLUSTER_SOAK_REQUESTS": requests},
+        env={"CLUSTER_CHAOS_REQUESTS": requests},
     )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Fake engines for the cluster soak, run as their own process::
 
-    python -m tests.cluster.engine --spec '[{"name": "node-1/engine", "slots": 3}, ...]'
+    python -m tests.cluster_chaos.engine --spec '[{"name": "node-1/engine", "slots": 3}, ...]'
 
 Each engine is an OpenAI-compatible server on 127.0.0.1 (port 0; ``engine NAME listening on
 http://127.0.0.1:PORT`` on stdout once bound) that **counts its concurrency**: the requests it
@@ -326,7 +326,7 @@ async def _main(spec: list[dict[str, Any]], seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cluster.engine")
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster_chaos.engine")
     parser.add_argument("--spec", required=True, help="a JSON list of {name, slots, fail_rate}")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

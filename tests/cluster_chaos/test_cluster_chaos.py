@@ -1,13 +1,13 @@
 """The cluster soak (issue #24, acceptance 2): Redis, PostgreSQL, two edges and three nodes
-each serving both edges, under the official openai SDK's load, with nodes SIGKILLed every
-~300 requests, an edge SIGKILLed once and Redis restarted once (:mod:`tests.cluster.soak`;
-the checks: :mod:`tests.cluster.soak_checks`).
+each serving both edges, under the official openai SDK's load, with a node SIGKILLed every
+~300 requests, an edge SIGKILLed once and Redis restarted once (:mod:`tests.cluster_chaos.soak`;
+the checks: :mod:`tests.cluster_chaos.checks`).
 
-``nox -s cluster`` runs it with ``CLUSTER_SOAK_REQUESTS`` unset: 300 requests.
-``nox -s cluster-chaos`` runs it alone at full length (2,000 requests; its own
-``CLUSTER_SOAK_REQUESTS`` passes through) and prints its summary. ``CLUSTER_SOAK_SEED``
-picks the plan, ``CLUSTER_SOAK_CONCURRENCY`` the clients at once (16). The work directory
-(configs, every process's log) is kept under pytest's tmp_path.
+The test command runs it with ``CLUSTER_CHAOS_REQUESTS`` unset: 300 requests (about 30 s on
+a 2-core machine). ``nox -s cluster-chaos`` runs it at full length (2,000 requests, or its own
+``CLUSTER_CHAOS_REQUESTS``) and prints its summary. ``CLUSTER_CHAOS_SEED`` picks the plan,
+``CLUSTER_CHAOS_CONCURRENCY`` the clients at once (16). The work directory (configs, every
+process's log, ``soak.json``) is kept under pytest's tmp_path.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.processes import Processes
+from tests.cluster.cluster import new_database
 from tests.store.redis_server import RedisServer, own_server
 
-from .cluster import new_database
+from .checks import run_checks, summary
 from .soak import SoakRun, dump, make_events, make_plans, run_load, settle, start_topology
-from .soak_checks import run_checks, summary
 
 pytestmark = pytest.mark.slow
 
-REQUESTS = int(os.environ.get("CLUSTER_SOAK_REQUESTS", "300"))
-SEED = int(os.environ.get("CLUSTER_SOAK_SEED", "20241124"))
-CONCURRENCY = int(os.environ.get("CLUSTER_SOAK_CONCURRENCY", "16"))
+REQUESTS = int(os.environ.get("CLUSTER_CHAOS_REQUESTS", "300"))
+SEED = int(os.environ.get("CLUSTER_CHAOS_SEED", "20241124"))
+CONCURRENCY = int(os.environ.get("CLUSTER_CHAOS_CONCURRENCY", "16"))
 
 
 @pytest.fixture
@@ -51,8 +51,8 @@ def redis() -> Iterator[RedisServer]:
 @pytest.mark.timeout(max(300, REQUESTS // 2 + 240))
 async def test_cluster_soak(processes: Processes, redis: RedisServer, tmp_path: Path) -> None:
     print(
-        f"\ncluster soak: CLUSTER_SOAK_SEED={SEED} CLUSTER_SOAK_REQUESTS={REQUESTS} "
-        f"CLUSTER_SOAK_CONCURRENCY={CONCURRENCY}; work directory {tmp_path}",
+        f"\ncluster soak: CLUSTER_CHAOS_SEED={SEED} CLUSTER_CHAOS_REQUESTS={REQUESTS} "
+        f"CLUSTER_CHAOS_CONCURRENCY={CONCURRENCY}; work directory {tmp_path}",
         flush=True,
     )
     topology = await start_topology(processes, tmp_path, redis, new_database(), SEED)
@@ -70,7 +70,7 @@ async def test_cluster_soak(processes: Processes, redis: RedisServer, tmp_path: 
     print(summary(run, checks), flush=True)
     failed = [check for check in checks if not check.ok]
     assert not failed, (
-        f"{len(failed)} of {len(checks)} cluster soak checks failed (CLUSTER_SOAK_SEED={SEED} "
-        f"CLUSTER_SOAK_REQUESTS={REQUESTS}; logs in {tmp_path}):\n"
+        f"{len(failed)} of {len(checks)} cluster soak checks failed (CLUSTER_CHAOS_SEED={SEED} "
+        f"CLUSTER_CHAOS_REQUESTS={REQUESTS}; logs in {tmp_path}):\n"
         + "\n".join(check.report() for check in failed)
     )

@@ -1,5 +1,5 @@
 """The cluster soak's checks and its summary. Each check is a pure function of a finished
-:class:`~tests.cluster.soak.SoakRun` returning a :class:`~tests.chaos.checks.Check` (a name,
+:class:`~tests.cluster_chaos.soak.SoakRun` returning a :class:`~tests.chaos.checks.Check` (a name,
 a figure, and when it fails the evidence: request ids, rows, log lines).
 
 What a fault may excuse, and nothing else: a request in flight on the edge when it was
@@ -148,7 +148,7 @@ def check_engines_within_slots(run: SoakRun) -> Check:
 def check_edges_within_slots(run: SoakRun) -> Check:
     """Under load, what both edges are granted of a node's slots, and what they hold (in use
     or draining), never add up to more than the node has -- in consistent cuts taken with
-    the node frozen (:func:`~tests.cluster.soak.take_cuts`). The engines alone cannot show
+    the node frozen (:func:`~tests.cluster_chaos.soak.take_cuts`). The engines alone cannot show
     this: a node has as many connections to its engine as slots, so work beyond them would
     wait in the node, unseen by the engine."""
     slots = configured_slots()
@@ -567,7 +567,8 @@ def check_processes(run: SoakRun) -> Check:
 
 def check_coverage(run: SoakRun) -> Check:
     """The soak did what it claims: every request ran, ≥ 20% of the clients left, ~60% were
-    streams, both edges served, requests were recovered after the flaky engine's faults."""
+    streams, both edges served, requests were recovered after the flaky engine's faults,
+    requests were sent during every fault."""
     count = len(run.seen)
     evidence = []
     if count != run.count:
@@ -591,6 +592,9 @@ def check_coverage(run: SoakRun) -> Check:
     )
     if not faults:
         evidence.append("the flaky engine injected no fault")
+    for event in run.events:
+        if not any(event.started <= seen.started <= event.back for seen in run.seen):
+            evidence.append(f"{event.describe()}: no request was sent meanwhile")
     kinds = Counter(event.kind for event in run.events)
     return Check(
         "coverage: leaves, streams, both edges, recoveries, faults",
@@ -649,7 +653,7 @@ def summary(run: SoakRun, checks: list[Check]) -> str:
         f"{name} {len(status.get('calls', []))}" for name, status in sorted(run.engines.items())
     )
     figures = [
-        ("seed", f"{run.seed} (CLUSTER_SOAK_SEED={run.seed} reproduces the plan)"),
+        ("seed", f"{run.seed} (CLUSTER_CHAOS_SEED={run.seed} reproduces the plan)"),
         ("requests", f"{len(run.seen)} of {run.count}, {run.concurrency} clients"),
         ("streamed", f"{sum(1 for p in run.plans if p.stream)}"),
         ("by edge", _counts(by_edge)),

@@ -1,11 +1,11 @@
 """The cluster soak's moving parts (issue #24, acceptance 2): what it starts, the request plan,
 the clients, the conductor of its faults, and what it reads back. The checks are in
-:mod:`tests.cluster.soak_checks`.
+:mod:`tests.cluster_chaos.checks`.
 
 What runs, each a real process on 127.0.0.1: a ``redis-server`` and a PostgreSQL database
 (started by the test); two edges (``dispatcher serve`` with ``[store]`` naming both); three
 ``dispatcher node`` processes, **each dialling both edges** and sharing its slots between
-them; and one process of fake engines (:mod:`tests.cluster.engine`), one engine per node and
+them; and one process of fake engines (:mod:`tests.cluster_chaos.engine`), one engine per node and
 provider, each counting how many requests it answers at once against its node's slots:
 
 * ``node-1``: provider ``engine``, 3 slots, normalized path;
@@ -18,7 +18,8 @@ client knows what a complete answer is. The clients are the official openai SDK 
 thread), sending to the edge their plan names, or to the other while that one is down (the
 harness is the load balancer); one key in five has limits. The conductor SIGKILLs a node and
 restarts it every ~300 requests, SIGKILLs an edge once and restarts it on the same port (same
-outbox), and restarts Redis once (emptied: no persistence).
+outbox), and restarts Redis once (emptied: no persistence). Meanwhile the edges' beliefs of
+each node's slots are read in consistent cuts, the node frozen (:func:`take_cuts`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,9 +42,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.chaos.processes import Proc, Processes
+from tests.cluster.cluster import ADMIN_KEY, Tenant
 from tests.store.redis_server import RedisServer
-
-from .cluster import ADMIN_KEY, Tenant
 
 MODEL = "m"
 SERVED = "fake-model"
@@ -500,7 +500,8 @@ async def start_topology(
         for provider, p in providers.items()
     ]
     engines_proc = processes.spawn(
-        "engines", ["-m", "tests.cluster.engine", "--spec", json.dumps(spec), "--seed", str(seed)]
+        "engines",
+        ["-m", "tests.cluster_chaos.engine", "--spec", json.dumps(spec), "--seed", str(seed)],
     )
     engines: dict[str, str] = {}
     for item in spec:
@@ -724,7 +725,7 @@ async def restart_redis(topology: Topology, event: Event, client: httpx.AsyncCli
         event.back = time.time()
 
 
-CONDUCT: dict[EventKind, Callable[[Topology, Event, httpx.AsyncClient], Any]] = {
+CONDUCT: dict[EventKind, Callable[[Topology, Event, httpx.AsyncClient], Awaitable[None]]] = {
     "node": kill_node,
     "edge": kill_edge,
     "redis": restart_redis,
@@ -732,12 +733,11 @@ CONDUCT: dict[EventKind, Callable[[Topology, Event, httpx.AsyncClient], Any]] = 
 
 
 async def run_load(topology: Topology, run: SoakRun) -> None:
-    """Every plan through ``run.concurrency`` clients (threads of the SDK); the conductor
-    injects each event, one after another, once its request count was sent."""
-    sent = 0
+    """Every plan through ``run.concurrency`` clients (threads of the SDK). Each event is
+    injected once its request count is reached, while the load goes on; when the previous
+    event is not over yet (its recovery and :data:`QUIET`), the load waits for it there, so
+    every fault happens under load and each one's effects are its own."""
     threads = trio.CapacityLimiter(run.concurrency)
-    due = trio.Event()
-    conductor_done = trio.Event()
     faults = trio.Lock()
     clients: dict[tuple[int, str, int, str], openai.OpenAI] = {}
     lock = threading.Lock()
@@ -754,52 +754,52 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
                 )
             return found
 
-    async def conductor() -> None:
+    async def inject(event: Event, done: trio.Event) -> None:
         try:
             async with httpx.AsyncClient(timeout=30) as client:
-                for event in run.events:
-                    while sent < event.at:
-                        await due.wait()
-                    async with faults:
-                        await CONDUCT[event.kind](topology, event, client)
-                    await trio.sleep(QUIET)
+                async with faults:
+                    await CONDUCT[event.kind](topology, event, client)
+                await trio.sleep(QUIET)
         finally:
-            conductor_done.set()
+            done.set()
 
     async def worker(number: int, plans: trio.MemoryReceiveChannel[Plan]) -> None:
-        nonlocal sent, due
         async for plan in plans:
-            live = topology.live_edges()
             chosen = topology.edges[plan.edge]
             if not chosen.up:
-                chosen = live[0]
+                chosen = topology.live_edges()[0]
             client = client_for(number, chosen, plan.key.key)
-            sent += 1
-            due.set()
-            due = trio.Event()
             seen = await trio.to_thread.run_sync(
                 run_client, client, plan, chosen.name, limiter=threads
             )
             run.seen.append(seen)
 
     started = time.monotonic()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(conductor)
-        nursery.start_soon(take_cuts, topology, run, faults)
-        send, receive = trio.open_memory_channel[Plan](0)
-        async with trio.open_nursery() as workers:
-            for number in range(run.concurrency):
-                workers.start_soon(worker, number, receive.clone())
-            receive.close()
-            async with send:
-                for plan in run.plans:
-                    await send.send(plan)
-        run.load_s = time.monotonic() - started
-        with trio.move_on_after(REJOIN_BOUND + 30):
-            await conductor_done.wait()
-        nursery.cancel_scope.cancel()
-    for client in clients.values():
-        client.close()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take_cuts, topology, run, faults)
+            send, receive = trio.open_memory_channel[Plan](0)
+            async with trio.open_nursery() as workers:
+                for number in range(run.concurrency):
+                    workers.start_soon(worker, number, receive.clone())
+                receive.close()
+                pending = list(run.events)
+                previous = trio.Event()
+                previous.set()
+                async with send:
+                    for plan in run.plans:
+                        while pending and pending[0].at <= plan.index:
+                            await previous.wait()
+                            previous = trio.Event()
+                            nursery.start_soon(inject, pending.pop(0), previous)
+                        await send.send(plan)
+            run.load_s = time.monotonic() - started
+            with trio.move_on_after(REJOIN_BOUND + 30):
+                await previous.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 GAUGES = (
