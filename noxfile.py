@@ -77,6 +77,22 @@ def cluster(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+@nox.session(name="cluster-chaos")
+def cluster_chaos(session: nox.Session) -> None:
+    """The cluster soak at full length (tests/cluster_chaos/, issue #24): Redis, PostgreSQL,
+    two edges and three nodes each serving both, CLUSTER_CHAOS_REQUESTS (default 2,000)
+    requests from the official openai SDK while nodes, an edge and Redis are killed and
+    restarted; its summary printed. CLUSTER_CHAOS_SEED and CLUSTER_CHAOS_CONCURRENCY pass
+    through. The test command runs its 300-request version (docs/cluster.md)."""
+    session.install(".[test]")
+    requests = os.environ.get("CLUSTER_CHAOS_REQUESTS", "2000")
+    session.run(
+        "pytest", "tests/cluster_chaos", "-s", "-p", "no:cacheprovider",
+        "-o", "faulthandler_timeout=0", *session.posargs,
+        env={"CLUSTER_CHAOS_REQUESTS": requests},
+    )  # fmt: skip
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (with the ASYNC rules), flake8-async (ASYNC102 and friends) and the import
