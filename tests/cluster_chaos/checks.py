@@ -386,7 +386,9 @@ def held_until(seen: Seen, rows: list[Row]) -> float:
 
 
 def _peak(spans: list[Span]) -> tuple[list[Span], float]:
-    """The most spans in flight at one instant (an end before a start at the same one)."""
+    """The most spans in flight at one instant (an end before a start at the same one: a
+    span that ends where it starts, or before, is never in flight)."""
+    spans = [s for s in spans if s.held_until > s.first]
     marks = sorted(
         [(s.first, 1, s) for s in spans] + [(s.held_until, -1, s) for s in spans],
         key=lambda mark: (mark[0], mark[1]),
