@@ -106,7 +106,8 @@ def lint(session: nox.Session) -> None:
     files = sorted(str(p) for d in ("dispatcher", "nodes") for p in Path(d).rglob("*.py"))
     startable = (
         "run,serve,serve_edge,serve_metrics,serve_http,"
-        "serve_node,serve_node_session,_reconnect_loop,_heartbeats,seed_when_readable"
+        "serve_node,serve_node_session,_reconnect_loop,_heartbeats,seed_when_readable,"
+        "watch_peers,report_demands"
     )
     session.run("flake8-async", f"--startable-in-context-manager={startable}", *files)
     session.run("lint-imports")

@@ -722,7 +722,8 @@ class _Edges:
     _nursery: trio.Nursery | None = None
     _started: _FirstStarted | None = None
 
-    async def serve(self, task_status: trio.TaskStatus[None]) -> None:
+    async def serve(self, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128
+        # (task_status is started by the first welcome of any loop: _FirstStarted)
         self._started = _FirstStarted(task_status)
         configured = self.config.edge_urls
         async with trio.open_nursery() as nursery:
