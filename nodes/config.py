@@ -162,6 +162,16 @@ def _distinct_names(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _routes(value: Any) -> tuple[wire.RouteName, ...]:
+    names = _distinct_names(value)
+    unknown = [name for name in names if name not in wire.ROUTES]
+    if unknown:
+        raise Invalid(f"expected routes among {', '.join(wire.ROUTES)}, got {unknown[0]!r}")
+    if not names:
+        raise Invalid("expected at least one route")
+    return names  # type: ignore[return-value]  # each checked to be a wire.RouteName
+
+
 def _boolean(value: Any) -> bool:
     if type(value) is not bool:
         raise Invalid(f"expected true or false, got {show(value)}")
@@ -173,6 +183,7 @@ _ENV_VAR: Final = _Check(_env_name)
 _HTTP_URL: Final = _Check(_http_url)
 _COMMAND: Final = _Check(_command)
 _NAMES: Final = _Check(_distinct_names)
+_ROUTES: Final = _Check(_routes)
 
 
 # --------------------------------------------------------------------------- the configuration
@@ -209,6 +220,9 @@ class ProviderConfig:
     api_key_env: Annotated[str, _ENV_VAR] | None = None
     options: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     models: tuple[ModelConfig, ...] = ()
+    routes: Annotated[tuple[wire.RouteName, ...], _ROUTES] = ()
+    """The APIs a tunnel provider serves (``wire.RouteName``); empty: an OpenAI-compatible
+    server's (``wire.DEFAULT_TUNNEL_ROUTES``). A normalized provider's are its adapter's."""
 
     def api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The upstream's key: the value of ``api_key_env`` in ``environ`` (default
@@ -362,6 +376,7 @@ def hello_from_config(config: NodeConfig) -> wire.Hello:
                 adapter=provider.type,
                 path=provider.path,
                 models=tuple(_model_info(model) for model in provider.models),
+                routes=provider.routes,
             )
             for provider in config.providers
         ),
@@ -639,6 +654,11 @@ def _check_provider(
         report(f"{key}.type", f"expected one of {', '.join(adapters)}, got {provider.type!r}")
     elif provider.path == "tunnel" and not kind.tunnel:
         report(f"{key}.path", f"a {provider.type!r} provider can only run normalized, not tunnel")
+    if provider.routes and provider.path != "tunnel":
+        report(
+            f"{key}.routes",
+            "only a tunnel provider declares its routes (a normalized one serves its adapter's)",
+        )
     if kind is not None:
         try:
             kind.check_options(provider.options)

@@ -17,7 +17,13 @@ from typing import Any, Final, Literal, TypeAlias
 import attrs
 
 from ..shared.tokens import tokens_for_chars
-from ..wire import ExecutionPath, ModelInfo, ProviderInfo
+from ..wire import (
+    DEFAULT_TUNNEL_ROUTES,
+    NORMALIZED_ROUTES,
+    ExecutionPath,
+    ModelInfo,
+    ProviderInfo,
+)
 
 RequestClass: TypeAlias = Literal["short", "long"]
 """``"long"`` for requests of at least the group's ``long_context_tokens`` estimated tokens."""
@@ -55,6 +61,10 @@ def _frozenset(value: Iterable[str]) -> frozenset[str]:
     return frozenset(value)
 
 
+def _default_routes(path: ExecutionPath) -> frozenset[str]:
+    return frozenset(DEFAULT_TUNNEL_ROUTES if path == "tunnel" else NORMALIZED_ROUTES)
+
+
 @attrs.frozen(kw_only=True)
 class Candidate:
     """One public model group served by one provider of one node session (generation).
@@ -76,6 +86,12 @@ class Candidate:
     long_context_slots: int = 0
     context_window: int | None = None
     node_label: str = ""
+    routes: frozenset[str] = attrs.field(
+        default=attrs.Factory(lambda self: _default_routes(self.path), takes_self=True),
+        converter=_frozenset,
+    )
+    """The APIs it serves (``wire.RouteName``): a route's admission offers it only these; by
+    default, its path's (``wire.DEFAULT_TUNNEL_ROUTES``, ``wire.NORMALIZED_ROUTES``)."""
 
     @property
     def key(self) -> CandidateKey:
@@ -120,6 +136,7 @@ class Candidate:
             long_context_slots=model.long_context_slots,
             context_window=model.context_window,
             node_label=node_label,
+            routes=provider.served_routes,
         )
 
 

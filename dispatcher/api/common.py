@@ -217,6 +217,32 @@ def tunnel_only(route: str) -> Predicate:
     return predicate
 
 
+@functools.cache
+def serving(route: wire.RouteName) -> Predicate:
+    """The admission predicate of a route: a candidate whose provider does not serve it
+    (``routes`` in its node's ``hello``) is refused, so no attempt is spent on it."""
+
+    def predicate(candidate: Candidate) -> str | None:
+        if route in candidate.routes:
+            return None
+        if candidate.path == "tunnel":
+            served = ", ".join(sorted(candidate.routes))
+            return f"its tunnel provider declares the routes {served}, not {route!r}"
+        return f"its {candidate.adapter!r} adapter does not serve {route!r}"
+
+    return predicate
+
+
+def both(first: Predicate, second: Predicate) -> Predicate:
+    """A predicate refusing what either refuses (the first's reason first)."""
+
+    def predicate(candidate: Candidate) -> str | None:
+        reason = first(candidate)
+        return reason if reason is not None else second(candidate)
+
+    return predicate
+
+
 @attrs.define(eq=False)
 class Pending:
     """What a stream's renderer appended to :attr:`out` since the last :meth:`send`."""

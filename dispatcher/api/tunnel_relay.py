@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import orjson
 import trio
 
+from .. import wire
 from ..errors import TunnelFailed
 from ..gate.attempts import TunnelAnswer
 from ..http import PeerGone, Responder
@@ -115,11 +116,20 @@ async def relay(
         raise
     finally:
         if usage is not None and head.ok:
-            tunnel.on_usage(usage[0], usage[1], True)
+            tunnel.on_usage(usage)
         elif head.ok:
-            tunnel.on_usage(estimate_prompt_tokens(request_body), completion_estimate, False)
+            tunnel.on_usage(
+                wire.Usage(
+                    prompt_tokens=estimate_prompt_tokens(request_body),
+                    completion_tokens=completion_estimate,
+                    estimated=True,
+                )
+            )
         else:
-            tunnel.on_usage(0, 0, False)
+            tunnel.on_usage(_NO_USAGE)
+
+
+_NO_USAGE: Final = wire.Usage(prompt_tokens=0, completion_tokens=0, estimated=True)
 
 
 async def _receive(tunnel: Tunnel, stall: float) -> bytes:

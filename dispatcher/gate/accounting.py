@@ -75,7 +75,7 @@ class TunnelCounts(Protocol):
     """What accounting reads of a tunnel (:class:`dispatcher.paths.tunnel.Tunnel`)."""
 
     @property
-    def usage(self) -> tuple[int, int, bool] | None: ...
+    def usage(self) -> wire.Usage | None: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -181,9 +181,13 @@ def counts_so_far(request: Accounted, run: RunCounts) -> Counts:
 def tunnel_counts(request: Accounted, tunnel: TunnelCounts) -> Counts:
     """The tunnel's usage as its relay found it (reported or estimated there); the prompt's
     estimate when the tunnel reported none (it ended before its relay)."""
-    if tunnel.usage is not None:
-        prompt, completion, reported = tunnel.usage
-        return Counts(prompt, completion, "reported" if reported else "estimated")
+    usage = tunnel.usage
+    if usage is not None:
+        return Counts(
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            "estimated" if usage.estimated else "reported",
+        )
     return Counts(estimate_prompt_tokens(request.dispatch.body), 0, "estimated")
 
 

@@ -141,8 +141,9 @@ class Tunnel(Lease):
     _unreported: int = 0
     """Body bytes consumed and not yet granted back to the node."""
     usage_recorded: bool = False
-    usage: tuple[int, int, bool] | None = None
-    """The last usage reported with :meth:`on_usage`: ``(prompt, completion, reported)``."""
+    usage: wire.Usage | None = None
+    """The last usage reported with :meth:`on_usage` (``estimated`` when the edge estimated
+    it)."""
 
     @property
     def tunnel_id(self) -> str:
@@ -217,14 +218,16 @@ class Tunnel(Lease):
             raise self._failure(end, "mid-body")
         return b""
 
-    def on_usage(self, prompt_tokens: int, completion_tokens: int, reported: bool) -> None:
-        """Report this tunnel's usage: ``reported`` when the provider said so, else the
-        edge's estimate. The last report is kept in :attr:`usage` (the gate's usage row
+    def on_usage(self, usage: wire.Usage) -> None:
+        """Report this tunnel's usage: as the provider said, or the edge's estimate
+        (``usage.estimated``). The last report is kept in :attr:`usage` (the gate's usage row
         reads it); only the first counts in the statistics."""
-        self.usage = (prompt_tokens, completion_tokens, reported)
+        self.usage = usage
         if not self.usage_recorded:
             self.usage_recorded = True
-            self._owner._record_usage(self, prompt_tokens, completion_tokens, reported)
+            self._owner._record_usage(
+                self, usage.prompt_tokens, usage.completion_tokens, not usage.estimated
+            )
 
     async def _consumed(self, size: int) -> None:
         self._unreported += size

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import orjson
@@ -139,8 +139,24 @@ def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:
 # --------------------------------------------------------------------------- usage
 
 
-TokenCounts = tuple[int, int]
-"""A provider's usage as an OpenAI response reports it: ``(prompt_tokens, completion_tokens)``."""
+TokenCounts = wire.Usage
+"""A provider's usage as its answer reports it (never ``estimated``)."""
+
+
+def _count(value: object) -> int | None:
+    """A token count: a non-negative int (``None``, absent: 0), else None."""
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        return None
+    return value
+
+
+def _detail(usage: dict[str, Any], field: str, name: str) -> int:
+    details = usage.get(field)
+    if not isinstance(details, dict):
+        return 0
+    return _count(details.get(name)) or 0
 
 
 def usage_of(value: object) -> TokenCounts | None:
@@ -152,12 +168,17 @@ def usage_of(value: object) -> TokenCounts | None:
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    if completion is None:
-        completion = 0
-    if type(prompt) is not int or type(completion) is not int or prompt < 0 or completion < 0:
+    completion = _count(usage.get("completion_tokens"))
+    if type(prompt) is not int or prompt < 0 or completion is None:
         return None
-    return prompt, completion
+    return wire.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=min(prompt, _detail(usage, "prompt_tokens_details", "cached_tokens")),
+        reasoning_tokens=min(
+            completion, _detail(usage, "completion_tokens_details", "reasoning_tokens")
+        ),
+    )
 
 
 def body_usage(body: bytes) -> TokenCounts | None:

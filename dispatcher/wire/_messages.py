@@ -26,8 +26,9 @@ from typing import Any, ClassVar, Final, Literal, TypeAlias, get_args
 
 import attrs
 
-PROTOCOL_VERSION: Final = 2
-"""2: slots are granted per edge (``capacity.serial``, ``demand``)."""
+PROTOCOL_VERSION: Final = 3
+"""2: slots are granted per edge (``capacity.serial``, ``demand``). 3: a provider announces the
+``routes`` it serves; ``usage`` carries cached, cache-write and reasoning tokens."""
 MAX_FRAME_SIZE: Final = 4 * 1024 * 1024
 """Largest frame either side sends or accepts, text or binary, in bytes."""
 MAX_TUNNEL_CHUNK: Final = 64 * 1024
@@ -37,6 +38,22 @@ DEFAULT_TUNNEL_WINDOW: Final = 256 * 1024
 (``tunnel.request.window``, then ``tunnel.credit``)."""
 
 ExecutionPath: TypeAlias = Literal["normalized", "tunnel"]
+
+RouteName: TypeAlias = Literal[
+    "chat", "completions", "embeddings", "responses", "messages",
+    "images", "audio", "moderations", "rerank",
+]  # fmt: skip
+"""An API a provider serves, by the edge's routes: ``chat`` (``/v1/chat/completions``),
+``completions``, ``embeddings``, ``responses`` (``/v1/responses``), ``messages``
+(``/v1/messages``, Anthropic's), ``images`` (``/v1/images/*``), ``audio`` (``/v1/audio/*``),
+``moderations``, ``rerank``."""
+ROUTES: Final[tuple[RouteName, ...]] = get_args(RouteName)
+DEFAULT_TUNNEL_ROUTES: Final[tuple[RouteName, ...]] = ("chat", "completions", "embeddings")
+"""What a tunnel provider that declares no ``routes`` serves: an OpenAI-compatible server's
+chat completions, completions and embeddings."""
+NORMALIZED_ROUTES: Final[tuple[RouteName, ...]] = ("chat", "responses", "messages")
+"""What every normalized provider serves: the edge translates the Responses and Messages APIs
+to the normalized run. An adapter that can do more (embeddings) announces it too."""
 JSONObject: TypeAlias = dict[str, Any]
 
 
@@ -66,6 +83,17 @@ class ProviderInfo:
     adapter: str
     path: ExecutionPath = "normalized"
     models: tuple[ModelInfo, ...] = ()
+    routes: tuple[RouteName, ...] = ()
+    """The APIs it serves (:data:`RouteName`); empty: the default of its path
+    (:data:`DEFAULT_TUNNEL_ROUTES`, :data:`NORMALIZED_ROUTES`). The edge offers it only for
+    these."""
+
+    @property
+    def served_routes(self) -> tuple[RouteName, ...]:
+        """:attr:`routes`, or its path's default when it declares none."""
+        if self.routes:
+            return self.routes
+        return DEFAULT_TUNNEL_ROUTES if self.path == "tunnel" else NORMALIZED_ROUTES
 
 
 @attrs.frozen(kw_only=True)
@@ -109,10 +137,24 @@ class Usage:
     """A run's token counts, as the node knows them."""
 
     prompt_tokens: int
+    """Every input token, as OpenAI counts them: those read from a cache and those written to
+    one included (Anthropic's ``input_tokens`` + ``cache_read_input_tokens`` +
+    ``cache_creation_input_tokens``)."""
     completion_tokens: int
+    """Every output token, reasoning included."""
     estimated: bool = False
     """The node estimated these counts (its adapter reported none); False when the engine or
     provider measured them."""
+    cached_tokens: int = 0
+    """Of :attr:`prompt_tokens`, those read from the engine's or provider's prompt cache
+    (OpenAI ``prompt_tokens_details.cached_tokens``, Anthropic ``cache_read_input_tokens``,
+    llama.cpp ``timings.cache_n``)."""
+    cache_write_tokens: int = 0
+    """Of :attr:`prompt_tokens`, those written to the provider's cache (Anthropic
+    ``cache_creation_input_tokens``)."""
+    reasoning_tokens: int = 0
+    """Of :attr:`completion_tokens`, those spent reasoning
+    (``completion_tokens_details.reasoning_tokens``)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -993,7 +993,7 @@ async def test_tunnel_only_routes_refuse_normalized_models(
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["code"] == "no_capable_candidate"
-        assert "not through a tunnel, which /v1/completions needs" in error["message"]
+        assert "its 'echo' adapter does not serve 'completions'" in error["message"]
         bad = await client.post("/v1/embeddings", content=b"[1]")
         assert bad.status_code == 400
         assert "JSON object" in bad.json()["error"]["message"]
@@ -1073,12 +1073,12 @@ async def test_sse_filter_passes_bytes_through_in_any_split() -> None:
         sse = SSEFilter(strip_usage_chunk=True)
         out = b"".join(sse.feed(raw[i : i + size]) for i in range(0, len(raw), size))
         assert out + sse.finish() == expected
-        assert sse.usage == (3, 2)
+        assert sse.usage == wire.Usage(prompt_tokens=3, completion_tokens=2)
         assert sse.stripped
         keep = SSEFilter(strip_usage_chunk=False)
         out = b"".join(keep.feed(raw[i : i + size]) for i in range(0, len(raw), size))
         assert out + keep.finish() == raw
-        assert keep.usage == (3, 2)
+        assert keep.usage == wire.Usage(prompt_tokens=3, completion_tokens=2)
     await trio.lowlevel.checkpoint()
 
 
@@ -1126,7 +1126,7 @@ def test_the_sse_filter_renames_the_events_it_passes_on_and_reads_usage_as_sent(
         out = b"".join(sse.feed(raw[i : i + size]) for i in range(0, len(raw), size))
         out += sse.finish()
         assert out == events[0].replace(b'"served"', b'"asked"') + events[2]
-        assert sse.usage == (3, 2)
+        assert sse.usage == wire.Usage(prompt_tokens=3, completion_tokens=2)
 
 
 def tunnel_hello(node_id: str = "scripted") -> wire.Hello:

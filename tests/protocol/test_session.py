@@ -56,7 +56,7 @@ def test_wire_is_the_protocol_package() -> None:
         (p.TunnelData("t", b"x"), "expected hello, got a binary frame"),
         (
             p.Hello(protocol=99, node_id="n"),
-            "protocol version 99 is not supported (this edge speaks 2): run the same "
+            "protocol version 99 is not supported (this edge speaks 3): run the same "
             "trio-dispatcher release on the edges and their nodes",
         ),
     ],
@@ -345,7 +345,7 @@ def test_node_refuses_another_protocol_version() -> None:
     verdict = node.receive(welcome)
     assert isinstance(verdict, p.UnsupportedVersion)  # reconnecting cannot help
     assert error(verdict) == (
-        "protocol version 1 is not supported (this node speaks 2): run the same "
+        "protocol version 1 is not supported (this node speaks 3): run the same "
         "trio-dispatcher release on the edges and their nodes"
     )
     assert node.welcome is None

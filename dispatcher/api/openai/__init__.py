@@ -38,10 +38,12 @@ from ..common import (
     SSE_HEADERS,
     ModelCall,
     Pending,
+    both,
     dispatch_headers,
     model_route,
     openai_error,
     relay_rest,
+    serving,
     tunnel_only,
 )
 from ..front import FrontEnd, RouteContext, RouteSpec
@@ -54,7 +56,7 @@ from ._request import ChatRequest, parse_chat_request, parse_tunnel_body
 @model_route
 async def chat_completions(call: ModelCall, responder: Responder) -> str:
     chat = parse_chat_request(await call.request.body())
-    gated = await call.gate_request(chat.body, stream=chat.stream)
+    gated = await call.gate_request(chat.body, stream=chat.stream, predicate=serving("chat"))
     return await _chat(call.edge, chat, gated, responder, call.ctx)
 
 
@@ -133,7 +135,10 @@ async def tunnel_route(call: ModelCall, responder: Responder) -> str:
     route = call.request.path
     body = parse_tunnel_body(await call.request.body(), route=route)
     stream = body.get("stream") is True
-    gated = await call.gate_request(body, stream=stream, predicate=tunnel_only(route))
+    served = "embeddings" if route == "/v1/embeddings" else "completions"
+    gated = await call.gate_request(
+        body, stream=stream, predicate=both(serving(served), tunnel_only(route))
+    )
     async with call.edge.gate.open(gated) as answer:
         assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
         return await relay(call.edge, answer, body, responder, call.ctx.headers)
