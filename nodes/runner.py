@@ -155,10 +155,24 @@ class _Output:
             # A send is in flight: the piece joins what waits behind it; no schedule point.
             run.unyielded += 1
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
+    def usage(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        estimated: bool = False,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> None:
         run = self._run
-        usage = run.reported_usage = wire.Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, estimated=estimated
+        usage = run.reported_usage = clamped_usage(
+            prompt_tokens,
+            completion_tokens,
+            estimated=estimated,
+            cached_tokens=cached_tokens,
+            cache_write_tokens=cache_write_tokens,
+            reasoning_tokens=reasoning_tokens,
         )
         if not (estimated or run.content_pushed):
             # Counted before the first content: the first run.delta carries it (no frame of
@@ -336,6 +350,30 @@ class Runner:
             return lambda seq: wire.RunCancelled(run_id=run_id, seq=seq, usage=usage)
         reason = run.finish_reason
         return lambda seq: wire.RunCompleted(run_id=run_id, seq=seq, finish_reason=reason)
+
+
+def clamped_usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    *,
+    estimated: bool = False,
+    cached_tokens: int = 0,
+    cache_write_tokens: int = 0,
+    reasoning_tokens: int = 0,
+) -> wire.Usage:
+    """An adapter's counts as the run's :class:`~dispatcher.wire.Usage`, each part within
+    its total (never negative; the cache reads first, then the cache writes, within the
+    prompt; the reasoning within the completion): an engine's odd breakdown never makes a
+    count the edge would refuse."""
+    cached = min(max(0, cached_tokens), max(0, prompt_tokens))
+    return wire.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        estimated=estimated,
+        cached_tokens=cached,
+        cache_write_tokens=min(max(0, cache_write_tokens), max(0, prompt_tokens) - cached),
+        reasoning_tokens=min(max(0, reasoning_tokens), max(0, completion_tokens)),
+    )
 
 
 def tool_call_frames(

@@ -87,6 +87,28 @@ def test_row_validation() -> None:
         make_row(path="carrier-pigeon")
 
 
+def test_the_parts_of_a_count_are_within_it() -> None:
+    """Cached and cache-written tokens are parts of the prompt's (together), reasoning
+    tokens of the completion's: never negative, never beyond their total."""
+    whole = make_row(prompt_tokens=10, completion_tokens=20, cached_tokens=6,
+                     cache_write_tokens=4, reasoning_tokens=20)  # fmt: skip
+    assert (whole.cached_tokens, whole.cache_write_tokens, whole.reasoning_tokens) == (6, 4, 20)
+    assert make_row().cached_tokens == make_row().reasoning_tokens == 0
+    with pytest.raises(ValueError, match=r"cached_tokens \(11\) must not exceed prompt_tokens"):
+        make_row(prompt_tokens=10, cached_tokens=11)
+    with pytest.raises(
+        ValueError, match=r"cache_write_tokens \+ cached_tokens \(11\) must not exceed"
+    ):
+        make_row(prompt_tokens=10, cached_tokens=6, cache_write_tokens=5)
+    with pytest.raises(ValueError, match="reasoning_tokens"):
+        make_row(completion_tokens=20, reasoning_tokens=21)
+    for part in ("cached_tokens", "cache_write_tokens", "reasoning_tokens"):
+        with pytest.raises(ValueError, match=part):
+            make_row(**{part: -1})
+        with pytest.raises(TypeError, match=part):
+            make_row(**{part: 1.5})
+
+
 # ------------------------------------------------------------------ exactly once
 
 
@@ -370,11 +392,14 @@ DATASET = [
     make_row("r1", 1, outcome="failed", billable_to="operator", prompt_tokens=100,
              completion_tokens=0, ended_at=T0 + 10),
     make_row("r1", 2, prompt_tokens=100, completion_tokens=50, ended_at=T0 + 20),
-    # r2 (key-2, llama): aborted, then cancelled by the client; tokens estimated.
+    # r2 (key-2, llama): aborted, then cancelled by the client; tokens estimated; cached
+    # prompts and some reasoning.
     make_row("r2", 1, attribution="key-2", outcome="aborted", billable_to="operator",
-             prompt_tokens=40, completion_tokens=5, usage_source="estimated", ended_at=T0 + 30),
+             prompt_tokens=40, completion_tokens=5, usage_source="estimated", ended_at=T0 + 30,
+             cached_tokens=30, reasoning_tokens=2),
     make_row("r2", 2, attribution="key-2", outcome="cancelled", prompt_tokens=40,
-             completion_tokens=7, usage_source="estimated", ended_at=T0 + 40),
+             completion_tokens=7, usage_source="estimated", ended_at=T0 + 40,
+             cached_tokens=30, cache_write_tokens=4, reasoning_tokens=3),
     # r3 (key-1, qwen over a tunnel): three attempts.
     make_row("r3", 1, model_group="qwen", path="tunnel", outcome="failed",
              billable_to="operator", prompt_tokens=8, completion_tokens=0, ended_at=T0 + 50),
@@ -404,6 +429,8 @@ async def test_totals_over_everything(filled: UsageLedger) -> None:
     assert totals.operator == TokenTotals(100 + 40 + 8 + 8, 5)
     assert totals.estimated == TokenTotals(80, 12)
     assert totals.outcomes == {"completed": 2, "failed": 3, "aborted": 1, "cancelled": 1}
+    parts = (totals.cached_tokens, totals.cache_write_tokens, totals.reasoning_tokens)
+    assert parts == (60, 4, 5)
 
 
 async def test_time_window_is_since_inclusive_until_exclusive(filled: UsageLedger) -> None:
@@ -490,6 +517,9 @@ async def test_report_json(filled: UsageLedger) -> None:
         "prompt_tokens": 80,
         "completion_tokens": 12,
         "total_tokens": 92,
+        "cached_tokens": 60,
+        "cache_write_tokens": 4,
+        "reasoning_tokens": 5,
         "billable": {
             "client": {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47},
             "operator": {"prompt_tokens": 40, "completion_tokens": 5, "total_tokens": 45},
@@ -640,10 +670,18 @@ def _usage_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="dispatcher.usage")
 
 
+_ADDED_BY_VERSION = {
+    2: ("client_request_id", "route"),
+    3: ("cost_usd",),
+    4: ("cached_tokens", "cache_write_tokens", "reasoning_tokens"),
+}
+_TYPES = {"cost_usd": "REAL"}
+
+
 def write_old_ledger(path: Path, version: int, row: UsageRow) -> None:
-    """A ledger file of schema ``version`` (1 or 2) holding ``row``."""
-    later = ("client_request_id", "route", "cost_usd")  # versions 2 and 3 added them
-    added = later[: 2 * (version - 1)]
+    """A ledger file of schema ``version`` (1 to 3) holding ``row``."""
+    later = {c for added in _ADDED_BY_VERSION.values() for c in added}
+    added = [c for v, names in _ADDED_BY_VERSION.items() if v <= version for c in names]
     columns = [c for c in attrs.fields_dict(UsageRow) if c not in later or c in added]
     with closing(sqlite3.connect(path)) as conn:
         conn.executescript(
@@ -654,7 +692,7 @@ def write_old_ledger(path: Path, version: int, row: UsageRow) -> None:
             "usage_source TEXT NOT NULL, outcome TEXT NOT NULL, billable_to TEXT NOT NULL, "
             "queue_wait_s REAL NOT NULL, ttft_s REAL, duration_s REAL NOT NULL, "
             "ended_at REAL NOT NULL, "
-            + "".join(f"{column} TEXT, " for column in added)
+            + "".join(f"{column} {_TYPES.get(column, 'TEXT')}, " for column in added)
             + f"PRIMARY KEY (request_id, attempt)); PRAGMA user_version={version};"
         )
         marks = ", ".join("?" * len(columns))
@@ -675,7 +713,7 @@ async def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(tmp_path: Path)
     (new,) = [r for r in report.rows if r.request_id == "new-1"]
     assert (new.client_request_id, new.route) == ("mine", "/v1/chat/completions")
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (4,)
 
 
 async def test_a_version_2_ledger_gains_the_cost_column(tmp_path: Path) -> None:
@@ -689,7 +727,34 @@ async def test_a_version_2_ledger_gains_the_cost_column(tmp_path: Path) -> None:
     assert costs == {"old-1": None, "new-1": 0.25}
     assert report.totals.cost_usd == pytest.approx(0.25 if old.billable_to == "client" else 0.0)
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (4,)
+
+
+async def test_a_version_3_ledger_gains_the_parts_of_its_counts(tmp_path: Path) -> None:
+    """Schema 4 added the cached, cache-write and reasoning tokens: the rows of a file of
+    schema 3 have 0 of each, the new rows what they say, and the sums count both."""
+    path = tmp_path / USAGE_DB_NAME
+    old = make_row("old-1", cost_usd=0.5)
+    write_old_ledger(path, 3, old)
+    new = make_row(
+        "new-1", cost_usd=0.25, cached_tokens=6, cache_write_tokens=2, reasoning_tokens=15
+    )
+    async with open_usage_ledger(path) as ledger:
+        ledger.record(new)
+        report = await ledger.query()
+        (group,) = await ledger.query_groups(group_by=())
+    assert sorted(report.rows, key=lambda row: row.request_id) == [new, old]
+    parts = (report.totals.cached_tokens, report.totals.cache_write_tokens)
+    assert (*parts, report.totals.reasoning_tokens) == (6, 2, 15)
+    assert (group.cached_tokens, group.cache_write_tokens, group.reasoning_tokens) == (6, 2, 15)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (4,)
+        assert conn.execute(
+            "SELECT request_id, cached_tokens, cache_write_tokens, reasoning_tokens FROM usage "
+            "ORDER BY request_id"
+        ).fetchall() == [("new-1", 6, 2, 15), ("old-1", 0, 0, 0)]
+    async with open_usage_ledger(path) as ledger:  # opened again: nothing more to migrate
+        assert (await ledger.query()).rows == report.rows
 
 
 async def test_rows_are_searchable_by_the_clients_request_id() -> None:

@@ -24,6 +24,7 @@ from ..store.usage import (
     UsageGroup,
     UsageQuery,
     UsageReport,
+    UsageTotals,
 )
 
 __all__ = ["parse_usage_query", "usage_report_json"]
@@ -107,6 +108,15 @@ def _tokens_json(tokens: TokenTotals) -> dict[str, int]:
     }
 
 
+def _parts_json(sums: UsageGroup | UsageTotals) -> dict[str, int]:
+    """The parts of the prompt (cached, cache-written) and the completion (reasoning)."""
+    return {
+        "cached_tokens": sums.cached_tokens,
+        "cache_write_tokens": sums.cache_write_tokens,
+        "reasoning_tokens": sums.reasoning_tokens,
+    }
+
+
 def _group_json(group: UsageGroup, group_by: Sequence[GroupBy]) -> dict[str, object]:
     return {
         **{name: getattr(group, name) for name in group_by},
@@ -115,6 +125,7 @@ def _group_json(group: UsageGroup, group_by: Sequence[GroupBy]) -> dict[str, obj
         "prompt_tokens": group.prompt_tokens,
         "completion_tokens": group.completion_tokens,
         "total_tokens": group.prompt_tokens + group.completion_tokens,
+        **_parts_json(group),
         "billable": _tokens_json(group.client),
         "cost_usd": group.cost_usd,
     }
@@ -144,6 +155,7 @@ def usage_report_json(
                 "prompt_tokens": totals.prompt_tokens,
                 "completion_tokens": totals.completion_tokens,
                 "total_tokens": totals.prompt_tokens + totals.completion_tokens,
+                **_parts_json(totals),
                 "billable": {
                     "client": _tokens_json(totals.client),
                     "operator": _tokens_json(totals.operator),

@@ -57,7 +57,7 @@ from .usage import (
     UsageReport,
     UsageRow,
 )
-from .usage_sqlite import ROW_COLUMNS, fold_totals, row_values, usage_group
+from .usage_sqlite import PART_COLUMNS, ROW_COLUMNS, fold_totals, row_values, usage_group
 
 __all__ = [
     "POSTGRES_CONNECT_TIMEOUT",
@@ -208,7 +208,16 @@ _USAGE_STEPS: Final = (
     CREATE INDEX dispatcher_usage_attribution ON dispatcher_usage (attribution, ended_at);
     CREATE INDEX dispatcher_usage_model_group ON dispatcher_usage (model_group, ended_at);
     """,
+    # Version 2: the SQLite ledger's version 4, the parts of the prompt and the completion
+    # (0 in older rows).
+    """
+    ALTER TABLE dispatcher_usage
+        ADD COLUMN cached_tokens BIGINT NOT NULL DEFAULT 0,
+        ADD COLUMN cache_write_tokens BIGINT NOT NULL DEFAULT 0,
+        ADD COLUMN reasoning_tokens BIGINT NOT NULL DEFAULT 0;
+    """,
 )
+_PART_SUMS: Final = ", ".join(f"SUM({column})::BIGINT" for column in PART_COLUMNS)
 
 _GROUP_COLUMNS: Final[Mapping[GroupBy, str]] = {
     "key": "attribution",
@@ -288,7 +297,7 @@ class PostgresUsage:
             groups = conn.execute(
                 "SELECT billable_to, outcome, usage_source, COUNT(*), "
                 "SUM(prompt_tokens)::BIGINT, SUM(completion_tokens)::BIGINT, "
-                "SUM(COALESCE(cost_usd, 0)) "
+                f"SUM(COALESCE(cost_usd, 0)), {_PART_SUMS} "
                 f"FROM dispatcher_usage {where} "
                 "GROUP BY billable_to, outcome, usage_source",
                 params,
@@ -322,8 +331,8 @@ class PostgresUsage:
                 "SUM(prompt_tokens)::BIGINT, SUM(completion_tokens)::BIGINT, "
                 "SUM(CASE WHEN billable_to = 'client' THEN prompt_tokens ELSE 0 END)::BIGINT, "
                 "SUM(CASE WHEN billable_to = 'client' THEN completion_tokens ELSE 0 END)::BIGINT, "
-                "SUM(CASE WHEN billable_to = 'client' THEN COALESCE(cost_usd, 0) ELSE 0 END) "
-                f"FROM dispatcher_usage {where} {grouping if dimensions else ''}",
+                "SUM(CASE WHEN billable_to = 'client' THEN COALESCE(cost_usd, 0) ELSE 0 END), "
+                f"{_PART_SUMS} FROM dispatcher_usage {where} {grouping if dimensions else ''}",
                 params,
             ).fetchall()
         return [group for values in found if (group := usage_group(group_by, values)) is not None]

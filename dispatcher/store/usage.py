@@ -63,6 +63,20 @@ def _at_least(minimum: int) -> Any:
     return attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(minimum))
 
 
+def _within(total: str, *others: str) -> Any:
+    """A part of the count ``total``: at least 0, and with the parts ``others`` at most it."""
+
+    def check(instance: UsageRow, attribute: attrs.Attribute[int], value: int) -> None:
+        parts = value + sum(getattr(instance, name) for name in others)
+        if parts > getattr(instance, total):
+            named = " + ".join((attribute.name, *others))
+            raise ValueError(
+                f"{named} ({parts}) must not exceed {total} ({getattr(instance, total)})"
+            )
+
+    return attrs.validators.and_(_at_least(0), check)
+
+
 @attrs.frozen(kw_only=True)
 class UsageRow:
     """One attempt of one request, as it ended."""
@@ -100,6 +114,16 @@ class UsageRow:
     cost_usd: float | None = None
     """What its tokens cost at the price table its request was admitted under
     (``dispatcher.tenants``); None when nothing priced it (rows of older versions)."""
+    cached_tokens: int = attrs.field(default=0, validator=_within("prompt_tokens"))
+    """Of ``prompt_tokens``, those read from the engine's or provider's prompt cache
+    (OpenAI's convention: ``prompt_tokens`` counts them)."""
+    cache_write_tokens: int = attrs.field(
+        default=0, validator=_within("prompt_tokens", "cached_tokens")
+    )
+    """Of ``prompt_tokens``, those written to the provider's cache (Anthropic's
+    ``cache_creation_input_tokens``)."""
+    reasoning_tokens: int = attrs.field(default=0, validator=_within("completion_tokens"))
+    """Of ``completion_tokens``, those spent reasoning."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -141,6 +165,12 @@ class UsageTotals:
     """Attempts by outcome; every outcome is present."""
     cost_usd: float = 0.0
     """The cost of the tokens billable to the client."""
+    cached_tokens: int = 0
+    """Of :attr:`prompt_tokens`, read from a prompt cache."""
+    cache_write_tokens: int = 0
+    """Of :attr:`prompt_tokens`, written to a provider's cache."""
+    reasoning_tokens: int = 0
+    """Of :attr:`completion_tokens`, spent reasoning."""
 
 
 GroupBy = Literal["key", "model", "route", "day"]
@@ -166,6 +196,12 @@ class UsageGroup:
     """Tokens billable to the client."""
     cost_usd: float
     """The cost of the tokens billable to the client."""
+    cached_tokens: int = 0
+    """Of :attr:`prompt_tokens`, read from a prompt cache."""
+    cache_write_tokens: int = 0
+    """Of :attr:`prompt_tokens`, written to a provider's cache."""
+    reasoning_tokens: int = 0
+    """Of :attr:`completion_tokens`, spent reasoning."""
 
 
 def _not_before_since(

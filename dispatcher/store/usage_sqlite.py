@@ -34,6 +34,7 @@ from .usage import (
 )
 
 __all__ = [
+    "PART_COLUMNS",
     "ROW_COLUMNS",
     "USAGE_DB_NAME",
     "SQLiteUsage",
@@ -46,7 +47,7 @@ log = logging.getLogger("dispatcher.usage")
 
 USAGE_DB_NAME: Final = "usage.sqlite3"
 """The ledger's file name in the edge's data directory."""
-_SCHEMA_VERSION: Final = 3
+_SCHEMA_VERSION: Final = 4
 
 _GROUP_COLUMNS: Final[Mapping[GroupBy, str]] = {
     "key": "attribution",
@@ -58,6 +59,9 @@ ROW_COLUMNS: Final = tuple(field.name for field in attrs.fields(UsageRow))
 """The ledger's columns, a :class:`UsageRow`'s fields in order (every SQL backend's)."""
 row_values: Final[Callable[[UsageRow], tuple[Any, ...]]] = operator.attrgetter(*ROW_COLUMNS)
 """A row's values in :data:`ROW_COLUMNS`' order."""
+PART_COLUMNS: Final = ("cached_tokens", "cache_write_tokens", "reasoning_tokens")
+"""The counts that are parts of the prompt's and the completion's (schema 4)."""
+_PART_SUMS: Final = ", ".join(f"SUM({column})" for column in PART_COLUMNS)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -81,6 +85,9 @@ CREATE TABLE IF NOT EXISTS usage (
     client_request_id TEXT,
     route TEXT,
     cost_usd REAL,
+    cached_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_write_tokens INTEGER NOT NULL DEFAULT 0,
+    reasoning_tokens INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (request_id, attempt)
 );
 CREATE INDEX IF NOT EXISTS usage_ended_at ON usage (ended_at);
@@ -144,6 +151,12 @@ class SQLiteUsage:
         if version in (1, 2):
             # Version 3 added the cost.
             migrate += "ALTER TABLE usage ADD COLUMN cost_usd REAL;"
+        if version in (1, 2, 3):
+            # Version 4 added the cached, cache-write and reasoning tokens (0 in older rows).
+            migrate += "".join(
+                f"ALTER TABLE usage ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0;"
+                for column in PART_COLUMNS
+            )
         conn.executescript(
             f"BEGIN; {migrate} {_SCHEMA} PRAGMA user_version={_SCHEMA_VERSION}; COMMIT;"
         )
@@ -192,8 +205,8 @@ class SQLiteUsage:
             ).fetchone()
             groups = conn.execute(
                 "SELECT billable_to, outcome, usage_source, COUNT(*), "
-                "SUM(prompt_tokens), SUM(completion_tokens), SUM(COALESCE(cost_usd, 0)) "
-                f"FROM usage {where} "
+                "SUM(prompt_tokens), SUM(completion_tokens), SUM(COALESCE(cost_usd, 0)), "
+                f"{_PART_SUMS} FROM usage {where} "
                 "GROUP BY billable_to, outcome, usage_source",
                 params,
             ).fetchall()
@@ -222,8 +235,8 @@ class SQLiteUsage:
             "SUM(prompt_tokens), SUM(completion_tokens), "
             "SUM(CASE WHEN billable_to = 'client' THEN prompt_tokens ELSE 0 END), "
             "SUM(CASE WHEN billable_to = 'client' THEN completion_tokens ELSE 0 END), "
-            "SUM(CASE WHEN billable_to = 'client' THEN COALESCE(cost_usd, 0) ELSE 0 END) "
-            f"FROM usage {where} {grouping if dimensions else ''}",
+            "SUM(CASE WHEN billable_to = 'client' THEN COALESCE(cost_usd, 0) ELSE 0 END), "
+            f"{_PART_SUMS} FROM usage {where} {grouping if dimensions else ''}",
             params,
         ).fetchall()
         return [group for values in found if (group := usage_group(group_by, values)) is not None]
@@ -250,8 +263,9 @@ def _where(matching: UsageFilter) -> tuple[str, list[object]]:
 
 def usage_group(group_by: Sequence[GroupBy], values: Sequence[Any]) -> UsageGroup | None:
     """One row of a grouped query -- the group's values, then the distinct requests, the
-    attempts, the prompt and completion tokens, the client's and its cost -- or None for the
-    row an aggregate without GROUP BY gives when nothing matched."""
+    attempts, the prompt and completion tokens, the client's and its cost, the cached,
+    cache-write and reasoning tokens -- or None for the row an aggregate without GROUP BY
+    gives when nothing matched."""
     named = dict(zip(group_by, values, strict=False))
     rest = values[len(group_by) :]
     if not rest[1]:
@@ -264,19 +278,25 @@ def usage_group(group_by: Sequence[GroupBy], values: Sequence[Any]) -> UsageGrou
         completion_tokens=rest[3],
         client=TokenTotals(rest[4], rest[5]),
         cost_usd=rest[6],
+        cached_tokens=rest[7],
+        cache_write_tokens=rest[8],
+        reasoning_tokens=rest[9],
     )
 
 
 def fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
     """The totals of a query from its distinct requests and its rows grouped by
-    ``billable_to, outcome, usage_source`` (count, prompt, completion, cost)."""
+    ``billable_to, outcome, usage_source`` (count, prompt, completion, cost, cached,
+    cache-write, reasoning)."""
     attempts = 0
+    parts = [0, 0, 0]
     billable = {who: TokenTotals() for who in BILLABLE_TO}
     estimated = TokenTotals()
     outcomes: dict[Outcome, int] = dict.fromkeys(OUTCOMES, 0)
     cost = 0.0
-    for billable_to, outcome, source, count, prompt, completion, row_cost in groups:
+    for billable_to, outcome, source, count, prompt, completion, row_cost, *counts in groups:
         tokens = TokenTotals(prompt, completion)
+        parts = [total + more for total, more in zip(parts, counts, strict=True)]
         attempts += count
         billable[billable_to] += tokens
         if billable_to == "client":
@@ -295,4 +315,7 @@ def fold_totals(requests: int, groups: Sequence[Sequence[Any]]) -> UsageTotals:
         estimated=estimated,
         outcomes=outcomes,
         cost_usd=cost,
+        cached_tokens=parts[0],
+        cache_write_tokens=parts[1],
+        reasoning_tokens=parts[2],
     )

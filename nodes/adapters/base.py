@@ -106,10 +106,23 @@ class RunOutput(Protocol):
         the text); a checkpoint that may wait like :meth:`delta`. Set the finish reason
         ``"tool_calls"`` yourself."""
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
+    def usage(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        estimated: bool = False,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> None:
         """Record the latest known usage (totals so far, not increments). ``estimated``: the
         adapter estimated (part of) it, e.g. with :func:`estimate_tokens`, because the engine
-        did not count; the usage then travels as ``Usage.estimated``."""
+        did not count; the usage then travels as ``Usage.estimated``. The breakdowns are
+        OpenAI's (:class:`dispatcher.wire.Usage`): ``cached_tokens`` and
+        ``cache_write_tokens`` are part of ``prompt_tokens`` (read from, written to a prompt
+        cache), ``reasoning_tokens`` part of ``completion_tokens``; the runner clamps each to
+        its total."""
 
     def finish(self, reason: str) -> None:
         """Set the finish reason ``run.completed`` will carry (default ``"stop"``)."""

@@ -9,7 +9,10 @@ client's body); the choice's ``finish_reason`` -> the finish reason (passed thro
 ``length``, ``tool_calls``, ``content_filter``...); the ``usage`` chunk -> usage. A legacy
 ``function_call`` delta (the deprecated ``functions`` API) fails the run with code
 ``unsupported_function_call`` (not retryable): use ``tools``. ``data: [DONE]`` ends the
-stream. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
+stream. The usage's breakdowns (:class:`StreamUsage`): ``prompt_tokens_details.cached_tokens``
+(OpenAI; vLLM with ``--enable-prompt-tokens-details``; llama.cpp's recent builds), else
+llama.cpp's ``timings.cache_n`` (prompt tokens its cache reused), and
+``completion_tokens_details.reasoning_tokens``. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
 as the client's error (its code, message and status, not retryable) when it names a 400, 413,
 415 or 422 in ``code`` (vLLM, llama.cpp) or has code ``context_length_exceeded``. A non-2xx
 answer fails as ``_upstream_errors`` maps it: 400, 413, 415, 422 are the client's error, with
@@ -133,13 +136,14 @@ class OpenAIAdapter(HTTPAdapter):
         finish: str | None = None
         done = False
         decoder = SSEDecoder()
+        usage = StreamUsage()
         async with post_chunks(client, self.url, body, headers=headers) as chunks:
             async for piece in chunks:
                 for data in decoder.feed(piece):
                     if data.strip() == b"[DONE]":
                         done = True
                         break
-                    finish = await _take_chunk(data, out) or finish
+                    finish = await _take_chunk(data, out, usage) or finish
                 if done:
                     break
             else:
@@ -147,7 +151,7 @@ class OpenAIAdapter(HTTPAdapter):
                 if last is not None and last.strip() == b"[DONE]":
                     done = True
                 elif last is not None:
-                    finish = await _take_chunk(last, out) or finish
+                    finish = await _take_chunk(last, out, usage) or finish
         if finish is None and not done:
             raise AdapterError(
                 "upstream_disconnected",
@@ -157,16 +161,77 @@ class OpenAIAdapter(HTTPAdapter):
         out.finish(finish or "stop")
 
 
-async def _take_chunk(data: bytes, out: RunOutput) -> str | None:
+def _count(value: object) -> int | None:
+    """A token count: a non-negative int, else None."""
+    return value if type(value) is int and value >= 0 else None
+
+
+def _detail(usage: Mapping[str, Any], field: str, name: str) -> int | None:
+    details = usage.get(field)
+    return _count(details.get(name)) if isinstance(details, dict) else None
+
+
+@attrs.define
+class StreamUsage:
+    """The usage an OpenAI-compatible stream has reported so far (sans-IO): the last
+    ``usage`` object with sane counts, and llama.cpp's ``timings.cache_n``, which may come in
+    the same chunk or another. The cached count is the usage's own
+    (``prompt_tokens_details.cached_tokens``) when it has one, else ``cache_n``."""
+
+    prompt_tokens: int | None = None
+    """None until a usage object came."""
+    completion_tokens: int = 0
+    details_cached: int | None = None
+    """``prompt_tokens_details.cached_tokens`` of that usage (None: it had none)."""
+    reasoning_tokens: int = 0
+    cache_n: int | None = None
+    """llama.cpp's ``timings.cache_n``, the last one seen."""
+
+    def take(self, chunk: Mapping[str, Any]) -> bool:
+        """Read ``chunk``'s ``usage`` and ``timings``; whether either said something."""
+        taken = False
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            prompt = _count(usage.get("prompt_tokens"))
+            completion = _count(usage.get("completion_tokens"))
+            if prompt is not None and completion is not None:
+                self.prompt_tokens, self.completion_tokens = prompt, completion
+                self.details_cached = _detail(usage, "prompt_tokens_details", "cached_tokens")
+                reasoning = _detail(usage, "completion_tokens_details", "reasoning_tokens")
+                self.reasoning_tokens = reasoning or 0
+                taken = True
+        timings = chunk.get("timings")
+        if isinstance(timings, dict):
+            cache_n = _count(timings.get("cache_n"))
+            if cache_n is not None:
+                self.cache_n = cache_n
+                taken = True
+        return taken
+
+    @property
+    def cached_tokens(self) -> int:
+        if self.details_cached is not None:
+            return self.details_cached
+        return self.cache_n or 0
+
+    def report(self, out: RunOutput) -> None:
+        """Report the usage known so far (nothing before a usage object came)."""
+        if self.prompt_tokens is not None:
+            out.usage(
+                self.prompt_tokens,
+                self.completion_tokens,
+                cached_tokens=self.cached_tokens,
+                reasoning_tokens=self.reasoning_tokens,
+            )
+
+
+async def _take_chunk(data: bytes, out: RunOutput, usage: StreamUsage) -> str | None:
     """Report one chunk; its finish reason, if it has one."""
     chunk = loads_object(data, "an SSE event")
     if "error" in chunk:
         raise error_event_failure(chunk, "event")
-    usage = chunk.get("usage")
-    if isinstance(usage, dict):
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if type(prompt) is int and type(completion) is int and prompt >= 0 and completion >= 0:
-            out.usage(prompt, completion)
+    if usage.take(chunk):
+        usage.report(out)
     finish: str | None = None
     choices = chunk.get("choices")
     for choice in choices if isinstance(choices, list) else ():

@@ -33,7 +33,9 @@ of ``fail_mode="error"``); ``error_body``, when set, is sent as the JSON error b
 a stream), ``fail_after_chunks`` with ``fail_mode`` (``"abort"``: the connection is cut, the
 client sees a truncated body; ``"error"``: an error event / line, then the stream ends),
 ``stall_after_chunks`` (send nothing more until the client leaves). OpenAI only:
-``finish_reason``, ``tool_call`` (an OpenAI tool call object, streamed after the text as
+``finish_reason``, ``cached_tokens`` / ``reasoning_tokens`` (the usage's
+``prompt_tokens_details`` / ``completion_tokens_details``), ``timings_cache_n`` (llama.cpp's
+``timings`` on the last chunk), ``tool_call`` (an OpenAI tool call object, streamed after the text as
 OpenAI does: a ``tool_calls`` delta with its ``id``, ``type``, name and empty arguments, then
 the arguments in two pieces; then the finish chunk), ``models``. The usage chunk is sent
 only when the request asked for it (``stream_options.include_usage``). Ollama only: ``done_reason``,
@@ -320,6 +322,13 @@ class FakeOpenAI(FakeProvider):
 
     finish_reason: str = "stop"
     tool_call: dict[str, Any] | None = None
+    cached_tokens: int | None = None
+    """When set, the usage says ``prompt_tokens_details.cached_tokens`` (OpenAI, vLLM)."""
+    reasoning_tokens: int | None = None
+    """When set, the usage says ``completion_tokens_details.reasoning_tokens``."""
+    timings_cache_n: int | None = None
+    """When set, the stream's last chunk carries llama.cpp's ``timings`` with this
+    ``cache_n`` (the usage chunk when there is one, else the finish chunk)."""
 
     def route(
         self, seen: SeenRequest
@@ -334,13 +343,18 @@ class FakeOpenAI(FakeProvider):
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
         return {"error": {"message": message, "type": kind, "param": None, "code": self.error_code}}
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = len(self.tokens)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
         }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
     async def _models(self, seen: SeenRequest, responder: Responder) -> None:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
@@ -399,6 +413,12 @@ class FakeOpenAI(FakeProvider):
         after.append(chunk({}, self.finish_reason))
         if include_usage:
             after.append({**chunk({}), "choices": [], "usage": self.usage()})
+        if self.timings_cache_n is not None:
+            after[-1]["timings"] = {
+                "cache_n": self.timings_cache_n,
+                "prompt_n": self.prompt_tokens - self.timings_cache_n,
+                "predicted_n": len(self.tokens),
+            }
         after.append("[DONE]")
 
         def encode(event: Any) -> bytes:

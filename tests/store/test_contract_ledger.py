@@ -47,7 +47,8 @@ def row(request_id: str, attempt: int = 1, **changes: Any) -> UsageRow:
 def varied_rows() -> list[UsageRow]:
     """48 rows over every dimension: keys (one None), models, routes (one None), both
     sides of a UTC midnight, billable to either side, estimated or reported, priced or not,
-    one to three attempts per request, some client request ids."""
+    one to three attempts per request, some client request ids, cached, cache-written and
+    reasoning tokens or none."""
     rows = []
     keys = ("key-1", "key-2", None)
     models = ("llama", "qwen")
@@ -71,6 +72,9 @@ def varied_rows() -> list[UsageRow]:
                     outcome="completed" if last else "failed",
                     billable_to="client" if last else "operator",
                     cost_usd=None if i % 5 == 0 else 0.25 * i,
+                    cached_tokens=i // 2 if i % 3 else 0,
+                    cache_write_tokens=attempt if i % 4 == 1 else 0,
+                    reasoning_tokens=i if i % 2 else 0,
                 )
             )
     return rows[:48]
@@ -125,6 +129,9 @@ def reference_groups(
                     sum(r.prompt_tokens for r in client), sum(r.completion_tokens for r in client)
                 ),
                 cost_usd=pytest.approx(sum(r.cost_usd or 0.0 for r in client)),  # type: ignore[arg-type]
+                cached_tokens=sum(r.cached_tokens for r in members),
+                cache_write_tokens=sum(r.cache_write_tokens for r in members),
+                reasoning_tokens=sum(r.reasoning_tokens for r in members),
             )
         )
     return found
@@ -226,6 +233,9 @@ async def test_every_filter_selects_what_it_names(backend: LedgerBackend, tmp_pa
             assert totals.requests == len({r.request_id for r in expected})
             assert totals.prompt_tokens == sum(r.prompt_tokens for r in expected)
             assert totals.completion_tokens == sum(r.completion_tokens for r in expected)
+            assert totals.cached_tokens == sum(r.cached_tokens for r in expected)
+            assert totals.cache_write_tokens == sum(r.cache_write_tokens for r in expected)
+            assert totals.reasoning_tokens == sum(r.reasoning_tokens for r in expected)
             client = [r for r in expected if r.billable_to == "client"]
             assert totals.client == TokenTotals(
                 sum(r.prompt_tokens for r in client), sum(r.completion_tokens for r in client)
@@ -347,4 +357,6 @@ def test_the_varied_rows_cover_every_dimension() -> None:
     assert {r.billable_to for r in rows} == {"client", "operator"}
     assert any(r.cost_usd is None for r in rows)
     assert any(r.attempt == 3 for r in rows)
+    for part in ("cached_tokens", "cache_write_tokens", "reasoning_tokens"):
+        assert len({getattr(r, part) for r in rows}) >= 3, part
     assert len(rows) == 48

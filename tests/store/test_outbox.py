@@ -9,12 +9,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
+import attrs
+import orjson
 import psycopg
 import pytest
 import trio
@@ -227,3 +230,36 @@ async def test_an_edge_starts_while_postgres_is_down_and_its_reads_say_so(
         assert box.depth == 1
     finally:
         box.close_database()
+
+
+async def test_rows_an_earlier_release_left_in_the_outbox_have_no_parts(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """An outbox row is its fields as JSON: one written before the cached, cache-write and
+    reasoning tokens existed lacks them, and arrives with 0 of each beside a row of now,
+    which keeps its own."""
+    path = tmp_path / "outbox.sqlite3"
+    box = Outbox(path)
+    try:
+        box.write([row("now", cached_tokens=4, cache_write_tokens=1, reasoning_tokens=9)])
+    finally:
+        box.close_database()
+    old = row("before")
+    fields = {
+        name: value
+        for name, value in attrs.asdict(old).items()
+        if name not in ("cached_tokens", "cache_write_tokens", "reasoning_tokens")
+    }
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute(
+            "INSERT INTO outbox (request_id, attempt, row) VALUES (?, ?, ?)",
+            ("before", 1, orjson.dumps(fields)),
+        )
+        conn.commit()
+    async with open_postgres_ledger(postgres_url, outbox=path) as ledger:
+        await ledger.flush()
+        report = await ledger.query()
+    found = {r.request_id: r for r in report.rows}
+    assert found["before"] == old
+    parts = (found["now"].cached_tokens, found["now"].cache_write_tokens)
+    assert (*parts, found["now"].reasoning_tokens) == (4, 1, 9)

@@ -11,19 +11,22 @@ import sys
 import threading
 from pathlib import Path
 
+import attrs
 import psycopg
 import pytest
 import trio
 
 from dispatcher.errors import StoreUnavailable
 from dispatcher.store.postgres import (
+    _USAGE_STEPS,
     PostgresUnreachable,
     PostgresUsage,
     open_postgres_ledger,
     open_postgres_response_store,
 )
 from dispatcher.store.seam import WriteResult
-from dispatcher.store.usage import EVERY_ROW, MAX_QUERY_LIMIT
+from dispatcher.store.usage import EVERY_ROW, MAX_QUERY_LIMIT, UsageRow
+from dispatcher.store.usage_sqlite import PART_COLUMNS
 
 from . import postgres_server
 from .test_contract_ledger import row
@@ -66,7 +69,35 @@ async def test_edges_opening_one_database_together_migrate_it_once(postgres_url:
             nursery.start_soon(trio.to_thread.run_sync, open_ledger_database)
             nursery.start_soon(open_store)
     assert failures == []
-    assert versions(postgres_url) == [("responses", 1), ("usage", 1)]
+    assert versions(postgres_url) == [("responses", 1), ("usage", 2)]
+
+
+async def test_a_version_1_ledger_gains_the_parts_of_its_counts(postgres_url: str) -> None:
+    """Version 2 of the usage table added the cached, cache-write and reasoning tokens: a
+    table of version 1 is migrated at open, its rows with 0 of each."""
+    old = row("old-1", cost_usd=0.5)
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE dispatcher_schema (component TEXT PRIMARY KEY, version INTEGER NOT NULL)"
+        )
+        conn.execute(_USAGE_STEPS[0])
+        conn.execute("INSERT INTO dispatcher_schema VALUES ('usage', 1)")
+        columns = [c for c in attrs.fields_dict(UsageRow) if c not in PART_COLUMNS]
+        conn.execute(
+            f"INSERT INTO dispatcher_usage ({', '.join(columns)}) "
+            f"VALUES ({', '.join(['%s'] * len(columns))})",
+            [getattr(old, c) for c in columns],
+        )
+    new = row("new-1", cached_tokens=6, cache_write_tokens=2, reasoning_tokens=15)
+    async with open_postgres_ledger(postgres_url, outbox=":memory:") as ledger:
+        ledger.record(new)
+        report = await ledger.query()
+        (group,) = await ledger.query_groups(group_by=())
+    assert sorted(report.rows, key=lambda r: r.request_id) == [new, old]
+    totals = report.totals
+    assert (totals.cached_tokens, totals.cache_write_tokens, totals.reasoning_tokens) == (6, 2, 15)
+    assert (group.cached_tokens, group.cache_write_tokens, group.reasoning_tokens) == (6, 2, 15)
+    assert versions(postgres_url) == [("usage", 2)]
 
 
 async def test_a_newer_schema_is_refused(postgres_url: str) -> None:
@@ -75,7 +106,7 @@ async def test_a_newer_schema_is_refused(postgres_url: str) -> None:
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute("UPDATE dispatcher_schema SET version = 99 WHERE component = 'usage'")
     with pytest.raises(
-        RuntimeError, match=r"schema version 99, newer than this dispatcher's \(1\)"
+        RuntimeError, match=r"schema version 99, newer than this dispatcher's \(2\)"
     ):
         async with open_postgres_ledger(postgres_url, outbox=":memory:"):
             pass
@@ -200,13 +231,13 @@ def test_dispatcher_migrate_creates_the_tables_then_finds_them_up_to_date(
     first = _migrate(tmp_path, config)
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines() == [
-        f"{where}: usage tables at version 1 (migrated from version 0)",
+        f"{where}: usage tables at version 2 (migrated from version 0)",
         f"{where}: responses tables at version 1 (migrated from version 0)",
     ]
     again = _migrate(tmp_path, config)
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines() == [
-        f"{where}: usage tables at version 1 (up to date)",
+        f"{where}: usage tables at version 2 (up to date)",
         f"{where}: responses tables at version 1 (up to date)",
     ]
 
