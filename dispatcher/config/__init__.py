@@ -300,6 +300,10 @@ class PriceSettings:
 
     input_per_mtok: float = 0.0
     output_per_mtok: float = 0.0
+    cached_input_per_mtok: float | None = None
+    """Input read from a prompt cache; left out: ``input_per_mtok``."""
+    cache_write_per_mtok: float | None = None
+    """Input written to a provider's prompt cache; left out: ``input_per_mtok``."""
 
 
 _GATE_FIELDS = frozenset(
@@ -912,8 +916,8 @@ def _validate_tenants(
         check(0 < tenant.weight < math.inf, f"{at}.weight", "must be a number > 0")
     for model, price in config.prices.items():
         at = toml_key("prices", model)
-        check(price.input_per_mtok >= 0, f"{at}.input_per_mtok", "must be >= 0")
-        check(price.output_per_mtok >= 0, f"{at}.output_per_mtok", "must be >= 0")
+        for name, value in attrs.asdict(price).items():
+            check(value is None or value >= 0, f"{at}.{name}", "must be >= 0")
 
 
 def load_edge_config(

@@ -57,7 +57,8 @@ def _seconds(value: float) -> str:
 
 def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> list[str]:
     """The edge's listen address, TLS, auth (``auth``: the start-up banner's lines), the
-    metrics listener, files, the in-process node, and the per-model policies and aliases."""
+    metrics listener, files, the in-process node, the per-model policies and aliases, and
+    the prices."""
     http = config.http
     tls = http.tls_certificate is not None
     host = f"[{config.host}]" if ":" in config.host else config.host or "0.0.0.0"
@@ -86,6 +87,31 @@ def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> 
         policy = _policy(settings) or "the defaults"
         aliases = f"; aliases {', '.join(settings.aliases)}" if settings.aliases else ""
         lines.append(f"model {name}: {policy}{aliases}")
+    lines.extend(_prices(config))
+    return lines
+
+
+def _prices(config: EdgeConfig) -> list[str]:
+    """A line per ``[prices."MODEL"]``: USD per million tokens of each kind, a cache price
+    left out shown as the input's it is."""
+    lines = []
+    for name, price in sorted(config.prices.items()):
+        cached, written = price.cached_input_per_mtok, price.cache_write_per_mtok
+        defaulted = [
+            kind for kind, value in (("cached input", cached), ("cache write", written))
+            if value is None
+        ]  # fmt: skip
+        note = ""
+        if len(defaulted) == 2:
+            note = " (cache prices: the input's)"
+        elif defaulted:
+            note = f" ({defaulted[0]}: the input's)"
+        lines.append(
+            f"price {name}: input {price.input_per_mtok:g}, "
+            f"cached input {price.input_per_mtok if cached is None else cached:g}, "
+            f"cache write {price.input_per_mtok if written is None else written:g}, "
+            f"output {price.output_per_mtok:g} USD/Mtok{note}"
+        )
     return lines
 
 

@@ -35,11 +35,30 @@ from .pool import DispatchRequest, DispatchResult
 log = logging.getLogger("dispatcher.gate")
 
 UsageSink = Callable[[UsageRow], None]
-UsagePricing = Callable[[str, int, str, str | None, BillableTo, int, int], float | None]
-"""A row's ``cost_usd`` from its ``request_id``, ``attempt``, ``model_group``,
-``attribution``, ``billable_to``, ``prompt_tokens`` and ``completion_tokens``, asked before
-the row is built (the tenants' :meth:`~dispatcher.tenants.Tenants.price`, which settles the
-request's reservation too, once per attempt); never raises."""
+
+
+class UsagePricing(Protocol):
+    """A row's ``cost_usd`` from its ``request_id``, ``attempt``, ``model_group``,
+    ``attribution``, ``billable_to``, ``prompt_tokens`` and ``completion_tokens`` (and the
+    parts of the prompt read from and written to a cache), asked before the row is built (the
+    tenants' :meth:`~dispatcher.tenants.Tenants.price`, which settles the request's
+    reservation too, once per attempt); never raises."""
+
+    def __call__(
+        self,
+        request_id: str,
+        attempt: int,
+        model_group: str,
+        attribution: str | None,
+        billable_to: BillableTo,
+        prompt_tokens: int,
+        completion_tokens: int,
+        /,
+        *,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+    ) -> float | None: ...
+
 
 SETTLE_TIMEOUT: Final = 10.0
 """How long an abandoned run's usage row waits for the node's cancel confirmation."""
@@ -100,6 +119,24 @@ class Counts:
     prompt_tokens: int
     completion_tokens: int
     usage_source: UsageSource
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+def _counts(usage: wire.Usage) -> Counts:
+    """A (non-negative) usage as the row's counts, each part within its total (a node's or
+    provider's odd breakdown never makes a row the ledger refuses)."""
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    cached = min(max(0, usage.cached_tokens), prompt)
+    return Counts(
+        prompt,
+        completion,
+        "estimated" if usage.estimated else "reported",
+        cached_tokens=cached,
+        cache_write_tokens=min(max(0, usage.cache_write_tokens), prompt - cached),
+        reasoning_tokens=min(max(0, usage.reasoning_tokens), completion),
+    )
 
 
 def usage_row(
@@ -119,6 +156,8 @@ def usage_row(
             billable_to,
             counts.prompt_tokens,
             counts.completion_tokens,
+            cached_tokens=counts.cached_tokens,
+            cache_write_tokens=counts.cache_write_tokens,
         )
     return UsageRow(
         request_id=request.request_id,
@@ -141,6 +180,9 @@ def usage_row(
         client_request_id=request.client_request_id,
         route=request.dispatch.route,
         cost_usd=cost,
+        cached_tokens=counts.cached_tokens,
+        cache_write_tokens=counts.cache_write_tokens,
+        reasoning_tokens=counts.reasoning_tokens,
     )
 
 
@@ -169,8 +211,7 @@ def counts_so_far(request: Accounted, run: RunCounts) -> Counts:
     request record reads a live run's counts with it)."""
     usage = run.usage
     if usage is not None and not _negative(usage):
-        source: UsageSource = "estimated" if usage.estimated else "reported"
-        return Counts(usage.prompt_tokens, usage.completion_tokens, source)
+        return _counts(usage)
     return Counts(
         estimate_prompt_tokens(request.dispatch.body),
         tokens_for_chars(run.text_chars),  # the subscription counts characters only
@@ -182,12 +223,8 @@ def tunnel_counts(request: Accounted, tunnel: TunnelCounts) -> Counts:
     """The tunnel's usage as its relay found it (reported or estimated there); the prompt's
     estimate when the tunnel reported none (it ended before its relay)."""
     usage = tunnel.usage
-    if usage is not None:
-        return Counts(
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            "estimated" if usage.estimated else "reported",
-        )
+    if usage is not None and not _negative(usage):
+        return _counts(usage)
     return Counts(estimate_prompt_tokens(request.dispatch.body), 0, "estimated")
 
 

@@ -221,6 +221,8 @@ class Tenants:
             row.billable_to,
             row.prompt_tokens,
             row.completion_tokens,
+            cached_tokens=row.cached_tokens,
+            cache_write_tokens=row.cache_write_tokens,
         )
         return attrs.evolve(row, cost_usd=cost)
 
@@ -233,8 +235,13 @@ class Tenants:
         billable_to: BillableTo,
         prompt_tokens: int,
         completion_tokens: int,
+        /,
+        *,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
     ) -> float | None:
-        """A usage row's cost (at the prices its request was admitted under); a row billable
+        """A usage row's cost (at the prices its request was admitted under, its cached and
+        cache-written prompt tokens at their own prices); a row billable
         to the client settles its request's reservation (once per attempt): the gate's
         pricing hook (:data:`~dispatcher.gate.accounting.UsagePricing`). Never raises into
         the gate's exit path (None: the row is recorded unpriced)."""
@@ -243,18 +250,19 @@ class Tenants:
             ticket = self.ticket(request_id)
             if ticket is not None:
                 names = (model_group, ticket.model)
+            parts = {"cached_tokens": cached_tokens, "cache_write_tokens": cache_write_tokens}
             if billable_to != "client":
                 prices = ticket.prices if ticket is not None else self.policy.prices
-                return prices.cost(names, prompt_tokens, completion_tokens)
+                return prices.cost(names, prompt_tokens, completion_tokens, **parts)
             tokens = prompt_tokens + completion_tokens
             if ticket is not None:
-                cost = ticket.prices.cost(names, prompt_tokens, completion_tokens)
+                cost = ticket.prices.cost(names, prompt_tokens, completion_tokens, **parts)
                 self.limits.settle(ticket.reservation, attempt, tokens, cost)
                 ticket.billed = True
                 if ticket.released:
                     self._tickets.pop(request_id, None)
                 return cost
-            cost = self.policy.prices.cost(names, prompt_tokens, completion_tokens)
+            cost = self.policy.prices.cost(names, prompt_tokens, completion_tokens, **parts)
             if attribution is not None:
                 self.limits.spend(attribution, tokens, cost)
             return cost

@@ -69,13 +69,36 @@ class Tenant:
 
 @attrs.frozen
 class Price:
-    """USD per million tokens."""
+    """USD per million tokens: of input (the prompt), of input read from a prompt cache
+    (``cached_input_per_mtok``) and written to one (``cache_write_per_mtok``), of output.
+    A cache price left None is the input price."""
 
     input_per_mtok: float = 0.0
     output_per_mtok: float = 0.0
+    cached_input_per_mtok: float | None = None
+    cache_write_per_mtok: float | None = None
 
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        spent = prompt_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok
+    def cost(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+    ) -> float:
+        """``(prompt - cached - cache_write) * input + cached * cached_input + cache_write *
+        cache_write + completion * output``, per million. Tokens of a cache without a price
+        of its own count at the input price, as part of the input's term: without cache
+        prices the cost is exactly ``prompt * input + completion * output``."""
+        input_tokens = prompt_tokens
+        spent = 0.0
+        if self.cached_input_per_mtok is not None:
+            input_tokens -= cached_tokens
+            spent += cached_tokens * self.cached_input_per_mtok
+        if self.cache_write_per_mtok is not None:
+            input_tokens -= cache_write_tokens
+            spent += cache_write_tokens * self.cache_write_per_mtok
+        spent += input_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok
         return spent / 1e6
 
 
@@ -99,9 +122,24 @@ class PriceTable:
                     return price
         return None
 
-    def cost(self, names: tuple[str, ...], prompt_tokens: int, completion_tokens: int) -> float:
+    def cost(
+        self,
+        names: tuple[str, ...],
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+    ) -> float:
         price = self.price(*names)
-        return 0.0 if price is None else price.cost(prompt_tokens, completion_tokens)
+        if price is None:
+            return 0.0
+        return price.cost(
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens=cached_tokens,
+            cache_write_tokens=cache_write_tokens,
+        )
 
 
 @attrs.frozen
@@ -182,7 +220,12 @@ def tenant_policy_from_config(config: EdgeConfig) -> TenantPolicy:
     exact = {}
     patterns = []
     for name, priced in config.prices.items():
-        price = Price(priced.input_per_mtok, priced.output_per_mtok)
+        price = Price(
+            priced.input_per_mtok,
+            priced.output_per_mtok,
+            priced.cached_input_per_mtok,
+            priced.cache_write_per_mtok,
+        )
         if any(char in name for char in "*?["):
             patterns.append((name, price))
         else:

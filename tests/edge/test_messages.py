@@ -194,7 +194,12 @@ async def test_the_stream_is_the_documented_event_sequence(edge: Edge) -> None:
     assert all(data["type"] == name for name, data in events)
     start = events[0][1]["message"]
     assert (start["model"], start["content"], start["stop_reason"]) == ("echo", [], None)
-    assert start["usage"] == {"input_tokens": 3, "output_tokens": 0}
+    assert start["usage"] == {
+        "input_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 0,
+    }
     assert events[2][1] == {
         "type": "content_block_start",
         "index": 0,
@@ -205,7 +210,12 @@ async def test_the_stream_is_the_documented_event_sequence(edge: Edge) -> None:
     assert events[-2][1] == {
         "type": "message_delta",
         "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-        "usage": {"input_tokens": 3, "output_tokens": 3},
+        "usage": {
+            "input_tokens": 3,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 3,
+        },
     }
 
 
@@ -218,8 +228,18 @@ async def test_message_start_carries_the_runs_own_count_when_it_came_first(edge:
     async with httpx.AsyncClient(base_url=edge.url) as client:
         response = await client.post("/v1/messages", json=body)
     events = sse_events(response.content)
-    assert events[0][1]["message"]["usage"] == {"input_tokens": 1, "output_tokens": 0}
-    assert events[-2][1]["usage"] == {"input_tokens": 1, "output_tokens": 1}
+    assert events[0][1]["message"]["usage"] == {
+        "input_tokens": 1,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 0,
+    }
+    assert events[-2][1]["usage"] == {
+        "input_tokens": 1,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 1,
+    }
 
 
 # --------------------------------------------------------------------------- tools

@@ -340,7 +340,12 @@ def test_text_then_two_tool_calls_are_three_blocks() -> None:
     ]
     assert [writer.render(item, out) for item in stream] == [False, False, False, False, True]
     got = events(b"".join(out))
-    assert got[0][1]["message"]["usage"] == {"input_tokens": 7, "output_tokens": 0}
+    assert got[0][1]["message"]["usage"] == {
+        "input_tokens": 7,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 0,
+    }
     assert [(name, data.get("index")) for name, data in got[2:]] == [
         ("content_block_start", 0),
         ("content_block_delta", 0),
@@ -396,7 +401,12 @@ def test_a_non_streamed_message_with_invalid_tool_arguments_keeps_them() -> None
     assert body["content"] == [
         {"type": "tool_use", "id": "toolu_c", "name": "f", "input": {"_raw_arguments": "{not json"}}
     ]
-    assert body["usage"] == {"input_tokens": 3, "output_tokens": 0}  # estimated: no run.usage
+    assert body["usage"] == {
+        "input_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 0,
+    }  # estimated: no run.usage
 
 
 @pytest.mark.parametrize(

@@ -376,7 +376,10 @@ async def test_usage_a_key_sees_its_own_and_the_admin_key_everything() -> None:
     assert bob["cost_usd"] == pytest.approx(expected)
     assert everything["cost_usd"] == pytest.approx(sum(g["cost_usd"] for g in groups.values()))
     assert by_day["group_by"] == ["day", "key"]
-    fields = ("requests", "attempts", "prompt_tokens", "completion_tokens", "total_tokens")
+    fields = (
+        "requests", "attempts", "prompt_tokens", "completion_tokens", "total_tokens",
+        "cached_tokens", "cache_write_tokens", "reasoning_tokens",
+    )  # fmt: skip
     assert {tuple(g) for g in by_day["groups"]} == {("day", "key", *fields, "billable", "cost_usd")}
     assert [(g["key"], g["requests"]) for g in one["groups"]] == [("bob", 1)]
     assert bad.status_code == 400

@@ -53,7 +53,7 @@ async def test_every_column_comes_from_its_source(autojump_clock: trio.testing.M
     row = usage_row(
         _Request(DispatchRequest(model="m", body={}, route="/v1/responses")),
         attempt,
-        Counts(11, 22, "reported"),
+        Counts(11, 22, "reported", cached_tokens=5, cache_write_tokens=3, reasoning_tokens=7),
     )
     assert attrs.asdict(row) == {
         "request_id": "req-1",
@@ -76,6 +76,9 @@ async def test_every_column_comes_from_its_source(autojump_clock: trio.testing.M
         "client_request_id": "client-7",
         "route": "/v1/responses",
         "cost_usd": None,  # priced by the tenants' recorder, after the row is built
+        "cached_tokens": 5,
+        "cache_write_tokens": 3,
+        "reasoning_tokens": 7,
     }
     assert row.ended_at == pytest.approx(time.time(), abs=600)  # unix time, not trio's clock
 

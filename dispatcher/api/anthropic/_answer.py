@@ -68,11 +68,25 @@ def parse_input(arguments: str) -> dict[str, Any]:
 
 
 def _usage(usage: wire.Usage | None, input_estimate: int, output_estimate: int) -> dict[str, int]:
-    # A node's counts are not trusted to be sane: never relay a negative count.
+    """Anthropic's ``usage``: ``input_tokens`` are the prompt's tokens neither read from nor
+    written to the cache (``cache_read_input_tokens``, ``cache_creation_input_tokens``); the
+    three add up to OpenAI's ``prompt_tokens``, which the run counts."""
+    # A node's counts are not trusted to be sane: never relay a negative count, nor a part
+    # beyond its total.
     if usage is None:
-        return {"input_tokens": input_estimate, "output_tokens": output_estimate}
+        return {
+            "input_tokens": input_estimate,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": output_estimate,
+        }
+    prompt = max(0, usage.prompt_tokens)
+    cached = min(prompt, max(0, usage.cached_tokens))
+    written = min(prompt - cached, max(0, usage.cache_write_tokens))
     return {
-        "input_tokens": max(0, usage.prompt_tokens),
+        "input_tokens": prompt - cached - written,
+        "cache_creation_input_tokens": written,
+        "cache_read_input_tokens": cached,
         "output_tokens": max(0, usage.completion_tokens),
     }
 

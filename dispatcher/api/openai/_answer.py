@@ -32,14 +32,22 @@ __all__ = [
 ]
 
 
-def usage_object(usage: wire.Usage | None) -> dict[str, int]:
-    # A node's counts are not trusted to be sane: never relay a negative count.
+def usage_object(usage: wire.Usage | None) -> dict[str, Any]:
+    """OpenAI's ``usage``: the counts, with the prompt's cached tokens
+    (``prompt_tokens_details.cached_tokens``) and the completion's reasoning tokens
+    (``completion_tokens_details.reasoning_tokens``), as OpenAI always answers them."""
+    # A node's counts are not trusted to be sane: never relay a negative count, nor a part
+    # beyond its total.
     prompt = max(0, usage.prompt_tokens) if usage else 0
     completion = max(0, usage.completion_tokens) if usage else 0
+    cached = min(prompt, max(0, usage.cached_tokens)) if usage else 0
+    reasoning = min(completion, max(0, usage.reasoning_tokens)) if usage else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     }
 
 

@@ -26,11 +26,13 @@ __all__ = ["Events", "Turn", "error_code", "final_event"]
 def _usage(usage: wire.Usage | None) -> JSONObject:
     prompt = max(0, usage.prompt_tokens) if usage else 0
     completion = max(0, usage.completion_tokens) if usage else 0
+    cached = min(prompt, max(0, usage.cached_tokens)) if usage else 0
+    reasoning = min(completion, max(0, usage.reasoning_tokens)) if usage else 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,
     }
 
