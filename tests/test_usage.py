@@ -103,10 +103,12 @@ def test_the_parts_of_a_count_are_within_it() -> None:
     with pytest.raises(ValueError, match="reasoning_tokens"):
         make_row(completion_tokens=20, reasoning_tokens=21)
     for part in ("cached_tokens", "cache_write_tokens", "reasoning_tokens"):
+        negative: dict[str, Any] = {part: -1}
         with pytest.raises(ValueError, match=part):
-            make_row(**{part: -1})
+            make_row(**negative)
+        fraction: dict[str, Any] = {part: 1.5}
         with pytest.raises(TypeError, match=part):
-            make_row(**{part: 1.5})
+            make_row(**fraction)
 
 
 # ------------------------------------------------------------------ exactly once

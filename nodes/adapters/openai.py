@@ -9,14 +9,17 @@ client's body); the choice's ``finish_reason`` -> the finish reason (passed thro
 ``length``, ``tool_calls``, ``content_filter``...); the ``usage`` chunk -> usage. A legacy
 ``function_call`` delta (the deprecated ``functions`` API) fails the run with code
 ``unsupported_function_call`` (not retryable): use ``tools``. ``data: [DONE]`` ends the
-stream. The usage's breakdowns (:class:`StreamUsage`): ``prompt_tokens_details.cached_tokens``
-(OpenAI; vLLM with ``--enable-prompt-tokens-details``; llama.cpp's recent builds), else
-llama.cpp's ``timings.cache_n`` (prompt tokens its cache reused), and
-``completion_tokens_details.reasoning_tokens``. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
+stream. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
 as the client's error (its code, message and status, not retryable) when it names a 400, 413,
 415 or 422 in ``code`` (vLLM, llama.cpp) or has code ``context_length_exceeded``. A non-2xx
 answer fails as ``_upstream_errors`` maps it: 400, 413, 415, 422 are the client's error, with
 the upstream's ``error.code`` (else ``invalid_request``), message and status.
+
+The usage's parts (:class:`StreamUsage`): the prompt's cached tokens are
+``usage.prompt_tokens_details.cached_tokens`` (OpenAI; vLLM with
+``--enable-prompt-tokens-details``; llama.cpp's recent builds), else llama.cpp's
+``timings.cache_n`` (the prompt tokens its cache reused); the completion's reasoning tokens
+``usage.completion_tokens_details.reasoning_tokens``. Absent, they are 0.
 
 ``base_url`` is the server's root (``http://host:8000``) or its ``/v1`` prefix
 (``http://host:8000/v1``, ``https://api.openai.com/v1``); the adapter posts to

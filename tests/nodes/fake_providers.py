@@ -35,9 +35,9 @@ client sees a truncated body; ``"error"``: an error event / line, then the strea
 ``stall_after_chunks`` (send nothing more until the client leaves). OpenAI only:
 ``finish_reason``, ``cached_tokens`` / ``reasoning_tokens`` (the usage's
 ``prompt_tokens_details`` / ``completion_tokens_details``), ``timings_cache_n`` (llama.cpp's
-``timings`` on the last chunk), ``tool_call`` (an OpenAI tool call object, streamed after the text as
-OpenAI does: a ``tool_calls`` delta with its ``id``, ``type``, name and empty arguments, then
-the arguments in two pieces; then the finish chunk), ``models``. The usage chunk is sent
+``timings`` on the last chunk), ``tool_call`` (an OpenAI tool call object, streamed after
+the text as OpenAI does: a ``tool_calls`` delta with its ``id``, ``type``, name and empty
+arguments, then the arguments in two pieces; then the finish chunk), ``models``. The usage chunk is sent
 only when the request asked for it (``stream_options.include_usage``). Ollama only: ``done_reason``,
 ``include_counts`` (``prompt_eval_count`` / ``eval_count`` on the done line), ``tool_calls``
 (Ollama tool calls, ``[{"function": {"name", "arguments": {...}}}]``, sent in one line after

@@ -96,7 +96,11 @@ def test_llama_cpp_timings_alone() -> None:
 
 def test_the_usage_field_wins_over_timings() -> None:
     """A recent llama.cpp reports both: the usage's own field is the one read."""
-    usage = {"prompt_tokens": 50, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 30}}
+    usage = {
+        "prompt_tokens": 50,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 30},
+    }
     assert _seen({"usage": usage, "timings": {"cache_n": 32}}).cached_tokens == 30
     zero = {**usage, "prompt_tokens_details": {"cached_tokens": 0}}
     assert _seen({"timings": {"cache_n": 32}}, {"usage": zero}).cached_tokens == 0

@@ -13,7 +13,7 @@ import pytest
 from dispatcher.config import parse_edge_config
 from dispatcher.config.summary import describe_edge
 from dispatcher.store.limits import MemoryLimits
-from dispatcher.tenants import Price, PriceTable, Tenants, TenantPolicy, tenant_policy_from_config
+from dispatcher.tenants import Price, PriceTable, TenantPolicy, Tenants, tenant_policy_from_config
 
 from ..test_config_edge import error, load
 
@@ -38,17 +38,20 @@ def test_a_cache_price_left_out_is_the_input_price() -> None:
     for prices that are not exact in binary too."""
     plain = Price(0.6, 0.8)
     for cached, written in ((0, 0), (700, 0), (0, 300), (700, 300)):
-        assert plain.cost(1_000, 50, cached_tokens=cached, cache_write_tokens=written) == (
-            1_000 * 0.6 + 50 * 0.8
-        ) / 1e6
+        assert (
+            plain.cost(1_000, 50, cached_tokens=cached, cache_write_tokens=written)
+            == (1_000 * 0.6 + 50 * 0.8) / 1e6
+        )
     reads_only = Price(3.0, 15.0, cached_input_per_mtok=0.25)
-    assert reads_only.cost(10_000, 0, cached_tokens=6_000, cache_write_tokens=1_000) == (
-        1_500.0 + 4_000 * 3.0
-    ) / 1e6
+    assert (
+        reads_only.cost(10_000, 0, cached_tokens=6_000, cache_write_tokens=1_000)
+        == (1_500.0 + 4_000 * 3.0) / 1e6
+    )
     writes_only = Price(3.0, 15.0, cache_write_per_mtok=3.75)
-    assert writes_only.cost(10_000, 0, cached_tokens=6_000, cache_write_tokens=1_000) == (
-        3_750.0 + 9_000 * 3.0
-    ) / 1e6
+    assert (
+        writes_only.cost(10_000, 0, cached_tokens=6_000, cache_write_tokens=1_000)
+        == (3_750.0 + 9_000 * 3.0) / 1e6
+    )
 
 
 @pytest.mark.parametrize(
@@ -73,9 +76,9 @@ def test_real_prices_within_a_rounding_of_the_exact_cost(
 
 def test_the_table_passes_the_parts_on() -> None:
     table = PriceTable({"claude": PRICE}, (("llama-*", Price(1.0, 1.0)),))
-    assert table.cost(("claude",), 10_000, 2_000, cached_tokens=6_000, cache_write_tokens=1_000) == (
-        0.04425
-    )
+    assert table.cost(
+        ("claude",), 10_000, 2_000, cached_tokens=6_000, cache_write_tokens=1_000
+    ) == (0.04425)
     assert table.cost(("llama-8b",), 10, 10, cached_tokens=10) == 20.0 / 1e6
     assert table.cost(("none",), 10, 10, cached_tokens=10) == 0.0
 
