@@ -37,8 +37,9 @@ client sees a truncated body; ``"error"``: an error event / line, then the strea
 ``prompt_tokens_details`` / ``completion_tokens_details``), ``timings_cache_n`` (llama.cpp's
 ``timings`` on the last chunk), ``tool_call`` (an OpenAI tool call object, streamed after
 the text as OpenAI does: a ``tool_calls`` delta with its ``id``, ``type``, name and empty
-arguments, then the arguments in two pieces; then the finish chunk), ``models``. The usage chunk is sent
-only when the request asked for it (``stream_options.include_usage``). Ollama only: ``done_reason``,
+arguments, then the arguments in two pieces; then the finish chunk), ``models``. The usage
+chunk is sent only when the request asked for it (``stream_options.include_usage``). Ollama
+only: ``done_reason``,
 ``include_counts`` (``prompt_eval_count`` / ``eval_count`` on the done line), ``tool_calls``
 (Ollama tool calls, ``[{"function": {"name", "arguments": {...}}}]``, sent in one line after
 the text and before the done line), ``models``.
