@@ -301,6 +301,8 @@ class _RequestSeries:
     ttft: HistogramSeries | None = None
     tokens: tuple[HistogramSeries, HistogramSeries] | None = None
     """Input and output."""
+    cached: CounterSeries | None = None
+    """Input read from a prompt cache."""
     attempts: tuple[CounterSeries, CounterSeries] | None = None
     """Attempts and recoveries."""
 
@@ -362,6 +364,12 @@ class Metrics:
             [*genai, "gen_ai_token_type"],
             TOKEN_BUCKETS,
         )
+        self.cached_tokens = self._counter(
+            "dispatcher_cached_tokens",
+            "Input tokens of model-route requests read from a prompt cache (a part of "
+            "gen_ai_client_token_usage's input), as the node or provider reported them.",
+            ["model"],
+        )
         self.attempts = self._counter(
             "dispatcher_attempts",
             "Attempts admitted for model-route requests (the first and every recovery).",
@@ -404,10 +412,11 @@ class Metrics:
         ttft: float | None,
         tokens: tuple[int, int] | None,
         attempts: int,
+        cached: int = 0,
     ) -> None:
         """An ended model-route request (``model``: a bounded label, ``metric_model_label``):
-        its duration, time to first output (None: there was none), input and output tokens
-        and attempts admitted."""
+        its duration, time to first output (None: there was none), input and output tokens,
+        attempts admitted, and input tokens read from a prompt cache."""
         key = (model, route, outcome)
         group = self._request_groups.get(key)
         if group is None:
@@ -427,6 +436,10 @@ class Metrics:
                 )
             group.tokens[0].observe(tokens[0])
             group.tokens[1].observe(tokens[1])
+            if group.cached is None:
+                group.cached = self._series(self.cached_tokens, model)  # 0 from the first
+            if cached:
+                group.cached.inc(cached)
         if attempts:
             if group.attempts is None:
                 group.attempts = (

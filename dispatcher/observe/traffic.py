@@ -450,6 +450,7 @@ class Traffic:
                     if counts is None
                     else (counts.prompt_tokens, counts.completion_tokens),
                     attempts=0 if record.gated is None else record.gated.result.attempts,
+                    cached=0 if counts is None else counts.cached_tokens,
                 )
         except Exception:
             log.exception("could not account for request %s", record.request_id)

@@ -10,6 +10,7 @@ at the cached input's own price, summed in ``GET /v1/usage``'s totals and groups
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,7 @@ async def test_cached_and_reasoning_tokens_from_the_provider_to_the_ledger(
                         await trio.sleep(0.05)
                 await _each_front_end(client, base)
                 report = await _usage_rows(client, base, 6)
+                metrics = await client.get(base.removesuffix("/v1") + "/metrics", headers=ADMIN)
             nursery.cancel_scope.cancel()
     finally:
         processes.close()
@@ -177,6 +179,12 @@ async def test_cached_and_reasoning_tokens_from_the_provider_to_the_ledger(
     )  # fmt: skip
     tunnel = groups[("t", "/v1/chat/completions")]
     assert (tunnel["cached_tokens"], tunnel["reasoning_tokens"]) == (2 * CACHED, 2 * REASONING)
+
+    assert metrics.status_code == 200, metrics.text
+    cached = dict(
+        re.findall(r'^dispatcher_cached_tokens_total\{model="(\w+)"\} (\S+)$', metrics.text, re.M)
+    )
+    assert cached == {"m": f"{4.0 * CACHED}", "t": f"{2.0 * CACHED}"}
 
 
 async def _each_front_end(client: httpx.AsyncClient, base: str) -> None:
