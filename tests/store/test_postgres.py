@@ -98,6 +98,16 @@ async def test_a_version_1_ledger_gains_the_parts_of_its_counts(postgres_url: st
     assert (totals.cached_tokens, totals.cache_write_tokens, totals.reasoning_tokens) == (6, 2, 15)
     assert (group.cached_tokens, group.cache_write_tokens, group.reasoning_tokens) == (6, 2, 15)
     assert versions(postgres_url) == [("usage", 2)]
+    # An edge of the previous release, still running, names only the columns it knows.
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(
+            f"INSERT INTO dispatcher_usage ({', '.join(columns)}) "
+            f"VALUES ({', '.join(['%s'] * len(columns))})",
+            [getattr(attrs.evolve(old, request_id="older-edge"), c) for c in columns],
+        )
+    async with open_postgres_ledger(postgres_url, outbox=":memory:") as ledger:
+        found = await ledger.query()
+    assert attrs.evolve(old, request_id="older-edge") in found.rows
 
 
 async def test_a_newer_schema_is_refused(postgres_url: str) -> None:
