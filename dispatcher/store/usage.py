@@ -63,18 +63,34 @@ def _at_least(minimum: int) -> Any:
     return attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(minimum))
 
 
-def _within(total: str, *others: str) -> Any:
-    """A part of the count ``total``: at least 0, and with the parts ``others`` at most it."""
-
-    def check(instance: UsageRow, attribute: attrs.Attribute[int], value: int) -> None:
-        parts = value + sum(getattr(instance, name) for name in others)
-        if parts > getattr(instance, total):
-            named = " + ".join((attribute.name, *others))
-            raise ValueError(
-                f"{named} ({parts}) must not exceed {total} ({getattr(instance, total)})"
-            )
-
-    return attrs.validators.and_(_at_least(0), check)
+def _check_parts(row: UsageRow, _: attrs.Attribute[int], __: int) -> None:
+    """The parts of the counts (one check for the three, run once their fields are set):
+    ints, at least 0, ``cached_tokens + cache_write_tokens <= prompt_tokens`` and
+    ``reasoning_tokens <= completion_tokens``."""
+    cached, written, reasoning = row.cached_tokens, row.cache_write_tokens, row.reasoning_tokens
+    for name, value in (
+        ("cached_tokens", cached),
+        ("cache_write_tokens", written),
+        ("reasoning_tokens", reasoning),
+    ):
+        if type(value) is not int:
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if cached > row.prompt_tokens:
+        raise ValueError(
+            f"cached_tokens ({cached}) must not exceed prompt_tokens ({row.prompt_tokens})"
+        )
+    if cached + written > row.prompt_tokens:
+        raise ValueError(
+            f"cache_write_tokens + cached_tokens ({cached + written}) must not exceed "
+            f"prompt_tokens ({row.prompt_tokens})"
+        )
+    if reasoning > row.completion_tokens:
+        raise ValueError(
+            f"reasoning_tokens ({reasoning}) must not exceed completion_tokens "
+            f"({row.completion_tokens})"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -114,16 +130,15 @@ class UsageRow:
     cost_usd: float | None = None
     """What its tokens cost at the price table its request was admitted under
     (``dispatcher.tenants``); None when nothing priced it (rows of older versions)."""
-    cached_tokens: int = attrs.field(default=0, validator=_within("prompt_tokens"))
+    cached_tokens: int = 0
     """Of ``prompt_tokens``, those read from the engine's or provider's prompt cache
     (OpenAI's convention: ``prompt_tokens`` counts them)."""
-    cache_write_tokens: int = attrs.field(
-        default=0, validator=_within("prompt_tokens", "cached_tokens")
-    )
+    cache_write_tokens: int = 0
     """Of ``prompt_tokens``, those written to the provider's cache (Anthropic's
     ``cache_creation_input_tokens``)."""
-    reasoning_tokens: int = attrs.field(default=0, validator=_within("completion_tokens"))
-    """Of ``completion_tokens``, those spent reasoning."""
+    reasoning_tokens: int = attrs.field(default=0, validator=_check_parts)
+    """Of ``completion_tokens``, those spent reasoning. (Its validator checks the three
+    parts.)"""
 
     @property
     def key(self) -> tuple[str, int]:
