@@ -9,6 +9,8 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dispatcher.config import parse_edge_config
 from dispatcher.config.summary import describe_edge
@@ -149,3 +151,44 @@ def test_check_config_shows_the_prices() -> None:
         "price llama-70b: input 0.6, cached input 0.6, cache write 0.6, output 0.8 USD/Mtok "
         "(cache prices: the input's)"
     ) in lines
+
+
+_tokens = st.integers(min_value=0, max_value=10**9)
+_price = st.floats(min_value=0, max_value=1000, allow_nan=False)
+
+
+@given(_tokens, _tokens, _tokens, _tokens, _price, _price, _price, _price)
+def test_the_cost_is_the_sum_of_its_parts(
+    prompt: int,
+    completion: int,
+    cached: int,
+    written: int,
+    input_price: float,
+    output_price: float,
+    cached_price: float,
+    write_price: float,
+) -> None:
+    """For any counts (the parts within the prompt) and prices: without cache prices the cost
+    is exactly today's; with them, within rounding of the exact sum of the four terms; and
+    a cache price at the input's costs what no cache price costs."""
+    cached = min(cached, prompt)
+    written = min(written, prompt - cached)
+    parts = {"cached_tokens": cached, "cache_write_tokens": written}
+    plain = Price(input_price, output_price)
+    assert (
+        plain.cost(prompt, completion, **parts)
+        == plain.cost(prompt, completion)
+        == (prompt * input_price + completion * output_price) / 1e6
+    )
+    priced = Price(input_price, output_price, cached_price, write_price)
+    exact = (
+        (prompt - cached - written) * Fraction(input_price)
+        + cached * Fraction(cached_price)
+        + written * Fraction(write_price)
+        + completion * Fraction(output_price)
+    ) / 1_000_000
+    assert priced.cost(prompt, completion, **parts) == pytest.approx(float(exact), rel=1e-12)
+    same = Price(input_price, output_price, input_price, input_price)
+    assert same.cost(prompt, completion, **parts) == pytest.approx(
+        plain.cost(prompt, completion), rel=1e-12, abs=1e-18
+    )
