@@ -199,11 +199,21 @@ def _wait(what: str, stack: Stack, child: Child, probe: Any, timeout: float) -> 
     )
 
 
-def start_engine(stack: Stack, engine: str, model: str, template: str | None) -> None:
+def start_engine(
+    stack: Stack,
+    engine: str,
+    model: str,
+    template: str | None,
+    *,
+    cache_prompt: bool = False,
+    parallel: int = PARALLEL,
+) -> None:
     """``llama-server`` with the model, CPU only, ``/slots`` and ``/metrics`` on, and a ChatML
     chat template: ``template`` (a file: the nox session gives one of llama.cpp's bundled
     templates that renders tool definitions), else llama.cpp's built-in ``chatml``. (With the
-    model's own template llama-server silently drops tool definitions.)"""
+    model's own template llama-server silently drops tool definitions.) ``cache_prompt``: the
+    engine keeps each slot's prompt and reuses its prefix (off by default: see below);
+    ``parallel`` slots of :data:`CONTEXT` tokens each."""
     port = free_port()
     threads = os.environ.get("DISPATCHER_REAL_THREADS", "2")
     argv = [
@@ -211,15 +221,15 @@ def start_engine(stack: Stack, engine: str, model: str, template: str | None) ->
         "--model", model,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--ctx-size", str(CONTEXT * PARALLEL),
-        "--parallel", str(PARALLEL),
+        "--ctx-size", str(CONTEXT * parallel),
+        "--parallel", str(parallel),
         "--threads", threads,
         "--jinja",
         *(["--chat-template-file", template] if template else ["--chat-template", "chatml"]),
         # Every prompt evaluated whole: a prompt served partly from the cache is evaluated
         # in other batch shapes, whose last bits differ, and at temperature 0 one close call
         # between two tokens then makes the direct and the edge's answers part ways.
-        "--no-cache-prompt",
+        *([] if cache_prompt else ["--no-cache-prompt"]),
         "--metrics",
         "--slots",
         "--no-webui",
