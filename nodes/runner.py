@@ -99,6 +99,7 @@ class _Run:
     content_pushed: bool = False
     """A delta (text or tool calls) was pushed: a usage reported after it waits for the end."""
     finish_reason: str = "stop"
+    stop_sequence: str | None = None
     generated: TokenEstimator = attrs.Factory(TokenEstimator)
 
     @pieces.default
@@ -155,10 +156,24 @@ class _Output:
             # A send is in flight: the piece joins what waits behind it; no schedule point.
             run.unyielded += 1
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
+    def usage(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        estimated: bool = False,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> None:
         run = self._run
         usage = run.reported_usage = wire.Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, estimated=estimated
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            estimated=estimated,
+            cached_tokens=cached_tokens,
+            cache_write_tokens=cache_write_tokens,
+            reasoning_tokens=reasoning_tokens,
         )
         if not (estimated or run.content_pushed):
             # Counted before the first content: the first run.delta carries it (no frame of
@@ -166,8 +181,9 @@ class _Output:
             # message_start) rather than its estimate. The run's usage is still its last.
             run.pieces.first_delta_usage = usage
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         self._run.finish_reason = reason
+        self._run.stop_sequence = stop_sequence
 
     def ignore_cancel(self) -> None:
         self._run.ignoring_cancel = True
@@ -334,8 +350,10 @@ class Runner:
         if outcome is wire.RunCancelled:
             usage = self._usage(run, request)
             return lambda seq: wire.RunCancelled(run_id=run_id, seq=seq, usage=usage)
-        reason = run.finish_reason
-        return lambda seq: wire.RunCompleted(run_id=run_id, seq=seq, finish_reason=reason)
+        reason, sequence = run.finish_reason, run.stop_sequence
+        return lambda seq: wire.RunCompleted(
+            run_id=run_id, seq=seq, finish_reason=reason, stop_sequence=sequence
+        )
 
 
 def tool_call_frames(

@@ -106,13 +106,25 @@ class RunOutput(Protocol):
         the text); a checkpoint that may wait like :meth:`delta`. Set the finish reason
         ``"tool_calls"`` yourself."""
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
+    def usage(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        estimated: bool = False,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> None:
         """Record the latest known usage (totals so far, not increments). ``estimated``: the
         adapter estimated (part of) it, e.g. with :func:`estimate_tokens`, because the engine
-        did not count; the usage then travels as ``Usage.estimated``."""
+        did not count; the usage then travels as ``Usage.estimated``. ``cached_tokens`` and
+        ``cache_write_tokens`` are parts of ``prompt_tokens``, ``reasoning_tokens`` of
+        ``completion_tokens`` (``wire.Usage``)."""
 
-    def finish(self, reason: str) -> None:
-        """Set the finish reason ``run.completed`` will carry (default ``"stop"``)."""
+    def finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
+        """Set the finish reason ``run.completed`` will carry (default ``"stop"``), and the
+        stop sequence that ended the text when the engine says which."""
 
     def ignore_cancel(self) -> None:
         """Fault injection: ``run.cancel`` is ignored for this run, which runs to its natural

@@ -369,10 +369,19 @@ class Collected:
     async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
         await trio.lowlevel.checkpoint()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
+    def usage(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        estimated: bool = False,
+        cached_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> None:
         pass
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         self.reason = reason
 
     def ignore_cancel(self) -> None:
