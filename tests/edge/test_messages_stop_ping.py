@@ -103,7 +103,8 @@ async def _streamed(edge: Edge, **fields: Any) -> list[tuple[str, dict[str, Any]
         with client.messages.with_streaming_response.create(
             model="m", max_tokens=50, messages=user("count"), stream=True, **fields
         ) as raw:
-            return raw.read()
+            read: bytes = raw.read()
+            return read
 
     return sse_events(await edge.sdk(consume))
 

@@ -4,6 +4,7 @@ runner."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import orjson
@@ -308,7 +309,8 @@ def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
             messages.append(assistant)
             for call_id in ids:
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": draw(WORDS)})
-            if ids and draw(st.booleans()):
+            more: bool = draw(st.booleans())
+            if ids and more:
                 messages.append(user(draw(WORDS)))
         if draw(st.booleans()):
             messages.append({"role": "developer", "content": draw(WORDS)})
@@ -331,7 +333,7 @@ def test_any_well_formed_chat_conversation_is_one_anthropic_takes(
     got = messages_body(body(*messages, tools=[WEATHER]), "m", AnthropicOptions(prompt_cache=cache))
     FakeAnthropic()._check(got)
     roles = [turn["role"] for turn in got["messages"]]
-    assert all(a != b for a, b in zip(roles, roles[1:], strict=False))
+    assert all(a != b for a, b in itertools.pairwise(roles))
     system = [m["content"] for m in messages if m["role"] in ("system", "developer")]
     assert [block["text"] for block in got.get("system", [])] == system
     said: list[str] = []
@@ -415,7 +417,7 @@ def sse_events(blocks: list[dict[str, Any]], stop_reason: str = "end_turn") -> l
 def assembled(pieces: list[Any]) -> tuple[str, list[dict[str, str]]]:
     """The text and the tool calls (id, name, arguments) the pieces make, as a client
     assembles OpenAI deltas."""
-    said, calls = "", {}
+    said, calls = "", dict[int, dict[str, str]]()
     for piece in pieces:
         if isinstance(piece, str):
             said += piece
@@ -460,7 +462,8 @@ def test_a_stream_with_text_tool_use_and_thinking() -> None:
             "function": {"name": "get_weather", "arguments": ""},
         }
     ]
-    assert stream.ended and stream.finish_reason == "tool_calls"
+    assert stream.ended
+    assert stream.finish_reason == "tool_calls"
     usage = stream.usage
     assert (usage.prompt_tokens, usage.output_tokens) == (125, 42)
     assert (usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (100, 20)
@@ -518,7 +521,7 @@ def test_streamed_and_whole_answers_say_the_same(
             raw = orjson.dumps(block["input"]).decode()
             cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=3)))
             bounds = [0, *cuts, len(raw)]
-            block["pieces"] = [raw[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+            block["pieces"] = [raw[a:b] for a, b in itertools.pairwise(bounds)]
     streamed = MessagesStream()
     pieces = [piece for event in sse_events(blocks) for piece in streamed.take(event)]
     content = []
@@ -648,7 +651,8 @@ async def test_text_usage_and_finish(fake: FakeAnthropic, stream: bool) -> None:
     )
     assert usage.cache_write_tokens > 0  # the default breakpoints wrote the prompt
     first = next(e for e in rec.events("r1") if isinstance(e, wire.RunDelta))
-    assert first.usage is not None and first.usage.prompt_tokens == usage.prompt_tokens
+    assert first.usage is not None
+    assert first.usage.prompt_tokens == usage.prompt_tokens
 
 
 async def test_a_repeated_prompt_reads_from_the_cache(fake: FakeAnthropic) -> None:
@@ -665,7 +669,8 @@ async def test_a_repeated_prompt_reads_from_the_cache(fake: FakeAnthropic) -> No
         ),
     )
     first, second = usage_of(rec, "r1"), usage_of(rec, "r2")
-    assert first.cached_tokens == 0 and first.cache_write_tokens > 0
+    assert first.cached_tokens == 0
+    assert first.cache_write_tokens > 0
     assert second.cached_tokens == first.cache_write_tokens  # the whole first prompt
     assert second.cache_write_tokens > 0  # and its own new turns
     # the breakpoint ends the conversation: every input token is read from or written to it
