@@ -20,6 +20,7 @@ EXAMPLE_ENVIRON = {
     # The provider keys the node examples name (the daemon reads them when it starts).
     "VLLM_KEY": "sk-vllm",
     "VLLM_API_KEY": "sk-vllm",
+    "ANTHROPIC_API_KEY": "sk-ant",
 }
 
 
