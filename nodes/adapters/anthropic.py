@@ -284,6 +284,8 @@ def _blocks(index: int, content: Any) -> list[dict[str, Any]]:
     for number, part in enumerate(content):
         where = f"messages[{index}].content[{number}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal":
+            continue  # an assistant's refusal part: nothing the model said
         if kind == "text" and isinstance(part.get("text"), str):
             if not part["text"]:
                 continue  # Anthropic refuses empty text blocks

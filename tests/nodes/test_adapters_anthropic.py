@@ -5,6 +5,7 @@ runner."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatcher import wire
+from nodes import load_node_config
 from nodes.adapters import ADAPTERS, Adapter, build_adapters, validate_options
 from nodes.adapters.anthropic import (
     AnthropicAdapter,
@@ -70,7 +72,7 @@ def test_a_plain_conversation() -> None:
         body(
             {"role": "system", "content": "be brief"},
             user("hi"),
-            {"role": "assistant", "content": "hello"},
+            {"role": "assistant", "content": [text("hello"), {"type": "refusal", "refusal": "no"}]},
             {"role": "developer", "content": [text("no jokes")]},
             user("again"),
             max_completion_tokens=50,
@@ -813,6 +815,39 @@ async def test_through_the_registry(fake: FakeAnthropic, monkeypatch: pytest.Mon
     rec = await run(adapters["an"])
     assert rec.text("r1") == fake.expected_text
     assert fake.requests[0].json["max_tokens"] == 64
+
+
+def test_a_node_config_with_anthropic_providers_loads(tmp_path: Path) -> None:
+    """Normalized, and as a tunnel (the client's Messages request relayed as it is)."""
+    path = tmp_path / "node.toml"
+    path.write_text(
+        """
+[node]
+id = "n"
+
+[[providers]]
+id = "claude"
+type = "anthropic"
+api_key_env = "ANTHROPIC_API_KEY"
+options = { max_tokens = 1024, prompt_cache = false }
+models = [{ name = "claude", served_name = "claude-sonnet-4-5" }]
+
+[[providers]]
+id = "claude-raw"
+type = "anthropic"
+path = "tunnel"
+base_url = "https://api.anthropic.com"
+routes = ["messages"]
+models = [{ name = "claude-raw", served_name = "claude-sonnet-4-5" }]
+"""
+    )
+    config = load_node_config(path, environ={})
+    normalized, tunnel = config.providers
+    assert (normalized.type, normalized.path, tunnel.path) == ("anthropic", "normalized", "tunnel")
+    assert tunnel.routes == ("messages",)
+    path.write_text(path.read_text().replace("prompt_cache", "prompt_caching"))
+    with pytest.raises(NodeConfigError, match="unknown anthropic option"):
+        load_node_config(path, environ={})
 
 
 def test_options() -> None:
