@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import anthropic
+import orjson
 import pytest
 import trio
 import trio.testing
@@ -86,12 +87,19 @@ async def test_a_ping_after_each_interval_of_silence_and_none_while_events_flow(
     ]
 
 
-async def _answer_slowly(node: ScriptedNode, silence: float, sequence: str | None) -> None:
+async def _answer_slowly(
+    node: ScriptedNode, silence: float | trio.Event, sequence: str | None
+) -> None:
+    """Answer the node's next run: ``one ``, a silence (seconds, or until the event is set),
+    ``two``, then done (``stop_sequence``: ``sequence``)."""
     request = await node.receive_run()
     run_id = request.run_id
     await node.send(wire.RunStarted(run_id=run_id, seq=0))
     await node.send(wire.RunDelta(run_id=run_id, seq=1, text="one "))
-    await trio.sleep(silence)
+    if isinstance(silence, trio.Event):
+        await silence.wait()
+    else:
+        await trio.sleep(silence)
     await node.send(wire.RunDelta(run_id=run_id, seq=2, text="two"))
     usage = wire.Usage(prompt_tokens=3, completion_tokens=2)
     await node.send(wire.RunUsage(run_id=run_id, seq=3, usage=usage))
@@ -112,20 +120,36 @@ async def _streamed(edge: Edge, **fields: Any) -> list[tuple[str, dict[str, Any]
 async def test_a_silent_stream_sends_pings_and_the_sdk_reads_through_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The node stays silent after its first delta until the client has seen two pings."""
     monkeypatch.setattr(messages_api, "PING_INTERVAL", 0.05)
     async with open_edge(node=None) as edge:
         node = await connect(edge.dispatcher, hello("n1", model="m"))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_answer_slowly, node, 0.5, None)
-            events = await _streamed(edge)
-        names = [name for name, _ in events]
-        first, last = (
-            names.index("content_block_delta"),
-            len(names) - 1 - names[::-1].index("content_block_delta"),
+        resume = trio.Event()
+        payload = orjson.dumps(
+            {"model": "m", "max_tokens": 50, "stream": True, "messages": user("count")}
         )
-        assert names[:2] == ["message_start", "ping"]
-        assert names[first:last].count("ping") >= 2  # the silence between the two deltas
-        assert names[-1] == "message_stop"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_answer_slowly, node, resume, None)
+            stream = await trio.open_tcp_stream("127.0.0.1", edge.server.address.port)
+            await stream.send_all(
+                b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+            )
+            received = b""
+            with trio.fail_after(10):
+                while b"event: message_stop" not in received:
+                    chunk = await stream.receive_some()
+                    assert chunk, "the edge closed the stream early"
+                    received += chunk
+                    _, delta, after = received.partition(b"event: content_block_delta")
+                    if delta and after.count(b"event: ping") >= 2:
+                        resume.set()
+            await stream.aclose()
+        head, _, after = received.partition(b"event: content_block_delta")
+        assert head.count(b"event: ping") == 1  # the one after message_start
+        silence = after.partition(b"event: content_block_delta")[0]
+        assert silence.count(b"event: ping") >= 2
+        assert b'data: {"type":"ping"}' in silence
 
         # the SDK's own stream reader takes the pings in its stride
         async with trio.open_nursery() as nursery:
