@@ -182,8 +182,9 @@ async def _stream(
     message_id: str,
     estimate: int,
 ) -> None:
-    """The committed answer as Messages SSE events; after the commit a failure is an
-    ``error`` event, and the stream ends without ``message_stop``."""
+    """The committed answer as Messages SSE events, a ``ping`` after each
+    :data:`PING_INTERVAL` seconds of silence; after the commit a failure is an ``error``
+    event, and the stream ends without ``message_stop``."""
     writer = EventWriter(message_id=message_id, model=parsed.model, input_estimate=estimate)
     stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
     pending = Pending(stream)
