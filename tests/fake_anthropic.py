@@ -36,8 +36,9 @@ A reply is cut where a ``stop_sequences`` entry first occurs (stop reason ``stop
 ``thinking`` enabled a ``thinking`` block (``thinking_delta``, ``signature_delta``) comes first.
 
 Usage: one token per word (``\\w+``) of each block's JSON; output tokens, one per streamed
-token (and the tool call's words). Prompt caching as Anthropic's works: the prefix (tools,
-system, messages, in that order) up to each ``cache_control`` breakpoint is written to the
+token (and the tool call's words; the thinking's also in
+``output_tokens_details.thinking_tokens``). Prompt caching as Anthropic's works: the prefix
+(tools, system, messages, in that order) up to each ``cache_control`` breakpoint is written to the
 cache (``cache_creation_input_tokens``); a later request whose prefix, at a block boundary up
 to its last breakpoint, was written reads the longest such from the cache
 (``cache_read_input_tokens``); ``input_tokens`` is the rest. :attr:`FakeAnthropic.min_cache_tokens`
@@ -319,11 +320,14 @@ class FakeAnthropic(FakeProvider):
             return
         assert isinstance(body, dict)
         blocks, reason, sequence = self._script(body)
-        usage = self._usage(body)
+        usage: dict[str, Any] = dict(self._usage(body))
         output = sum(
             len(b.tokens) + (count_tokens(b.name + " " + b.arguments) if b.arguments else 0)
             for b in blocks
         )
+        thinking = sum(len(b.tokens) for b in blocks if b.kind == "thinking")
+        if thinking:
+            usage["output_tokens_details"] = {"thinking_tokens": thinking}
         message: dict[str, Any] = {
             "id": f"msg_fake_{len(self.requests)}",
             "type": "message",
@@ -405,7 +409,11 @@ class FakeAnthropic(FakeProvider):
             await self._fail(send)
             return
         delta = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
-        usage = {"output_tokens": message["usage"]["output_tokens"]}
+        usage = {
+            key: value
+            for key, value in message["usage"].items()
+            if key in ("output_tokens", "output_tokens_details")
+        }
         await send({"type": "message_delta", "delta": delta, "usage": usage})
         await send({"type": "message_stop"})
         if self.linger_after_end:

@@ -36,8 +36,9 @@ without input); ``thinking`` and other blocks are skipped; ``stop_reason`` -> th
 reason (:data:`STOP_REASONS`), a ``stop_sequence`` with the sequence it matched; usage:
 ``prompt_tokens`` = ``input_tokens`` + ``cache_read_input_tokens`` +
 ``cache_creation_input_tokens`` (``cached_tokens`` and ``cache_write_tokens`` those two),
-``completion_tokens`` = ``output_tokens`` -- reported at ``message_start`` (before any content,
-so the edge knows the prompt's count when the answer starts) and at the end.
+``completion_tokens`` = ``output_tokens`` (``reasoning_tokens``: its
+``output_tokens_details.thinking_tokens``) -- reported at ``message_start`` (before any
+content, so the edge knows the prompt's count when the answer starts) and at the end.
 
 Failures: a non-2xx answer as ``_upstream_errors`` maps it (400, 413 are the client's error
 with Anthropic's message and status; 401/403, 404, 429 and 5xx -- Anthropic's 529
@@ -456,11 +457,16 @@ class AnthropicUsage:
     output_tokens: int = 0
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
+    thinking_tokens: int = 0
+    """``output_tokens_details.thinking_tokens``: of the output, those spent thinking."""
 
     def updated(self, raw: Any) -> AnthropicUsage:
         """These counts with those ``raw`` (a ``usage`` object) gives replacing them."""
         if not isinstance(raw, dict):
             return self
+        details = raw.get("output_tokens_details")
+        if isinstance(details, dict):
+            raw = {**raw, "thinking_tokens": details.get("thinking_tokens")}
         changes = {
             field: value
             for field in attrs.fields_dict(AnthropicUsage)
@@ -753,4 +759,5 @@ def _report_usage(answer: MessagesStream, out: RunOutput) -> None:
         usage.output_tokens,
         cached_tokens=usage.cache_read_input_tokens,
         cache_write_tokens=usage.cache_creation_input_tokens,
+        reasoning_tokens=min(usage.thinking_tokens, usage.output_tokens),
     )

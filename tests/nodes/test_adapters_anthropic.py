@@ -728,6 +728,9 @@ async def test_thinking_is_asked_and_not_relayed(fake: FakeAnthropic) -> None:
     assert fake.requests[0].json["thinking"] == {"type": "enabled", "budget_tokens": 2048}
     assert fake.answers[0]["content"][0]["type"] == "thinking"
     assert rec.text("r1") == fake.expected_text
+    usage = usage_of(rec)
+    assert usage.reasoning_tokens == 2  # the thinking's tokens, among the output's
+    assert usage.completion_tokens == 2 + len(fake.tokens)
 
 
 @pytest.mark.parametrize(
