@@ -9,7 +9,8 @@ Messages API (``tests/fake_anthropic.py``, in this process), and the official SD
 * the run's usage (``dispatcher.open_run``) carries the provider's cached tokens;
 * an upstream 529 before any content: recovered on the model's second candidate, or -- a
   model with one -- answered as a retryable error;
-* a client that leaves: the cancellation reaches the provider (the fake sees it disconnect).
+* a client that leaves: the cancellation reaches the provider (the fake sees it disconnect);
+* `/v1/responses` too (the edge translates it to a chat body, the adapter to a Messages one).
 
 The SDKs run in worker threads (their sync clients): the edge, the fake and the node's pipes
 stay on Trio. Bounds are generous (a slow machine waits longer, never fails)."""
@@ -422,3 +423,22 @@ async def test_a_client_that_leaves_cancels_the_providers_stream(stack: Stack) -
 async def _row_written(stack: Stack) -> bool:
     await trio.lowlevel.checkpoint()
     return len(stack.edge.rows) == 1
+
+
+async def test_the_responses_api_is_served_through_the_adapter_too(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.edge.url, timeout=BOUND) as client:
+        answer = await client.post(
+            "/v1/responses", json={"model": "claude", "input": "hi", "instructions": "be brief"}
+        )
+    assert answer.status_code == 200, answer.text
+    said = [
+        part["text"]
+        for item in answer.json()["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    ]
+    assert said == [stack.fake.expected_text]
+    (seen,) = stack.fake.requests
+    assert seen.json["system"][0]["text"] == "be brief"
+    assert seen.json["messages"][0]["content"][0]["text"] == "hi"
