@@ -10,7 +10,7 @@ Messages API (``tests/fake_anthropic.py``, in this process), and the official SD
 * an upstream 529 before any content: recovered on the model's second candidate, or -- a
   model with one -- answered as a retryable error;
 * a client that leaves: the cancellation reaches the provider (the fake sees it disconnect);
-* `/v1/responses` too (the edge translates it to a chat body, the adapter to a Messages one).
+* ``/v1/responses`` too (the edge translates it to a chat body, the adapter to a Messages one).
 
 The SDKs run in worker threads (their sync clients): the edge, the fake and the node's pipes
 stay on Trio. Bounds are generous (a slow machine waits longer, never fails)."""
