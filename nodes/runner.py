@@ -99,6 +99,7 @@ class _Run:
     content_pushed: bool = False
     """A delta (text or tool calls) was pushed: a usage reported after it waits for the end."""
     finish_reason: str = "stop"
+    stop_sequence: str | None = None
     generated: TokenEstimator = attrs.Factory(TokenEstimator)
 
     @pieces.default
@@ -180,8 +181,9 @@ class _Output:
             # message_start) rather than its estimate. The run's usage is still its last.
             run.pieces.first_delta_usage = usage
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         self._run.finish_reason = reason
+        self._run.stop_sequence = stop_sequence
 
     def ignore_cancel(self) -> None:
         self._run.ignoring_cancel = True
@@ -348,8 +350,10 @@ class Runner:
         if outcome is wire.RunCancelled:
             usage = self._usage(run, request)
             return lambda seq: wire.RunCancelled(run_id=run_id, seq=seq, usage=usage)
-        reason = run.finish_reason
-        return lambda seq: wire.RunCompleted(run_id=run_id, seq=seq, finish_reason=reason)
+        reason, sequence = run.finish_reason, run.stop_sequence
+        return lambda seq: wire.RunCompleted(
+            run_id=run_id, seq=seq, finish_reason=reason, stop_sequence=sequence
+        )
 
 
 def clamped_usage(

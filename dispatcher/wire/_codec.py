@@ -24,6 +24,7 @@ from ._messages import (
     MESSAGE_TYPES,
     JSONObject,
     Message,
+    RunCompleted,
     RunDelta,
     TunnelData,
 )
@@ -57,6 +58,12 @@ def _make_converter() -> cattrs.Converter:
     converter.register_unstructure_hook(
         RunDelta,
         make_dict_unstructure_fn(RunDelta, converter, usage=override(omit_if_default=True)),
+    )
+    converter.register_unstructure_hook(
+        RunCompleted,
+        make_dict_unstructure_fn(
+            RunCompleted, converter, stop_sequence=override(omit_if_default=True)
+        ),
     )
     return converter
 

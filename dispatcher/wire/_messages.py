@@ -217,6 +217,9 @@ class RunCompleted(_RunEventFields):
 
     TYPE: ClassVar[str] = "run.completed"
     finish_reason: str = "stop"
+    stop_sequence: str | None = None
+    """The stop sequence that ended the text, when the engine says which (finish reason
+    ``stop``; Anthropic's ``stop_sequence``); left out of the frame when None."""
 
 
 @attrs.frozen(kw_only=True)

@@ -1,7 +1,7 @@
 """Engine adapters, and the one registry of them: adapter type -> :class:`AdapterSpec`.
 
-``echo``, ``ollama``, ``openai`` and ``cli`` are registered in :data:`ADAPTERS`. Adding a type
-is one module (the adapter, its options class) plus one line here::
+``echo``, ``ollama``, ``openai``, ``cli`` and ``anthropic`` are registered in
+:data:`ADAPTERS`. Adding a type is one module (the adapter, its options class) plus one line here::
 
     "mine": AdapterSpec(MyAdapter.from_provider, MyOptions),
 
@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from nodes.adapters.anthropic import AnthropicAdapter, AnthropicOptions
 from nodes.adapters.base import (
     Adapter,
     AdapterError,
@@ -87,6 +88,7 @@ ADAPTERS: Final[Mapping[str, AdapterSpec]] = {
     "ollama": AdapterSpec(OllamaAdapter.from_provider, OllamaOptions, tunnel=True),
     "openai": AdapterSpec(OpenAIAdapter.from_provider, OpenAIOptions, tunnel=True),
     "cli": AdapterSpec(CLIAdapter.from_provider, CLIOptions),
+    "anthropic": AdapterSpec(AnthropicAdapter.from_provider, AnthropicOptions, tunnel=True),
 }
 
 

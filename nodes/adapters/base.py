@@ -124,8 +124,9 @@ class RunOutput(Protocol):
         cache), ``reasoning_tokens`` part of ``completion_tokens``; the runner clamps each to
         its total."""
 
-    def finish(self, reason: str) -> None:
-        """Set the finish reason ``run.completed`` will carry (default ``"stop"``)."""
+    def finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
+        """Set the finish reason ``run.completed`` will carry (default ``"stop"``), and the
+        stop sequence that ended the text when the engine says which."""
 
     def ignore_cancel(self) -> None:
         """Fault injection: ``run.cancel`` is ignored for this run, which runs to its natural

@@ -381,7 +381,7 @@ class Collected:
     ) -> None:
         pass
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         self.reason = reason
 
     def ignore_cancel(self) -> None:

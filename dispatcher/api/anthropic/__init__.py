@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
+import attrs
 import orjson
 import trio
 
@@ -35,6 +36,7 @@ from ...errors import (
 )
 from ...gate.attempts import Answer
 from ...http import PeerGone, Request, Responder
+from ...shared.excgroups import leaves
 from ..common import (
     JSON_HEADERS,
     SHUTDOWN_SEND_TIMEOUT,
@@ -55,6 +57,7 @@ from ..front import (
 )
 from ..seam import EdgeServices
 from ._answer import (
+    PING,
     EventWriter,
     error_event,
     message_body,
@@ -75,6 +78,9 @@ __all__ = [
     "count_tokens",
     "messages",
 ]
+
+PING_INTERVAL: Final = 10.0
+"""Seconds a Messages stream may stay silent before it sends a ``ping`` event."""
 
 MESSAGES_PATH: Final = "/v1/messages"
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
@@ -176,8 +182,9 @@ async def _stream(
     message_id: str,
     estimate: int,
 ) -> None:
-    """The committed answer as Messages SSE events; after the commit a failure is an
-    ``error`` event, and the stream ends without ``message_stop``."""
+    """The committed answer as Messages SSE events, a ``ping`` after each
+    :data:`PING_INTERVAL` seconds of silence; after the commit a failure is an ``error``
+    event, and the stream ends without ``message_stop``."""
     writer = EventWriter(message_id=message_id, model=parsed.model, input_estimate=estimate)
     stream = await responder.start_stream(200, (*SSE_HEADERS, *headers))
     pending = Pending(stream)
@@ -190,12 +197,63 @@ async def _stream(
         ended = False
         for item in answer.head:
             ended = ended or render(item)
-        await pending.send()
-        if not ended:
-            await relay_rest(answer, render, pending.send)
+        keepalive = _Keepalive(pending, PING_INTERVAL)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keepalive.ping)
+                await keepalive.send()
+                if not ended:
+                    await relay_rest(answer, render, keepalive.send)
+                async with keepalive.lock:  # never cut a ping in the middle
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # the pinger raises nothing: what the relay raised, as it raised it
+            raise _alone(group) from None
     if scope.cancelled_caught:
         with trio.move_on_after(SHUTDOWN_SEND_TIMEOUT, shield=True):
             await stream.send(error_event("overloaded_error", "the dispatcher is shutting down"))
+
+
+@attrs.define(eq=False)
+class _Keepalive:
+    """A Messages stream's sends (what the renderer appended to :attr:`pending`), and a
+    ``ping`` event after ``interval`` seconds without one (:meth:`ping`, a task beside the
+    relay), as Anthropic's streams keep a long silence (a model thinking, a tool call's input
+    being written) from looking dead to clients and proxies. One send at a time."""
+
+    pending: Pending
+    interval: float
+    lock: trio.Lock = attrs.Factory(trio.Lock)
+    last: float = attrs.Factory(trio.current_time)
+    """When the stream last sent something."""
+
+    async def send(self, ended: bool = False) -> None:
+        async with self.lock:
+            if self.pending.out:
+                await self.pending.send()
+                self.last = trio.current_time()
+
+    async def ping(self) -> None:
+        try:
+            while True:
+                await trio.sleep_until(self.last + self.interval)
+                async with self.lock:
+                    if trio.current_time() >= self.last + self.interval:
+                        await self.pending.stream.send(PING)
+                        self.last = trio.current_time()
+        except PeerGone:
+            return  # the relay finds the client gone at its next send
+
+
+def _alone(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """What a nursery wrapped, as the relay alone would have raised it: its one exception
+    beside the cancellations (an outer scope cancelled the pinger too), or a cancellation
+    (what a lease's block counts as the client leaving); else the group."""
+    found = leaves(group)
+    others = [leaf for leaf in found if not isinstance(leaf, trio.Cancelled)]
+    if len(others) == 1:
+        return others[0]
+    return found[0] if not others else group
 
 
 async def count_tokens(

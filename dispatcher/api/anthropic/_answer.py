@@ -25,6 +25,7 @@ from ...shared.tokens import TokenEstimator, estimate_tokens
 from ..openai import collect
 
 __all__ = [
+    "PING",
     "EventWriter",
     "error_event",
     "message_body",
@@ -34,10 +35,12 @@ __all__ = [
 ]
 
 
-def stop_reason(finish_reason: str, *, tool_calls: bool) -> str:
-    """Anthropic's ``stop_reason`` for an OpenAI ``finish_reason``. ``stop_sequence`` is never
-    answered: the normalized runs do not say whether a stop sequence ended the text (see
-    ``docs/messages.md``)."""
+def stop_reason(finish_reason: str, *, tool_calls: bool, stop_sequence: str | None = None) -> str:
+    """Anthropic's ``stop_reason`` for an OpenAI ``finish_reason``: ``stop_sequence`` when
+    the run says a stop sequence ended its text (``run.completed.stop_sequence``: an engine
+    that tells which, as Anthropic's does; see ``docs/messages.md``)."""
+    if finish_reason == "stop" and stop_sequence is not None and not tool_calls:
+        return "stop_sequence"
     if finish_reason == "length":
         return "max_tokens"
     if finish_reason in ("tool_calls", "function_call") or (tool_calls and finish_reason == "stop"):
@@ -97,6 +100,7 @@ def message_body(
     """The ``message`` object of a complete run (``head`` ends with ``run.completed``)."""
     answered = collect(head)
     usage, finish, text = answered.usage, answered.finish_reason, answered.text
+    sequence = head[-1].stop_sequence if isinstance(head[-1], wire.RunCompleted) else None
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     for index, call in enumerate(answered.tool_calls):
         function = call["function"]
@@ -108,20 +112,26 @@ def message_body(
                 "input": parse_input(function["arguments"]),
             }
         )
+    reason = stop_reason(finish, tool_calls=bool(answered.tool_calls), stop_sequence=sequence)
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(finish, tool_calls=bool(answered.tool_calls)),
-        "stop_sequence": None,
+        "stop_reason": reason,
+        "stop_sequence": sequence if reason == "stop_sequence" else None,
         "usage": _usage(usage, input_estimate, estimate_tokens(text)),
     }
 
 
 def event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+PING: Final = event("ping", {"type": "ping"})
+"""The ``ping`` event a stream sends after :data:`~dispatcher.api.anthropic.PING_INTERVAL`
+seconds of silence (as Anthropic's streams do), so that clients and proxies see it alive."""
 
 
 def error_event(error_type: str, message: str) -> bytes:
@@ -182,9 +192,7 @@ class EventWriter:
             "stop_sequence": None,
             "usage": usage,
         }
-        return event("message_start", {"type": "message_start", "message": message}) + event(
-            "ping", {"type": "ping"}
-        )
+        return event("message_start", {"type": "message_start", "message": message}) + PING
 
     def render(self, item: wire.RunEvent, out: list[bytes]) -> bool:
         """Append the SSE bytes of ``item``; return whether the stream ended."""
@@ -197,13 +205,16 @@ class EventWriter:
             self.usage = item.usage
         elif isinstance(item, wire.RunCompleted):
             self._close(out)
-            reason = stop_reason(item.finish_reason, tool_calls=self._tool_calls)
+            reason = stop_reason(
+                item.finish_reason, tool_calls=self._tool_calls, stop_sequence=item.stop_sequence
+            )
+            sequence = item.stop_sequence if reason == "stop_sequence" else None
             out.append(
                 event(
                     "message_delta",
                     {
                         "type": "message_delta",
-                        "delta": {"stop_reason": reason, "stop_sequence": None},
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
                         "usage": _usage(self.usage, self.input_estimate, self._output.tokens),
                     },
                 )
