@@ -45,8 +45,8 @@ import trio
 
 from .. import wire
 from ..admission import Slot
-from ..errors import TunnelFailed
-from ..link.registry import LostCode, NodeSession, SessionProtocolError
+from ..errors import NodeUnavailable, TunnelFailed
+from ..link.registry import LostCode, NodeGone, NodeSession, SessionProtocolError
 from .lease import (
     EndReason,
     Lease,
@@ -168,12 +168,20 @@ class Tunnel(Lease):
         path: str,
         query: str = "",
         headers: Sequence[tuple[str, str]] = (),
-        body: str = "",
+        body: str | bytes = "",
     ) -> None:
         """Send ``tunnel.request`` (once). ``headers`` go to the provider as given: leave out
         hop-by-hop headers and the client's ``Authorization`` (the node adds its own).
         Cancelled before the session's writer took it, the request is withdrawn and the
-        node never hears of this tunnel."""
+        node never hears of this tunnel.
+
+        A ``str`` body (JSON) travels inside the message; a ``bytes`` body (a multipart
+        upload, any size) follows it as binary frames of at most ``wire.MAX_TUNNEL_CHUNK``
+        bytes (``tunnel.request.body_size``), each handed to the session's writer once the
+        one before was taken, so the outbox holds one of them at a time. Left before the
+        last is taken (cancelled, or the session ended: :class:`NodeUnavailable`), the block
+        that owns the tunnel tells the node to cancel it."""
+        upload = body if isinstance(body, bytes) else b""
         await self.send(
             wire.TunnelRequest(
                 tunnel_id=self.tunnel_id,
@@ -183,10 +191,25 @@ class Tunnel(Lease):
                 path=path,
                 query=query,
                 headers=tuple(headers),
-                body=body,
+                body=body if isinstance(body, str) else "",
+                body_size=len(upload),
                 window=self._route.window,
             )
         )
+        if upload:
+            await self._send_body(upload)
+
+    async def _send_body(self, body: bytes) -> None:
+        view = memoryview(body)
+        chunk = wire.MAX_TUNNEL_CHUNK
+        for at in range(0, len(body), chunk):
+            if self._route.end is not None:
+                return  # the node ended the tunnel (it refused it): it drops the rest
+            frame = wire.TunnelData(self.tunnel_id, bytes(view[at : at + chunk]))
+            try:
+                await self.session.enqueue(frame).wait_taken()
+            except NodeGone as exc:
+                raise NodeUnavailable(str(exc)) from exc
 
     async def start(self) -> wire.TunnelStart:
         """The response's status and headers. Raises :class:`TunnelFailed` if the tunnel
