@@ -596,7 +596,7 @@ class Pair:
     edge_tunnels: set[str] = attrs.Factory(set)
     tolerated: int = 0
 
-    def edge_sends(self, message: p.EdgeMessage) -> None:
+    def edge_sends(self, message: p.EdgeMessage | p.TunnelData) -> None:
         self.edge.send(message)
         if isinstance(message, p.TunnelData):
             self.to_node.append(p.encode_tunnel_data(message.tunnel_id, message.data))
@@ -685,9 +685,12 @@ def test_two_halves_accept_legal_traffic(data: st.DataObject) -> None:
             body_size = data.draw(st.sampled_from([0, 0, 5, 70_000]))
             pair.edge_sends(
                 p.TunnelRequest(
-                    tunnel_id=tunnel_id, provider_id="p", method="POST", path="/",
+                    tunnel_id=tunnel_id,
+                    provider_id="p",
+                    method="POST",
+                    path="/",
                     body_size=body_size,
-                )  # fmt: skip
+                )
             )
             pair.edge_tunnels.add(tunnel_id)
         elif move == "edge-body" and pair.edge_tunnels:

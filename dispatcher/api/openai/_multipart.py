@@ -46,7 +46,7 @@ def _params(rest: bytes) -> dict[bytes, bytes]:
     while at < len(rest):
         match = _PARAM.match(rest, at)
         if match is None or match.end() == at:
-            raise _bad(f"cannot read the parameters {rest[at:at + 40]!r}")
+            raise _bad(f"cannot read the parameters {rest[at : at + 40]!r}")
         key, quoted, plain = match.groups()
         value = re.sub(rb"\\(.)", rb"\1", quoted) if quoted is not None else plain
         out[key.lower()] = value
