@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
+from typing import Final
 
 import attrs
 import trio
@@ -55,7 +56,12 @@ from .lease import (
     NodeEnd,
 )
 
-__all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels"]
+__all__ = ["INLINE_BODY_LIMIT", "EndReason", "Tunnel", "TunnelStatistics", "Tunnels"]
+
+INLINE_BODY_LIMIT: Final = 1024 * 1024
+"""The longest text body sent inside ``tunnel.request``, in UTF-8 bytes: escaped in the
+message's JSON (at most twice as long) it stays under ``wire.MAX_FRAME_SIZE``; a longer one
+goes as binary frames."""
 
 
 @attrs.define(eq=False)
@@ -175,12 +181,18 @@ class Tunnel(Lease):
         Cancelled before the session's writer took it, the request is withdrawn and the
         node never hears of this tunnel.
 
-        A ``str`` body (JSON) travels inside the message; a ``bytes`` body (a multipart
-        upload, any size) follows it as binary frames of at most ``wire.MAX_TUNNEL_CHUNK``
-        bytes (``tunnel.request.body_size``), each handed to the session's writer once the
-        one before was taken, so the outbox holds one of them at a time. Left before the
-        last is taken (cancelled, or the session ended: :class:`NodeUnavailable`), the block
-        that owns the tunnel tells the node to cancel it."""
+        A ``str`` body (JSON) of at most :data:`INLINE_BODY_LIMIT` bytes (UTF-8) travels inside
+        the message; a ``bytes`` body (a multipart upload), or a longer ``str`` one (UTF-8),
+        follows it as binary frames of at most ``wire.MAX_TUNNEL_CHUNK`` bytes
+        (``tunnel.request.body_size``: no frame is ever over the wire's frame limit), each
+        handed to the session's writer once the one before was taken, so the outbox holds
+        one of them at a time. Left before the last is taken (cancelled, or the session
+        ended: :class:`NodeUnavailable`), the block that owns the tunnel tells the node to
+        cancel it."""
+        if isinstance(body, str) and len(body) > INLINE_BODY_LIMIT // 4:
+            encoded = body.encode("utf-8")
+            if len(encoded) > INLINE_BODY_LIMIT:
+                body = encoded
         upload = body if isinstance(body, bytes) else b""
         await self.send(
             wire.TunnelRequest(

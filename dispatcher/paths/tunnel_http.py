@@ -532,14 +532,18 @@ async def commit_tunnel(
     gate decides whether it fails the attempt (5xx / 429: leaving the tunnel aborts it) or is
     the answer, relayed as it is. Raises :class:`TunnelFailed` when the tunnel fails; the body
     breaking off before the commit is retryable: the client has seen nothing of it."""
-    body, injected = upstream_body(call.body, served_model, call.path)
+    if call.raw_body is None:
+        body, injected = upstream_body(call.body, served_model, call.path)
+        sent: str | bytes = body.decode("utf-8")
+    else:
+        sent, injected = call.raw_body(served_model), False
     rewrite = ModelRewrite.between(served_model, call.body.get("model"))
     await tunnel.send_request(
         method=call.method,
         path=call.path,
         query=call.query,
         headers=upstream_headers(call.headers),
-        body=body.decode("utf-8") if call.raw_body is None else call.raw_body(served_model),
+        body=sent,
     )
     start = await tunnel.start()
     if rewrite is not None and _is_binary(start.headers):

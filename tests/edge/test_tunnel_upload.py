@@ -13,6 +13,7 @@ import trio
 from dispatcher import wire
 from dispatcher.errors import TunnelFailed
 from dispatcher.gate.pool import DispatchRequest
+from dispatcher.paths.tunnel import INLINE_BODY_LIMIT
 from nodes.tunnel import CANCELLED, TunnelProvider, open_tunnels
 
 from ..nodes.fake_providers import _serve
@@ -197,3 +198,43 @@ async def test_a_tunnel_cancelled_before_its_body_came_never_calls_the_provider(
             await wait_until(lambda: bool(messages))
     assert messages == [wire.TunnelEnd(tunnel_id="t", error=CANCELLED)]
     assert not fake.requests
+
+
+async def test_a_json_body_too_long_for_one_frame_goes_as_body_frames(
+    nursery: trio.Nursery,
+) -> None:
+    """A text body past ``INLINE_BODY_LIMIT`` bytes (here: 1.5 MiB of JSON with non-ASCII
+    text, which would be over the wire's frame limit escaped inside ``tunnel.request``
+    for a large enough one) is sent as request body frames, in UTF-8; a shorter one inline."""
+    text = '{"model": "t", "input": "' + "é€" * (INLINE_BODY_LIMIT // 4) + '"}'
+    encoded = text.encode()
+    assert len(encoded) > INLINE_BODY_LIMIT
+    async with scripted_edge() as (dispatcher, node):
+        for body, inline in ((text, False), ('{"model": "t", "input": "short"}', True)):
+            request = DispatchRequest(model="t", body={"model": "t"}, route="/v1/embeddings")
+
+            async def client(body: str = body, request: DispatchRequest = request) -> None:
+                async with dispatcher.open_dispatch(request) as dispatch:
+                    assert dispatch.tunnel is not None
+                    await dispatch.tunnel.send_request(
+                        method="POST", path="/v1/embeddings", body=body
+                    )
+                    await dispatch.tunnel.start()
+
+            nursery.start_soon(client)
+            with trio.fail_after(10):
+                message = await next_frame(node)
+                assert isinstance(message, wire.TunnelRequest)
+                if inline:
+                    assert (message.body, message.body_size) == (body, 0)
+                else:
+                    assert (message.body, message.body_size) == ("", len(encoded))
+                    received = b""
+                    while len(received) < len(encoded):
+                        frame = await next_frame(node)
+                        assert isinstance(frame, wire.TunnelData)
+                        received += frame.data
+                    assert received == encoded
+                await node.send(wire.TunnelStart(tunnel_id=message.tunnel_id, status=200))
+                await node.send(wire.TunnelEnd(tunnel_id=message.tunnel_id))
+            await wait_until(lambda: dispatcher.admission.statistics().in_use == 0)
