@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from dispatcher import wire
@@ -19,7 +20,7 @@ from nodes.tunnel import CANCELLED, TunnelProvider, open_tunnels
 from ..nodes.fake_providers import _serve
 from .fake_media import FakeMedia, parse_form
 from .fakes import ScriptedNode, wait_until
-from .test_tunnel import scripted_edge
+from .test_tunnel import MODEL, open_env, scripted_edge
 
 
 async def next_frame(node: ScriptedNode) -> wire.Message | wire.TunnelData:
@@ -238,3 +239,19 @@ async def test_a_json_body_too_long_for_one_frame_goes_as_body_frames(
                 await node.send(wire.TunnelStart(tunnel_id=message.tunnel_id, status=200))
                 await node.send(wire.TunnelEnd(tunnel_id=message.tunnel_id))
             await wait_until(lambda: dispatcher.admission.statistics().in_use == 0)
+
+
+async def test_a_5_mib_embeddings_request_reaches_the_provider(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under the edge's 8 MiB body limit but over the wire's 4 MiB frame limit once escaped
+    inside ``tunnel.request``: sent as request body frames, it is answered (it used to close
+    the node's session, and every request on it)."""
+    inputs = ['say "hello" ' * 1000] * 440  # quotes: escaped twice on the way
+    async with open_env(monkeypatch) as env, env.client() as client:
+        response = await client.post("/v1/embeddings", json={"model": MODEL, "input": inputs})
+        assert response.status_code == 200, response.text
+        (seen,) = env.fake.requests
+        assert len(seen.body) > 5 * 1024 * 1024
+        assert seen.json["input"] == inputs
+        assert env.dispatcher.registry.sessions["tunnel-node"].generation == 1
