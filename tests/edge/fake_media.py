@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import attrs
+import orjson
 import trio
 
 from dispatcher.http import Responder
@@ -127,6 +128,9 @@ class FakeMedia(FakeProvider):
         if "file" not in form:
             await self.respond_json(responder, 400, self.error_body_for("file is required"))
             return
+        if [f.value for f in form.get("stream", [])] == [b"true"]:
+            await self._transcription_stream(responder)
+            return
         usage: dict[str, Any]
         if self.transcription_usage == "tokens":
             usage = {
@@ -139,6 +143,20 @@ class FakeMedia(FakeProvider):
         else:
             usage = {"type": "duration", "seconds": 9}
         await self.respond_json(responder, 200, {"text": self.transcript, "usage": usage})
+
+    async def _transcription_stream(self, responder: Responder) -> None:
+        """``stream=true``: ``transcript.text.delta`` events, then ``transcript.text.done``
+        with the text and its usage (gpt-4o-transcribe's stream)."""
+        stream = await responder.start_stream(200, [(b"content-type", b"text/event-stream")])
+        for word in self.transcript.split(" "):
+            delta = {"type": "transcript.text.delta", "delta": word + " "}
+            await stream.send(b"data: " + orjson.dumps(delta) + b"\n\n")
+        done = {
+            "type": "transcript.text.done",
+            "text": self.transcript,
+            "usage": {"type": "tokens", "input_tokens": 14, "output_tokens": 45},
+        }
+        await stream.send(b"data: " + orjson.dumps(done) + b"\n\n")
 
     async def _speech(self, seen: SeenRequest, responder: Responder) -> None:
         headers = [(b"content-type", b"audio/mpeg")]

@@ -336,6 +336,22 @@ async def test_an_image_edit_and_a_whisper_transcription_record_what_their_answe
         assert translation.status_code == 200, translation.text
         assert translation.json()["text"] == env.media.transcript
         assert [f.value for f in env.media.forms[1]["model"]] == [SERVED.encode()]
+
+        # A streamed transcription: relayed as the provider's events (committed at its end:
+        # its events carry no chat content); its usage event is not read.
+        streamed = await http.post(
+            "/v1/audio/transcriptions",
+            data={"model": MODEL, "stream": "true"},
+            files={"file": ("a.wav", wav(1000), "audio/wav")},
+            headers={"x-request-id": "stt-stream"},
+        )
+        assert streamed.status_code == 200, streamed.text
+        assert streamed.headers["content-type"] == "text/event-stream"
+        events = [e for e in streamed.text.split("\n\n") if e]
+        assert len(events) == len(env.media.transcript.split(" ")) + 1
+        assert '"transcript.text.done"' in events[-1]
+        (row,) = await env.rows("stt-stream")
+        assert (row.outcome, counts(row)) == ("completed", (0, 0, "estimated"))
         # whisper-1's usage is in seconds, not tokens: nothing to count.
         (row,) = await env.rows("tr-1")
         assert (row.route, counts(row)) == ("/v1/audio/translations", (0, 0, "estimated"))
