@@ -527,11 +527,7 @@ async def _carry_out(
             message.grace,
         )
     elif isinstance(message, wire.TunnelData):
-        log.debug(
-            "ignoring %d tunnel bytes for %s (request bodies travel in tunnel.request)",
-            len(message.data),
-            message.tunnel_id,
-        )
+        tunnels.body(message.tunnel_id, message.data)
     # Nothing else gets here: the machine refuses what is not the edge's to send.
 
 

@@ -4,6 +4,7 @@
 
     async with open_tunnels(send, send_data, providers) as tunnels:
         tunnels.start(tunnel_request)     # tunnel.start, body frames, tunnel.end
+        tunnels.body(tunnel_id, data)     # a piece of its request body (binary frames)
         tunnels.credit(tunnel_id, 65536)  # the edge consumed that much: send more
         tunnels.cancel(tunnel_id)         # close the upstream stream now; tunnel.end follows
 
@@ -17,6 +18,11 @@ provider's ``api_key_env`` names; the key never leaves the node). The response c
 binary frames of at most :data:`~dispatcher.wire.MAX_TUNNEL_CHUNK` bytes, and exactly one
 ``tunnel.end`` -- with ``error`` set when the upstream could not be reached, broke mid-body,
 or the edge cancelled (``"cancelled"``, the confirmation the edge waits for).
+
+The request body is ``tunnel.request.body`` (text), or, when the request announces a
+``body_size``, that many bytes in the binary frames that follow it (:meth:`TunnelRunner.body`:
+a multipart upload); the tunnel waits for the last of them before it calls the provider, then
+sends the body whole (its size is what the edge accepted under its request-body limit).
 
 Flow control: a tunnel may send only as many body bytes as the edge granted (the request's
 ``window``, then each ``tunnel.credit``). Two tasks per tunnel: a reader that takes the
@@ -242,6 +248,10 @@ class _Tunnel:
     upstream_error: str | None = None
     changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     """Unparked when credit arrives, the writer took bytes, or the reader added some."""
+    body_left: int = 0
+    """Request body bytes still to come in binary frames."""
+    body: bytearray = attrs.Factory(bytearray)
+    body_complete: trio.Event = attrs.Factory(trio.Event)
 
 
 class _UpstreamFailed(Exception):
@@ -279,8 +289,25 @@ class TunnelRunner:
         tunnel_id = request.tunnel_id
         if tunnel_id in self._tunnels:
             raise wire.LocalProtocolError(f"tunnel {tunnel_id!r} is already running")
-        tunnel = self._tunnels[tunnel_id] = _Tunnel(tunnel_id, credit=request.window)
+        tunnel = self._tunnels[tunnel_id] = _Tunnel(
+            tunnel_id, credit=request.window, body_left=max(0, request.body_size)
+        )
+        if not tunnel.body_left:
+            tunnel.body_complete.set()
         self._nursery.start_soon(self._run, tunnel, request, name=f"tunnel {tunnel_id}")
+
+    def body(self, tunnel_id: str, data: bytes) -> None:
+        """A piece of the tunnel's request body (the session's protocol machine accepted it:
+        it is within the size ``tunnel.request`` announced). Unknown ids are ignored (the
+        tunnel ended before its body came: it was refused, or its upstream failed)."""
+        tunnel = self._tunnels.get(tunnel_id)
+        if tunnel is None or tunnel.body_complete.is_set():
+            return
+        piece = data[: tunnel.body_left]
+        tunnel.body += piece
+        tunnel.body_left -= len(piece)
+        if not tunnel.body_left:
+            tunnel.body_complete.set()
 
     def credit(self, tunnel_id: str, amount: int) -> None:
         """The edge may take ``amount`` more body bytes. Unknown ids are ignored (the tunnel
@@ -342,6 +369,11 @@ class TunnelRunner:
             return wire.TunnelEnd(
                 tunnel_id=tunnel_id, error=f"bad_request: window {request.window} is not positive"
             )
+        await tunnel.body_complete.wait()
+        if request.body_size:
+            body, tunnel.body = bytes(tunnel.body), bytearray()
+        else:
+            body = request.body.encode("utf-8")
         provider, client = pooled.provider, pooled.client
         url = provider.url(request.path, request.query)
         headers = request_headers(request.headers, provider.api_key)
@@ -352,9 +384,7 @@ class TunnelRunner:
         started = False
         try:
             target = request_target(url)  # parsed once per provider path
-            async with client.stream(
-                request.method, target, headers, request.body.encode("utf-8")
-            ) as response:
+            async with client.stream(request.method, target, headers, body) as response:
                 started = True
                 log.debug(
                     "tunnel %s: %s answered %d", tunnel_id, shown_url(url), response.status_code

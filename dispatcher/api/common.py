@@ -298,10 +298,12 @@ class ModelCall:
         stream: bool,
         predicate: Predicate | None = None,
         prepare: PrepareAttempt | None = None,
+        raw_body: Callable[[str], bytes] | None = None,
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
-        tunnel attempt relays as the client sent it; the counted request learns its model
-        label and then follows the gate's result.
+        tunnel attempt relays as the client sent it (or, with ``raw_body``, as the bytes it
+        gives for the served model name: ``TunnelCall.raw_body``); the counted request learns
+        its model label and then follows the gate's result.
 
         The one check of the client's tenant, before the gate (so a recovery attempt is
         never a second request): a model it may not use is a 404, a limit it is over a 429;
@@ -342,6 +344,7 @@ class ModelCall:
                 query=request.query,
                 headers=tuple(request.headers),
                 body=body,
+                raw_body=raw_body,
             ),
         )
         self.counted.gate = gated.result

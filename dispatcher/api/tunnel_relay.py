@@ -48,9 +48,11 @@ from ..paths.tunnel_http import (
     SSEFilter,
     TokenCounts,
     TunnelHead,
+    UsageReader,
     body_usage,
     client_headers,
     tail_usage,
+    usage_of,
 )
 from ..shared.tokens import estimate_prompt_tokens
 from .common import (
@@ -76,9 +78,14 @@ async def relay(
     request_body: dict[str, Any],
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
+    *,
+    read_usage: UsageReader = usage_of,
+    estimate: bool = True,
 ) -> str:
     """The relay phase of the committed tunnel ``answer``: send its head, then the rest of
-    the response (``request_body`` is the client's parsed JSON body, for the usage estimate);
+    the response (``request_body`` is the client's parsed JSON body, for the usage estimate;
+    ``read_usage`` reads a non-streamed answer's usage, OpenAI's by default; without
+    ``estimate``, an answer without usage counts 0 tokens, estimated);
     ``headers`` are the edge's own response headers (``x-dispatcher-node``, ``-provider`` and
     ``-queue-ms`` are added when missing). Returns the outcome for the metrics:
     ``completed``, ``upstream_error`` (the provider answered a non-2xx status, relayed as it
@@ -106,7 +113,7 @@ async def relay(
             if outcome == "failed":
                 answer.failed()
             return outcome
-        usage = await _relay_body(tunnel, responder, out_headers, head, stall)
+        usage = await _relay_body(tunnel, responder, out_headers, head, stall, read_usage)
         return "completed" if head.ok else "upstream_error"
     except CutResponse:
         answer.failed()
@@ -117,7 +124,7 @@ async def relay(
     finally:
         if usage is not None and head.ok:
             tunnel.on_usage(usage)
-        elif head.ok:
+        elif head.ok and estimate:
             tunnel.on_usage(
                 wire.Usage(
                     prompt_tokens=estimate_prompt_tokens(request_body),
@@ -192,6 +199,7 @@ async def _relay_body(
     headers: Sequence[tuple[bytes, bytes]],
     head: TunnelHead,
     stall: float,
+    read_usage: UsageReader,
 ) -> TokenCounts | None:
     """Relay a body that is not an event stream: whole when it fits in
     :data:`BUFFER_LIMIT`, streamed beyond. Returns its usage for a 2xx answer."""
@@ -209,7 +217,7 @@ async def _relay_body(
     if size <= BUFFER_LIMIT:
         whole = b"".join(parts)
         await responder.respond(status, headers, rewrite(whole) if rewrite else whole)
-        return body_usage(whole) if parse else None
+        return body_usage(whole, read_usage) if parse else None
     # Too large to hold: stream it, keeping the tail (as the provider sent it) to find usage
     # in; the model's name is rewritten across the pieces.
     renamed = rewrite.stream() if rewrite else None
@@ -229,7 +237,7 @@ async def _relay_body(
         raise CutResponse(str(exc)) from exc
     if renamed is not None and (rest := renamed.finish()):
         await stream.send(rest)
-    return tail_usage(tail) if parse else None
+    return tail_usage(tail, read_usage) if parse else None
 
 
 __all__ = [

@@ -373,13 +373,16 @@ class NodeSession:
     def _gone(self) -> NodeGone:
         return NodeGone(f"node {self.node_id} session {self.generation}: {self.closed_reason}")
 
-    def enqueue(self, message: wire.EdgeMessage) -> Outgoing:
-        """Hand ``message`` to the writer; wait with :meth:`Outgoing.wait_taken`. Raises
-        :class:`NodeGone` if the session is over."""
+    def enqueue(self, message: wire.EdgeMessage | wire.TunnelData) -> Outgoing:
+        """Hand ``message`` (or a tunnel's request body frame) to the writer; wait with
+        :meth:`Outgoing.wait_taken`. Raises :class:`NodeGone` if the session is over."""
         if self.closed_reason is not None:
             raise self._gone()
         self.protocol.send(message)
-        outgoing = Outgoing(wire.encode(message))
+        if isinstance(message, wire.TunnelData):
+            outgoing = Outgoing(wire.encode_tunnel_data(message.tunnel_id, message.data))
+        else:
+            outgoing = Outgoing(wire.encode(message))
         self._push(outgoing)
         return outgoing
 

@@ -39,14 +39,15 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
+from typing import Final
 
 import attrs
 import trio
 
 from .. import wire
 from ..admission import Slot
-from ..errors import TunnelFailed
-from ..link.registry import LostCode, NodeSession, SessionProtocolError
+from ..errors import NodeUnavailable, TunnelFailed
+from ..link.registry import LostCode, NodeGone, NodeSession, SessionProtocolError
 from .lease import (
     EndReason,
     Lease,
@@ -55,7 +56,12 @@ from .lease import (
     NodeEnd,
 )
 
-__all__ = ["EndReason", "Tunnel", "TunnelStatistics", "Tunnels"]
+__all__ = ["INLINE_BODY_LIMIT", "EndReason", "Tunnel", "TunnelStatistics", "Tunnels"]
+
+INLINE_BODY_LIMIT: Final = 1024 * 1024
+"""The longest text body sent inside ``tunnel.request``, in UTF-8 bytes: escaped in the
+message's JSON (at most twice as long) it stays under ``wire.MAX_FRAME_SIZE``; a longer one
+goes as binary frames."""
 
 
 @attrs.define(eq=False)
@@ -168,12 +174,26 @@ class Tunnel(Lease):
         path: str,
         query: str = "",
         headers: Sequence[tuple[str, str]] = (),
-        body: str = "",
+        body: str | bytes = "",
     ) -> None:
         """Send ``tunnel.request`` (once). ``headers`` go to the provider as given: leave out
         hop-by-hop headers and the client's ``Authorization`` (the node adds its own).
         Cancelled before the session's writer took it, the request is withdrawn and the
-        node never hears of this tunnel."""
+        node never hears of this tunnel.
+
+        A ``str`` body (JSON) of at most :data:`INLINE_BODY_LIMIT` bytes (UTF-8) travels inside
+        the message; a ``bytes`` body (a multipart upload), or a longer ``str`` one (UTF-8),
+        follows it as binary frames of at most ``wire.MAX_TUNNEL_CHUNK`` bytes
+        (``tunnel.request.body_size``: no frame is ever over the wire's frame limit), each
+        handed to the session's writer once the one before was taken, so the outbox holds
+        one of them at a time. Left before the last is taken (cancelled, or the session
+        ended: :class:`NodeUnavailable`), the block that owns the tunnel tells the node to
+        cancel it."""
+        if isinstance(body, str) and len(body) > INLINE_BODY_LIMIT // 4:
+            encoded = body.encode("utf-8")
+            if len(encoded) > INLINE_BODY_LIMIT:
+                body = encoded
+        upload = body if isinstance(body, bytes) else b""
         await self.send(
             wire.TunnelRequest(
                 tunnel_id=self.tunnel_id,
@@ -183,10 +203,25 @@ class Tunnel(Lease):
                 path=path,
                 query=query,
                 headers=tuple(headers),
-                body=body,
+                body=body if isinstance(body, str) else "",
+                body_size=len(upload),
                 window=self._route.window,
             )
         )
+        if upload:
+            await self._send_body(upload)
+
+    async def _send_body(self, body: bytes) -> None:
+        view = memoryview(body)
+        chunk = wire.MAX_TUNNEL_CHUNK
+        for at in range(0, len(body), chunk):
+            if self._route.end is not None:
+                return  # the node ended the tunnel (it refused it): it drops the rest
+            frame = wire.TunnelData(self.tunnel_id, bytes(view[at : at + chunk]))
+            try:
+                await self.session.enqueue(frame).wait_taken()
+            except NodeGone as exc:
+                raise NodeUnavailable(str(exc)) from exc
 
     async def start(self) -> wire.TunnelStart:
         """The response's status and headers. Raises :class:`TunnelFailed` if the tunnel

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -129,6 +129,18 @@ def client_headers(
     return out
 
 
+_BINARY_TYPES: Final = ("audio/", "image/", "video/", "application/octet-stream")
+
+
+def _is_binary(headers: Sequence[tuple[str, str]]) -> bool:
+    """A response whose content type says it is not text (speech audio, an image): the
+    model's name is never rewritten in it."""
+    for key, value in headers:
+        if key.lower() == "content-type":
+            return value.strip().lower().startswith(_BINARY_TYPES)
+    return False
+
+
 def _is_sse(headers: Sequence[tuple[bytes, bytes]]) -> bool:
     for key, value in headers:
         if key == b"content-type":
@@ -181,14 +193,19 @@ def usage_of(value: object) -> TokenCounts | None:
     )
 
 
-def body_usage(body: bytes) -> TokenCounts | None:
+UsageReader = Callable[[object], TokenCounts | None]
+"""How a route reads usage from its answer's parsed JSON (:func:`usage_of`: OpenAI's
+``usage.prompt_tokens`` / ``completion_tokens``)."""
+
+
+def body_usage(body: bytes, read: UsageReader = usage_of) -> TokenCounts | None:
     try:
-        return usage_of(orjson.loads(body))
+        return read(orjson.loads(body))
     except orjson.JSONDecodeError:
         return None
 
 
-def tail_usage(tail: bytes) -> TokenCounts | None:
+def tail_usage(tail: bytes, read: UsageReader = usage_of) -> TokenCounts | None:
     """``usage`` from the end of a JSON body too large to keep whole (OpenAI puts it last)."""
     at = tail.rfind(_USAGE_KEY)
     if at < 0:
@@ -200,7 +217,7 @@ def tail_usage(tail: bytes) -> TokenCounts | None:
         value, _ = json.JSONDecoder().raw_decode(tail[brace:].decode("utf-8", "replace"))
     except ValueError:
         return None
-    return usage_of({"usage": value})
+    return read({"usage": value})
 
 
 # --------------------------------------------------------------------------- the model name
@@ -447,6 +464,11 @@ class TunnelCall:
     """The client's headers, as received (:func:`upstream_headers` filters them)."""
     body: Mapping[str, object] = attrs.field(factory=dict)
     """The client's parsed JSON body."""
+    raw_body: Callable[[str], bytes] | None = None
+    """When set, the body for the provider given the served model name, as bytes sent after
+    ``tunnel.request`` in binary frames (a multipart upload); ``body`` then only names the
+    ``model`` the client asked for. None: ``body`` as JSON, its ``model`` the served name
+    (:func:`upstream_body`)."""
 
 
 @attrs.define(eq=False)
@@ -510,16 +532,22 @@ async def commit_tunnel(
     gate decides whether it fails the attempt (5xx / 429: leaving the tunnel aborts it) or is
     the answer, relayed as it is. Raises :class:`TunnelFailed` when the tunnel fails; the body
     breaking off before the commit is retryable: the client has seen nothing of it."""
-    body, injected = upstream_body(call.body, served_model, call.path)
+    if call.raw_body is None:
+        body, injected = upstream_body(call.body, served_model, call.path)
+        sent: str | bytes = body.decode("utf-8")
+    else:
+        sent, injected = call.raw_body(served_model), False
     rewrite = ModelRewrite.between(served_model, call.body.get("model"))
     await tunnel.send_request(
         method=call.method,
         path=call.path,
         query=call.query,
         headers=upstream_headers(call.headers),
-        body=body.decode("utf-8"),
+        body=sent,
     )
     start = await tunnel.start()
+    if rewrite is not None and _is_binary(start.headers):
+        rewrite = None  # audio or an image: relayed unchanged
     if not 200 <= start.status < 300:
         return TunnelHead(start=start, model_rewrite=rewrite)
     try:
@@ -572,6 +600,7 @@ __all__ = [
     "TokenCounts",
     "TunnelCall",
     "TunnelHead",
+    "UsageReader",
     "body_usage",
     "client_headers",
     "commit_tunnel",

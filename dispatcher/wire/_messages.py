@@ -7,8 +7,8 @@ Direction::
                    run.completed, run.failed, run.cancelled,
                    tunnel.start, tunnel.end, (binary) tunnel data, node.draining
     edge -> node   welcome, ping, run.request, run.cancel,
-                   tunnel.request, tunnel.credit, tunnel.cancel, (binary) tunnel data,
-                   edge.draining, demand
+                   tunnel.request, (binary) its request body when ``body_size`` says so,
+                   tunnel.credit, tunnel.cancel, edge.draining, demand
 
 Slots are the node's to grant (protocol 2): a node may serve several edges, so what its
 ``hello`` announces for a model is this edge's grant, not the node's whole capacity, and
@@ -32,7 +32,7 @@ PROTOCOL_VERSION: Final = 3
 MAX_FRAME_SIZE: Final = 4 * 1024 * 1024
 """Largest frame either side sends or accepts, text or binary, in bytes."""
 MAX_TUNNEL_CHUNK: Final = 64 * 1024
-"""Largest tunnel body piece in one binary frame."""
+"""Largest tunnel body piece in one binary frame (a response's, or a request's)."""
 DEFAULT_TUNNEL_WINDOW: Final = 256 * 1024
 """Response body bytes a node may send on a tunnel before the edge grants more
 (``tunnel.request.window``, then ``tunnel.credit``)."""
@@ -370,7 +370,12 @@ class TunnelRequest(_TunnelFields):
     query: str = ""
     headers: tuple[tuple[str, str], ...] = ()
     body: str = ""
-    """The request body as text (the OpenAI routes we tunnel all take JSON)."""
+    """The request body as text (a JSON body), when it travels inside this message."""
+    body_size: int = 0
+    """The request body's length in bytes when it travels instead as binary frames after this
+    message (each at most :data:`MAX_TUNNEL_CHUNK` bytes: a multipart upload, a body too
+    large for one frame): exactly this many bytes follow, and ``body`` is empty. The node
+    performs the request once it has them all."""
     window: int = DEFAULT_TUNNEL_WINDOW
     """Response body bytes the node may send before it is granted more by ``tunnel.credit``;
     more than granted is a protocol error."""

@@ -36,6 +36,14 @@ ended early are tolerated, as for runs. Flow control (``window`` and ``tunnel.cr
 is *not* here: the edge's tunnel route owns the buffer the credit protects
 (``dispatcher.paths.tunnel._Route``).
 
+A tunnel's request body sent as binary frames (``tunnel.request.body_size`` > 0, then that
+many bytes, each frame at most ``MAX_TUNNEL_CHUNK``): the edge may send, and the node
+accepts, exactly the bytes announced, for a tunnel still open -- one byte more is a
+violation; a negative ``body_size``, or one beside a text ``body``, too. Body frames for a
+tunnel the node already ended (it refused it, or the upstream failed early) crossed that end:
+tolerated. The edge's body frames of a tunnel it never gave, or past the announced size,
+are :class:`LocalProtocolError`.
+
 ``receive()`` returns :data:`ACCEPTED`, a :class:`Tolerated`, or a :class:`ProtocolError`
 (returned, not raised) whose text is the reason to close the session with; it never raises.
 After the first ``ProtocolError`` the machine is ``FAILED`` and returns that same error for
@@ -57,6 +65,7 @@ import attrs
 from . import _messages as m
 from ._errors import LocalProtocolError, ProtocolError, UnsupportedVersion
 from ._messages import (
+    MAX_TUNNEL_CHUNK,
     PROTOCOL_VERSION,
     Message,
     RunEvent,
@@ -135,6 +144,34 @@ Frame: TypeAlias = Message | TunnelData
 
 def _describe(message: Frame) -> str:
     return "a binary frame" if isinstance(message, TunnelData) else repr(message.TYPE)
+
+
+def _upload_fault(message: m.TunnelRequest) -> str | None:
+    """What is wrong with a ``tunnel.request``'s body fields, if anything."""
+    if message.body_size < 0:
+        return f"tunnel.request for {message.tunnel_id!r} with body_size {message.body_size}"
+    if message.body_size and message.body:
+        return f"tunnel.request for {message.tunnel_id!r} with both a body and a body_size"
+    return None
+
+
+def _upload_frame(uploads: dict[str, int], data: TunnelData) -> str | None:
+    """Count a request body frame against its tunnel's announced size; what is wrong with
+    it, if anything (the tunnel is open)."""
+    size = len(data.data)
+    left = uploads.get(data.tunnel_id, 0)
+    if size > MAX_TUNNEL_CHUNK:
+        return f"tunnel {data.tunnel_id!r}: a request body frame of {size} bytes"
+    if size > left:
+        return (
+            f"tunnel {data.tunnel_id!r}: {size} request body bytes with {left} left of what "
+            "its tunnel.request announced"
+        )
+    if size == left:
+        uploads.pop(data.tunnel_id, None)
+    else:
+        uploads[data.tunnel_id] = left - size
+    return None
 
 
 def _claim(table: dict[str, int], ended: _Ended, kind: str, key: str, first: int) -> None:
@@ -250,6 +287,8 @@ class EdgeProtocol(_Half):
     """Runs the edge stopped routing (see :class:`_Ended`)."""
     _tunnels: dict[str, int] = attrs.field(factory=dict)
     _ended_tunnels: _Ended = attrs.field(init=False)
+    _uploads: dict[str, int] = attrs.field(factory=dict)
+    """Open tunnels' request body bytes still to send (``tunnel.request.body_size``)."""
 
     def __attrs_post_init__(self) -> None:
         self._ended_runs = _Ended(self.recent_runs, self.max_abandoned)
@@ -335,12 +374,21 @@ class EdgeProtocol(_Half):
 
     # ------------------------------------------------------------------ what the edge sends
 
-    def send(self, message: Message) -> None:
-        """Record a message the edge is sending (call before it is written: the node may
-        answer a ``run.request`` at once). Raises :class:`LocalProtocolError` if the edge may
-        not send it now."""
+    def send(self, message: Message | TunnelData) -> None:
+        """Record a message (or a request body frame) the edge is sending (call before it is
+        written: the node may answer a ``run.request`` at once). Raises
+        :class:`LocalProtocolError` if the edge may not send it now."""
         state = self.state
         if state is State.CLOSED or state is State.FAILED:
+            return
+        if isinstance(message, TunnelData):
+            if state is not State.OPEN or message.tunnel_id not in self._tunnels:
+                raise LocalProtocolError(
+                    f"a request body frame for tunnel {message.tunnel_id!r}, which is not open"
+                )
+            fault = _upload_frame(self._uploads, message)
+            if fault is not None:
+                raise LocalProtocolError(fault)
             return
         if not isinstance(message, _EDGE_MESSAGES):
             raise LocalProtocolError(f"{message.TYPE!r} is not the edge's to send")
@@ -352,7 +400,12 @@ class EdgeProtocol(_Half):
         if isinstance(message, m.RunRequest):
             _claim(self._runs, self._ended_runs, "run", message.run_id, 0)
         elif isinstance(message, m.TunnelRequest):
+            fault = _upload_fault(message)
+            if fault is not None:
+                raise LocalProtocolError(fault)
             _claim(self._tunnels, self._ended_tunnels, "tunnel", message.tunnel_id, _AWAITING_START)
+            if message.body_size:
+                self._uploads[message.tunnel_id] = message.body_size
         elif isinstance(message, m.EdgeDraining):
             self.edge_draining = True
 
@@ -365,6 +418,7 @@ class EdgeProtocol(_Half):
 
     def close_tunnel(self, tunnel_id: str) -> str | None:
         """As :meth:`close_run`, for a tunnel (tolerated until its end when closed before)."""
+        self._uploads.pop(tunnel_id, None)
         return self._ended_tunnels.retire(self._tunnels, tunnel_id, _ENDED)
 
     def close(self) -> None:
@@ -374,6 +428,7 @@ class EdgeProtocol(_Half):
             self.state = State.CLOSED
         self._ended_runs.clear()
         self._ended_tunnels.clear()
+        self._uploads.clear()
 
     # ------------------------------------------------------------------ introspection
 
@@ -390,6 +445,10 @@ class EdgeProtocol(_Half):
     def known_tunnels(self) -> set[str]:
         return {*self._tunnels, *self._ended_tunnels.keys()}
 
+    def body_left(self, tunnel_id: str) -> int:
+        """Request body bytes the edge has still to send on an open tunnel."""
+        return self._uploads.get(tunnel_id, 0)
+
 
 @attrs.define(eq=False)
 class NodeProtocol(_Half):
@@ -401,6 +460,8 @@ class NodeProtocol(_Half):
     """Runs the edge gave and whose terminal was not sent yet: the next ``seq`` to send."""
     _tunnels: dict[str, int] = attrs.field(factory=dict)
     """Tunnels the edge gave and whose ``tunnel.end`` was not sent yet: their phase."""
+    _uploads: dict[str, int] = attrs.field(factory=dict)
+    """Open tunnels' request body bytes the edge has still to send."""
 
     # ------------------------------------------------------------------ what the edge sends
 
@@ -423,7 +484,18 @@ class NodeProtocol(_Half):
         if isinstance(message, m.RunRequest):
             return self._given(self._runs, message.run_id, 0, "run", "running")
         if isinstance(message, m.TunnelRequest):
-            return self._given(self._tunnels, message.tunnel_id, _AWAITING_START, "tunnel", "open")
+            fault = _upload_fault(message)
+            if fault is not None:
+                return self._fail(fault)
+            verdict = self._given(
+                self._tunnels, message.tunnel_id, _AWAITING_START, "tunnel", "open"
+            )
+            if verdict is ACCEPTED and message.body_size:
+                self._uploads[message.tunnel_id] = message.body_size
+            return verdict
+        if isinstance(message, TunnelData) and message.tunnel_id in self._tunnels:
+            fault = _upload_frame(self._uploads, message)
+            return ACCEPTED if fault is None else self._fail(fault)
         if isinstance(message, m.RunCancel | m.TunnelCancel | m.TunnelCredit | TunnelData):
             # For a run or tunnel that just ended here they are late, not wrong.
             known = self._runs if isinstance(message, m.RunCancel) else self._tunnels
@@ -496,6 +568,7 @@ class NodeProtocol(_Half):
                 raise LocalProtocolError(f"{where}: body frame before tunnel.start")
         else:
             del self._tunnels[message.tunnel_id]
+            self._uploads.pop(message.tunnel_id, None)
 
     def close(self) -> None:
         if self.state is not State.FAILED:
@@ -519,6 +592,10 @@ class NodeProtocol(_Half):
     def open_tunnels(self) -> set[str]:
         """The tunnels the edge gave whose ``tunnel.end`` this node has not sent."""
         return set(self._tunnels)
+
+    def body_left(self, tunnel_id: str) -> int:
+        """Request body bytes the edge has still to send on an open tunnel."""
+        return self._uploads.get(tunnel_id, 0)
 
     def is_idle(self) -> bool:
         """No run and no tunnel is waiting for this node's answer."""

@@ -1,7 +1,8 @@
 """The OpenAI front end: ``POST /v1/chat/completions``, ``GET /v1/models`` (served groups and
 their configured aliases), ``GET /v1/models/{id}``, and the
 tunnel-only ``POST /v1/completions`` and ``POST /v1/embeddings`` (:func:`tunnel_route`,
-relayed by :mod:`dispatcher.api.tunnel_relay`); errors in OpenAI's shape
+relayed by :mod:`dispatcher.api.tunnel_relay`) and images, audio, moderations and rerank
+(:mod:`._media`); errors in OpenAI's shape
 (:func:`~dispatcher.api.common.openai_error`).
 
 A body is validated against its route's schema (:mod:`._request`) before anything is
@@ -50,6 +51,7 @@ from ..front import FrontEnd, RouteContext, RouteSpec
 from ..seam import EdgeServices
 from ..tunnel_relay import relay
 from ._answer import ChunkWriter, collect, completion_body, render_event, sse_error
+from ._media import MEDIA_ROUTES, media_route
 from ._request import ChatRequest, parse_chat_request, parse_tunnel_body
 
 
@@ -212,6 +214,7 @@ FRONT_END = FrontEnd(
         "/v1/embeddings": RouteSpec(_POST, tunnel_route, "client", work=True),
         "/v1/models": RouteSpec(("GET", "HEAD"), _models, "client"),
         MODEL_ID_ROUTE: RouteSpec(("GET", "HEAD"), _model, "client"),
+        **{path: RouteSpec(_POST, media_route, "client", work=True) for path in MEDIA_ROUTES},
     },
     openai_error,
 )
