@@ -698,6 +698,7 @@ class Registry:
 
 _RUN_EVENTS = (
     wire.RunDelta,
+    wire.RunEmbeddings,
     wire.RunStarted,
     wire.RunUsage,
     wire.RunCompleted,
