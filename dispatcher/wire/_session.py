@@ -271,6 +271,7 @@ class EdgeProtocol(_Half):
             if expected == seq and seq >= 0:
                 kind = type(message)
                 if kind is m.RunEmbeddings:
+                    assert isinstance(message, m.RunEmbeddings)
                     return self._embeddings(message)
                 if kind in _TERMINAL:
                     self._runs[run_id] = _TERMINATED

@@ -11,7 +11,22 @@ An :class:`Adapter` runs one request and reports through a :class:`RunOutput`::
             out.finish("stop")
 
 The runner turns that into wire events (``run.started``, ``run.delta``..., ``run.usage``, then
-exactly one terminal event). Errors:
+exactly one terminal event).
+
+An adapter that can embed (its ``AdapterSpec.routes`` has ``"embeddings"``: the node's hello
+announces it) is an :class:`Embedder` too: a request whose ``route`` is ``"embeddings"`` (an
+OpenAI embeddings body) goes to its ``embed``, which reports one vector per input
+(:func:`dispatcher.wire.embedding_inputs`), in order, each encoded with
+:func:`dispatcher.wire.encode_vector`::
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None:
+        answer = await upstream_embed(request.body)
+        out.usage(answer.prompt_tokens, 0)
+        await out.embeddings([wire.encode_vector(v) for v in answer.vectors])
+
+The runner refuses (``unsupported_route``, retryable) a route its adapter does not serve.
+
+Errors:
 
 * :class:`AdapterError` -- an upstream failure with a code: ``run.failed`` with that code,
   message, ``retryable`` flag and (for the client's own errors) the upstream's ``status``;
@@ -36,7 +51,7 @@ from contextlib import (
     asynccontextmanager,
     nullcontext,
 )
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -106,6 +121,13 @@ class RunOutput(Protocol):
         the text); a checkpoint that may wait like :meth:`delta`. Set the finish reason
         ``"tool_calls"`` yourself."""
 
+    async def embeddings(self, vectors: Sequence[str]) -> None:
+        """Emit the next vectors of an ``embeddings`` run, in input order, each encoded with
+        :func:`dispatcher.wire.encode_vector`; one call or several. A cancel point; waits
+        like :meth:`delta` when the connection is slower. More vectors than the request has
+        inputs fail the run (``upstream_bad_response``), and so does a run that completes
+        with fewer."""
+
     def usage(self, prompt_tokens: int, completion_tokens: int, *, estimated: bool = False) -> None:
         """Record the latest known usage (totals so far, not increments). ``estimated``: the
         adapter estimated (part of) it, e.g. with :func:`estimate_tokens`, because the engine
@@ -121,6 +143,17 @@ class RunOutput(Protocol):
 
 class Adapter(Protocol):
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None: ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An adapter that embeds: it runs ``embeddings`` requests (an OpenAI embeddings body)."""
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None: ...
+
+
+EMBEDDING_ROUTES: Final[tuple[wire.RouteName, ...]] = (*wire.NORMALIZED_ROUTES, "embeddings")
+"""The routes of an adapter that embeds (its ``AdapterSpec.routes``)."""
 
 
 @runtime_checkable
@@ -167,6 +200,9 @@ class RefusingAdapter:
     message: str
 
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        raise AdapterError(self.code, self.message, retryable=True)
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None:
         raise AdapterError(self.code, self.message, retryable=True)
 
 
