@@ -289,8 +289,7 @@ class EdgeProtocol(_Half):
         sent = self._vectors.get(run_id, 0)
         if event.index != sent:
             return self._fail(
-                f"run.embeddings for run {run_id!r} starts at vector {event.index}, "
-                f"expected {sent}"
+                f"run.embeddings for run {run_id!r} starts at vector {event.index}, expected {sent}"
             )
         self._vectors[run_id] = sent + len(event.vectors)
         self._runs[run_id] = event.seq + 1

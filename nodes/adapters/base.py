@@ -191,6 +191,29 @@ async def open_each(
         yield {key: await stack.enter_async_context(open_one(item)) for key, item in items.items()}
 
 
+def vector_of(value: Any, where: str) -> str:
+    """An embedding from an upstream's JSON as ``run.embeddings`` carries it: a list of
+    numbers encoded (:func:`dispatcher.wire.encode_vector`), a base64 string (OpenAI's
+    ``encoding_format: "base64"``) as it is once it proved to be float32 values; anything
+    else is ``upstream_bad_response`` naming ``where``."""
+    if isinstance(value, str):
+        try:
+            wire.decode_vector(value)
+        except ValueError:
+            pass
+        else:
+            return value
+    elif isinstance(value, list) and all(
+        type(item) is float or type(item) is int for item in value
+    ):
+        return wire.encode_vector(value)
+    raise AdapterError(
+        "upstream_bad_response",
+        f"the upstream's {where} is not a list of numbers or base64 float32 values",
+        retryable=True,
+    )
+
+
 @attrs.frozen
 class RefusingAdapter:
     """An adapter whose every run fails, retryably (another candidate may serve it), with

@@ -11,7 +11,6 @@ input, are a :class:`~dispatcher.errors.RunError` (502, ``upstream_bad_response`
 
 from __future__ import annotations
 
-import binascii
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,7 +43,7 @@ def embeddings_body(
     for index, vector in enumerate(vectors):
         try:
             values = wire.decode_vector(vector)
-        except (ValueError, binascii.Error):
+        except ValueError:  # binascii.Error is one
             raise RunError(
                 f"the node's embedding {index} is not base64 of float32 values",
                 code="upstream_bad_response",
