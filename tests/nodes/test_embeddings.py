@@ -158,7 +158,7 @@ def test_frames_split_a_batch_under_the_frame_limit() -> None:
     assert [first for first, _, _ in frames] == [
         sum(len(batch) for _, batch, _ in frames[:n]) for n in range(len(frames))
     ]
-    assert sum((list(batch) for _, batch, _ in frames), []) == vectors
+    assert [vector for _, batch, _ in frames for vector in batch] == vectors
     for first, batch, size in frames:
         assert size == sum(map(len, batch)) <= wire.MAX_EMBEDDINGS_CHARS
         event = wire.RunEmbeddings(run_id="r" * 64, seq=10**6, index=first, vectors=batch)

@@ -80,9 +80,12 @@ def test_a_vector_is_float32() -> None:
     assert math.isclose(value, 0.1, rel_tol=1e-7)
 
 
-@pytest.mark.parametrize("text", ["not base64!", "AAA=", "AAAAAAA="])
-def test_decode_vector_refuses_what_is_no_float32(text: str) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("not base64!", "Non-base64|Only base64"), ("AAA=", "not a whole"), ("AAAAAAA=", "5 bytes")],
+)
+def test_decode_vector_refuses_what_is_no_float32(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
         p.decode_vector(text)
 
 
