@@ -72,6 +72,7 @@ ECHO_DIMENSIONS: Final = 256
 """The size of echo's embeddings, unless a request asks ``dimensions``."""
 MAX_ECHO_DIMENSIONS: Final = 8192
 """The most ``dimensions`` echo embeds with."""
+_EMBEDDINGS_PER_CHECKPOINT: Final = 32
 
 
 @attrs.frozen
@@ -219,7 +220,12 @@ class EchoAdapter:
         if options.drop_connection_after_tokens == 0:
             raise DropConnection("echo: drop_connection_after_tokens=0")
         out.usage(prompt_tokens, 0)
-        await out.embeddings([wire.encode_vector(echo_embedding(t, dimensions)) for t in texts])
+        vectors = []
+        for number, text in enumerate(texts, 1):
+            vectors.append(wire.encode_vector(echo_embedding(text, dimensions)))
+            if number % _EMBEDDINGS_PER_CHECKPOINT == 0:
+                await trio.lowlevel.checkpoint()  # a large batch lets the node's other work run
+        await out.embeddings(vectors)
 
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
         body = request.body

@@ -24,6 +24,7 @@ import pytest
 import trio
 
 from dispatcher import wire
+from dispatcher.api.openai._embeddings import IN_A_THREAD
 from dispatcher.config import EdgeConfig, NodeSettings
 from nodes.adapters import EMBEDDING_ROUTES
 from nodes.adapters.echo import echo_embedding
@@ -106,6 +107,19 @@ async def test_the_quick_start_curl() -> None:
     (item,) = answer.json()["data"]
     assert len(item["embedding"]) == 256
     assert near(item["embedding"], echo_embedding("hi"))
+
+
+async def test_a_large_batch_is_answered_whole() -> None:
+    """2,048 inputs of 256 values: over several run.embeddings frames, rendered in a worker
+    thread (over ``IN_A_THREAD``), in order."""
+    texts = [f"text {i}" for i in range(2048)]
+    async with serve_edge(CONFIG, ServedEdge, local_node=True) as edge, sdk(edge) as client:
+        assert len(texts) * len(wire.encode_vector([0.0] * 256)) > IN_A_THREAD
+        floats = await client.embeddings.create(model="echo", input=texts, encoding_format="float")
+    assert [item.index for item in floats.data] == list(range(2048))
+    for index in (0, 1000, 2047):
+        assert near(floats.data[index].embedding, echo_embedding(texts[index]))
+    assert floats.usage.prompt_tokens == 2 * 2048
 
 
 # --------------------------------------------------------------------------- a node process

@@ -51,7 +51,7 @@ from ..front import FrontEnd, RouteContext, RouteSpec
 from ..seam import EdgeServices
 from ..tunnel_relay import relay
 from ._answer import ChunkWriter, collect, completion_body, render_event, sse_error
-from ._embeddings import embeddings_body
+from ._embeddings import render_embeddings
 from ._request import ChatRequest, parse_chat_request, parse_tunnel_body
 
 
@@ -169,9 +169,9 @@ async def embeddings(call: ModelCall, responder: Responder) -> str:
         if not isinstance(terminal, wire.RunCompleted):
             message = terminal.message if isinstance(terminal, wire.RunFailed) else "no answer"
             raise RunError(f"the embeddings run ended without its answer: {message}")
-        answered = embeddings_body(body, events, answer.run.usage)
+        rendered = await render_embeddings(body, events, answer.run.usage)
         try:
-            await responder.respond(200, (*JSON_HEADERS, *headers), orjson.dumps(answered))
+            await responder.respond(200, (*JSON_HEADERS, *headers), rendered)
         except PeerGone:
             answer.client_gone()  # a reset is a client leaving, like a cancellation
             raise
