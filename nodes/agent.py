@@ -69,7 +69,7 @@ from dispatcher import wire
 from dispatcher.shared.excgroups import first_leaf
 from dispatcher.shared.transport import Connection, ConnectionClosed
 from dispatcher.wire import CLOSE_GOING_AWAY, CLOSE_NODE_ID_IN_USE, CLOSE_PROTOCOL_ERROR
-from nodes.adapters import Adapter, DropConnection, build_adapters, open_adapters
+from nodes.adapters import ADAPTERS, Adapter, DropConnection, build_adapters, open_adapters
 from nodes.config import NodeConfig, hello_from_config
 from nodes.dial import WEBSOCKET_CLOSE_TIMEOUT, DialFailed, close_budget, edge_dial, explain
 from nodes.dial import Dial as Dial
@@ -304,7 +304,7 @@ async def serve_node_session(
         tunnels = tunnel_providers(config.providers)
     edge = config.edge_url
     link = _Link(conn, grants, edge)
-    hello = hello_from_config(config)
+    hello = hello_from_config(config, ADAPTERS)
     if grants is not None:
         hello = hello_with_grants(hello, grants.join(edge))
     code, reason = CLOSE_GOING_AWAY, "node shutting down"  # unless the session ends otherwise

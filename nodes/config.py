@@ -80,6 +80,11 @@ class AdapterKind(Protocol):
     def tunnel(self) -> bool:
         """May a provider of this type be served with ``path = "tunnel"``?"""
 
+    @property
+    def routes(self) -> tuple[wire.RouteName, ...]:
+        """What a normalized provider of this type serves (``wire.NORMALIZED_ROUTES``, and
+        ``"embeddings"`` for an adapter that embeds)."""
+
     def check_options(self, raw: Mapping[str, Any]) -> None:
         """Check a provider's ``options`` table; raises :class:`OptionsError`."""
 
@@ -361,9 +366,25 @@ def _model_info(model: ModelConfig) -> wire.ModelInfo:
     return wire.ModelInfo(**attrs.asdict(model, recurse=False))
 
 
-def hello_from_config(config: NodeConfig) -> wire.Hello:
+def _announced_routes(
+    provider: ProviderConfig, adapters: Mapping[str, AdapterKind] | None
+) -> tuple[wire.RouteName, ...]:
+    """What the hello says ``provider`` serves: empty for its path's default."""
+    if provider.routes or provider.path == "tunnel" or adapters is None:
+        return provider.routes
+    kind = adapters.get(provider.type)
+    if kind is None or set(kind.routes) == set(wire.NORMALIZED_ROUTES):
+        return ()
+    return kind.routes
+
+
+def hello_from_config(
+    config: NodeConfig, adapters: Mapping[str, AdapterKind] | None = None
+) -> wire.Hello:
     """The ``hello`` announcing this node: everything but provider credentials (which never
-    leave the node). ``adapter`` is the provider's ``type``."""
+    leave the node). ``adapter`` is the provider's ``type``; a normalized provider's
+    ``routes`` are its type's in ``adapters`` (``nodes.adapters.ADAPTERS`` for a node), a
+    tunnel provider's as configured."""
     return wire.Hello(
         protocol=wire.PROTOCOL_VERSION,
         node_id=config.node_id,
@@ -376,7 +397,7 @@ def hello_from_config(config: NodeConfig) -> wire.Hello:
                 adapter=provider.type,
                 path=provider.path,
                 models=tuple(_model_info(model) for model in provider.models),
-                routes=provider.routes,
+                routes=_announced_routes(provider, adapters),
             )
             for provider in config.providers
         ),

@@ -31,7 +31,16 @@ Guarantees:
 * ``out.tool_calls()`` becomes its own ``run.delta`` with ``tool_calls`` (split only when
   over :data:`MAX_DELTA_CHARS`), in order with the text around it: tool-call deltas are
   never merged with text or with each other, and count towards the unsent bound. They do not
-  count towards the estimated completion tokens.
+  count towards the estimated completion tokens;
+* a request's ``route`` picks the adapter's work: ``embeddings`` its ``embed``
+  (:class:`~nodes.adapters.base.Embedder`), ``chat``, ``responses`` and ``messages`` its
+  ``run``; another route, or ``embeddings`` on an adapter that does not embed, fails the run
+  with code ``unsupported_route`` (retryable: another provider may serve it).
+  ``out.embeddings()`` becomes ``run.embeddings`` events of at most
+  :data:`~dispatcher.wire.MAX_EMBEDDINGS_CHARS` of vectors each (a vector over it fails the
+  run, ``embedding_too_large``); an embeddings run completes only with exactly one vector per
+  input (:func:`~dispatcher.wire.embedding_inputs`), else it fails
+  (``upstream_bad_response``, retryable). Its estimated usage counts the inputs.
 
 A :class:`~nodes.adapters.base.DropConnection` raised by an adapter is not a run outcome: it
 propagates out of the block (cancelling every run, sending nothing) for the agent to drop the
@@ -55,6 +64,7 @@ from nodes.adapters.base import (
     Adapter,
     AdapterError,
     DropConnection,
+    Embedder,
     RefusingAdapter,
     TokenEstimator,
     estimate_prompt_tokens,
@@ -101,6 +111,9 @@ class _Run:
     finish_reason: str = "stop"
     stop_sequence: str | None = None
     generated: TokenEstimator = attrs.Factory(TokenEstimator)
+    vectors_expected: int = 0
+    """An ``embeddings`` run's inputs: the vectors it must answer."""
+    vectors_sent: int = 0
 
     @pieces.default
     def _pieces(self) -> RunPieces:
@@ -136,6 +149,26 @@ class _Output:
         run.content_pushed = True
         for frame, size in frames:
             self._runner._push(run, _tool_call_delta(run.run_id, frame), size=size)
+        await self._wait_drained()
+
+    async def embeddings(self, vectors: Sequence[str]) -> None:
+        run = self._run
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if run.vectors_sent + len(vectors) > run.vectors_expected:
+            raise AdapterError(
+                "upstream_bad_response",
+                f"the upstream answered more than {run.vectors_expected} embeddings for "
+                f"{run.vectors_expected} inputs",
+                retryable=True,
+            )
+        if not vectors:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        run.content_pushed = True
+        for first, batch, size in embeddings_frames(vectors):
+            index = run.vectors_sent + first
+            self._runner._push(run, _embeddings_event(run.run_id, index, batch), size=size)
+        run.vectors_sent += len(vectors)
         await self._wait_drained()
 
     async def _wait_drained(self) -> None:
@@ -219,6 +252,8 @@ class Runner:
             "unknown_provider", f"this node has no provider {request.provider_id!r}"
         )
         run = self._runs[run_id] = _Run(run_id)
+        if request.route == "embeddings":
+            run.vectors_expected = len(wire.embedding_inputs(request.body))
         self._nursery.start_soon(self._run, run, adapter, request, name=f"run {run_id}")
 
     def cancel(self, run_id: str, reason: str = "") -> None:
@@ -288,7 +323,18 @@ class Runner:
         """Run the adapter; say how the run ended (a failure as an AdapterError)."""
         try:
             with run.scope:
-                await adapter.run(request, _Output(self, run))
+                await _perform(adapter, request, _Output(self, run))
+            if (
+                request.route == "embeddings"
+                and not run.scope.cancelled_caught
+                and run.vectors_sent != run.vectors_expected
+            ):
+                raise AdapterError(
+                    "upstream_bad_response",
+                    f"the upstream answered {run.vectors_sent} embeddings for "
+                    f"{run.vectors_expected} inputs",
+                    retryable=True,
+                )
         except DropConnection:
             raise
         except AdapterError as exc:
@@ -378,6 +424,52 @@ def clamped_usage(
         cache_write_tokens=min(max(0, cache_write_tokens), max(0, prompt_tokens) - cached),
         reasoning_tokens=min(max(0, reasoning_tokens), max(0, completion_tokens)),
     )
+
+
+CHAT_ROUTES: Final[frozenset[wire.RouteName]] = frozenset(wire.NORMALIZED_ROUTES)
+"""The routes an adapter's ``run`` serves: a chat body (the edge translates the Responses and
+Messages APIs to one)."""
+
+
+async def _perform(adapter: Adapter, request: wire.RunRequest, out: _Output) -> None:
+    """The adapter's work for the request's route, or ``unsupported_route``."""
+    if request.route in CHAT_ROUTES:
+        await adapter.run(request, out)
+    elif request.route == "embeddings" and isinstance(adapter, Embedder):
+        await adapter.embed(request, out)
+    else:
+        raise AdapterError(
+            "unsupported_route",
+            f"this node's {request.provider_id!r} provider does not serve {request.route!r}",
+            retryable=True,
+        )
+
+
+def embeddings_frames(vectors: Sequence[str]) -> list[tuple[int, tuple[str, ...], int]]:
+    """``vectors`` as the ``vectors`` of ``run.embeddings`` events of at most
+    :data:`~dispatcher.wire.MAX_EMBEDDINGS_CHARS` each: (the first one's position in
+    ``vectors``, the batch, its size in characters). Raises ``embedding_too_large`` for a
+    vector over it alone."""
+    frames: list[tuple[int, tuple[str, ...], int]] = []
+    first, size = 0, 0
+    for position, vector in enumerate(vectors):
+        if len(vector) > wire.MAX_EMBEDDINGS_CHARS:
+            raise AdapterError(
+                "embedding_too_large",
+                f"a vector of {len(vector) * 3 // 16} dimensions is over what one frame of the "
+                "node's connection carries",
+            )
+        if position > first and size + len(vector) > wire.MAX_EMBEDDINGS_CHARS:
+            frames.append((first, tuple(vectors[first:position]), size))
+            first, size = position, 0
+        size += len(vector)
+    if len(vectors) > first:
+        frames.append((first, tuple(vectors[first:]), size))
+    return frames
+
+
+def _embeddings_event(run_id: str, index: int, vectors: tuple[str, ...]) -> _EventFactory:
+    return lambda seq: wire.RunEmbeddings(run_id=run_id, seq=seq, index=index, vectors=vectors)
 
 
 def tool_call_frames(

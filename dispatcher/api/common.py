@@ -299,11 +299,13 @@ class ModelCall:
         predicate: Predicate | None = None,
         prepare: PrepareAttempt | None = None,
         raw_body: Callable[[str], bytes] | None = None,
+        run_route: wire.RouteName = "chat",
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
         tunnel attempt relays as the client sent it (or, with ``raw_body``, as the bytes it
-        gives for the served model name: ``TunnelCall.raw_body``); the counted request learns
-        its model label and then follows the gate's result.
+        gives for the served model name: ``TunnelCall.raw_body``) and a normalized attempt
+        runs as ``run_route`` (what ``body`` is: a chat body, or an embeddings body); the
+        counted request learns its model label and then follows the gate's result.
 
         The one check of the client's tenant, before the gate (so a recovery attempt is
         never a second request): a model it may not use is a 404, a limit it is over a 429;
@@ -329,6 +331,7 @@ class ModelCall:
                 model=body["model"],
                 body=body,
                 route=request.path,
+                run_route=run_route,
                 session_id=session.decode("latin-1") if session else None,
                 predicate=predicate,
                 # fair queueing between tenants: the tenant as admitted (a reload since the

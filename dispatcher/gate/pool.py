@@ -37,7 +37,7 @@ from ..errors import TunnelUnavailable
 from ..paths.runs import Run, Runs, RunSpec
 from ..paths.tunnel import Tunnel
 from ..shared.forwarding import Forwarded
-from ..wire import ExecutionPath
+from ..wire import ExecutionPath, RouteName
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +49,9 @@ class DispatchRequest:
     body: dict[str, Any]
     route: str = "/v1/chat/completions"
     """The OpenAI route the client called (the tunnel path relays it as is)."""
+    run_route: RouteName = "chat"
+    """What ``body`` is to a normalized run (``wire.RunRequest.route``): a chat body, or an
+    embeddings body."""
     session_id: str | None = None
     """Prefer the node that served this session last, when it has a free slot."""
     predicate: Predicate | None = attrs.field(default=None, eq=False)
@@ -138,7 +141,9 @@ class Pool:
                 async with self._tunnel(request, slot) as dispatch:
                     yield dispatch
                 return
-            spec = RunSpec(model=candidate.model, body=request.body, needs=needs)
+            spec = RunSpec(
+                model=candidate.model, body=request.body, needs=needs, route=request.run_route
+            )
             prepare = prepare_run or self.prepare_run
             if prepare is not None:
                 spec = await prepare(candidate, spec)

@@ -701,6 +701,7 @@ class Registry:
 
 _RUN_EVENTS = (
     wire.RunDelta,
+    wire.RunEmbeddings,
     wire.RunStarted,
     wire.RunUsage,
     wire.RunCompleted,

@@ -46,12 +46,15 @@ draining node's grace cut the run)."""
 
 @attrs.frozen(kw_only=True)
 class RunSpec:
-    """What to run: the public model group and the OpenAI chat body."""
+    """What to run: the public model group and the OpenAI body of its ``route``."""
 
     model: str
     body: dict[str, Any]
     needs: Needs | None = None
     """Derived from ``body`` when not given."""
+    route: wire.RouteName = "chat"
+    """What ``body`` is (``wire.RunRequest.route``): a chat-completions body, or an
+    embeddings body."""
 
 
 @attrs.frozen
@@ -208,6 +211,7 @@ class Runs(Leases[Run]):
                     model=spec.model,
                     served_model=candidate.served_model,
                     body={**spec.body, "model": candidate.served_model},
+                    route=spec.route,
                 )
             )
             yield run

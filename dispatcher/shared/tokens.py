@@ -74,7 +74,7 @@ def message_text(message: Any) -> str:
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """:func:`estimate_tokens` over a request body's text: every chat message, and for the
     routes that take them (completions, embeddings), ``prompt`` and ``input`` as a string or
-    a list of strings."""
+    a list of strings; token ids (a list of them, or of lists of them) count one each."""
     tokens = 0
     messages = body.get("messages")
     if isinstance(messages, list):
@@ -84,7 +84,13 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
         if isinstance(value, str):
             tokens += estimate_tokens(value)
         elif isinstance(value, list):
-            tokens += sum(estimate_tokens(item) for item in value if isinstance(item, str))
+            for item in value:
+                if isinstance(item, str):
+                    tokens += estimate_tokens(item)
+                elif isinstance(item, list):
+                    tokens += len(item)
+                elif type(item) is int:
+                    tokens += 1
     return tokens
 
 

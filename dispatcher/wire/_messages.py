@@ -3,7 +3,7 @@ that name who sends what. Sans-IO: no sockets, no Trio.
 
 Direction::
 
-    node -> edge   hello, capacity, pong, run.started, run.delta, run.usage,
+    node -> edge   hello, capacity, pong, run.started, run.delta, run.embeddings, run.usage,
                    run.completed, run.failed, run.cancelled,
                    tunnel.start, tunnel.end, (binary) tunnel data, node.draining
     edge -> node   welcome, ping, run.request, run.cancel,
@@ -22,6 +22,10 @@ Exactly one terminal event (completed, failed, cancelled) ends a run.
 
 from __future__ import annotations
 
+import base64
+import sys
+from array import array
+from collections.abc import Iterable
 from typing import Any, ClassVar, Final, Literal, TypeAlias, get_args
 
 import attrs
@@ -202,6 +206,20 @@ class RunDelta(_RunEventFields):
 
 
 @attrs.frozen(kw_only=True)
+class RunEmbeddings(_RunEventFields):
+    """Vectors of an ``embeddings`` run (``run.request.route``): those of its inputs
+    ``index``, ``index + 1``..., each the base64 of its little-endian float32 values
+    (:func:`encode_vector`; what OpenAI answers ``encoding_format: "base64"`` with). A run's
+    vectors come in input order, split over as many events as keep each frame well under
+    :data:`MAX_FRAME_SIZE` (:data:`MAX_EMBEDDINGS_CHARS`), then its ``run.usage`` and
+    ``run.completed``; the edge renders floats or base64 as its client asked."""
+
+    TYPE: ClassVar[str] = "run.embeddings"
+    index: int
+    vectors: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class RunUsage(_RunEventFields):
     """The run's latest known usage; sent before ``run.completed`` always, and before
     ``run.failed`` when anything is known."""
@@ -336,14 +354,20 @@ class Demand:
 
 @attrs.frozen(kw_only=True)
 class RunRequest(_RunFields):
-    """Run ``body`` (an OpenAI chat-completions request body, ``model`` already replaced by
-    the served name) on provider ``provider_id``."""
+    """Run ``body`` (``model`` already replaced by the served name) on provider
+    ``provider_id``: for ``route`` ``chat``, an OpenAI chat-completions body (the Responses
+    and Messages APIs arrive translated to one), answered with text and tool-call deltas;
+    for ``embeddings``, an OpenAI embeddings body (``input``, ``encoding_format``,
+    ``dimensions``), answered with ``run.embeddings`` (one vector per input,
+    :func:`embedding_inputs`). A node refuses a route its provider's adapter does not serve
+    (``run.failed`` code ``unsupported_route``)."""
 
     TYPE: ClassVar[str] = "run.request"
     provider_id: str
     model: str
     served_model: str
     body: JSONObject
+    route: RouteName = "chat"
 
 
 @attrs.frozen(kw_only=True)
@@ -398,7 +422,9 @@ class TunnelCancel(_TunnelFields):
     TYPE: ClassVar[str] = "tunnel.cancel"
 
 
-RunEvent: TypeAlias = RunStarted | RunDelta | RunUsage | RunCompleted | RunFailed | RunCancelled
+RunEvent: TypeAlias = (
+    RunStarted | RunDelta | RunEmbeddings | RunUsage | RunCompleted | RunFailed | RunCancelled
+)
 TerminalEvent: TypeAlias = RunCompleted | RunFailed | RunCancelled
 TERMINAL_EVENTS: Final = (RunCompleted, RunFailed, RunCancelled)
 
@@ -408,6 +434,7 @@ NodeMessage: TypeAlias = (
     | Pong
     | RunStarted
     | RunDelta
+    | RunEmbeddings
     | RunUsage
     | RunCompleted
     | RunFailed
@@ -447,7 +474,53 @@ def is_terminal(event: RunEvent) -> bool:
     return isinstance(event, TERMINAL_EVENTS)
 
 
-RUN_EVENT_TYPES: Final = frozenset((RunStarted, RunDelta, RunUsage, *TERMINAL_EVENTS))
+RUN_EVENT_TYPES: Final = frozenset(
+    (RunStarted, RunDelta, RunEmbeddings, RunUsage, *TERMINAL_EVENTS)
+)
 """The run event classes, for a lookup by ``type(message)`` (exact classes: messages are
 frozen and never subclassed)."""
 TERMINAL_EVENT_TYPES: Final = frozenset(TERMINAL_EVENTS)
+
+
+# --------------------------------------------------------------------------- embeddings
+
+MAX_EMBEDDINGS_CHARS: Final = 1024 * 1024
+"""Most characters of base64 vectors in one ``run.embeddings`` (a quarter of
+:data:`MAX_FRAME_SIZE`): a batch over it is split over several events, so any batch fits;
+one vector over it (more than 196,608 dimensions) cannot be sent (``embedding_too_large``)."""
+
+
+def embedding_inputs(body: JSONObject) -> list[str | list[int]]:
+    """The inputs of an OpenAI embeddings body, one per vector of its answer: ``input`` as a
+    string is one, an array of token ids is one, an array of strings or of token id arrays
+    is one each. Anything else (the edge validated the body) is no input."""
+    value = body.get("input")
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        return []
+    if all(type(item) is int for item in value):
+        return [value]
+    return [item for item in value if isinstance(item, str | list)]
+
+
+def encode_vector(values: Iterable[float]) -> str:
+    """A vector as ``run.embeddings`` carries it (and OpenAI's ``encoding_format:
+    "base64"``): the base64 of its values as little-endian float32."""
+    packed = array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+def decode_vector(text: str) -> list[float]:
+    """The values of an :func:`encode_vector` string; raises ``ValueError`` for anything that
+    is not base64 of a whole number of float32 values."""
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 4:
+        raise ValueError(f"{len(raw)} bytes are not a whole number of float32 values")
+    values = array("f")
+    values.frombytes(raw)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()

@@ -24,6 +24,8 @@ Per run (``run.request`` registers the run; the edge chose its id):
 * ``seq`` is 0 for the run's first event and grows by exactly 1 (no gap, no repeat);
 * exactly one terminal event (``run.completed`` / ``run.failed`` / ``run.cancelled``), last;
   an event after it is a violation;
+* an ``embeddings`` run's ``run.embeddings`` continue one another: each one's ``index`` is
+  the number of vectors the run sent before it (no gap, no repeat);
 * once the edge ended a run before its terminal (``close_run``: the client left and
   ``run.cancel`` was sent), the node's late events for it are *expected*:
   :class:`Tolerated`, for the last ``recent_runs`` such runs (bounded memory). A run that
@@ -85,6 +87,7 @@ not wrong. Past this bound (a node ignoring that many cancels) the oldest is for
 
 _RUN_EVENTS: Final = (
     m.RunDelta,
+    m.RunEmbeddings,
     m.RunStarted,
     m.RunUsage,
     m.RunCompleted,
@@ -285,6 +288,8 @@ class EdgeProtocol(_Half):
     """Open runs: the next ``seq`` expected, or ``_TERMINATED``."""
     _ended_runs: _Ended = attrs.field(init=False)
     """Runs the edge stopped routing (see :class:`_Ended`)."""
+    _vectors: dict[str, int] = attrs.field(factory=dict)
+    """Open runs that sent ``run.embeddings``: the ``index`` the next one must carry."""
     _tunnels: dict[str, int] = attrs.field(factory=dict)
     _ended_tunnels: _Ended = attrs.field(init=False)
     _uploads: dict[str, int] = attrs.field(factory=dict)
@@ -303,10 +308,31 @@ class EdgeProtocol(_Half):
             seq = message.seq
             expected = self._runs.get(run_id)
             if expected == seq and seq >= 0:
-                self._runs[run_id] = _TERMINATED if type(message) in _TERMINAL else seq + 1
+                kind = type(message)
+                if kind is m.RunEmbeddings:
+                    assert isinstance(message, m.RunEmbeddings)
+                    return self._embeddings(message)
+                if kind in _TERMINAL:
+                    self._runs[run_id] = _TERMINATED
+                    if self._vectors:
+                        self._vectors.pop(run_id, None)
+                else:
+                    self._runs[run_id] = seq + 1
                 return ACCEPTED
             return self._unexpected_run_event(message, expected)
         return self._receive_other(message)
+
+    def _embeddings(self, event: m.RunEmbeddings) -> Verdict:
+        """A ``run.embeddings`` in its turn: it must continue the run's vectors."""
+        run_id = event.run_id
+        sent = self._vectors.get(run_id, 0)
+        if event.index != sent:
+            return self._fail(
+                f"run.embeddings for run {run_id!r} starts at vector {event.index}, expected {sent}"
+            )
+        self._vectors[run_id] = sent + len(event.vectors)
+        self._runs[run_id] = event.seq + 1
+        return ACCEPTED
 
     def _unexpected_run_event(self, event: RunEvent, expected: int | None) -> Verdict:
         what = f"event {event.TYPE!r} for run {event.run_id!r}"
@@ -414,6 +440,7 @@ class EdgeProtocol(_Half):
         event, the node's events for it are tolerated until that terminal arrives, however
         many runs are ended at once. Returns the id of a run forgotten to keep the memory
         bounded (see :data:`MAX_ABANDONED`), if any."""
+        self._vectors.pop(run_id, None)
         return self._ended_runs.retire(self._runs, run_id, _TERMINATED)
 
     def close_tunnel(self, tunnel_id: str) -> str | None:
@@ -426,6 +453,7 @@ class EdgeProtocol(_Half):
         is dropped by the driver."""
         if self.state is not State.FAILED:
             self.state = State.CLOSED
+        self._vectors.clear()
         self._ended_runs.clear()
         self._ended_tunnels.clear()
         self._uploads.clear()
@@ -458,6 +486,8 @@ class NodeProtocol(_Half):
     """The edge's ``welcome``, once received."""
     _runs: dict[str, int] = attrs.field(factory=dict)
     """Runs the edge gave and whose terminal was not sent yet: the next ``seq`` to send."""
+    _vectors: dict[str, int] = attrs.field(factory=dict)
+    """Running runs that sent ``run.embeddings``: the ``index`` the next one must carry."""
     _tunnels: dict[str, int] = attrs.field(factory=dict)
     """Tunnels the edge gave and whose ``tunnel.end`` was not sent yet: their phase."""
     _uploads: dict[str, int] = attrs.field(factory=dict)
@@ -549,8 +579,14 @@ class NodeProtocol(_Half):
             raise LocalProtocolError(f"{where}, which is not running here")
         if message.seq != expected:
             raise LocalProtocolError(f"{where} with seq {message.seq}, expected {expected}")
+        if isinstance(message, m.RunEmbeddings):
+            sent = self._vectors.get(message.run_id, 0)
+            if message.index != sent:
+                raise LocalProtocolError(f"{where} starts at vector {message.index}, not {sent}")
+            self._vectors[message.run_id] = sent + len(message.vectors)
         if type(message) in _TERMINAL:
             del self._runs[message.run_id]
+            self._vectors.pop(message.run_id, None)
         else:
             self._runs[message.run_id] = expected + 1
 
@@ -584,6 +620,10 @@ class NodeProtocol(_Half):
     def next_seq(self, run_id: str) -> int | None:
         """The ``seq`` this node's next event for ``run_id`` must carry (None: not running)."""
         return self._runs.get(run_id)
+
+    def next_vector(self, run_id: str) -> int:
+        """The ``index`` this node's next ``run.embeddings`` for ``run_id`` must carry."""
+        return self._vectors.get(run_id, 0)
 
     def running(self) -> set[str]:
         """The runs the edge gave whose terminal event this node has not sent."""

@@ -21,12 +21,15 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from dispatcher import wire
 from nodes.adapters.anthropic import AnthropicAdapter, AnthropicOptions
 from nodes.adapters.base import (
+    EMBEDDING_ROUTES,
     Adapter,
     AdapterError,
     AdapterFactory,
     DropConnection,
+    Embedder,
     HasLifetime,
     RefusingAdapter,
     RunOutput,
@@ -41,6 +44,7 @@ from nodes.config import ProviderConfig
 
 __all__ = [
     "ADAPTERS",
+    "EMBEDDING_ROUTES",
     "Adapter",
     "AdapterError",
     "AdapterFactory",
@@ -48,6 +52,7 @@ __all__ = [
     "DropConnection",
     "EchoAdapter",
     "EchoOptions",
+    "Embedder",
     "HasLifetime",
     "OptionsClass",
     "RefusingAdapter",
@@ -78,15 +83,23 @@ class AdapterSpec:
     tunnel: bool = False
     """May a provider of this type be served with ``path = "tunnel"`` (relayed raw to an
     OpenAI-compatible HTTP API by ``nodes.tunnel``)?"""
+    routes: tuple[wire.RouteName, ...] = wire.NORMALIZED_ROUTES
+    """What a normalized provider of this type serves, as its node's hello announces it:
+    chat (and the Responses and Messages APIs the edge translates to it), and
+    ``"embeddings"`` for an :class:`~nodes.adapters.base.Embedder` (:data:`EMBEDDING_ROUTES`)."""
 
     def check_options(self, raw: Mapping[str, Any]) -> None:
         self.options.from_mapping(raw)
 
 
 ADAPTERS: Final[Mapping[str, AdapterSpec]] = {
-    "echo": AdapterSpec(EchoAdapter.from_provider, EchoOptions),
-    "ollama": AdapterSpec(OllamaAdapter.from_provider, OllamaOptions, tunnel=True),
-    "openai": AdapterSpec(OpenAIAdapter.from_provider, OpenAIOptions, tunnel=True),
+    "echo": AdapterSpec(EchoAdapter.from_provider, EchoOptions, routes=EMBEDDING_ROUTES),
+    "ollama": AdapterSpec(
+        OllamaAdapter.from_provider, OllamaOptions, tunnel=True, routes=EMBEDDING_ROUTES
+    ),
+    "openai": AdapterSpec(
+        OpenAIAdapter.from_provider, OpenAIOptions, tunnel=True, routes=EMBEDDING_ROUTES
+    ),
     "cli": AdapterSpec(CLIAdapter.from_provider, CLIOptions),
     "anthropic": AdapterSpec(AnthropicAdapter.from_provider, AnthropicOptions, tunnel=True),
 }

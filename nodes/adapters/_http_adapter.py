@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import attrs
 
 from dispatcher import wire
-from nodes.adapters.base import Adapter, RunOutput
+from nodes.adapters.base import AdapterError, RunOutput
 from nodes.config import OptionsError
 from nodes.upstream.client import UpstreamPool
 from nodes.upstream.pools import HTTPTimeouts, open_client, split_timeouts
@@ -56,9 +56,17 @@ class PooledAdapter:
 
     _run_on: RunOn
     _client: UpstreamPool = attrs.field(repr=False)
+    _embed_on: RunOn | None = None
 
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
         await self._run_on(self._client, request, out)
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None:
+        if self._embed_on is None:
+            raise AdapterError(
+                "unsupported_route", "this provider's adapter does not embed", retryable=True
+            )
+        await self._embed_on(self._client, request, out)
 
 
 class HasTimeouts(Protocol):
@@ -85,17 +93,31 @@ class HTTPAdapter(abc.ABC):
     async def run_on(self, client: UpstreamPool, request: wire.RunRequest, out: RunOutput) -> None:
         """Run ``request`` with requests on ``client``."""
 
+    async def embed_on(
+        self, client: UpstreamPool, request: wire.RunRequest, out: RunOutput
+    ) -> None:
+        """Run the embeddings ``request`` with requests on ``client``: an adapter that embeds
+        overrides it (and says so in its ``AdapterSpec.routes``); by default, refused."""
+        raise AdapterError(
+            "unsupported_route", f"a {type(self).__name__} does not embed", retryable=True
+        )
+
     @asynccontextmanager
-    async def open(self) -> AsyncIterator[Adapter]:
+    async def open(self) -> AsyncIterator[PooledAdapter]:
         """The provider's pooled client for this block, and this adapter bound to it."""
         async with open_client(self.options.timeouts, max_connections=self.connections) as client:
-            yield PooledAdapter(self.run_on, client)
+            yield PooledAdapter(self.run_on, client, self.embed_on)
 
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
         """One run outside :meth:`open` (the runner always opens its adapters): on a client
         of its own, closed with the run -- correct, but nothing is reused."""
         async with self.open() as adapter:
             await adapter.run(request, out)
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None:
+        """One embeddings run outside :meth:`open`, as :meth:`run`."""
+        async with self.open() as adapter:
+            await adapter.embed(request, out)
 
 
 def chat_url(base_url: str, path: str) -> str:

@@ -29,7 +29,12 @@ from typing import Any, Final
 import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
 import orjson
 
-from nodes.adapters._upstream_errors import MAX_ERROR_MESSAGE, clip, status_failure
+from nodes.adapters._upstream_errors import (
+    MAX_ERROR_MESSAGE,
+    clip,
+    loads_object,
+    status_failure,
+)
 from nodes.adapters.base import AdapterError
 from nodes.upstream.client import Response, UpstreamPool, finished, request_target
 from nodes.upstream.redact import Redactor, shown_url
@@ -130,6 +135,35 @@ async def post_chunks(
         finished(response, response.aiter_bytes()) as chunks,
     ):
         yield chunks
+
+
+MAX_JSON_ANSWER: Final = 256 * 1024 * 1024
+"""The largest whole JSON answer :func:`post_json` reads (an embeddings answer of 2,048
+vectors of 3,072 floats is about 130 MB)."""
+
+
+async def post_json(
+    client: UpstreamPool,
+    url: str,
+    body: Mapping[str, Any],
+    *,
+    headers: Mapping[str, str],
+    what: str = "an answer",
+) -> dict[str, Any]:
+    """:func:`post_chunks`, its whole 2xx answer read as one JSON object (at most
+    :data:`MAX_JSON_ANSWER` bytes, else ``upstream_bad_response``); failures as
+    :func:`post_stream`'s."""
+    raw = bytearray()
+    async with post_chunks(client, url, body, headers=headers) as chunks:
+        async for chunk in chunks:
+            raw += chunk
+            if len(raw) > MAX_JSON_ANSWER:
+                raise AdapterError(
+                    "upstream_bad_response",
+                    f"the provider's answer is over {MAX_JSON_ANSWER} bytes",
+                    retryable=True,
+                )
+        return loads_object(bytes(raw), what)
 
 
 async def _status_error(response: Response, where: str, redact: Redactor) -> AdapterError:

@@ -11,7 +11,22 @@ An :class:`Adapter` runs one request and reports through a :class:`RunOutput`::
             out.finish("stop")
 
 The runner turns that into wire events (``run.started``, ``run.delta``..., ``run.usage``, then
-exactly one terminal event). Errors:
+exactly one terminal event).
+
+An adapter that can embed (its ``AdapterSpec.routes`` has ``"embeddings"``: the node's hello
+announces it) is an :class:`Embedder` too: a request whose ``route`` is ``"embeddings"`` (an
+OpenAI embeddings body) goes to its ``embed``, which reports one vector per input
+(:func:`dispatcher.wire.embedding_inputs`), in order, each encoded with
+:func:`dispatcher.wire.encode_vector`::
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None:
+        answer = await upstream_embed(request.body)
+        out.usage(answer.prompt_tokens, 0)
+        await out.embeddings([wire.encode_vector(v) for v in answer.vectors])
+
+The runner refuses (``unsupported_route``, retryable) a route its adapter does not serve.
+
+Errors:
 
 * :class:`AdapterError` -- an upstream failure with a code: ``run.failed`` with that code,
   message, ``retryable`` flag and (for the client's own errors) the upstream's ``status``;
@@ -36,7 +51,7 @@ from contextlib import (
     asynccontextmanager,
     nullcontext,
 )
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
@@ -106,6 +121,13 @@ class RunOutput(Protocol):
         the text); a checkpoint that may wait like :meth:`delta`. Set the finish reason
         ``"tool_calls"`` yourself."""
 
+    async def embeddings(self, vectors: Sequence[str]) -> None:
+        """Emit the next vectors of an ``embeddings`` run, in input order, each encoded with
+        :func:`dispatcher.wire.encode_vector`; one call or several. A cancel point; waits
+        like :meth:`delta` when the connection is slower. More vectors than the request has
+        inputs fail the run (``upstream_bad_response``), and so does a run that completes
+        with fewer."""
+
     def usage(
         self,
         prompt_tokens: int,
@@ -135,6 +157,17 @@ class RunOutput(Protocol):
 
 class Adapter(Protocol):
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None: ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """An adapter that embeds: it runs ``embeddings`` requests (an OpenAI embeddings body)."""
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None: ...
+
+
+EMBEDDING_ROUTES: Final[tuple[wire.RouteName, ...]] = (*wire.NORMALIZED_ROUTES, "embeddings")
+"""The routes of an adapter that embeds (its ``AdapterSpec.routes``)."""
 
 
 @runtime_checkable
@@ -172,6 +205,29 @@ async def open_each(
         yield {key: await stack.enter_async_context(open_one(item)) for key, item in items.items()}
 
 
+def vector_of(value: Any, where: str) -> str:
+    """An embedding from an upstream's JSON as ``run.embeddings`` carries it: a list of
+    numbers encoded (:func:`dispatcher.wire.encode_vector`), a base64 string (OpenAI's
+    ``encoding_format: "base64"``) as it is once it proved to be float32 values; anything
+    else is ``upstream_bad_response`` naming ``where``."""
+    if isinstance(value, str):
+        try:
+            wire.decode_vector(value)
+        except ValueError:
+            pass
+        else:
+            return value
+    elif isinstance(value, list) and all(
+        type(item) is float or type(item) is int for item in value
+    ):
+        return wire.encode_vector(value)
+    raise AdapterError(
+        "upstream_bad_response",
+        f"the upstream's {where} is not a list of numbers or base64 float32 values",
+        retryable=True,
+    )
+
+
 @attrs.frozen
 class RefusingAdapter:
     """An adapter whose every run fails, retryably (another candidate may serve it), with
@@ -181,6 +237,9 @@ class RefusingAdapter:
     message: str
 
     async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        raise AdapterError(self.code, self.message, retryable=True)
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None:
         raise AdapterError(self.code, self.message, retryable=True)
 
 

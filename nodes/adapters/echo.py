@@ -31,14 +31,27 @@ output work against it:
   with the echoed text); tools offered with ``"auto"`` are answered with text, as a model may;
 * ``response_format`` ``json_object`` -> ``{"echo": <the text>}``; ``json_schema`` -> an object
   filled from its ``schema`` the same way. Streamed like any text.
+
+Echo embeds too (route ``embeddings``), deterministically: the same text always gets the same
+vector, on any machine (:func:`echo_embedding`). A vector has :data:`ECHO_DIMENSIONS` (256)
+values, or the request's ``dimensions`` (at most :data:`MAX_ECHO_DIMENSIONS`); it is a unit
+vector (L2 norm 1) made from SHA-256 of the text in counter mode: value *i* is the *i*-th
+big-endian uint32 *u* of ``SHA-256(SHA-256(text) || n)`` for n = 0, 1, ... (4-byte big-endian
+n; eight values per digest) mapped to ``u / 2**31 - 1``, then the whole divided by its norm.
+An input of token ids is embedded as the text of its ids joined by spaces. ``prompt_tokens`` is
+the number of words of the inputs (token ids: one each). The fault knobs apply before the
+answer: ``fail_before_first_token``, ``token_delay`` (one wait), ``stall_after_tokens = 0``,
+``drop_connection_after_tokens = 0``, ``ignore_cancel``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import orjson
@@ -55,6 +68,11 @@ from nodes.adapters.base import (
 from nodes.config import OptionsError, ProviderConfig
 
 _TOKEN = re.compile(r"\s*\S+\s*")
+ECHO_DIMENSIONS: Final = 256
+"""The size of echo's embeddings, unless a request asks ``dimensions``."""
+MAX_ECHO_DIMENSIONS: Final = 8192
+"""The most ``dimensions`` echo embeds with."""
+_EMBEDDINGS_PER_CHECKPOINT: Final = 32
 
 
 @attrs.frozen
@@ -157,8 +175,9 @@ class EchoAdapter:
     def from_provider(cls, provider: ProviderConfig) -> EchoAdapter:
         return cls(EchoOptions.from_mapping(provider.options))
 
-    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
-        body = request.body
+    def options_for(self, body: wire.JSONObject) -> EchoOptions:
+        """The options of one request: the provider's, with the body's ``"echo"`` object's
+        overrides."""
         options = self.options
         if "echo" in body:
             overrides = body["echo"]
@@ -168,6 +187,49 @@ class EchoAdapter:
                 options = options.with_overrides(overrides)
             except OptionsError as exc:
                 raise AdapterError("invalid_request", f"echo.{exc.key}: {exc.reason}") from None
+        return options
+
+    async def embed(self, request: wire.RunRequest, out: RunOutput) -> None:
+        """One deterministic vector per input (:func:`echo_embedding`)."""
+        body = request.body
+        options = self.options_for(body)
+        if options.ignore_cancel:
+            out.ignore_cancel()
+        inputs = wire.embedding_inputs(body)
+        if not inputs:
+            raise AdapterError("invalid_request", "input: expected text or token ids to embed")
+        dimensions = body.get("dimensions", ECHO_DIMENSIONS)
+        if type(dimensions) is not int or not 1 <= dimensions <= MAX_ECHO_DIMENSIONS:
+            raise AdapterError(
+                "invalid_value",
+                f"dimensions: echo embeds with 1 to {MAX_ECHO_DIMENSIONS}, got {dimensions!r}",
+                status=400,
+            )
+        texts = [item if isinstance(item, str) else " ".join(map(str, item)) for item in inputs]
+        prompt_tokens = sum(
+            len(item.split()) if isinstance(item, str) else len(item) for item in inputs
+        )
+        if options.fail_before_first_token:
+            raise AdapterError(
+                "echo_fault", "injected failure before the embeddings", retryable=True
+            )
+        if options.token_delay:
+            await trio.sleep(options.token_delay)
+        if options.stall_after_tokens == 0:
+            await trio.sleep_forever()
+        if options.drop_connection_after_tokens == 0:
+            raise DropConnection("echo: drop_connection_after_tokens=0")
+        out.usage(prompt_tokens, 0)
+        vectors = []
+        for number, text in enumerate(texts, 1):
+            vectors.append(wire.encode_vector(echo_embedding(text, dimensions)))
+            if number % _EMBEDDINGS_PER_CHECKPOINT == 0:
+                await trio.lowlevel.checkpoint()  # a large batch lets the node's other work run
+        await out.embeddings(vectors)
+
+    async def run(self, request: wire.RunRequest, out: RunOutput) -> None:
+        body = request.body
+        options = self.options_for(body)
         if options.ignore_cancel:
             out.ignore_cancel()
 
@@ -220,6 +282,17 @@ class EchoAdapter:
             await out.delta(tokens[emitted])
             out.usage(prompt_tokens, emitted + 1)
         out.finish(finish)
+
+
+def echo_embedding(text: str, dimensions: int = ECHO_DIMENSIONS) -> list[float]:
+    """Echo's embedding of ``text``: a unit vector of ``dimensions`` values drawn from
+    SHA-256 of the text (the module's docstring says how), the same for the same text."""
+    seed = hashlib.sha256(text.encode("utf-8")).digest()
+    blocks = (dimensions + 7) // 8
+    raw = b"".join(hashlib.sha256(seed + n.to_bytes(4, "big")).digest() for n in range(blocks))
+    values = [u / 2**31 - 1 for u in struct.unpack(f">{dimensions}I", raw[: dimensions * 4])]
+    norm = math.sqrt(math.fsum(v * v for v in values)) or 1.0
+    return [v / norm for v in values]
 
 
 async def _answer_tool_call(

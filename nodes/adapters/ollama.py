@@ -46,7 +46,7 @@ import orjson
 
 from dispatcher import wire
 from nodes.adapters._http_adapter import HTTPAdapter, chat_url, parse_options
-from nodes.adapters._post import post_chunks
+from nodes.adapters._post import post_chunks, post_json
 from nodes.adapters._upstream_errors import error_event_failure, loads_object
 from nodes.adapters.base import (
     AdapterError,
@@ -54,6 +54,7 @@ from nodes.adapters.base import (
     TokenEstimator,
     estimate_prompt_tokens,
     message_text,
+    vector_of,
 )
 from nodes.config import OptionsError, ProviderConfig
 from nodes.upstream.client import UpstreamPool
@@ -186,6 +187,42 @@ class OllamaAdapter(HTTPAdapter):
         done_reason = final.get("done_reason")
         finish = FINISH_REASONS.get(done_reason, "stop") if isinstance(done_reason, str) else "stop"
         out.finish("tool_calls" if calls_made and finish == "stop" else finish)
+
+    async def embed_on(
+        self, client: UpstreamPool, request: wire.RunRequest, out: RunOutput
+    ) -> None:
+        """An embeddings run: Ollama's ``POST {base_url}/api/embed`` with ``{"model": <served
+        name>, "input": [<the texts>]}``, the request's ``dimensions``, and the provider's
+        ``keep_alive`` and ``model_options`` (as ``options``); its ``embeddings``, in order,
+        and ``prompt_eval_count`` as the prompt tokens (else the runner estimates them).
+        Token id inputs are refused (``invalid_request``, 400): Ollama embeds text."""
+        inputs = wire.embedding_inputs(request.body)
+        texts = [item for item in inputs if isinstance(item, str)]
+        if len(texts) != len(inputs) or not texts:
+            raise AdapterError(
+                "invalid_request", "input: ollama embeds text, not token ids", status=400
+            )
+        payload: dict[str, Any] = {"model": request.served_model, "input": texts}
+        dimensions = request.body.get("dimensions")
+        if dimensions is not None:
+            payload["dimensions"] = dimensions
+        if self.options.model_options:
+            payload["options"] = dict(self.options.model_options)
+        if self.options.keep_alive is not None:
+            payload["keep_alive"] = self.options.keep_alive
+        url = self.url.removesuffix("/api/chat") + "/api/embed"
+        headers = {"accept": "application/json"}
+        answer = await post_json(client, url, payload, headers=headers, what="an embed answer")
+        embeddings = answer.get("embeddings")
+        if not isinstance(embeddings, list):
+            raise AdapterError(
+                "upstream_bad_response", "ollama's answer has no embeddings", retryable=True
+            )
+        vectors = [vector_of(item, f"embedding {n}") for n, item in enumerate(embeddings)]
+        prompt_tokens = _count(answer.get("prompt_eval_count"))
+        if prompt_tokens is not None:
+            out.usage(prompt_tokens, 0)
+        await out.embeddings(vectors)
 
 
 class _Stream:

@@ -41,9 +41,9 @@ import attrs
 
 from dispatcher import wire
 from nodes.adapters._http_adapter import HTTPAdapter, chat_url, parse_options
-from nodes.adapters._post import post_chunks
+from nodes.adapters._post import post_chunks, post_json
 from nodes.adapters._upstream_errors import error_event_failure, loads_object
-from nodes.adapters.base import AdapterError, RunOutput, message_text
+from nodes.adapters.base import AdapterError, RunOutput, message_text, vector_of
 from nodes.config import OptionsError, ProviderConfig
 from nodes.upstream.client import UpstreamPool
 from nodes.upstream.lines import SSEDecoder
@@ -162,6 +162,45 @@ class OpenAIAdapter(HTTPAdapter):
                 retryable=True,
             )
         out.finish(finish or "stop")
+
+    async def embed_on(
+        self, client: UpstreamPool, request: wire.RunRequest, out: RunOutput
+    ) -> None:
+        """An embeddings run: the client's body (``model`` the served name; ``input``,
+        ``encoding_format``, ``dimensions`` and ``user`` as the client sent them) posted to
+        ``{root}/v1/embeddings`` beside the chat URL; ``data``'s embeddings, in ``index``
+        order, floats or base64 as the upstream answered; ``usage.prompt_tokens`` as the
+        prompt tokens (else the runner estimates them)."""
+        body = {key: value for key, value in request.body.items() if key not in _NOT_SENT}
+        body["model"] = request.served_model
+        headers = {"accept": "application/json"}
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        url = self.url.removesuffix("/chat/completions") + "/embeddings"
+        answer = await post_json(client, url, body, headers=headers, what="an embeddings answer")
+        data = answer.get("data")
+        if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+            raise AdapterError(
+                "upstream_bad_response", "the upstream's answer has no data list", retryable=True
+            )
+        ordered = sorted(data, key=lambda item: _index(item.get("index")))
+        vectors = [
+            vector_of(item.get("embedding"), f"embedding {number}")
+            for number, item in enumerate(ordered)
+        ]
+        usage = answer.get("usage")
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if type(prompt) is int and prompt >= 0:
+            out.usage(prompt, 0)
+        await out.embeddings(vectors)
+
+
+_NOT_SENT: Final = frozenset({"stream", "stream_options"})
+"""Body keys the edge reads and OpenAI's ``/v1/embeddings`` does not take."""
+
+
+def _index(value: Any) -> int:
+    return value if type(value) is int else 0
 
 
 def _count(value: object) -> int | None:

@@ -22,7 +22,9 @@ import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.tom
 _REDACTED_PLACE: Final = "<provider>"
 _REDACTED_SECRET: Final = "<redacted>"
 _SECRET_HEADERS: Final = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
-_STANDARD_SEGMENTS: Final = frozenset({"", "v1", "api", "chat", "completions"})
+_STANDARD_SEGMENTS: Final = frozenset(
+    {"", "v1", "api", "chat", "completions", "embeddings", "embed"}
+)
 """Path segments every provider of a kind shares: a path made of these alone is no secret."""
 
 
@@ -30,7 +32,8 @@ _STANDARD_SEGMENTS: Final = frozenset({"", "v1", "api", "chat", "completions"})
 class Redactor:
     """Removes from text what locates the provider -- its URL (with and without credentials
     or query), origin, ``host:port``, host, and every leading part of its path that is more
-    than the standard ``/v1/chat/completions`` or ``/api/chat`` -- and the node's
+    than the standard ``/v1/chat/completions``, ``/v1/embeddings``, ``/api/chat`` or
+    ``/api/embed`` -- and the node's
     credentials (``Authorization`` and API-key header values, the URL's user info). A bare
     port number is left alone: it cannot be told apart from any other number."""
 

@@ -13,9 +13,19 @@ port 0): an OpenAI-compatible server and an Ollama server. For adapter and tunne
     await fake.wait_idle()         # no TCP connection open any more
 
 Routes. OpenAI: ``POST /v1/chat/completions`` (SSE when ``"stream": true``, else one JSON
-``chat.completion``), ``GET /v1/models``. Ollama: ``POST /api/chat`` (NDJSON unless
-``"stream": false``), ``GET /api/tags``, ``GET /api/version``. Anything else: 404 in the
-provider's error shape.
+``chat.completion``), ``POST /v1/embeddings``, ``GET /v1/models``. Ollama: ``POST /api/chat``
+(NDJSON unless ``"stream": false``), ``POST /api/embed``, ``GET /api/tags``,
+``GET /api/version``. Anything else: 404 in the provider's error shape.
+
+Embeddings (both): one vector per input, :func:`fake_vector` of it -- ``dimensions`` values
+(the request's, else :attr:`FakeProvider.dimensions`), exact in float32 so that floats and
+base64 compare equal; usage ``prompt_tokens``. OpenAI answers ``{"object": "list", "data":
+[{"object": "embedding", "index": i, "embedding": ...}], "model", "usage": {"prompt_tokens",
+"total_tokens"}}``, the embedding base64 (little-endian float32) when the request asked
+``encoding_format: "base64"``; ``reverse_data`` lists ``data`` last index first (the API
+promises an ``index``, not an order). Ollama answers ``{"model", "embeddings": [[...]],
+"total_duration", "load_duration", "prompt_eval_count"}`` (the count only with
+``include_counts``); token id inputs get its 400.
 
 The reply is :attr:`FakeProvider.tokens`: ``reply`` split into words (each with the
 whitespace after it), or ``chunk_count`` tokens ``"tok0 "``, ``"tok1 "``... when that is set;
@@ -47,8 +57,10 @@ the text and before the done line), ``models``.
 
 from __future__ import annotations
 
+import base64
 import re
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
@@ -145,6 +157,8 @@ class FakeProvider:
     """Seconds a stream stays open after its last event (``data: [DONE]``)."""
     prompt_tokens: int = 7
     models: list[str] = attrs.Factory(lambda: ["fake-model"])
+    dimensions: int = 8
+    """The size of an embedding when the request asks no ``dimensions``."""
 
     requests: list[SeenRequest] = attrs.field(factory=list, init=False)
     disconnects: list[SeenRequest] = attrs.field(factory=list, init=False)
@@ -330,12 +344,15 @@ class FakeOpenAI(FakeProvider):
     timings_cache_n: int | None = None
     """When set, the stream's last chunk carries llama.cpp's ``timings`` with this
     ``cache_n`` (the usage chunk when there is one, else the finish chunk)."""
+    reverse_data: bool = False
 
     def route(
         self, seen: SeenRequest
     ) -> Callable[[SeenRequest, Responder], Awaitable[None]] | None:
         if (seen.method, seen.path) == ("POST", "/v1/chat/completions"):
             return self._chat
+        if (seen.method, seen.path) == ("POST", "/v1/embeddings"):
+            return self._embeddings
         if (seen.method, seen.path) == ("GET", "/v1/models"):
             return self._models
         return None
@@ -356,6 +373,21 @@ class FakeOpenAI(FakeProvider):
         if self.reasoning_tokens is not None:
             usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return usage
+
+    async def _embeddings(self, seen: SeenRequest, responder: Responder) -> None:
+        body = seen.json if isinstance(seen.json, dict) else {}
+        dimensions = body.get("dimensions", self.dimensions)
+        as_base64 = body.get("encoding_format") == "base64"
+        data = []
+        for index, item in enumerate(embedding_inputs(body.get("input"))):
+            vector = fake_vector(item, dimensions)
+            embedding: Any = _base64(vector) if as_base64 else vector
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        if self.reverse_data:
+            data.reverse()
+        usage = {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens}
+        answer = {"object": "list", "data": data, "model": body.get("model"), "usage": usage}
+        await self.respond_json(responder, 200, answer)
 
     async def _models(self, seen: SeenRequest, responder: Responder) -> None:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "fake"} for m in self.models]
@@ -459,6 +491,8 @@ class FakeOllama(FakeProvider):
     ) -> Callable[[SeenRequest, Responder], Awaitable[None]] | None:
         if (seen.method, seen.path) == ("POST", "/api/chat"):
             return self._chat
+        if (seen.method, seen.path) == ("POST", "/api/embed"):
+            return self._embed
         if (seen.method, seen.path) == ("GET", "/api/tags"):
             return self._tags
         if (seen.method, seen.path) == ("GET", "/api/version"):
@@ -467,6 +501,23 @@ class FakeOllama(FakeProvider):
 
     def error_body_for(self, message: str) -> Any:
         return {"error": message}
+
+    async def _embed(self, seen: SeenRequest, responder: Responder) -> None:
+        body = seen.json if isinstance(seen.json, dict) else {}
+        inputs = embedding_inputs(body.get("input"))
+        if not all(isinstance(item, str) for item in inputs):
+            await self.respond_json(responder, 400, {"error": "invalid input type"})
+            return
+        dimensions = body.get("dimensions", self.dimensions)
+        answer: dict[str, Any] = {
+            "model": body.get("model"),
+            "embeddings": [fake_vector(item, dimensions) for item in inputs],
+            "total_duration": 1,
+            "load_duration": 1,
+        }
+        if self.include_counts:
+            answer["prompt_eval_count"] = self.prompt_tokens
+        await self.respond_json(responder, 200, answer)
 
     async def _tags(self, seen: SeenRequest, responder: Responder) -> None:
         models = [{"name": m, "model": m, "size": 0} for m in self.models]
@@ -532,6 +583,26 @@ class FakeOllama(FakeProvider):
                 self.done_line(model, ""),
             ],
         )
+
+
+def embedding_inputs(value: Any) -> list[Any]:
+    """The inputs of an embeddings request's ``input``: a string, or a list of token ids, is
+    one; a list of strings or of token id lists is one each."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(type(item) is int for item in value):
+        return [value]
+    return list(value) if isinstance(value, list) else []
+
+
+def fake_vector(item: str | list[int], dimensions: int) -> list[float]:
+    """The fakes' embedding of an input: ``len(item) + j / 8`` for ``j`` in
+    ``range(dimensions)`` (exact in float32)."""
+    return [len(item) + j / 8 for j in range(dimensions)]
+
+
+def _base64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 async def _serve(fake: FakeProvider, task_status: trio.TaskStatus[Any]) -> None:

@@ -369,6 +369,9 @@ class Collected:
     async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
         await trio.lowlevel.checkpoint()
 
+    async def embeddings(self, vectors: Sequence[str]) -> None:
+        await trio.lowlevel.checkpoint()
+
     def usage(
         self,
         prompt_tokens: int,

@@ -25,6 +25,7 @@ import itertools
 from typing import Any
 
 import attrs
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,11 +46,24 @@ ABANDONED = 4
 exercised too."""
 HELLO = p.Hello(protocol=p.PROTOCOL_VERSION, node_id="n")
 WELCOME = p.Welcome(protocol=p.PROTOCOL_VERSION, generation=1, heartbeat_interval=5.0)
-RUN_KINDS = (p.RunStarted, p.RunDelta, p.RunUsage, p.RunCompleted, p.RunFailed, p.RunCancelled)
+RUN_KINDS = (
+    p.RunStarted,
+    p.RunDelta,
+    p.RunEmbeddings,
+    p.RunUsage,
+    p.RunCompleted,
+    p.RunFailed,
+    p.RunCancelled,
+)
 USAGE = p.Usage(prompt_tokens=1, completion_tokens=1)
+VECTOR = p.encode_vector([0.5, -0.25])
 
 
-def run_event(kind: type[Any], run_id: str, seq: int) -> p.RunEvent:
+def run_event(kind: type[Any], run_id: str, seq: int, index: int = 0) -> p.RunEvent:
+    """An event of ``kind``; a ``run.embeddings`` starts at vector ``index`` and carries
+    ``index % 3`` vectors (none, one or two)."""
+    if kind is p.RunEmbeddings:
+        return p.RunEmbeddings(run_id=run_id, seq=seq, index=index, vectors=(VECTOR,) * (index % 3))
     if kind is p.RunUsage:
         return p.RunUsage(run_id=run_id, seq=seq, usage=USAGE)
     if kind is p.RunFailed:
@@ -67,6 +81,8 @@ def mostly(usual: st.SearchStrategy[Any], rare: st.SearchStrategy[Any]) -> st.Se
 class ModelRun:
     next_seq: int = 0
     terminal: bool = False
+    vectors: int = 0
+    """Vectors its ``run.embeddings`` carried so far: the next one's ``index``."""
 
 
 @attrs.define
@@ -224,7 +240,9 @@ class HostileNode(RuleBasedStateMachine):
         run = self.runs.get(run_id)
         near = run.next_seq if run is not None else 0
         seq = data.draw(mostly(st.just(near), st.sampled_from([near - 1, near + 1, -1, 0])))
-        self.feed(run_event(kind, run_id, seq))
+        vectors = run.vectors if run is not None else 0
+        index = data.draw(mostly(st.just(vectors), st.sampled_from([vectors - 1, vectors + 1])))
+        self.feed(run_event(kind, run_id, seq, index))
 
     @precondition(lambda self: self.given_tunnels)
     @rule(data=st.data(), kind=st.sampled_from(["start", "data", "end"]))
@@ -287,6 +305,10 @@ class HostileNode(RuleBasedStateMachine):
                 return p.Tolerated if late else p.ProtocolError
             if run.terminal or message.seq != run.next_seq:
                 return p.ProtocolError
+            if isinstance(message, p.RunEmbeddings):
+                if message.index != run.vectors:
+                    return p.ProtocolError
+                run.vectors += len(message.vectors)
             run.next_seq += 1
             run.terminal = isinstance(message, p.TERMINAL_EVENTS)
             return p.Accepted
@@ -357,6 +379,8 @@ class HostileEdge(RuleBasedStateMachine):
         self.requested_tunnels: set[str] = set()
         self.runs: dict[str, int] = {}
         """The model: runs running on the node, and the seq of their next event."""
+        self.vectors: dict[str, int] = {}
+        """The model: the next ``run.embeddings`` index of the runs that sent some."""
         self.tunnels: dict[str, bool] = {}
         """The model: tunnels open on the node, and whether they started."""
         self.body_left: dict[str, int] = {}
@@ -465,11 +489,26 @@ class HostileEdge(RuleBasedStateMachine):
         run_id = data.draw(st.sampled_from(sorted(self.runs)))
         seq = self.runs[run_id]
         assert self.node.next_seq(run_id) == seq
-        self.node.send(run_event(kind, run_id, seq))  # legal: must not raise
+        index = self.vectors.get(run_id, 0)
+        assert self.node.next_vector(run_id) == index
+        message = run_event(kind, run_id, seq, index)
+        self.node.send(message)  # legal: must not raise
         if kind in p.TERMINAL_EVENTS:
             del self.runs[run_id]
+            self.vectors.pop(run_id, None)
         else:
             self.runs[run_id] = seq + 1
+        if isinstance(message, p.RunEmbeddings):
+            self.vectors[run_id] = index + len(message.vectors)
+
+    @precondition(lambda self: self.runs and self.failure is None)
+    @rule(data=st.data(), off=st.sampled_from([-1, 1]))
+    def node_may_not_skip_a_vector(self, data: st.DataObject, off: int) -> None:
+        run_id = data.draw(st.sampled_from(sorted(self.runs)))
+        seq, index = self.runs[run_id], self.vectors.get(run_id, 0) + off
+        with pytest.raises(p.LocalProtocolError, match="starts at vector"):
+            self.node.send(p.RunEmbeddings(run_id=run_id, seq=seq, index=index))
+        assert self.node.next_seq(run_id) == seq  # refused: nothing changed
 
     @precondition(lambda self: self.tunnels and self.failure is None)
     @rule(data=st.data(), end=st.booleans())
@@ -519,6 +558,7 @@ class HostileEdge(RuleBasedStateMachine):
             if message.run_id in self.runs:
                 return p.ProtocolError
             self.runs[message.run_id] = 0
+            self.vectors.pop(message.run_id, None)
             return p.Accepted
         if isinstance(message, p.TunnelRequest):
             if message.tunnel_id in self.tunnels or message.body_size < 0:
@@ -714,7 +754,7 @@ def test_two_halves_accept_legal_traffic(data: st.DataObject) -> None:
                 kind: type[Any] = p.RunCancelled  # it was asked to cancel: it confirms
             else:
                 kind = data.draw(st.sampled_from(RUN_KINDS))
-            pair.node_sends(run_event(kind, run_id, seq))
+            pair.node_sends(run_event(kind, run_id, seq, pair.node.next_vector(run_id)))
             if kind in (p.RunCompleted, p.RunFailed, p.RunCancelled):
                 del pair.node_runs[run_id]
         elif move == "node-tunnel" and pair.node_tunnels:

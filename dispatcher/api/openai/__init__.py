@@ -1,8 +1,9 @@
-"""The OpenAI front end: ``POST /v1/chat/completions``, ``GET /v1/models`` (served groups and
-their configured aliases), ``GET /v1/models/{id}``, and the
-tunnel-only ``POST /v1/completions`` and ``POST /v1/embeddings`` (:func:`tunnel_route`,
-relayed by :mod:`dispatcher.api.tunnel_relay`) and images, audio, moderations and rerank
-(:mod:`._media`); errors in OpenAI's shape
+"""The OpenAI front end: ``POST /v1/chat/completions``, ``POST /v1/embeddings`` (normalized
+providers whose adapter embeds, and tunnels: :func:`embeddings`), ``GET /v1/models`` (served
+groups and their configured aliases), ``GET /v1/models/{id}``, the tunnel-only
+``POST /v1/completions`` (:func:`tunnel_route`) and images, audio, moderations and rerank
+(:mod:`._media`); a tunnel's answer relayed by :mod:`dispatcher.api.tunnel_relay`; errors in
+OpenAI's shape
 (:func:`~dispatcher.api.common.openai_error`).
 
 A body is validated against its route's schema (:mod:`._request`) before anything is
@@ -24,7 +25,7 @@ import orjson
 import trio
 
 from ... import wire
-from ...errors import BadRequest, NotFound
+from ...errors import BadRequest, NotFound, RunError
 from ...gate.attempts import Answer, GateRequest, TunnelAnswer
 from ...http import (
     HTTPStream,
@@ -51,6 +52,7 @@ from ..front import FrontEnd, RouteContext, RouteSpec
 from ..seam import EdgeServices
 from ..tunnel_relay import relay
 from ._answer import ChunkWriter, collect, completion_body, render_event, sse_error
+from ._embeddings import render_embeddings
 from ._media import MEDIA_ROUTES, media_route
 from ._request import ChatRequest, parse_chat_request, parse_tunnel_body
 
@@ -133,17 +135,49 @@ async def _stream(
 
 @model_route
 async def tunnel_route(call: ModelCall, responder: Responder) -> str:
-    """``POST /v1/completions`` and ``POST /v1/embeddings``: relayed through a tunnel."""
+    """``POST /v1/completions``: relayed through a tunnel."""
     route = call.request.path
     body = parse_tunnel_body(await call.request.body(), route=route)
     stream = body.get("stream") is True
-    served = "embeddings" if route == "/v1/embeddings" else "completions"
     gated = await call.gate_request(
-        body, stream=stream, predicate=both(serving(served), tunnel_only(route))
+        body, stream=stream, predicate=both(serving("completions"), tunnel_only(route))
     )
     async with call.edge.gate.open(gated) as answer:
         assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"
         return await relay(call.edge, answer, body, responder, call.ctx.headers)
+
+
+@model_route
+async def embeddings(call: ModelCall, responder: Responder) -> str:
+    """``POST /v1/embeddings``: on a candidate that serves ``embeddings`` -- relayed through a
+    tunnel, or run normalized (``run.request.route`` ``embeddings``) and answered as one JSON
+    body when the run completed (:func:`._embeddings.embeddings_body`)."""
+    body = parse_tunnel_body(await call.request.body(), route="/v1/embeddings")
+    gated = await call.gate_request(
+        body,
+        stream=body.get("stream") is True,
+        predicate=serving("embeddings"),
+        run_route="embeddings",
+    )
+    async with call.edge.gate.open(gated) as answer:
+        if isinstance(answer, TunnelAnswer):
+            return await relay(call.edge, answer, body, responder, call.ctx.headers)
+        headers = (*call.ctx.headers, *dispatch_headers(answer.result, answer.attempts))
+        # An embeddings run has no content before its end: the gate committed it complete.
+        events = list(answer.head)
+        async for event in answer:
+            events.append(event)
+        terminal = answer.terminal
+        if not isinstance(terminal, wire.RunCompleted):
+            message = terminal.message if isinstance(terminal, wire.RunFailed) else "no answer"
+            raise RunError(f"the embeddings run ended without its answer: {message}")
+        rendered = await render_embeddings(body, events, answer.run.usage)
+        try:
+            await responder.respond(200, (*JSON_HEADERS, *headers), rendered)
+        except PeerGone:
+            answer.client_gone()  # a reset is a client leaving, like a cancellation
+            raise
+        return "completed"
 
 
 def served_models(edge: EdgeServices, tenant: Tenant | None = None) -> list[str]:
@@ -211,7 +245,7 @@ FRONT_END = FrontEnd(
     {
         "/v1/chat/completions": RouteSpec(_POST, chat_completions, "client", work=True),
         "/v1/completions": RouteSpec(_POST, tunnel_route, "client", work=True),
-        "/v1/embeddings": RouteSpec(_POST, tunnel_route, "client", work=True),
+        "/v1/embeddings": RouteSpec(_POST, embeddings, "client", work=True),
         "/v1/models": RouteSpec(("GET", "HEAD"), _models, "client"),
         MODEL_ID_ROUTE: RouteSpec(("GET", "HEAD"), _model, "client"),
         **{path: RouteSpec(_POST, media_route, "client", work=True) for path in MEDIA_ROUTES},
@@ -226,6 +260,7 @@ __all__ = [
     "HTTPStream",
     "chat_completions",
     "collect",
+    "embeddings",
     "list_models",
     "parse_chat_request",
     "served_models",
