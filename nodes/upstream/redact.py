@@ -23,8 +23,12 @@ _REDACTED_PLACE: Final = "<provider>"
 _REDACTED_SECRET: Final = "<redacted>"
 _SECRET_HEADERS: Final = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
 _STANDARD_SEGMENTS: Final = frozenset(
-    {"", "v1", "api", "chat", "completions", "embeddings", "embed"}
-)
+    {
+        "", "v1", "api", "chat", "completions", "embeddings", "embed", "messages", "responses",
+        "images", "generations", "edits", "variations", "audio", "transcriptions",
+        "translations", "speech", "moderations", "rerank",
+    }
+)  # fmt: skip
 """Path segments every provider of a kind shares: a path made of these alone is no secret."""
 
 
@@ -32,8 +36,8 @@ _STANDARD_SEGMENTS: Final = frozenset(
 class Redactor:
     """Removes from text what locates the provider -- its URL (with and without credentials
     or query), origin, ``host:port``, host, and every leading part of its path that is more
-    than the standard ``/v1/chat/completions``, ``/v1/embeddings``, ``/api/chat`` or
-    ``/api/embed`` -- and the node's
+    than the standard ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/messages``, the
+    other OpenAI routes, ``/api/chat`` or ``/api/embed`` -- and the node's
     credentials (``Authorization`` and API-key header values, the URL's user info). A bare
     port number is left alone: it cannot be told apart from any other number."""
 

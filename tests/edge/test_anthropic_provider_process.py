@@ -296,7 +296,19 @@ async def test_the_anthropic_sdk_makes_a_tool_round_trip_through_the_adapter(
     # the provider's own counts, through the node and the edge
     answered = stack.fake.answers[-1]["usage"]
     assert second.usage.output_tokens == answered["output_tokens"]
-    assert second.usage.input_tokens > 0
+    # Anthropic's convention both ways: input_tokens is what was neither read from nor
+    # written to the cache, so the edge's three counts are the provider's
+    assert second.usage.input_tokens == answered["input_tokens"]
+    assert second.usage.cache_read_input_tokens == answered.get("cache_read_input_tokens", 0)
+    assert second.usage.cache_creation_input_tokens == answered.get(
+        "cache_creation_input_tokens", 0
+    )
+    assert (
+        second.usage.input_tokens
+        + second.usage.cache_read_input_tokens
+        + second.usage.cache_creation_input_tokens
+        > 0
+    )
 
 
 async def test_a_stop_sequence_through_the_adapter_reaches_the_messages_client(
