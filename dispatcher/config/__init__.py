@@ -698,7 +698,9 @@ def parse_edge_config(
     resolved, unresolved = _resolve_secrets(config, env, default_env=True, source=source)
     later += unresolved
     later += _distinct_key_problems(resolved, source)
-    later += _provider_startup_problems(resolved, env, source)
+    if not any(p.key.startswith("providers") for p in [*found, *later]):
+        # What a node checks when it starts, once its file is valid (as ``dispatcher node``).
+        later += _provider_startup_problems(resolved, env, source)
     for problem in later:
         # One problem per key; none about a value already reported (or left out for it).
         new = all((p.source, p.key) != (problem.source, problem.key) for p in found)
