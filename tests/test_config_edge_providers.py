@@ -20,7 +20,7 @@ from dispatcher.config import (
 )
 from dispatcher.config.summary import config_kind, describe_edge
 from dispatcher.gate.catalog import gate_policies, policy_snapshot_from_config
-from dispatcher.service import local_node_config
+from dispatcher.service import local_node_config, open_service
 from nodes import load_node_config
 from nodes.config import NodeConfigError
 
@@ -260,3 +260,26 @@ def test_a_file_is_refused_exactly_when_its_fallbacks_have_a_cycle(
         for index, item in enumerate(chain):
             named_by = [group, *chain[:index]]
             assert any(item in edges.get(parent, []) for parent in named_by)
+
+
+# --------------------------------------------------------------------------- reload
+
+
+async def test_a_reload_applies_fallbacks_at_once_and_providers_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """Fallbacks are per-model policy (applied by a reload); ``[[providers]]`` are the
+    in-process node's, whose keys are read from the environment at start: a reload that
+    changes them says they need a restart and leaves the node as it is."""
+    before = load(tmp_path, OPENAI + "[models.gpt-4o]\n")
+    after = load(tmp_path, OPENAI.replace("slots = 8", "slots = 2") + FALLBACK)
+    async with open_service(before) as service:
+        assert service.gate.policy_for("gpt-4o").fallbacks == ()
+        kept = service.reload(after)
+        assert kept == ("providers",)
+        assert service.gate.policy_for("gpt-4o").fallbacks == ("echo",)
+        assert service.config.providers == before.providers
+        assert service.config.models == after.models
+
+
+FALLBACK = '[models.gpt-4o]\nfallbacks = ["echo"]\n'
