@@ -13,11 +13,11 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from dispatcher import wire
-from dispatcher.admission import QueueTimeout
+from dispatcher.admission import QueueTimeout, UnknownModel
 from dispatcher.config import EdgeConfig, NodeSettings, QueuePolicySettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.gate import rules
@@ -26,6 +26,7 @@ from dispatcher.gate.pool import DispatchRequest
 from dispatcher.store.usage import UsageRow
 
 from .fakes import ScriptedNode, connect, hello, wait_until
+from .test_gate_scenarios import Behaviour, NodeScript, behaviours, play
 
 # --------------------------------------------------------------------------- the decision
 
@@ -334,3 +335,91 @@ async def test_when_no_group_had_a_slot_the_first_groups_refusal_stands(
         assert trio.current_time() - start == pytest.approx(12)  # a's wait, then b's
     assert "'a'" in str(refused.value)
     assert rows == []
+
+
+# --------------------------------------------------------------------------- random scenarios
+
+GROUP_NAMES = ("a", "b", "c")
+
+
+@given(
+    plans=st.lists(
+        st.lists(st.lists(behaviours, max_size=3), min_size=1, max_size=2),
+        min_size=2,
+        max_size=3,
+    ),
+    max_attempts=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+    stream=st.booleans(),
+)
+def test_fallback_scenarios(
+    plans: list[list[list[Behaviour]]], max_attempts: list[int], stream: bool
+) -> None:
+    """Groups ``a -> b (-> c)``, each served by one or two scripted nodes that complete,
+    fail, stall or drop their connection at random points: at most one commit; one row per
+    dispatched attempt, numbered from 1; the groups' rows in fallback order, none past a
+    group's ``max_attempts``, none after the committed one; every slot released."""
+    trio.run(
+        _fallback_scenario,
+        plans,
+        max_attempts,
+        stream,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+
+
+async def _fallback_scenario(
+    plans: list[list[list[Behaviour]]], max_attempts: list[int], stream: bool
+) -> None:
+    names = GROUP_NAMES[: len(plans)]
+    models = {
+        name: QueuePolicySettings(
+            fallbacks=names[index + 1 : index + 2],
+            max_attempts=max_attempts[index],
+            queue_timeout_s=5,
+            first_token_timeout_s=4,
+            stall_timeout_s=4,
+            drain_timeout_s=5,
+        )
+        for index, name in enumerate(names)
+    }
+    async with open_fallback_dispatcher(**models) as (d, rows):
+        scripts = [
+            NodeScript(await connect(d, hello(f"{name}{i}", model=name)), list(plan))
+            for name, group_plans in zip(names, plans, strict=True)
+            for i, plan in enumerate(group_plans)
+        ]
+        commits: list[Answer] = []
+        async with trio.open_nursery() as nursery:
+            for script in scripts:
+                nursery.start_soon(play, script)
+            try:
+                async with d.gate.open(request(stream=stream)) as got:
+                    assert isinstance(got, Answer)
+                    commits.append(got)
+                    async for _ in got:
+                        pass
+            except (AllAttemptsFailed, QueueTimeout, UnknownModel):
+                pass
+            await wait_until(
+                lambda: (
+                    (d.admission.statistics().in_use, d.admission.statistics().draining) == (0, 0)
+                ),
+                timeout=120,
+            )
+            dispatched = sum(len(script.requests) for script in scripts)
+            await wait_until(lambda: len(rows) >= dispatched, timeout=60)
+            nursery.cancel_scope.cancel()
+    assert len(commits) <= 1
+    event(f"served by {commits[0].result.model_group if commits else 'none'}")
+    assert len(rows) == dispatched
+    ordered = sorted(rows, key=lambda row: row.attempt)
+    assert [row.attempt for row in ordered] == list(range(1, len(rows) + 1))
+    positions = [names.index(row.model_group) for row in ordered]
+    assert positions == sorted(positions)  # a's attempts, then b's, then c's
+    for index in range(len(names)):
+        assert positions.count(index) <= max_attempts[index]
+    assert sum(row.billable_to == "client" for row in rows) == len(commits)
+    if commits:
+        (answer,) = commits
+        assert ordered[-1].model_group == answer.result.model_group  # nothing after it
+        assert ordered[-1].attempt == answer.attempts
