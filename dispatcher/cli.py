@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from nodes import load_node_config
-from nodes.adapters import build_adapters
+from nodes import load_node_config, provider_startup_problems
 from nodes.agent import run_node
 from nodes.config import (
     DEFAULT_EDGE_URL,
@@ -45,7 +44,6 @@ from nodes.config import (
     default_node_config,
 )
 from nodes.dial import edge_ssl_context
-from nodes.tunnel import tunnel_providers
 
 from . import __version__
 from .config import (
@@ -113,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-local-node",
         action="store_true",
-        help="do not start the in-process node serving the built-in 'echo' model",
+        help="do not serve the built-in 'echo' model in-process (local_node = false; the "
+        "config's [[providers]] are still served)",
     )
 
     node = sub.add_parser("node", help="run a node that dials the edge and serves models")
@@ -399,7 +398,8 @@ async def _serve(config: EdgeConfig, source: Callable[[], EdgeConfig] | None = N
                     f"cannot listen on {where}:{config.port}: {_strerror(exc)}"
                 ) from None
             scrape = await _start_metrics_listener(dispatcher, nursery)
-            if config.local_node:
+            if config.local_node or config.providers:
+                # echo (local_node) and the file's [[providers]], in this process
                 await dispatcher.attach_local_node()
             # Start-up's objects are frozen out of the cycle collector's work, full
             # collections made rare: they took seconds, freeing nothing, under 10,000 streams.
@@ -533,14 +533,10 @@ def _check_node(config: NodeConfig, source: str | None) -> None:
     edge's CA file): fail now, one line per problem (every provider's), rather than inside
     the daemon."""
     found: list[Problem] = []
-    for index, provider in enumerate(config.providers):
-        try:
-            build_adapters((provider,))
-            tunnel_providers((provider,))
-        except NodeConfigError as exc:
-            if not source:
-                raise
-            found.append(Problem(source, f"providers[{index}].{exc.key}", exc.reason))
+    for index, exc in provider_startup_problems(config.providers):
+        if not source:
+            raise exc
+        found.append(Problem(source, f"providers[{index}].{exc.key}", exc.reason))
     if config.edge_ca_file is not None and any(
         url.lower().startswith("wss:") for url in config.edge_urls
     ):

@@ -66,10 +66,14 @@ from .tenants import TenantPolicy, Tenants, tenant_policy_from_config
 
 log = logging.getLogger("dispatcher")
 
+LOCAL_NODE_ID: Final = "local"
+"""The in-process node's id."""
+
 RESTART_ONLY: Final = (
     "host",
     "port",
     "local_node",
+    "providers",
     "data_dir",
     "usage_db",
     "expose_node_ids",
@@ -80,7 +84,8 @@ RESTART_ONLY: Final = (
     "store",
 )
 """Settings a reload does not change (the listening sockets and their TLS, the server limits,
-the files, the node link, the in-process node): a restart applies them. A dotted name is a
+the files, the node link, the in-process node and its providers, whose keys are read from the
+environment at start): a restart applies them. A dotted name is a
 setting inside a table whose other settings a reload does apply (``metrics.token``)."""
 
 
@@ -201,14 +206,20 @@ class Service:
         )
 
     async def attach_local_node(self, node_config: NodeConfig | None = None) -> str:
-        """Run an in-process node (default: the built-in ``echo`` model) over an in-memory
-        connection, in the dispatcher's nursery. Returns once it has registered.
+        """Run an in-process node over an in-memory connection, in the dispatcher's nursery
+        (default: :func:`local_node_config` of the config -- the built-in ``echo`` model, and
+        the config's ``[[providers]]`` --, or ``echo`` alone when that is None). Returns
+        once it has registered.
 
         The in-process node is trusted: it needs no node token (whatever ``nodes.tokens``
         says), and its session has its own credential (``nodelink.LOCAL_CREDENTIAL``), so no
         connection can take over its id while it runs. Raises ``RuntimeError`` if it ended
         without registering (its id is held by another node's live session, say)."""
-        config = node_config or default_node_config(node_id="local")
+        config = (
+            node_config
+            or local_node_config(self.config)
+            or default_node_config(node_id=LOCAL_NODE_ID)
+        )
         edge_end, node_end = memory_connection_pair()
         node_ended = trio.Event()
 
@@ -534,6 +545,17 @@ class Service:
             log.warning("reload asked by another edge: %s", exc)
 
 
+def local_node_config(config: EdgeConfig) -> NodeConfig | None:
+    """The in-process node of ``config``: the built-in ``echo`` model while ``local_node``
+    is on, then the file's ``[[providers]]``; None when it has neither (no in-process
+    node)."""
+    echo = default_node_config(node_id=LOCAL_NODE_ID)
+    providers = (*(echo.providers if config.local_node else ()), *config.providers)
+    if not providers:
+        return None
+    return attrs.evolve(echo, providers=providers)
+
+
 def _raise_if_cut_off(work: Work) -> None:
     if work.scope.cancelled_caught:
         raise ShuttingDown("the dispatcher shut down before this finished")
@@ -654,4 +676,11 @@ def report_demand(admission: Admission, session: NodeSession) -> None:
         )
 
 
-__all__ = ["Service", "ShuttingDown", "Work", "open_service", "open_service_of"]
+__all__ = [
+    "Service",
+    "ShuttingDown",
+    "Work",
+    "local_node_config",
+    "open_service",
+    "open_service_of",
+]

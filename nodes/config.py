@@ -563,10 +563,6 @@ def parse_node_config(
         bad_id = _bad_id(node.id)
         if bad_id is not None:
             report("node.id", bad_id)
-    for index, provider in enumerate(file.providers):
-        bad_id = _bad_id(provider.id)
-        if bad_id is not None:
-            report(f"providers[{index}].id", bad_id)
     if node.edge_url is not None:
         bad_url = check_edge_url(node.edge_url)
         if bad_url is not None:
@@ -597,10 +593,7 @@ def parse_node_config(
         )
     if not file.providers:
         report("providers", "expected at least one [[providers]] table")
-    for index, provider in enumerate(file.providers):
-        _check_provider(provider, f"providers[{index}]", adapters, report)
-        if any(other.id == provider.id for other in file.providers[:index]):
-            report(f"providers[{index}].id", f"duplicate provider id {provider.id!r}")
+    check_providers(file.providers, adapters, report)
     for key, reason in later:
         # One problem per key; none about a value already reported (or left out for it).
         if all(p.key != key for p in found) and structured.unrelated(key):
@@ -662,6 +655,35 @@ def _node_token(
         report("node.token_env", f"environment variable {node.token_env} is not set")
         return None
     return token
+
+
+def structure_providers(value: Any) -> tuple[ProviderConfig, ...]:
+    """An array of ``[[providers]]`` tables structured as a node's file has them (each
+    value checked, unknown keys refused): what another file holding ``[[providers]]`` (the
+    edge's, for its in-process node) structures them with. Raises cattrs' errors and
+    :class:`~dispatcher.shared.config_errors.Invalid` (walked by ``structure_all``)."""
+    providers: tuple[ProviderConfig, ...] = _converter.structure(value, tuple[ProviderConfig, ...])
+    return providers
+
+
+def check_providers(
+    providers: tuple[ProviderConfig, ...],
+    adapters: Mapping[str, AdapterKind],
+    report: Callable[[str, str], None],
+    *,
+    key: str = "providers",
+) -> None:
+    """The checks across values of structured ``[[providers]]`` (at ``key``): ids the edge
+    accepts and distinct, the type in ``adapters`` (and tunnelled only if it may be), the
+    routes, the ``options``, the models. Each problem is ``report(key path, reason)``."""
+    for index, provider in enumerate(providers):
+        where = f"{key}[{index}]"
+        bad_id = _bad_id(provider.id)
+        if bad_id is not None:
+            report(f"{where}.id", bad_id)
+        _check_provider(provider, where, adapters, report)
+        if any(other.id == provider.id for other in providers[:index]):
+            report(f"{where}.id", f"duplicate provider id {provider.id!r}")
 
 
 def _check_provider(

@@ -34,6 +34,7 @@ ENVIRON = {
     "TEAM_SEARCH_KEY": "sk-search",
     "BATCH_KEY": "sk-batch",
     "METRICS_TOKEN": "metrics-1",
+    "OPENAI_API_KEY": "sk-openai",  # an edge's [[providers]] (read when its file is loaded)
     "DISPATCHER_REDIS_URL": "redis://:redis-1@redis.internal:6379/0",
     "DISPATCHER_DATABASE_URL": "postgresql://dispatcher:db-1@db.internal/dispatcher",
 }

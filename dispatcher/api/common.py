@@ -182,11 +182,13 @@ def _outcome_of(exc: BaseException, outcome: str) -> str:
 
 
 def dispatch_headers(result: DispatchResult, attempts: int) -> tuple[tuple[bytes, bytes], ...]:
-    """``x-dispatcher-*``: the attempt that answered. ``-node`` and ``-provider`` reach the
-    client only with ``expose_node_ids`` (the work routes' responder drops them otherwise,
-    see ``api.app``)."""
+    """``x-dispatcher-*``: the attempt that answered; ``-model`` is the model group that
+    served (a fallback's, when the one asked for failed). ``-node`` and ``-provider`` reach
+    the client only with ``expose_node_ids`` (the work routes' responder drops them
+    otherwise, see ``api.app``)."""
     return (
         (b"x-dispatcher-attempts", str(attempts).encode()),
+        (b"x-dispatcher-model", result.model_group.encode()),
         (b"x-dispatcher-node", result.node_id.encode()),
         (b"x-dispatcher-provider", result.provider_id.encode()),
         (b"x-dispatcher-queue-ms", f"{result.queue_wait * 1000:.1f}".encode()),
@@ -341,6 +343,8 @@ class ModelCall:
             stream=stream,
             attribution=ctx.attribution,
             prepare=prepare,
+            # a fallback model the key may not use is not tried for it
+            may_use=None if ticket is None else ticket.tenant.allows,
             tunnel_call=TunnelCall(
                 method=request.method,
                 path=request.path,

@@ -47,6 +47,10 @@ import attrs
 from cattrs.gen import make_dict_structure_fn
 from cattrs.preconf.tomllib import make_converter
 
+from nodes import provider_startup_problems
+from nodes.adapters import ADAPTERS
+from nodes.config import ProviderConfig, check_providers, structure_providers
+
 from ..shared.config_errors import (
     ConfigFileError,
     Invalid,
@@ -309,7 +313,7 @@ class PriceSettings:
 _GATE_FIELDS = frozenset(
     {"max_attempts", "request_timeout_s", "first_token_timeout_s", "stall_timeout_s"}
 )
-_NOT_POLICY_FIELDS = _GATE_FIELDS | {"aliases", "model_linger_s"}
+_NOT_POLICY_FIELDS = _GATE_FIELDS | {"aliases", "model_linger_s", "fallbacks"}
 """What a model group's admission ``Policy`` does not take (``model_linger_s`` is the
 whole snapshot's: a dropped group has no policy of its own)."""
 
@@ -337,6 +341,11 @@ class QueuePolicySettings:
     """``[admission]`` only: after the last node serving a model left, requests for it get
     503 ``model_unavailable`` (retry) for this long, then 404 (default 60)."""
     aliases: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    """``[models.NAME]`` only: the model groups (or aliases) tried, in order, when every
+    candidate of this group failed before the answer started or none was available within
+    the queue timeout (``docs/gate.md``, "Fallbacks"); each group's own fallbacks follow
+    it. Checked at load: a known group, not this one, no cycle."""
 
     def overrides(self) -> dict[str, Any]:
         """The admission policy fields that are set."""
@@ -362,6 +371,10 @@ class EdgeConfig:
     local_node: bool = True
     """Run an in-process node serving the built-in ``echo`` model. It is trusted: it needs no
     node token, and no other connection can take over its id."""
+    providers: tuple[ProviderConfig, ...] = ()
+    """The edge's own ``[[providers]]``, exactly a node's (``docs/node.md``), served by the
+    in-process node (beside ``echo`` while :attr:`local_node` is on): one process, one file.
+    Their keys stay in the environment (``api_key_env``)."""
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
     """Client API keys (``Authorization: Bearer ...``). Empty: no key needed."""
     api_keys_env: str | None = None
@@ -662,6 +675,10 @@ _converter.register_structure_hook_func(
     lambda t: t in _GENERIC_HOOKS, lambda value, t: _GENERIC_HOOKS[t](value, t)
 )
 _converter.register_structure_hook_factory(attrs.has, _table_hook)
+# The edge's [[providers]]: the node's own tables, structured by the node's loader.
+_converter.register_structure_hook_func(
+    lambda t: t == tuple[ProviderConfig, ...], lambda value, _: structure_providers(value)
+)
 
 
 def parse_edge_config(
@@ -685,6 +702,9 @@ def parse_edge_config(
     resolved, unresolved = _resolve_secrets(config, env, default_env=True, source=source)
     later += unresolved
     later += _distinct_key_problems(resolved, source)
+    if not any(p.key.startswith("providers") for p in [*found, *later]):
+        # What a node checks when it starts, once its file is valid (as ``dispatcher node``).
+        later += _provider_startup_problems(resolved, env, source)
     for problem in later:
         # One problem per key; none about a value already reported (or left out for it).
         new = all((p.source, p.key) != (problem.source, problem.key) for p in found)
@@ -752,6 +772,8 @@ def _validate(config: EdgeConfig) -> list[tuple[str, str]]:
             )
 
     check(0 <= config.port <= 65535, "port", f"{config.port} is not a TCP port")
+    _validate_providers(config, check)
+    _validate_fallbacks(config, check)
     env_name("api_keys_env", config.api_keys_env)
     env_name("admin_keys_env", config.admin_keys_env)
     env_name("nodes.tokens_env", config.nodes.tokens_env)
@@ -877,6 +899,145 @@ def _validate_store(
             "expected a ws:// or wss:// URL ending in /v1/nodes/connect, got "
             + repr(store.node_url),
         )
+
+
+# --------------------------------------------------------------------------- the in-process
+# node's providers, model fallbacks
+
+BUILT_IN_ECHO: Final = "echo"
+"""The built-in echo provider's id, and its model's name, on the in-process node."""
+
+
+def _validate_providers(config: EdgeConfig, check: Callable[[bool, str, str], None]) -> None:
+    """The edge's ``[[providers]]``: the node's own checks (``nodes.config.check_providers``,
+    against the built-in adapters), and no id clashing with the built-in echo provider."""
+
+    def report(key: str, reason: str) -> None:
+        check(False, key, reason)
+
+    check_providers(config.providers, ADAPTERS, report)
+    if config.local_node:
+        for index, provider in enumerate(config.providers):
+            check(
+                provider.id != BUILT_IN_ECHO,
+                f"providers[{index}].id",
+                f"{BUILT_IN_ECHO!r} is the built-in echo provider's id (local_node = true): "
+                "choose another, or set local_node = false",
+            )
+
+
+def _provider_startup_problems(
+    config: EdgeConfig, env: Mapping[str, str], source: str
+) -> list[Problem]:
+    """What the in-process node reads of its providers when it starts (a key's variable in
+    ``env``, a tunnel's base URL, a command): the message a node's ``dispatcher node``
+    gives."""
+    return [
+        Problem(source, f"providers[{index}].{exc.key}", exc.reason)
+        for index, exc in provider_startup_problems(config.providers, environ=env)
+    ]
+
+
+def model_groups(config: EdgeConfig) -> frozenset[str]:
+    """The model groups this file knows of: its ``[models.NAME]`` tables, the models of its
+    ``[[providers]]``, and ``echo`` while the in-process node serves it."""
+    served = {model.name for provider in config.providers for model in provider.models}
+    echo = {BUILT_IN_ECHO} if config.local_node else set()
+    return frozenset(config.models) | served | echo
+
+
+def _aliases(config: EdgeConfig) -> dict[str, str]:
+    return {alias: name for name, settings in config.models.items() for alias in settings.aliases}
+
+
+def fallback_chain(config: EdgeConfig, group: str) -> tuple[str, ...]:
+    """The groups tried after ``group``, in order: its ``fallbacks`` (aliases resolved),
+    each followed by its own (depth first), each group once, ``group`` never. The loader
+    refuses cycles; this terminates on one anyway."""
+    aliases = _aliases(config)
+    chain: list[str] = []
+    seen = {group}
+
+    def visit(name: str) -> None:
+        settings = config.models.get(name)
+        for fallback in settings.fallbacks if settings is not None else ():
+            target = aliases.get(fallback, fallback)
+            if target not in seen:
+                seen.add(target)
+                chain.append(target)
+                visit(target)
+
+    visit(group)
+    return tuple(chain)
+
+
+def _validate_fallbacks(config: EdgeConfig, check: Callable[[bool, str, str], None]) -> None:
+    """``fallbacks``: only per group; each a group (or alias) this file knows, not the
+    group itself, listed once; and no group reaches itself through them."""
+    check(
+        not config.admission.fallbacks,
+        "admission.fallbacks",
+        "only in [models.NAME]: a fallback belongs to one model group",
+    )
+    aliases = _aliases(config)
+    known = model_groups(config)
+    edges: dict[str, list[str]] = {}
+    for name, settings in config.models.items():
+        at = toml_key("models", name)
+        targets: list[str] = []
+        for index, fallback in enumerate(settings.fallbacks):
+            where = f"{at}.fallbacks[{index}]"
+            target = aliases.get(fallback, fallback)
+            if target == name:
+                check(False, where, f"{fallback!r} is this model group itself")
+            elif target not in known and fallback not in aliases:
+                check(
+                    False,
+                    where,
+                    f"unknown model group {fallback!r}: name a [models.NAME] table, an alias, "
+                    "or a model of this file's [[providers]]",
+                )
+            elif target in targets:
+                check(False, where, f"{fallback!r} is listed twice (as {target!r})")
+            else:
+                targets.append(target)
+        edges[name] = targets
+    reported: set[frozenset[str]] = set()
+    for name in sorted(edges):
+        cycle = _cycle_from(name, edges)
+        if cycle is not None and frozenset(cycle) not in reported:
+            reported.add(frozenset(cycle))
+            check(
+                False,
+                f"{toml_key('models', name)}.fallbacks",
+                "a cycle of fallbacks: " + " -> ".join([*cycle, cycle[0]]),
+            )
+
+
+def _cycle_from(start: str, edges: Mapping[str, list[str]]) -> list[str] | None:
+    """A cycle of ``edges`` through ``start`` (the groups in order, ``start`` first), or
+    None."""
+    path = [start]
+    on_path = {start}
+    done: set[str] = set()
+
+    def walk(name: str) -> list[str] | None:
+        for target in edges.get(name, ()):
+            if target == start:
+                return list(path)
+            if target in on_path or target in done:
+                continue
+            path.append(target)
+            on_path.add(target)
+            found = walk(target)
+            if found is not None:
+                return found
+            path.pop()
+            on_path.discard(target)
+            done.add(target)
+        return None
+
+    return walk(start)
 
 
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}\Z")

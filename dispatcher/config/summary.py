@@ -5,8 +5,9 @@ Pure functions of a validated config (:class:`~dispatcher.config.EdgeConfig`,
 shown -- not the client or admin keys, not the node tokens, not a password or query in a URL
 -- only how many there are and which variable a provider's key comes from.
 
-Which kind of file a TOML document is (:func:`config_kind`): a node's has a ``[node]`` table
-or ``[[providers]]``; anything else is read as an edge's (an empty file is a working edge).
+Which kind of file a TOML document is (:func:`config_kind`): a node's has a ``[node]`` table,
+or ``[[providers]]`` and nothing else; anything else is read as an edge's (an empty file is a
+working edge; an edge's file may hold ``[[providers]]`` too, for its in-process node).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Final, Literal
 
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 
-from . import EdgeConfig, QueuePolicySettings
+from . import BUILT_IN_ECHO, EdgeConfig, QueuePolicySettings
 
 __all__ = [
     "KINDS",
@@ -31,13 +32,13 @@ __all__ = [
 
 ConfigKind = Literal["edge", "node"]
 KINDS: Final[tuple[ConfigKind, ...]] = ("edge", "node")
-_NODE_KEYS: Final = frozenset({"node", "providers"})
 
 
 def config_kind(document: Mapping[str, Any]) -> ConfigKind:
-    """``"node"`` for a document with a ``[node]`` table or ``[[providers]]``, else
-    ``"edge"``."""
-    return "node" if _NODE_KEYS & document.keys() else "edge"
+    """``"node"`` for a document with a ``[node]`` table, or with ``[[providers]]`` and no
+    other key (a node's file may be only that); else ``"edge"``."""
+    keys = document.keys()
+    return "node" if "node" in keys or keys == {"providers"} else "edge"
 
 
 def public_url(url: str) -> str:
@@ -75,7 +76,7 @@ def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> 
         _metrics_listener(config),
         f"data dir: {config.default_data_dir()}",
         *describe_stores(config, usage_db),
-        f"in-process node: {'on (model echo)' if config.local_node else 'off'}",
+        *_in_process_node(config),
         f"drain: in-flight requests get {_seconds(http.shutdown_grace)} (http.shutdown_grace)",
         f"node heartbeat: every {_seconds(config.nodes.heartbeat_interval)}, "
         f"lost after {_seconds(config.nodes.heartbeat_timeout)}",
@@ -86,7 +87,8 @@ def describe_edge(config: EdgeConfig, *, auth: Sequence[str], usage_db: str) -> 
     for name, settings in sorted(config.models.items()):
         policy = _policy(settings) or "the defaults"
         aliases = f"; aliases {', '.join(settings.aliases)}" if settings.aliases else ""
-        lines.append(f"model {name}: {policy}{aliases}")
+        fallbacks = f"; fallbacks {', '.join(settings.fallbacks)}" if settings.fallbacks else ""
+        lines.append(f"model {name}: {policy}{aliases}{fallbacks}")
     lines.extend(_prices(config))
     return lines
 
@@ -112,6 +114,20 @@ def _prices(config: EdgeConfig) -> list[str]:
             f"cache write {price.input_per_mtok if written is None else written:g}, "
             f"output {price.output_per_mtok:g} USD/Mtok{note}"
         )
+    return lines
+
+
+def _in_process_node(config: EdgeConfig) -> list[str]:
+    """The in-process node: the built-in echo model while ``local_node`` is on, and the
+    file's ``[[providers]]`` (their keys' variables named, never read out)."""
+    served = [f"model {BUILT_IN_ECHO}"] if config.local_node else []
+    served += [f"provider {provider.id}" for provider in config.providers]
+    if not served:
+        return ["in-process node: off"]
+    lines = [f"in-process node: on ({', '.join(served)})"]
+    for provider in config.providers:
+        lines.append(f"provider {provider.id}: {_provider(provider)}")
+        lines.extend(f"  model {_model(model)}" for model in provider.models)
     return lines
 
 

@@ -44,6 +44,7 @@ ended, the row's outcome, the candidate's health -- are pure functions in
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -136,6 +137,9 @@ class GateRequest:
     candidates fail (and are excluded) without a request sent."""
     result: RequestResult = attrs.field(factory=RequestResult, eq=False)
     """Filled in by the gate (see :class:`RequestResult`)."""
+    may_use: Callable[[str], bool] | None = attrs.field(default=None, eq=False)
+    """Whether the client may be served by a model group (its key's ``models``): a fallback
+    it may not use is skipped. None: any."""
 
 
 class AttemptFailed(Exception):
@@ -468,77 +472,117 @@ class Gate:
     ) -> Answer | TunnelAnswer:
         """The loop: each attempt a block (:meth:`_attempt`) entered on ``committed``; one
         that fails leaves its block (aborting it) as it raises, so only the committed one's
-        stays, and its answer is returned."""
-        policy = self.policy_for(request.dispatch.model)
+        stays, and its answer is returned. The model's group first, then its fallbacks
+        (``GatePolicy.fallbacks``, those the client's key may use), each while
+        :func:`rules.recovery` says so, all within the first group's one deadline."""
+        first = self.policy_for(request.dispatch.model)
+        may_use = request.may_use
+        groups = (
+            request.dispatch.model,
+            *(group for group in first.fallbacks if may_use is None or may_use(group)),
+        )
         excluded: set[CandidateKey] = set()
         last_failure: AttemptFailed | None = None
-        deadline = trio.current_time() + policy.request_timeout_s
-        for number in range(1, policy.max_attempts + 1):
-            try:
-                return await committed.enter(
-                    self._attempt(request, policy, number, excluded, deadline)
+        first_refusal: AdmissionError | None = None
+        deadline = trio.current_time() + first.request_timeout_s
+        number = 0
+        for position, group in enumerate(groups):
+            policy = first
+            if position:
+                policy = attrs.evolve(
+                    self.policy_for(group), request_timeout_s=first.request_timeout_s
                 )
-            except AttemptFailed as failure:
-                last_failure = failure
-                if failure.candidate is not None:
-                    excluded.add(failure.candidate)
-                step = self._after_failure(failure, number, policy)
-                log.info(
-                    "request %s attempt %d failed before commit: %s (%s)",
-                    request.request_id,
-                    number,
-                    failure.message,
-                    "retrying" if step == "retry" else "giving up",
-                )
-            except AdmissionError as exc:
-                incapable = isinstance(exc, NoCapableCandidate)
-                decided = rules.after_admission_error(
-                    failed_before=last_failure is not None,
-                    incapable=incapable,
-                    only_excluded=incapable and exc.only_excluded,
-                )
-                if decided == "raise":
-                    raise
-                break  # a recovery could not be admitted: the last cause stands
-            except RunError as exc:
-                # Admitted but never dispatched (stale generation, node gone at send).
-                last_failure = AttemptFailed(exc.code, exc.message, retryable=exc.retryable)
-                step = self._after_failure(last_failure, number, policy)
+            recover = functools.partial(
+                rules.recovery,
+                max_attempts=policy.max_attempts,
+                fallback_left=position + 1 < len(groups),
+                first_group=position == 0,
+            )
+            tries = 0
+            step: rules.Recovery = "retry"
+            while step == "retry":
+                try:
+                    return await committed.enter(
+                        self._attempt(request, group, policy, number + 1, excluded, deadline)
+                    )
+                except AttemptFailed as failure:
+                    number, tries, last_failure = number + 1, tries + 1, failure
+                    if failure.candidate is not None:
+                        excluded.add(failure.candidate)
+                    self._count(f"attempt_failed:{failure.code}")
+                    step = recover(
+                        rules.Failure(failure.code, failure.retryable),
+                        tries=tries,
+                        failed_before=True,
+                    )
+                    log.info(
+                        "request %s attempt %d failed before commit: %s (%s)",
+                        request.request_id,
+                        number,
+                        failure.message,
+                        _STEP_WORDS[step],
+                    )
+                except AdmissionError as exc:
+                    if first_refusal is None and position == 0:
+                        first_refusal = exc
+                    incapable = isinstance(exc, NoCapableCandidate)
+                    step = recover(
+                        rules.NoSlot(incapable, incapable and exc.only_excluded),
+                        tries=tries,
+                        failed_before=last_failure is not None,
+                    )
+                    if step == "raise":
+                        if position == 0:
+                            raise
+                        assert first_refusal is not None  # only a refused first group fell back
+                        raise first_refusal from None
+                except RunError as exc:
+                    # Admitted but never dispatched (stale generation, node gone at send).
+                    number, tries = number + 1, tries + 1
+                    last_failure = AttemptFailed(exc.code, exc.message, retryable=exc.retryable)
+                    self._count(f"attempt_failed:{exc.code}")
+                    step = recover(
+                        rules.Failure(exc.code, exc.retryable), tries=tries, failed_before=True
+                    )
             if step == "give_up":
                 break
+            log.info(
+                "request %s: model group %s served no answer; falling back to %s",
+                request.request_id,
+                group,
+                groups[position + 1],
+            )
         assert last_failure is not None
         raise AllAttemptsFailed(
             f"every attempt failed before the answer started; last cause: {last_failure.message}",
             code=last_failure.code,
         )
 
-    def _after_failure(self, failure: AttemptFailed, number: int, policy: GatePolicy) -> rules.Step:
-        self._count(f"attempt_failed:{failure.code}")
-        return rules.after_failure(
-            rules.Failure(failure.code, failure.retryable),
-            attempt=number,
-            max_attempts=policy.max_attempts,
-        )
-
     @asynccontextmanager
     async def _attempt(
         self,
         request: GateRequest,
+        group: str,
         policy: GatePolicy,
         number: int,
         excluded: set[CandidateKey],
         deadline: float,
     ) -> AsyncIterator[Answer | TunnelAnswer]:
-        """One attempt as a block: under the request's ``deadline``, admitted and opened,
-        read up to its commit point (raising :class:`AttemptFailed` before it, a timeout of
-        the deadline too), its answer yielded inside its scopes -- the deadline, its
-        ``pool.open``, its usage row (:class:`_RowWhenEnded`)."""
+        """One attempt on ``group`` (the model asked for, or a fallback) as a block: under
+        the request's ``deadline``, admitted and opened, read up to its commit point (raising
+        :class:`AttemptFailed` before it, a timeout of the deadline too), its answer yielded
+        inside its scopes -- the deadline, its ``pool.open``, its usage row
+        (:class:`_RowWhenEnded`)."""
         dispatch_request, requeue = request.dispatch, number > 1
         # a recovery is requeued, the candidates that failed excluded (a first attempt as it
         # came, unless that said otherwise: no copy)
-        if dispatch_request.requeue != requeue or dispatch_request.exclude != excluded:
+        if (
+            dispatch_request.requeue != requeue
+            or dispatch_request.exclude != excluded
+            or dispatch_request.model != group
+        ):
             dispatch_request = attrs.evolve(
-                dispatch_request, exclude=frozenset(excluded), requeue=requeue
+                dispatch_request, model=group, exclude=frozenset(excluded), requeue=requeue
             )
         with trio.CancelScope(deadline=deadline) as deadline_scope:
             started = request.result.waiting_since = trio.current_time()
@@ -718,6 +762,14 @@ class Gate:
         if key not in statistics and len(statistics) >= MAX_STATISTICS:
             key = "attempt_failed:other"
         statistics[key] = statistics.get(key, 0) + 1
+
+
+_STEP_WORDS: Final[dict[rules.Recovery, str]] = {
+    "retry": "retrying",
+    "fall_back": "falling back",
+    "give_up": "giving up",
+    "raise": "giving up",
+}
 
 
 def _timed_out(attempt: Attempt, policy: GatePolicy, *, output_seen: bool) -> AttemptFailed:

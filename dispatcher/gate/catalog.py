@@ -14,7 +14,7 @@ from ..admission import (
     Policy,
     PolicySnapshot,
 )
-from ..config import EdgeConfig, QueuePolicySettings
+from ..config import EdgeConfig, QueuePolicySettings, fallback_chain
 from ..link.registry import NodeSession
 from .rules import GatePolicy
 
@@ -68,12 +68,15 @@ _GLOB = re.compile(r"[*?\[]")
 
 def gate_policies(config: EdgeConfig, snapshot: PolicySnapshot) -> Callable[[str], GatePolicy]:
     """The gate policy of a model (or alias): ``[admission]`` gate fields as defaults,
-    ``[models.NAME]`` overriding them. An alias is resolved by ``snapshot`` (the admission
-    policy of the same config): one alias map, one resolver, for admission, the gate and
-    the metrics' model label."""
+    ``[models.NAME]`` overriding them, with the group's fallbacks in the order they are
+    tried (:func:`~dispatcher.config.fallback_chain`). An alias is resolved by ``snapshot``
+    (the admission policy of the same config): one alias map, one resolver, for admission,
+    the gate and the metrics' model label."""
     default = attrs.evolve(GatePolicy(), **config.admission.gate_overrides())
     groups = {
-        name: attrs.evolve(default, **settings.gate_overrides())
+        name: attrs.evolve(
+            default, **settings.gate_overrides(), fallbacks=fallback_chain(config, name)
+        )
         for name, settings in config.models.items()
     }
     resolve = snapshot.resolve

@@ -3,7 +3,8 @@
 The gate (:mod:`dispatcher.gate.attempts`) carries out what these return: whether a failed
 attempt is
 retried (:func:`after_failure`; the request deadline is the final :data:`REQUEST_TIMEOUT`), what
-an admission error means once an attempt has failed, whether a tunnel's status fails its
+an admission error means once an attempt has failed, when the request falls back to the next
+model group (:func:`recovery`), whether a tunnel's status fails its
 attempt, how an attempt's scope ended (:func:`scope_ended`), what its usage row says
 (:func:`run_outcome`, :func:`tunnel_outcome`), and what admission is told about the
 candidate. Hypothesis drives them directly (``tests/edge/test_gate_rules.py``).
@@ -19,6 +20,11 @@ from ..store.usage import Outcome
 
 Step = Literal["retry", "give_up"]
 AdmissionStep = Literal["raise", "give_up"]
+Recovery = Literal["retry", "fall_back", "give_up", "raise"]
+"""What the gate does when a model group's try ended without a commit: another attempt on
+the same group, the next group of the fallbacks, give up with the last failure (502), or
+raise the admission's refusal (the first group's: what the client would get without
+fallbacks)."""
 Health = Literal["success", "failure", "none"]
 Terminal = Literal["completed", "failed", "cancelled"]
 """The run's terminal event as the edge received it (consumed or not)."""
@@ -54,6 +60,9 @@ class GatePolicy:
     request_timeout_s: float = 120.0
     first_token_timeout_s: float = 60.0
     stall_timeout_s: float = 60.0
+    fallbacks: tuple[str, ...] = ()
+    """The model groups tried, in order, after this one (its ``fallbacks`` with theirs,
+    resolved: ``dispatcher.config.fallback_chain``)."""
 
 
 @attrs.frozen
@@ -88,6 +97,50 @@ def after_admission_error(
     if incapable and not only_excluded:
         return "raise"
     return "give_up"
+
+
+@attrs.frozen
+class NoSlot:
+    """An admission found no slot for the request on the group being tried: no candidate
+    could take it (``incapable``; ``only_excluded``: each already failed for it), or none
+    was available (no node serves the group now, its queue is full or timed out)."""
+
+    incapable: bool = False
+    only_excluded: bool = False
+
+
+def recovery(
+    ended: Failure | NoSlot,
+    *,
+    tries: int,
+    max_attempts: int,
+    fallback_left: bool,
+    failed_before: bool,
+    first_group: bool,
+) -> Recovery:
+    """After a model group's attempt failed (``Failure``) or its admission refused the
+    request (``NoSlot``), before anything reached the client: ``tries`` attempts were made
+    on this group (of its ``max_attempts``), ``fallback_left`` says whether a fallback group
+    is still to be tried, ``failed_before`` whether any attempt of the request failed.
+
+    A retryable failure retries on the group while it has attempts left, then falls back;
+    a final one (the request deadline, a failure the node calls final) gives up whatever is
+    left. A refusal falls back when a group is left; else it is :func:`after_admission_error`
+    for the first group, and for a fallback group the last failure stands (or, when no
+    attempt ever failed, the first group's refusal is raised)."""
+    if isinstance(ended, Failure):
+        if after_failure(ended, attempt=tries, max_attempts=max_attempts) == "retry":
+            return "retry"
+        return "fall_back" if ended.retryable and fallback_left else "give_up"
+    if fallback_left:
+        return "fall_back"
+    if first_group:
+        return after_admission_error(
+            failed_before=failed_before,
+            incapable=ended.incapable,
+            only_excluded=ended.only_excluded,
+        )
+    return "give_up" if failed_before else "raise"
 
 
 def health(failure: Failure | None, *, client_error: bool = False) -> Health:
@@ -195,8 +248,10 @@ __all__ = [
     "Failure",
     "GatePolicy",
     "Health",
+    "NoSlot",
     "Outcome",
     "Raised",
+    "Recovery",
     "RunEnd",
     "Step",
     "Terminal",
@@ -205,6 +260,7 @@ __all__ = [
     "after_failure",
     "health",
     "is_client_error",
+    "recovery",
     "run_outcome",
     "scope_ended",
     "tunnel_outcome",
