@@ -44,6 +44,7 @@ LOADERS: dict[str, ConfigKind] = {
     "quickstart.md": "edge",
     "node.md": "node",
     "tunnel.md": "node",
+    "providers.md": "node",
     "tenants.md": "edge",
     "cluster.md": "edge",
 }
