@@ -298,10 +298,13 @@ class ModelCall:
         stream: bool,
         predicate: Predicate | None = None,
         prepare: PrepareAttempt | None = None,
+        tunnel_body: dict[str, Any] | None = None,
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
-        tunnel attempt relays as the client sent it; the counted request learns its model
-        label and then follows the gate's result.
+        tunnel attempt relays as the client sent it (``tunnel_body`` instead, when the route
+        translated the client's body to ``body``: the Messages and Responses APIs, relayed
+        natively); the counted request learns its model label and then follows the gate's
+        result.
 
         The one check of the client's tenant, before the gate (so a recovery attempt is
         never a second request): a model it may not use is a 404, a limit it is over a 429;
@@ -341,7 +344,7 @@ class ModelCall:
                 path=request.path,
                 query=request.query,
                 headers=tuple(request.headers),
-                body=body,
+                body=body if tunnel_body is None else tunnel_body,
             ),
         )
         self.counted.gate = gated.result

@@ -21,6 +21,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from nodes.adapters._http_adapter import parse_options
 from nodes.adapters.base import (
     Adapter,
     AdapterError,
@@ -37,6 +38,7 @@ from nodes.adapters.echo import EchoAdapter, EchoOptions
 from nodes.adapters.ollama import OllamaAdapter, OllamaOptions
 from nodes.adapters.openai import OpenAIAdapter, OpenAIOptions
 from nodes.config import ProviderConfig
+from nodes.upstream.pools import HTTPTimeouts
 
 __all__ = [
     "ADAPTERS",
@@ -82,11 +84,32 @@ class AdapterSpec:
         self.options.from_mapping(raw)
 
 
+@attrs.frozen
+class _TunnelOnlyOptions:
+    """The ``options`` of a type served only through a tunnel: the HTTP timeouts."""
+
+    timeouts: HTTPTimeouts
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> _TunnelOnlyOptions:
+        return cls(**parse_options(raw, {}, kind="anthropic"))
+
+
+def _tunnel_only(provider: ProviderConfig) -> Adapter:
+    return RefusingAdapter(
+        "unsupported_adapter",
+        f'this node serves {provider.type!r} providers through a tunnel only (path = "tunnel")',
+    )
+
+
 ADAPTERS: Final[Mapping[str, AdapterSpec]] = {
     "echo": AdapterSpec(EchoAdapter.from_provider, EchoOptions),
     "ollama": AdapterSpec(OllamaAdapter.from_provider, OllamaOptions, tunnel=True),
     "openai": AdapterSpec(OpenAIAdapter.from_provider, OpenAIOptions, tunnel=True),
     "cli": AdapterSpec(CLIAdapter.from_provider, CLIOptions),
+    # the minimal registration of the native Messages tunnel (#25); the anthropic adapter
+    # (normalized) replaces it
+    "anthropic": AdapterSpec(_tunnel_only, _TunnelOnlyOptions, tunnel=True),
 }
 
 
