@@ -147,7 +147,8 @@ def test_minimal_config_uses_defaults(tmp_path: Path) -> None:
         ),
         (
             VALID.replace('type = "cli"', 'type = "llamacpp"'),
-            "providers[2].type: expected one of echo, ollama, openai, cli, got 'llamacpp'",
+            "providers[2].type: expected one of echo, ollama, openai, cli, anthropic, "
+            "got 'llamacpp'",
         ),
         (
             VALID.replace('label = "the box', 'lable = "the box'),

@@ -115,7 +115,8 @@ async def test_a_type_registered_outside_the_package_loads_builds_and_runs(tmp_p
         ),
         (
             TOY.replace('type = "toy"', 'type = "robot"'),
-            "providers[0].type: expected one of echo, ollama, openai, cli, toy, got 'robot'",
+            "providers[0].type: expected one of echo, ollama, openai, cli, anthropic, toy, "
+            "got 'robot'",
         ),
     ],
 )
@@ -140,7 +141,8 @@ def test_the_default_registry_does_not_know_the_toy(tmp_path: Path) -> None:
     with pytest.raises(NodeConfigError) as info:
         load_node_config(path)
     assert str(info.value) == (
-        f"{path}: providers[0].type: expected one of echo, ollama, openai, cli, got 'toy'"
+        f"{path}: providers[0].type: expected one of echo, ollama, openai, cli, anthropic, "
+        "got 'toy'"
     )
 
 
