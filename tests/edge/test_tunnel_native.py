@@ -33,7 +33,16 @@ from dispatcher.config import EdgeConfig, NodeSettings
 from dispatcher.edge import Dispatcher, open_dispatcher
 from dispatcher.http import Server
 from dispatcher.paths.tunnel import Tunnel
+from dispatcher.paths.tunnel_http import (
+    ModelRewrite,
+    SSEFilter,
+    body_usage,
+    dialect_of,
+    tail_usage,
+    upstream_headers,
+)
 from dispatcher.store.usage import UsageRow
+from nodes.tunnel import request_headers
 
 from ..nodes.fake_providers import _serve
 from .fakes import wait_until
@@ -44,6 +53,10 @@ from .native_fakes import (
     INPUT_TOKENS,
     REASONING_TOKENS,
     NativeFake,
+    anthropic_event,
+    anthropic_usage_object,
+    responses_event,
+    responses_usage_object,
 )
 
 CLIENT_KEY = "client-key-for-the-edge-5b1e"
@@ -444,7 +457,7 @@ async def test_messages_after_the_commit_end_with_an_error_event(
         error = orjson.loads(events[-1].split(b"data: ", 1)[1])
         assert error["type"] == "error"
         assert error["error"]["type"] == "api_error"
-        assert "broke off" in error["error"]["message"] or error["error"]["message"]
+        assert "failed mid-body" in error["error"]["message"]
         # the SDK sees it as an error, not a clean end
         env.fake.break_after = 5
         async with env.anthropic() as sdk:
@@ -694,3 +707,239 @@ async def test_a_previous_response_id_is_served_translated_not_by_a_native_tunne
         assert error["code"] == "no_capable_candidate"
         assert "previous_response_id names a response stored by this edge" in error["message"]
         assert len(env.fake.requests) == 1
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def _feed_in_pieces(sse: SSEFilter, raw: bytes, size: int) -> bytes:
+    out = b"".join(sse.feed(raw[i : i + size]) for i in range(0, len(raw), size))
+    return out + sse.finish()
+
+
+def _anthropic_stream(*middle: bytes, usage: dict[str, Any] | None = None) -> bytes:
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "served",
+            "content": [],
+            "usage": usage or {"input_tokens": 10, "output_tokens": 1},
+        },
+    }
+    return b"".join(
+        [
+            anthropic_event("message_start", start),
+            anthropic_event("ping", {"type": "ping"}),
+            *middle,
+            anthropic_event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "tool_use"},
+                    "usage": {"output_tokens": 7},
+                },
+            ),
+            anthropic_event("message_stop", {"type": "message_stop"}),
+        ]
+    )
+
+
+def test_the_anthropic_dialect_commits_at_a_tool_use_block_and_merges_usage() -> None:
+    tool = anthropic_event(
+        "content_block_start",
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "get", "input": {}},
+        },
+    )
+    usage = {
+        "input_tokens": 10,
+        "cache_read_input_tokens": 100,
+        "cache_creation_input_tokens": 20,
+        "output_tokens": 1,
+    }
+    raw = _anthropic_stream(tool, usage=usage)
+    for size in (1, 7, 64, len(raw)):
+        sse = SSEFilter(
+            strip_usage_chunk=True,  # never in a native dialect
+            find_content=True,
+            rewrite=ModelRewrite("served", "asked"),
+            dialect="anthropic",
+        )
+        assert _feed_in_pieces(sse, raw, size) == raw.replace(b'"served"', b'"asked"')
+        assert sse.content_seen
+        assert sse.done
+        assert sse.failure is None
+        assert sse.usage == wire.Usage(
+            prompt_tokens=130, completion_tokens=7, cached_tokens=100, cache_write_tokens=20
+        )
+    # the preamble alone (message_start, ping, an empty text block) is not content
+    preamble = _anthropic_stream(
+        anthropic_event(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        )
+    )
+    sse = SSEFilter(strip_usage_chunk=False, find_content=True, dialect="anthropic")
+    sse.feed(preamble)
+    assert not sse.content_seen
+
+
+def test_an_error_event_before_content_is_a_failure_and_after_it_is_relayed() -> None:
+    error = anthropic_event(
+        "error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+    )
+    sse = SSEFilter(strip_usage_chunk=False, find_content=True, dialect="anthropic")
+    sse.feed(_anthropic_stream(error))
+    assert sse.failure == "overloaded_error: Overloaded"
+    delta = anthropic_event(
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}},
+    )
+    after = SSEFilter(strip_usage_chunk=False, find_content=True, dialect="anthropic")
+    after.feed(_anthropic_stream(delta, error))
+    assert after.content_seen
+    assert after.failure is None
+
+
+def test_the_responses_dialect_commits_at_function_call_arguments_and_reads_usage() -> None:
+    base = {"id": "resp_1", "object": "response", "model": "served", "status": "in_progress"}
+    call = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": ""}
+    done_usage = {
+        "input_tokens": 50,
+        "input_tokens_details": {"cached_tokens": 40},
+        "output_tokens": 9,
+        "output_tokens_details": {"reasoning_tokens": 4},
+        "total_tokens": 59,
+    }
+    events = [
+        {"type": "response.created", "sequence_number": 0, "response": {**base, "usage": None}},
+        {"type": "response.in_progress", "sequence_number": 1, "response": {**base, "usage": None}},
+        {
+            "type": "response.output_item.added",
+            "sequence_number": 2,
+            "output_index": 0,
+            "item": call,
+        },
+        {
+            "type": "response.function_call_arguments.delta",
+            "sequence_number": 3,
+            "item_id": "fc_1",
+            "output_index": 0,
+            "delta": '{"a":',
+        },
+        {
+            "type": "response.completed",
+            "sequence_number": 4,
+            "response": {**base, "status": "completed", "usage": done_usage},
+        },
+    ]
+    raw = b"".join(responses_event(dict(event)) for event in events)
+    # the function call item itself is the first content
+    head = SSEFilter(strip_usage_chunk=False, find_content=True, dialect="responses")
+    head.feed(b"".join(responses_event(dict(event)) for event in events[:2]))
+    assert not head.content_seen
+    head.feed(responses_event(dict(events[2])))
+    assert head.content_seen
+    for size in (1, 13, len(raw)):
+        sse = SSEFilter(
+            strip_usage_chunk=False,
+            find_content=True,
+            rewrite=ModelRewrite("served", "asked"),
+            dialect="responses",
+        )
+        assert _feed_in_pieces(sse, raw, size) == raw.replace(b'"served"', b'"asked"')
+        assert sse.done
+        assert sse.sequence == 4
+        assert sse.usage == wire.Usage(
+            prompt_tokens=50, completion_tokens=9, cached_tokens=40, reasoning_tokens=4
+        )
+
+
+def test_each_dialect_has_its_own_error_event() -> None:
+    openai_sse = SSEFilter(strip_usage_chunk=False)
+    assert orjson.loads(openai_sse.error_event("gone", "tunnel_failed")[6:]) == {
+        "error": {"message": "gone", "type": "server_error", "param": None, "code": "tunnel_failed"}
+    }
+    anthropic_sse = SSEFilter(strip_usage_chunk=False, dialect="anthropic")
+    raw = anthropic_sse.error_event("the dispatcher is shutting down", "shutting_down")
+    assert raw.startswith(b"event: error\ndata: ")
+    assert orjson.loads(raw.split(b"data: ", 1)[1]) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "the dispatcher is shutting down"},
+    }
+    responses_sse = SSEFilter(
+        strip_usage_chunk=False,
+        dialect="responses",
+        rewrite=ModelRewrite("served", "asked"),
+    )
+    created = {
+        "type": "response.created",
+        "sequence_number": 0,
+        "response": {"id": "resp_9", "object": "response", "model": "served", "usage": None},
+    }
+    responses_sse.feed(responses_event(created))
+    raw = responses_sse.error_event("broke off", "tunnel_failed")
+    assert raw.startswith(b"event: response.failed\ndata: ")
+    event = orjson.loads(raw.split(b"data: ", 1)[1])
+    assert event["type"] == "response.failed"
+    assert event["sequence_number"] == 1
+    assert event["response"]["id"] == "resp_9"
+    assert event["response"]["model"] == "asked"
+    assert event["response"]["status"] == "failed"
+    assert event["response"]["error"] == {"code": "server_error", "message": "broke off"}
+
+
+def test_the_dialects_read_usage_from_whole_bodies() -> None:
+    message = {"type": "message", "model": "m", "usage": anthropic_usage_object(4)}
+    assert body_usage(orjson.dumps(message), "anthropic") == wire.Usage(
+        prompt_tokens=INPUT_TOKENS + CACHE_READ + CACHE_WRITE,
+        completion_tokens=4,
+        cached_tokens=CACHE_READ,
+        cache_write_tokens=CACHE_WRITE,
+    )
+    response = {"object": "response", "output": [], "usage": responses_usage_object(4)}
+    expected = wire.Usage(
+        prompt_tokens=INPUT_TOKENS,
+        completion_tokens=4,
+        cached_tokens=CACHED_TOKENS,
+        reasoning_tokens=REASONING_TOKENS,
+    )
+    assert body_usage(orjson.dumps(response), "responses") == expected
+    assert tail_usage(orjson.dumps(response)[-200:], "responses") == expected
+    assert body_usage(orjson.dumps(response)) is None  # not OpenAI chat usage
+    assert dialect_of("/v1/messages") == "anthropic"
+    assert dialect_of("/v1/responses") == "responses"
+    assert dialect_of("/v1/chat/completions") == "openai"
+
+
+def test_the_node_sends_an_anthropic_key_as_x_api_key() -> None:
+    client = [
+        ("x-api-key", CLIENT_KEY),
+        ("authorization", f"Bearer {CLIENT_KEY}"),
+        ("anthropic-beta", "prompt-caching-2024-07-31"),
+        ("content-type", "application/json"),
+    ]
+    headers = request_headers(client, ANTHROPIC_KEY, "x-api-key")
+    assert headers == [
+        ("anthropic-beta", "prompt-caching-2024-07-31"),
+        ("content-type", "application/json"),
+        ("accept-encoding", "identity"),
+        ("anthropic-version", "2023-06-01"),
+        ("x-api-key", ANTHROPIC_KEY),
+    ]
+    versioned = request_headers([("Anthropic-Version", "2024-01-01")], ANTHROPIC_KEY, "x-api-key")
+    assert [k.lower() for k, _ in versioned].count("anthropic-version") == 1
+    assert request_headers(client, OPENAI_KEY)[-1] == ("authorization", f"Bearer {OPENAI_KEY}")
+    assert all(CLIENT_KEY not in value for _, value in request_headers(client, OPENAI_KEY))
+    assert ("x-api-key", CLIENT_KEY) not in upstream_headers(
+        [(b"x-api-key", CLIENT_KEY.encode()), (b"anthropic-version", b"2023-06-01")]
+    )
