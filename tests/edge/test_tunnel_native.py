@@ -845,10 +845,11 @@ def test_the_responses_dialect_commits_at_function_call_arguments_and_reads_usag
     raw = b"".join(responses_event(dict(event)) for event in events)
     # the function call item itself is the first content
     head = SSEFilter(strip_usage_chunk=False, find_content=True, dialect="responses")
-    head.feed(b"".join(responses_event(dict(event)) for event in events[:2]))
-    assert not head.content_seen
-    head.feed(responses_event(dict(events[2])))
-    assert head.content_seen
+    seen = []
+    for event in events[:3]:
+        head.feed(responses_event(dict(event)))
+        seen.append(head.content_seen)
+    assert seen == [False, False, True]
     for size in (1, 13, len(raw)):
         sse = SSEFilter(
             strip_usage_chunk=False,
