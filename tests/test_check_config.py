@@ -20,6 +20,8 @@ EXAMPLE_ENVIRON = {
     # The provider keys the node examples name (the daemon reads them when it starts).
     "VLLM_KEY": "sk-vllm",
     "VLLM_API_KEY": "sk-vllm",
+    "ANTHROPIC_API_KEY": "sk-ant",
+    "OPENAI_API_KEY": "sk-openai",
 }
 
 
@@ -371,8 +373,8 @@ FOUR_NODE_LINES = [
     "dispatcher: node.toml: providers[0].models[0].slots: expected a positive integer, got '4'",
     "dispatcher: node.toml: node.edge_url: expected a URL ending in /v1/nodes/connect, got "
     "'ws://edge.example:8700/v1/node/connect' (try ws://edge.example:8700/v1/nodes/connect)",
-    "dispatcher: node.toml: providers[0].type: expected one of echo, ollama, openai, cli, got "
-    "'llamacpp'",
+    "dispatcher: node.toml: providers[0].type: expected one of echo, ollama, openai, cli, "
+    "anthropic, got 'llamacpp'",
 ]
 
 
