@@ -400,6 +400,9 @@ async def test_the_node_adds_anthropic_version_when_the_client_sent_none(
             response = await client.post("/v1/messages", json=messages_body())
         assert response.status_code == 200, response.text
         assert response.json()["model"] == CLAUDE
+        # the body as the provider sent it, but for the model's name
+        assert response.content == renamed(env.fake.sent_bytes(), CLAUDE_SERVED, CLAUDE)
+        assert response.headers["content-type"] == "application/json"
         (seen,) = env.fake.requests
         assert seen.header("anthropic-version") == "2023-06-01"
         env.assert_keys_stayed_home()
@@ -680,6 +683,7 @@ async def test_a_previous_response_id_is_served_translated_not_by_a_native_tunne
                 headers={"x-request-id": "r-first"},
             )
             assert first.status_code == 200, first.text
+            assert first.content == renamed(env.fake.sent_bytes(), GPT_SERVED, GPT)
             (row,) = await env.rows("r-first", 1)
             # the edge did not store the native answer: chaining on it is an unknown id
             unknown = await client.post(
