@@ -85,6 +85,11 @@ class AdapterKind(Protocol):
         """What a normalized provider of this type serves (``wire.NORMALIZED_ROUTES``, and
         ``"embeddings"`` for an adapter that embeds)."""
 
+    @property
+    def tunnel_routes(self) -> tuple[wire.RouteName, ...]:
+        """What a tunnel provider of this type that declares no ``routes`` serves
+        (``wire.DEFAULT_TUNNEL_ROUTES``: an OpenAI-compatible server's)."""
+
     def check_options(self, raw: Mapping[str, Any]) -> None:
         """Check a provider's ``options`` table; raises :class:`OptionsError`."""
 
@@ -370,10 +375,15 @@ def _announced_routes(
     provider: ProviderConfig, adapters: Mapping[str, AdapterKind] | None
 ) -> tuple[wire.RouteName, ...]:
     """What the hello says ``provider`` serves: empty for its path's default."""
-    if provider.routes or provider.path == "tunnel" or adapters is None:
+    if provider.routes or adapters is None:
         return provider.routes
     kind = adapters.get(provider.type)
-    if kind is None or set(kind.routes) == set(wire.NORMALIZED_ROUTES):
+    if kind is None:
+        return ()
+    if provider.path == "tunnel":
+        served = kind.tunnel_routes
+        return () if set(served) == set(wire.DEFAULT_TUNNEL_ROUTES) else served
+    if set(kind.routes) == set(wire.NORMALIZED_ROUTES):
         return ()
     return kind.routes
 

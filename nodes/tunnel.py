@@ -12,12 +12,14 @@ Each tunnel is a task with its own cancel scope in one nursery, keyed by tunnel 
 runs of :mod:`nodes.runner`). It performs the request with the provider's pooled client
 (:class:`~nodes.upstream.client.UpstreamPool`) against its
 ``base_url`` + path (+ query), with the edge's headers minus hop-by-hop ones and the
-provider's own ``Authorization: Bearer <key>`` (read from the environment variable the
-provider's ``api_key_env`` names; the key never leaves the node). The response comes back as
-``tunnel.start`` (status, headers minus hop-by-hop ones and ``content-length``), the body as
-binary frames of at most :data:`~dispatcher.wire.MAX_TUNNEL_CHUNK` bytes, and exactly one
-``tunnel.end`` -- with ``error`` set when the upstream could not be reached, broke mid-body,
-or the edge cancelled (``"cancelled"``, the confirmation the edge waits for).
+provider's own key, read from the environment variable the provider's ``api_key_env`` names
+(the key never leaves the node): ``Authorization: Bearer <key>``, or for a provider of type
+``anthropic`` ``x-api-key: <key>`` with ``anthropic-version: 2023-06-01`` unless the client
+sent one. The response comes back as ``tunnel.start`` (status, headers minus hop-by-hop ones
+and ``content-length``), the body as binary frames of at most
+:data:`~dispatcher.wire.MAX_TUNNEL_CHUNK` bytes, and exactly one ``tunnel.end`` -- with
+``error`` set when the upstream could not be reached, broke mid-body, or the edge cancelled
+(``"cancelled"``, the confirmation the edge waits for).
 
 The request body is ``tunnel.request.body`` (text), or, when the request announces a
 ``body_size``, that many bytes in the binary frames that follow it (:meth:`TunnelRunner.body`:
@@ -41,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from typing import Final
+from typing import Final, Literal
 
 import attrs
 import httpx  # noqa: ASYNC127  (the project depends on httpx; see pyproject.toml)
@@ -71,9 +73,15 @@ MAX_CONNECTIONS: Final = 256
 """Concurrent upstream connections of a provider built without a config (no slots known);
 one from the config gets its slots (:func:`~nodes.upstream.pools.pool_size`)."""
 
+ANTHROPIC_API_URL: Final = "https://api.anthropic.com"
+ANTHROPIC_VERSION: Final = "2023-06-01"
+"""The ``anthropic-version`` a tunnel to an Anthropic provider sends when the client sent none
+(the API requires one)."""
+
 DEFAULT_BASE_URLS: Final[Mapping[str, str]] = {
     "openai": OPENAI_BASE_URL,
     "ollama": OLLAMA_BASE_URL,
+    "anthropic": ANTHROPIC_API_URL,
 }
 """A provider's ``base_url`` when its config has none: its adapter type's default."""
 
@@ -96,10 +104,13 @@ _REQUEST_DROP: Final = _HOP_BY_HOP | {
     "host",
     "content-length",
     "authorization",
+    "x-api-key",
     "accept-encoding",
     "expect",
 }
 _RESPONSE_DROP: Final = _HOP_BY_HOP | {"content-length"}
+
+Auth = Literal["bearer", "x-api-key"]
 
 CANCELLED: Final = "cancelled"
 """``tunnel.end.error`` confirming a ``tunnel.cancel``."""
@@ -116,6 +127,9 @@ class TunnelProvider:
     connections: int = MAX_CONNECTIONS
     """The size of the provider's connection pool, all kept alive: its slots when built from
     the config (the edge sends it no more tunnels at once)."""
+    auth: Auth = "bearer"
+    """How the key is sent: ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key``
+    (with a default ``anthropic-version``) for a provider of type ``anthropic``."""
 
     @classmethod
     def from_config(
@@ -134,6 +148,7 @@ class TunnelProvider:
             api_key=api_key,
             timeouts=timeouts,
             connections=pool_size(provider),
+            auth="x-api-key" if provider.type == "anthropic" else "bearer",
         )
 
     @asynccontextmanager
@@ -195,11 +210,13 @@ def tunnel_providers(
 
 
 def request_headers(
-    headers: Iterable[tuple[str, str]], api_key: str | None
+    headers: Iterable[tuple[str, str]], api_key: str | None, auth: Auth = "bearer"
 ) -> list[tuple[str, str]]:
     """The edge's headers minus hop-by-hop ones (and any the ``Connection`` header names),
-    ``Host``, ``Content-Length``, ``Authorization`` and ``Accept-Encoding``; plus this node's
-    own key and ``Accept-Encoding: identity``."""
+    ``Host``, ``Content-Length``, ``Authorization``, ``X-Api-Key`` and ``Accept-Encoding``;
+    plus this node's own key (``Authorization: Bearer``, or ``x-api-key`` and, unless the
+    client sent one, ``anthropic-version`` for an Anthropic provider) and
+    ``Accept-Encoding: identity``."""
     headers = list(headers)
     listed = {
         name.strip().lower()
@@ -209,7 +226,12 @@ def request_headers(
     }
     out = [(k, v) for k, v in headers if k.lower() not in _REQUEST_DROP and k.lower() not in listed]
     out.append(("accept-encoding", "identity"))
-    if api_key is not None:
+    if auth == "x-api-key":
+        if not any(key.lower() == "anthropic-version" for key, _ in out):
+            out.append(("anthropic-version", ANTHROPIC_VERSION))
+        if api_key is not None:
+            out.append(("x-api-key", api_key))
+    elif api_key is not None:
         out.append(("authorization", f"Bearer {api_key}"))
     return out
 
@@ -376,7 +398,7 @@ class TunnelRunner:
             body = request.body.encode("utf-8")
         provider, client = pooled.provider, pooled.client
         url = provider.url(request.path, request.query)
-        headers = request_headers(request.headers, provider.api_key)
+        headers = request_headers(request.headers, provider.api_key, provider.auth)
         # The edge relays these errors to clients: they name "the provider", never its URL,
         # host or the node's key (the node's own log keeps the URL).
         redact = Redactor.for_request(url, dict(headers))

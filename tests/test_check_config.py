@@ -21,6 +21,7 @@ EXAMPLE_ENVIRON = {
     "VLLM_KEY": "sk-vllm",
     "VLLM_API_KEY": "sk-vllm",
     "ANTHROPIC_API_KEY": "sk-ant",
+    "OPENAI_API_KEY": "sk-openai",
 }
 
 

@@ -302,12 +302,15 @@ class ModelCall:
         prepare: PrepareAttempt | None = None,
         raw_body: Callable[[str], bytes] | None = None,
         run_route: wire.RouteName = "chat",
+        tunnel_body: dict[str, Any] | None = None,
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
-        tunnel attempt relays as the client sent it (or, with ``raw_body``, as the bytes it
-        gives for the served model name: ``TunnelCall.raw_body``) and a normalized attempt
-        runs as ``run_route`` (what ``body`` is: a chat body, or an embeddings body); the
-        counted request learns its model label and then follows the gate's result.
+        tunnel attempt relays as the client sent it (``tunnel_body`` instead, when the route
+        translated the client's body to ``body``: the Messages and Responses APIs, relayed
+        natively; or, with ``raw_body``, as the bytes it gives for the served model name:
+        ``TunnelCall.raw_body``) and a normalized attempt runs as ``run_route`` (what ``body``
+        is: a chat body, or an embeddings body); the counted request learns its model label and
+        then follows the gate's result.
 
         The one check of the client's tenant, before the gate (so a recovery attempt is
         never a second request): a model it may not use is a 404, a limit it is over a 429;
@@ -350,7 +353,7 @@ class ModelCall:
                 path=request.path,
                 query=request.query,
                 headers=tuple(request.headers),
-                body=body,
+                body=body if tunnel_body is None else tunnel_body,
                 raw_body=raw_body,
             ),
         )

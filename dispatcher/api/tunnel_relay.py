@@ -1,10 +1,14 @@
-"""The tunnel relay: answer an OpenAI request through a tunnel, bytes as the provider sent them.
+"""The tunnel relay: answer a request through a tunnel, bytes as the provider sent them.
 
 The OpenAI front end (:mod:`dispatcher.api.openai`) relays with :func:`relay` the answers of
 its tunnel-only routes, ``POST /v1/completions`` and ``POST /v1/embeddings`` (only candidates
 served through a tunnel can take them: :func:`~dispatcher.api.common.tunnel_only`; others are
 rejected with 400), and of ``POST /v1/chat/completions`` when admission chose a tunnel
-candidate.
+candidate; the Anthropic front end the answers of ``POST /v1/messages`` and the Responses
+front end those of ``POST /v1/responses`` when admission chose a tunnel provider that declares
+the route (native: the provider speaks the API itself). Each answer is in its route's dialect
+(``tunnel_http.dialect_of``): its commit point, its usage and its error event after the
+commit are the dialect's.
 
 What the provider receives and what the client receives -- the header rules, the SSE filter,
 usage sniffing -- and the pre-commit phase the gate runs inside its attempt (send the request,
@@ -17,7 +21,9 @@ gives the gate what to relay of the client's request
 response is streamed as it arrives; another body is answered whole (with ``Content-Length``)
 up to :data:`~dispatcher.paths.tunnel_http.BUFFER_LIMIT` bytes, and streamed beyond. If an SSE
 stream breaks off (or stalls) after the commit, an SSE error event ends it; if another
-streamed body does, the connection is cut so the client sees the body is incomplete.
+streamed body does, the connection is cut so the client sees the body is incomplete. The error
+event is the dialect's (``SSEFilter.error_event``): OpenAI's ``data: {"error": ...}``,
+Anthropic's ``event: error``, a Responses ``response.failed``.
 
 The model's name: a ``"model"`` member holding the provider's served name reaches the client
 with the name it asked for (``tunnel_http.ModelRewrite``, a byte-level substitution; the SSE
@@ -34,7 +40,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-import orjson
 import trio
 
 from .. import wire
@@ -51,8 +56,8 @@ from ..paths.tunnel_http import (
     UsageReader,
     body_usage,
     client_headers,
+    dialect_usage,
     tail_usage,
-    usage_of,
 )
 from ..shared.tokens import estimate_prompt_tokens
 from .common import (
@@ -67,11 +72,6 @@ log = logging.getLogger("dispatcher.api.tunnel")
 # --------------------------------------------------------------------------- the relay
 
 
-def _sse_error(message: str, code: str) -> bytes:
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + orjson.dumps(error) + b"\n\n"
-
-
 async def relay(
     edge: EdgeServices,
     answer: TunnelAnswer,
@@ -79,12 +79,12 @@ async def relay(
     responder: Responder,
     headers: Sequence[tuple[bytes, bytes]],
     *,
-    read_usage: UsageReader = usage_of,
+    read_usage: UsageReader | None = None,
     estimate: bool = True,
 ) -> str:
     """The relay phase of the committed tunnel ``answer``: send its head, then the rest of
     the response (``request_body`` is the client's parsed JSON body, for the usage estimate;
-    ``read_usage`` reads a non-streamed answer's usage, OpenAI's by default; without
+    ``read_usage`` reads a non-streamed answer's usage, its dialect's by default; without
     ``estimate``, an answer without usage counts 0 tokens, estimated);
     ``headers`` are the edge's own response headers (``x-dispatcher-node``, ``-provider`` and
     ``-queue-ms`` are added when missing). Returns the outcome for the metrics:
@@ -184,11 +184,11 @@ async def _relay_sse(
         except TunnelFailed as exc:
             log.info("tunnel %s broke off mid-stream: %s", tunnel.tunnel_id, exc)
             # An unfinished event is dropped: our error event must not merge into it.
-            await stream.send(_sse_error(exc.message, exc.code))
+            await stream.send(sse.error_event(exc.message, exc.code))
             outcome = "failed"
     if scope.cancelled_caught:
         with trio.move_on_after(SHUTDOWN_SEND_TIMEOUT, shield=True):
-            await stream.send(_sse_error("the dispatcher is shutting down", "shutting_down"))
+            await stream.send(sse.error_event("the dispatcher is shutting down", "shutting_down"))
         outcome = "failed"
     return outcome
 
@@ -199,11 +199,12 @@ async def _relay_body(
     headers: Sequence[tuple[bytes, bytes]],
     head: TunnelHead,
     stall: float,
-    read_usage: UsageReader,
+    read_usage: UsageReader | None,
 ) -> TokenCounts | None:
     """Relay a body that is not an event stream: whole when it fits in
     :data:`BUFFER_LIMIT`, streamed beyond. Returns its usage for a 2xx answer."""
     status, parse = head.start.status, head.ok
+    reader = dialect_usage(head.dialect) if read_usage is None else read_usage
     parts: list[bytes] = [head.data] if head.data else []
     size = len(head.data)
     if not head.complete:
@@ -217,7 +218,7 @@ async def _relay_body(
     if size <= BUFFER_LIMIT:
         whole = b"".join(parts)
         await responder.respond(status, headers, rewrite(whole) if rewrite else whole)
-        return body_usage(whole, read_usage) if parse else None
+        return body_usage(whole, reader) if parse else None
     # Too large to hold: stream it, keeping the tail (as the provider sent it) to find usage
     # in; the model's name is rewritten across the pieces.
     renamed = rewrite.stream() if rewrite else None
@@ -237,7 +238,7 @@ async def _relay_body(
         raise CutResponse(str(exc)) from exc
     if renamed is not None and (rest := renamed.finish()):
         await stream.send(rest)
-    return tail_usage(tail, read_usage) if parse else None
+    return tail_usage(tail, reader) if parse else None
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import attrs
 import orjson
@@ -69,6 +69,7 @@ _REQUEST_DROP: Final = _HOP_BY_HOP | {
     b"host",
     b"content-length",
     b"authorization",
+    b"x-api-key",
     b"accept-encoding",
     b"expect",
 }
@@ -97,8 +98,8 @@ def _connection_listed(headers: Sequence[tuple[bytes, bytes]]) -> set[bytes]:
 def upstream_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     """The client's headers for the provider: minus hop-by-hop ones (and those the
     ``Connection`` header names), ``Host``, ``Content-Length``, ``Accept-Encoding``,
-    ``Expect`` and ``Authorization``; ``Content-Type: application/json`` when the client
-    sent none."""
+    ``Expect``, ``Authorization`` and ``X-Api-Key`` (the client's key for the edge, in OpenAI's
+    and in Anthropic's way); ``Content-Type: application/json`` when the client sent none."""
     listed = _connection_listed(headers)
     out = [
         (key.decode("latin-1"), value.decode("latin-1"))
@@ -206,7 +207,8 @@ def body_usage(body: bytes, read: UsageReader = usage_of) -> TokenCounts | None:
 
 
 def tail_usage(tail: bytes, read: UsageReader = usage_of) -> TokenCounts | None:
-    """``usage`` from the end of a JSON body too large to keep whole (OpenAI puts it last)."""
+    """``usage`` from the end of a JSON body too large to keep whole (OpenAI puts it last;
+    Anthropic and the Responses API near the end)."""
     at = tail.rfind(_USAGE_KEY)
     if at < 0:
         return None
@@ -218,6 +220,93 @@ def tail_usage(tail: bytes, read: UsageReader = usage_of) -> TokenCounts | None:
     except ValueError:
         return None
     return read({"usage": value})
+
+
+# --------------------------------------------------------------------------- dialects
+
+Dialect = Literal["openai", "anthropic", "responses"]
+"""The API a tunnel speaks, by its route: OpenAI's chat completions, completions and embeddings
+(``"openai"``), Anthropic's Messages (``/v1/messages``), OpenAI's Responses
+(``/v1/responses``). It decides the commit point, where usage is read, what a failure event
+is and the error event the edge writes after the commit."""
+
+_DIALECTS: Final[Mapping[str, Dialect]] = {
+    "/v1/messages": "anthropic",
+    "/v1/responses": "responses",
+}
+
+
+def dialect_of(path: str) -> Dialect:
+    """The dialect of a tunnel's route (its request's path)."""
+    return _DIALECTS.get(path, "openai")
+
+
+def anthropic_usage(usage: object) -> TokenCounts | None:
+    """An Anthropic ``usage`` object as :class:`wire.Usage`: ``prompt_tokens`` = ``input_tokens``
+    + ``cache_read_input_tokens`` + ``cache_creation_input_tokens`` (Anthropic counts the three
+    apart; OpenAI's prompt tokens include the cached ones), ``cached_tokens`` =
+    ``cache_read_input_tokens``, ``cache_write_tokens`` = ``cache_creation_input_tokens``,
+    ``completion_tokens`` = ``output_tokens``."""
+    if not isinstance(usage, dict) or "input_tokens" not in usage:
+        return None
+    counts = [
+        _count(usage.get(name))
+        for name in (
+            "input_tokens",
+            "cache_read_input_tokens",
+            "cache_creation_input_tokens",
+            "output_tokens",
+        )
+    ]
+    if any(count is None for count in counts):
+        return None
+    fresh, read, written, output = (count or 0 for count in counts)
+    return wire.Usage(
+        prompt_tokens=fresh + read + written,
+        completion_tokens=output,
+        cached_tokens=read,
+        cache_write_tokens=written,
+    )
+
+
+def responses_usage(usage: object) -> TokenCounts | None:
+    """A Responses ``usage`` object as :class:`wire.Usage`: ``input_tokens`` (cached ones
+    included, ``input_tokens_details.cached_tokens``), ``output_tokens`` (reasoning included,
+    ``output_tokens_details.reasoning_tokens``)."""
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("input_tokens")
+    completion = _count(usage.get("output_tokens"))
+    if type(prompt) is not int or prompt < 0 or completion is None:
+        return None
+    return wire.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=min(prompt, _detail(usage, "input_tokens_details", "cached_tokens")),
+        reasoning_tokens=min(
+            completion, _detail(usage, "output_tokens_details", "reasoning_tokens")
+        ),
+    )
+
+
+def _anthropic_body_usage(value: object) -> TokenCounts | None:
+    return anthropic_usage(value.get("usage")) if isinstance(value, dict) else None
+
+
+def _responses_body_usage(value: object) -> TokenCounts | None:
+    return responses_usage(value.get("usage")) if isinstance(value, dict) else None
+
+
+_READERS: Final[Mapping[Dialect, UsageReader]] = {
+    "openai": usage_of,
+    "anthropic": _anthropic_body_usage,
+    "responses": _responses_body_usage,
+}
+
+
+def dialect_usage(dialect: Dialect) -> UsageReader:
+    """How a whole answer of ``dialect`` reports its usage."""
+    return _READERS[dialect]
 
 
 # --------------------------------------------------------------------------- the model name
@@ -314,7 +403,9 @@ class SSEFilter:
     chunk the edge asked for (``strip_usage_chunk``); notes the stream's ``usage``.
 
     Complete events are passed on as soon as they are complete; an unfinished one waits for
-    its end (or :meth:`finish`). Only events that mention ``"usage"`` are parsed."""
+    its end (or :meth:`finish`). Only events that mention ``"usage"`` are parsed (and, before
+    the first content, every event); in the native dialects (``anthropic``, ``responses``)
+    also the few whose type says they carry the usage, the response object or an error."""
 
     def __init__(
         self,
@@ -322,32 +413,56 @@ class SSEFilter:
         strip_usage_chunk: bool,
         find_content: bool = False,
         rewrite: ModelRewrite | None = None,
+        dialect: Dialect = "openai",
     ) -> None:
-        self._strip = strip_usage_chunk
+        self._strip = strip_usage_chunk and dialect == "openai"
         self._rewrite = rewrite
         """Applied to what is passed on (the events are read as the provider sent them)."""
+        self.dialect: Dialect = dialect
         self._pending = b""
         self._skip_next = False
         self.usage: TokenCounts | None = None
+        self._raw_usage: dict[str, Any] = {}
+        """Anthropic: the usage members seen so far (``message_start``, then
+        ``message_delta``'s, which update them)."""
         self.stripped = False
         self.done = False
-        """``data: [DONE]`` went through: the client has the whole answer once it is sent."""
+        """The stream's last event went through (``data: [DONE]``, Anthropic's
+        ``message_stop``, a Responses ``response.completed`` / ``.incomplete`` /
+        ``.failed``): the client has the whole answer once it is sent."""
         self.events = 0
         self.content_seen = not find_content
         """An event that carries content went through (with ``find_content``, every event
         is parsed until then)."""
+        self.failure: str | None = None
+        """Native dialects: the message of an error event (Anthropic ``error``, Responses
+        ``error`` / ``response.failed``) seen before any content: the attempt failed, and
+        the client has seen nothing of it."""
+        self.response: dict[str, Any] | None = None
+        """Responses: the last response object an event carried (for the edge's own
+        ``response.failed``)."""
+        self.sequence = -1
+        """Responses: the last ``sequence_number`` seen."""
 
     def feed(self, data: bytes) -> bytes:
         buf = self._pending + data if self._pending else data
         out: list[bytes] = []
         sent = 0  # buf[:sent] is decided (passed on or stripped)
         event_start = 0
-        probe = buf.find(_USAGE_KEY)
+        native = self.dialect != "openai"
+        probe = -1 if native else buf.find(_USAGE_KEY)
         for match in _SSE_BOUNDARY.finditer(buf):
             end = match.end()
             if end == len(buf) and buf[-1] == 0x0D:
                 break  # a CR at the very end may be the first half of a CRLF
             self.events += 1
+            if native:
+                if self._skip_next:
+                    self._skip_next = False
+                else:
+                    self._native(buf[event_start:end])
+                event_start = end
+                continue
             if buf.startswith(_DONE_EVENT, event_start) or buf.startswith(
                 _DONE_EVENT_NO_SPACE, event_start
             ):
@@ -376,11 +491,43 @@ class SSEFilter:
     def finish(self) -> bytes:
         """What is left: an unfinished last event, passed on as it is."""
         rest, self._pending = self._pending, b""
-        if rest and not self._skip_next and _USAGE_KEY in rest:
-            self.events += 1
-            if self._inspect(rest):
-                return b""
+        if rest and not self._skip_next:
+            if self.dialect != "openai":
+                self.events += 1
+                self._native(rest)
+            elif _USAGE_KEY in rest:
+                self.events += 1
+                if self._inspect(rest):
+                    return b""
         return self._rewrite(rest) if self._rewrite is not None and rest else rest
+
+    def error_event(self, message: str, code: str) -> bytes:
+        """The event the edge ends a committed stream with when it cannot go on (the tunnel
+        broke off or stalled, the edge is shutting down), in the stream's dialect: OpenAI's
+        ``data: {"error": ...}``; Anthropic's ``event: error`` (``api_error``,
+        ``overloaded_error`` when shutting down); a Responses ``response.failed`` whose
+        response (the last one the stream carried) has ``status: "failed"`` and the
+        ``error``."""
+        if self.dialect == "anthropic":
+            kind = "overloaded_error" if code == "shutting_down" else "api_error"
+            error = {"type": "error", "error": {"type": kind, "message": message}}
+            return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
+        if self.dialect == "responses":
+            self.sequence += 1
+            response: dict[str, Any] = {
+                **(self.response or {"object": "response"}),
+                "status": "failed",
+                "error": {"code": "server_error", "message": message},
+            }
+            event = {
+                "type": "response.failed",
+                "sequence_number": self.sequence,
+                "response": response,
+            }
+            raw = b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n"
+            return self._rewrite(raw) if self._rewrite is not None else raw
+        body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
 
     def _inspect(self, event: bytes) -> bool:
         """Note the event's usage; True if it is the usage chunk to strip."""
@@ -403,11 +550,143 @@ class SSEFilter:
             return True
         return False
 
+    def _native(self, event: bytes) -> None:
+        """Read one event of a native dialect (never altered, never stripped)."""
+        kind = _event_type(event)
+        if self.dialect == "responses" and (number := _SEQUENCE.search(event)) is not None:
+            self.sequence = max(self.sequence, int(number.group(1)))
+        if kind in _TERMINAL[self.dialect]:
+            self.done = True
+        if self.content_seen and kind not in _READ[self.dialect]:
+            return
+        value = _event_json(event)
+        if not isinstance(value, dict):
+            return
+        if self.dialect == "anthropic":
+            self._anthropic(value)
+        else:
+            self._responses(value)
+
+    def _anthropic(self, value: dict[str, Any]) -> None:
+        kind = value.get("type")
+        if not self.content_seen:
+            if kind == "error":
+                self.failure = _error_message(value.get("error"))
+                return
+            if _anthropic_content(value):
+                self.content_seen = True
+        usage: object = None
+        if kind == "message_start" and isinstance(value.get("message"), dict):
+            usage = value["message"].get("usage")
+        elif kind == "message_delta":
+            usage = value.get("usage")
+        if isinstance(usage, dict):
+            self._raw_usage.update((k, v) for k, v in usage.items() if v is not None)
+            self.usage = anthropic_usage(self._raw_usage) or self.usage
+
+    def _responses(self, value: dict[str, Any]) -> None:
+        kind = value.get("type")
+        response = value.get("response")
+        if isinstance(response, dict):
+            self.response = {k: v for k, v in response.items() if k not in ("output", "usage")}
+            self.response["output"] = []
+            self.response["usage"] = None
+            self.usage = responses_usage(response.get("usage")) or self.usage
+        if self.content_seen:
+            return
+        if kind == "error":
+            self.failure = _error_message(value)
+        elif kind == "response.failed":
+            error = response.get("error") if isinstance(response, dict) else None
+            self.failure = _error_message(error)
+        elif _responses_content(value):
+            self.content_seen = True
+
 
 _DONE_EVENT: Final = b"data: [DONE]"
 _DONE_EVENT_NO_SPACE: Final = b"data:[DONE]"
 _CONTENT_KEYS: Final = ("content", "text", "tool_calls", "function_call", "refusal")
 _REASONING_KEYS: Final = ("reasoning_content", "reasoning")
+_EVENT_LINE: Final = re.compile(rb"(?:\A|[\r\n])event:[ ]?([^\r\n]*)")
+_TYPE_MEMBER: Final = re.compile(rb'"type"[ \t\r\n]*:[ \t\r\n]*"([^"\\]*)"')
+_SEQUENCE: Final = re.compile(rb'"sequence_number"[ \t\r\n]*:[ \t\r\n]*([0-9]{1,18})')
+_TERMINAL: Final[Mapping[Dialect, frozenset[str]]] = {
+    "openai": frozenset(),
+    "anthropic": frozenset({"message_stop"}),
+    "responses": frozenset({"response.completed", "response.incomplete", "response.failed"}),
+}
+"""The event types that end a stream of each native dialect."""
+_READ: Final[Mapping[Dialect, frozenset[str]]] = {
+    "openai": frozenset(),
+    "anthropic": frozenset({"message_start", "message_delta"}),
+    "responses": frozenset(
+        {
+            "response.created",
+            "response.in_progress",
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        }
+    ),
+}
+"""The event types of each native dialect parsed after the commit: those with the usage or
+the response object."""
+
+
+def _event_type(event: bytes) -> str:
+    """An SSE event's type: its ``event:`` field, else its JSON's first ``"type"`` member (the
+    top-level one in Anthropic's and OpenAI's events, which put it first); ``""`` if none."""
+    match = _EVENT_LINE.search(event)
+    if match is None:
+        match = _TYPE_MEMBER.search(event)
+    return match.group(1).strip().decode("utf-8", "replace") if match is not None else ""
+
+
+def _error_message(error: object) -> str:
+    if isinstance(error, dict):
+        message = error.get("message")
+        kind = error.get("type") or error.get("code")
+        if isinstance(message, str) and message:
+            return f"{kind}: {message}" if isinstance(kind, str) and kind else message
+    return "the provider sent an error event"
+
+
+def _anthropic_content(value: dict[str, Any]) -> bool:
+    """Anthropic's first content: a ``content_block_delta``, or a ``content_block_start`` of a
+    tool call (or of a block that already holds text)."""
+    kind = value.get("type")
+    if kind == "content_block_delta":
+        return True
+    if kind != "content_block_start":
+        return False
+    block = value.get("content_block")
+    if not isinstance(block, dict):
+        return False
+    if block.get("type") in ("tool_use", "server_tool_use"):
+        return True
+    return bool(block.get("text") or block.get("thinking"))
+
+
+def _responses_content(value: dict[str, Any]) -> bool:
+    """The Responses API's first content: a non-empty ``response.*.delta`` (output text,
+    refusal, function call arguments, reasoning), or an output item that holds content (a
+    function call's, a message's with content, a reasoning item's with a summary)."""
+    kind = value.get("type")
+    if not isinstance(kind, str):
+        return False
+    if kind.endswith(".delta"):
+        return bool(value.get("delta"))
+    if kind not in ("response.output_item.added", "response.output_item.done"):
+        return False
+    item = value.get("item")
+    if not isinstance(item, dict):
+        return False
+    item_type = item.get("type")
+    if item_type == "message":
+        return bool(item.get("content"))
+    if item_type == "reasoning":
+        return bool(item.get("summary") or item.get("content"))
+    return True
 
 
 def _event_json(event: bytes) -> object:
@@ -516,6 +795,8 @@ class TunnelHead:
     model_rewrite: ModelRewrite | None = None
     """The served model name -> the client's, for what the client receives (already applied
     to ``data`` and by ``sse``; the relay applies it to another body)."""
+    dialect: Dialect = "openai"
+    """The API the answer speaks (:func:`dialect_of` its route): where its usage is."""
 
     @property
     def ok(self) -> bool:
@@ -538,6 +819,7 @@ async def commit_tunnel(
     else:
         sent, injected = call.raw_body(served_model), False
     rewrite = ModelRewrite.between(served_model, call.body.get("model"))
+    dialect = dialect_of(call.path)
     await tunnel.send_request(
         method=call.method,
         path=call.path,
@@ -549,32 +831,58 @@ async def commit_tunnel(
     if rewrite is not None and _is_binary(start.headers):
         rewrite = None  # audio or an image: relayed unchanged
     if not 200 <= start.status < 300:
-        return TunnelHead(start=start, model_rewrite=rewrite)
+        return TunnelHead(start=start, model_rewrite=rewrite, dialect=dialect)
     try:
         if _is_sse(client_headers(start.headers, ())):
-            return await _sse_head(tunnel, start, injected, rewrite)
+            sse = SSEFilter(
+                strip_usage_chunk=injected, find_content=True, rewrite=rewrite, dialect=dialect
+            )
+            return await _sse_head(tunnel, start, sse, rewrite)
         head = await _body_head(tunnel, start, pre_commit)
-        return attrs.evolve(head, model_rewrite=rewrite)
+        return attrs.evolve(head, model_rewrite=rewrite, dialect=dialect)
     except TunnelFailed as exc:
         raise TunnelFailed(exc.message, code=exc.code, retryable=True) from exc
 
 
 async def _sse_head(
-    tunnel: Tunnel, start: wire.TunnelStart, injected: bool, rewrite: ModelRewrite | None
+    tunnel: Tunnel, start: wire.TunnelStart, sse: SSEFilter, rewrite: ModelRewrite | None
 ) -> TunnelHead:
-    sse = SSEFilter(strip_usage_chunk=injected, find_content=True, rewrite=rewrite)
+    """Read the stream up to its first content. An error event before it (a native
+    dialect's) fails the attempt: the client has seen nothing of it."""
     parts: list[bytes] = []
     size = 0
+    dialect = sse.dialect
     while not sse.content_seen and size <= BUFFER_LIMIT:
         data = await tunnel.receive_some()
         if not data:
             parts.append(sse.finish())
+            _check_failure(tunnel, sse)
             data = b"".join(parts)
-            return TunnelHead(start=start, data=data, sse=sse, complete=True, model_rewrite=rewrite)
+            return TunnelHead(
+                start=start,
+                data=data,
+                sse=sse,
+                complete=True,
+                model_rewrite=rewrite,
+                dialect=dialect,
+            )
         out = sse.feed(data)
+        _check_failure(tunnel, sse)
         parts.append(out)
         size += len(out)
-    return TunnelHead(start=start, data=b"".join(parts), sse=sse, model_rewrite=rewrite)
+    return TunnelHead(
+        start=start, data=b"".join(parts), sse=sse, model_rewrite=rewrite, dialect=dialect
+    )
+
+
+def _check_failure(tunnel: Tunnel, sse: SSEFilter) -> None:
+    if sse.failure is not None:
+        raise TunnelFailed(
+            f"the provider behind {tunnel.candidate.label} sent an error event before any "
+            f"content: {sse.failure}",
+            code="upstream_error_event",
+            retryable=True,
+        )
 
 
 async def _body_head(tunnel: Tunnel, start: wire.TunnelStart, pre_commit: PreCommit) -> TunnelHead:
@@ -593,6 +901,7 @@ __all__ = [
     "BUFFER_LIMIT",
     "MAX_SSE_EVENT",
     "USAGE_TAIL",
+    "Dialect",
     "ModelRewrite",
     "ModelRewriteStream",
     "PreCommit",
@@ -601,9 +910,13 @@ __all__ = [
     "TunnelCall",
     "TunnelHead",
     "UsageReader",
+    "anthropic_usage",
     "body_usage",
     "client_headers",
     "commit_tunnel",
+    "dialect_of",
+    "dialect_usage",
+    "responses_usage",
     "tail_usage",
     "upstream_body",
     "upstream_headers",

@@ -87,6 +87,9 @@ class AdapterSpec:
     """What a normalized provider of this type serves, as its node's hello announces it:
     chat (and the Responses and Messages APIs the edge translates to it), and
     ``"embeddings"`` for an :class:`~nodes.adapters.base.Embedder` (:data:`EMBEDDING_ROUTES`)."""
+    tunnel_routes: tuple[wire.RouteName, ...] = wire.DEFAULT_TUNNEL_ROUTES
+    """What a tunnel provider of this type serves when it declares no ``routes``: an
+    OpenAI-compatible server's chat, completions and embeddings; Anthropic's API, messages."""
 
     def check_options(self, raw: Mapping[str, Any]) -> None:
         self.options.from_mapping(raw)
@@ -101,7 +104,9 @@ ADAPTERS: Final[Mapping[str, AdapterSpec]] = {
         OpenAIAdapter.from_provider, OpenAIOptions, tunnel=True, routes=EMBEDDING_ROUTES
     ),
     "cli": AdapterSpec(CLIAdapter.from_provider, CLIOptions),
-    "anthropic": AdapterSpec(AnthropicAdapter.from_provider, AnthropicOptions, tunnel=True),
+    "anthropic": AdapterSpec(
+        AnthropicAdapter.from_provider, AnthropicOptions, tunnel=True, tunnel_routes=("messages",)
+    ),
 }
 
 

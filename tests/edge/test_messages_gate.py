@@ -413,7 +413,7 @@ def tunnel_hello(node_id: str) -> wire.Hello:
     )
 
 
-async def test_tunnel_candidates_are_excluded_at_admission() -> None:
+async def test_tunnel_candidates_not_declaring_messages_are_excluded_at_admission() -> None:
     async with open_edge(node=None) as edge:
         tunnel = await connect(edge.dispatcher, tunnel_hello("tunnel-node"))
         async with httpx.AsyncClient(base_url=edge.url) as client:
@@ -423,7 +423,10 @@ async def test_tunnel_candidates_are_excluded_at_admission() -> None:
         assert only_tunnel.status_code == 400
         error = error_of(only_tunnel)
         assert error["type"] == "invalid_request_error"
-        assert "no tunnel speaks /v1/messages" in error["message"]
+        assert (
+            "its tunnel provider declares the routes chat, completions, embeddings, not "
+            "'messages'" in error["message"]
+        )
         # With a normalized candidate beside it, the request goes there, never to the tunnel.
         normal = await connect(edge.dispatcher, hello("normal", model="m", slots=4))
         async with trio.open_nursery() as nursery:

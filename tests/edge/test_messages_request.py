@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import orjson
 import pytest
 
@@ -472,11 +473,12 @@ def candidate(path: str) -> Candidate:
     )
 
 
-def test_the_predicate_refuses_tunnels_only() -> None:
+def test_the_predicate_refuses_tunnels_not_declaring_messages_only() -> None:
     assert MESSAGES_PREDICATE(candidate("normalized")) is None
     reason = MESSAGES_PREDICATE(candidate("tunnel"))
     assert reason is not None
-    assert "/v1/messages" in reason
+    assert "not 'messages'" in reason
+    assert MESSAGES_PREDICATE(attrs.evolve(candidate("tunnel"), routes=("messages",))) is None
 
 
 def test_the_echo_models_knobs_are_forwarded() -> None:

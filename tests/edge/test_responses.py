@@ -513,7 +513,7 @@ async def test_client_disconnect_cancels_the_node_run() -> None:
         assert edge.store.statistics().entries == 0  # an answer the client left is not stored
 
 
-async def test_tunnel_candidates_are_excluded_at_admission() -> None:
+async def test_tunnel_candidates_not_declaring_responses_are_excluded_at_admission() -> None:
     async with open_edge(local=False) as edge:
         greeting = hello("tunnel-node", model="echo", slots=2)
         provider = attrs.evolve(greeting.providers[0], path="tunnel")
@@ -523,7 +523,10 @@ async def test_tunnel_candidates_are_excluded_at_admission() -> None:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["code"] == "no_capable_candidate"
-        assert "cannot speak /v1/responses" in error["message"]
+        assert (
+            "its tunnel provider declares the routes chat, completions, embeddings, not "
+            "'responses'" in error["message"]
+        )
         assert not [m for m in node.seen if isinstance(m, wire.TunnelRequest)]
         assert not (await edge.dispatcher.ledger.query()).rows
 

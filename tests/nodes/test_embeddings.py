@@ -382,3 +382,21 @@ async def test_ollama_not_found_is_retryable(fake_ollama: FakeOllama) -> None:
     fake_ollama.error_message = 'model "served-m" not found, try pulling it first'
     rec = await run(ollama_adapter(fake_ollama.base_url), embed_request())
     assert (failed(rec).code, failed(rec).retryable) == ("upstream_not_found", True)
+
+
+def test_an_anthropic_tunnel_declaring_no_routes_serves_messages() -> None:
+    """Anthropic's API speaks Messages, not OpenAI's routes: a tunnel to it that declares no
+    ``routes`` serves ``messages``; one that declares routes serves those."""
+    model = (ModelConfig(name="m", served_name="m"),)
+    config = NodeConfig(
+        node_id="n",
+        providers=(
+            ProviderConfig(id="a", type="anthropic", path="tunnel", models=model),
+            ProviderConfig(
+                id="b", type="anthropic", path="tunnel", routes=("messages", "chat"), models=model
+            ),
+            ProviderConfig(id="n", type="anthropic", models=model),
+        ),
+    )
+    routes = {p.id: p.served_routes for p in hello_from_config(config, ADAPTERS).providers}
+    assert routes == {"a": ("messages",), "b": ("messages", "chat"), "n": wire.NORMALIZED_ROUTES}

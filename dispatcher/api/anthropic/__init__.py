@@ -8,10 +8,14 @@ say so), the
 same gate, recovery before the commit, cancellation and usage rows. The committed answer is
 rendered back as a ``message`` or its SSE events (:mod:`._answer`).
 
-Tunnel candidates are excluded at admission (:data:`MESSAGES_PREDICATE`): a tunnel relays bytes
-to a provider, and no provider of ours speaks ``/v1/messages`` natively yet, so such an
-attempt could only fail. ``anthropic-version`` and ``anthropic-beta`` are accepted and not
-needed (a tunnel to an Anthropic-native provider would pass them on; there is none today).
+Admission (:data:`MESSAGES_PREDICATE`, ``serving("messages")``) offers every normalized
+candidate (translated, as above) and the tunnel candidates whose provider declares the route
+``messages`` (an Anthropic-API provider): those are relayed natively, the client's body as sent
+(``model`` replaced by the served name), ``anthropic-version`` and ``anthropic-beta`` passed on,
+the answer's bytes as the provider sent them but for the model's name
+(:func:`~dispatcher.api.tunnel_relay.relay`, Anthropic's dialect: the commit at the first
+content event, usage from ``message_start`` and ``message_delta``, an ``event: error`` after
+the commit). A tunnel provider that does not declare ``messages`` is never chosen.
 
 ``docs/messages.md`` lists the subset supported and what is answered 400.
 """
@@ -34,7 +38,7 @@ from ...errors import (
     RunError,
     ShuttingDown,
 )
-from ...gate.attempts import Answer
+from ...gate.attempts import Answer, TunnelAnswer
 from ...http import PeerGone, Request, Responder
 from ...shared.excgroups import leaves
 from ..common import (
@@ -46,8 +50,8 @@ from ..common import (
     dispatch_headers,
     fit_effort,
     model_route,
-    normalized_only,
     relay_rest,
+    serving,
 )
 from ..front import (
     FrontEnd,
@@ -56,6 +60,7 @@ from ..front import (
     RouteSpec,
 )
 from ..seam import EdgeServices
+from ..tunnel_relay import relay
 from ._answer import (
     PING,
     EventWriter,
@@ -131,11 +136,10 @@ def anthropic_error(exc: BaseException) -> RenderedError:
 # --------------------------------------------------------------------------- routes
 
 
-MESSAGES_PREDICATE: Final = normalized_only(
-    "serves this model through a tunnel, and no tunnel speaks /v1/messages yet"
-)
-"""The admission predicate of ``/v1/messages``: tunnel candidates cannot serve it (no
-provider speaks the Messages API natively yet), so no attempt is spent on them."""
+MESSAGES_PREDICATE: Final = serving("messages")
+"""The admission predicate of ``/v1/messages``: normalized candidates (translated) and tunnel
+candidates whose provider declares ``messages`` (relayed natively); no attempt is spent on
+another tunnel."""
 
 
 @model_route
@@ -144,17 +148,22 @@ async def messages(call: ModelCall, responder: Responder) -> str:
     parsed = parse_messages_request(await call.request.body())
     chat = to_chat_body(parsed.body)
     gated = await call.gate_request(
-        chat, stream=parsed.stream, predicate=MESSAGES_PREDICATE, prepare=fit_effort(chat)
+        chat,
+        stream=parsed.stream,
+        predicate=MESSAGES_PREDICATE,
+        prepare=fit_effort(chat),
+        tunnel_body=parsed.body,
     )
     estimate = count_input_tokens(parsed.body)
     async with call.edge.gate.open(gated) as answer:
-        if not isinstance(answer, Answer):  # MESSAGES_PREDICATE admits no tunnel
-            raise DispatcherError("a tunnel answered a /v1/messages request")
+        request_id = (b"request-id", call.ctx.request_id.encode())
+        if isinstance(answer, TunnelAnswer):  # a provider speaking the Messages API
+            return await relay(call.edge, answer, chat, responder, (*call.ctx.headers, request_id))
         message_id = "msg_" + answer.run.run_id
         headers = (
             *call.ctx.headers,
             *dispatch_headers(answer.result, answer.attempts),
-            (b"request-id", call.ctx.request_id.encode()),
+            request_id,
         )
         try:
             if parsed.stream:

@@ -6,8 +6,13 @@ A Responses request is translated into the typed
 OpenAI chat body (``instructions`` and the ``input`` items as ``messages``, function ``tools``,
 ``tool_choice``, ``max_output_tokens`` as ``max_tokens`` ...), so it takes the same gate,
 recovery, cancellation and usage rows as chat completions; the ledger's row records the route
-``/v1/responses``. Only normalized candidates serve it (:data:`RESPONSES_PREDICATE`): a
-tunnel relays bytes, and no provider is declared to speak ``/v1/responses`` natively.
+``/v1/responses``. Admission (:data:`RESPONSES_PREDICATE`, ``serving("responses")``) offers
+every normalized candidate (translated) and the tunnel candidates whose provider declares the
+route ``responses``: those are relayed natively (:func:`~dispatcher.api.tunnel_relay.relay`,
+the Responses dialect), the client's body as sent but for ``model``. A native answer is the
+upstream's: the edge does not store it (``store`` goes to the upstream as sent). A request
+with ``previous_response_id`` names a response this edge stored, whose conversation only the
+edge has: it is served translated (:data:`CHAINED_PREDICATE` refuses tunnel candidates).
 
 Nothing is written before the gate yields the committed answer: for a stream, the preamble
 (``response.created``, ``response.in_progress``) goes out with the first content, so a failure
@@ -33,7 +38,7 @@ import trio
 
 from ... import wire
 from ...errors import BadRequest, NotFound, StoreUnavailable
-from ...gate.attempts import Answer
+from ...gate.attempts import Answer, TunnelAnswer
 from ...http import PeerGone, Request, Responder
 from ...store.seam import ResponseStore, StoredResponse
 from ...wire import JSONObject
@@ -42,12 +47,14 @@ from ..common import (
     SHUTDOWN_SEND_TIMEOUT,
     SSE_HEADERS,
     ModelCall,
+    both,
     dispatch_headers,
     fit_effort,
     model_route,
     normalized_only,
     openai_error,
     relay_rest,
+    serving,
 )
 from ..front import (
     FrontEnd,
@@ -56,6 +63,7 @@ from ..front import (
     RouteSpec,
 )
 from ..seam import EdgeServices
+from ..tunnel_relay import relay
 from ._answer import (
     Events,
     Turn,
@@ -69,6 +77,7 @@ from ._request import (
 )
 
 __all__ = [
+    "CHAINED_PREDICATE",
     "FRONT_END",
     "RESPONSES_PATH",
     "RESPONSES_PREDICATE",
@@ -87,11 +96,19 @@ RESPONSE_ID_ROUTE: Final = "/v1/responses/{id}"
 """The route of one stored response: a pattern route (``api.app`` matches the last path
 segment as ``{id}``)."""
 
-RESPONSES_PREDICATE: Final = normalized_only(
-    "serves this model through a tunnel, which cannot speak /v1/responses"
+RESPONSES_PREDICATE: Final = serving("responses")
+"""The admission predicate of ``/v1/responses``: normalized candidates (translated) and tunnel
+candidates whose provider declares ``responses`` (relayed natively); no attempt is spent on
+another tunnel."""
+CHAINED_PREDICATE: Final = both(
+    RESPONSES_PREDICATE,
+    normalized_only(
+        "serves this model through a tunnel, and previous_response_id names a response "
+        "stored by this edge, which an upstream does not have"
+    ),
 )
-"""The admission predicate of ``/v1/responses``: a tunnel relays the client's bytes to a
-provider, and none is declared to speak ``/v1/responses``."""
+"""The admission predicate of a request with ``previous_response_id``: the conversation is in
+the edge's store, so only a translated answer can continue it."""
 
 # --------------------------------------------------------------------------- routes
 
@@ -163,7 +180,11 @@ def _create_route(store_of: StoreOf) -> Route:
         history = await _history(store, previous, owner)
         chat = chat_body(request, history)
         gated = await call.gate_request(
-            chat, stream=request.stream, predicate=RESPONSES_PREDICATE, prepare=fit_effort(chat)
+            chat,
+            stream=request.stream,
+            predicate=RESPONSES_PREDICATE if previous is None else CHAINED_PREDICATE,
+            prepare=fit_effort(chat),
+            tunnel_body=request.body,
         )
         turn = Turn(request, previous)
 
@@ -177,7 +198,9 @@ def _create_route(store_of: StoreOf) -> Route:
                     _not_stored.warn(turn.fields["id"], exc)
 
         async with call.edge.gate.open(gated) as answer:
-            assert isinstance(answer, Answer), "the predicate admits normalized candidates only"
+            if isinstance(answer, TunnelAnswer):  # a provider speaking the Responses API
+                own = [h for h in call.ctx.headers if h[0] != DROPPED_TOOLS_HEADER]
+                return await relay(call.edge, answer, chat, responder, own)
             headers = (*call.ctx.headers, *dispatch_headers(answer.result, answer.attempts))
             try:
                 reply = _Reply(turn, answer, responder, headers, keep)
