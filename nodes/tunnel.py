@@ -52,6 +52,7 @@ import trio
 from dispatcher import wire
 from dispatcher.shared.excgroups import first_leaf
 from dispatcher.shared.transport import ConnectionClosed
+from nodes.adapters.anthropic import ANTHROPIC_BASE_URL, ANTHROPIC_VERSION
 from nodes.adapters.base import open_each
 from nodes.adapters.ollama import OLLAMA_BASE_URL
 from nodes.adapters.openai import OPENAI_BASE_URL
@@ -73,15 +74,11 @@ MAX_CONNECTIONS: Final = 256
 """Concurrent upstream connections of a provider built without a config (no slots known);
 one from the config gets its slots (:func:`~nodes.upstream.pools.pool_size`)."""
 
-ANTHROPIC_API_URL: Final = "https://api.anthropic.com"
-ANTHROPIC_VERSION: Final = "2023-06-01"
-"""The ``anthropic-version`` a tunnel to an Anthropic provider sends when the client sent none
-(the API requires one)."""
 
 DEFAULT_BASE_URLS: Final[Mapping[str, str]] = {
     "openai": OPENAI_BASE_URL,
     "ollama": OLLAMA_BASE_URL,
-    "anthropic": ANTHROPIC_API_URL,
+    "anthropic": ANTHROPIC_BASE_URL,
 }
 """A provider's ``base_url`` when its config has none: its adapter type's default."""
 

@@ -334,6 +334,12 @@ async def test_messages_stream_is_the_providers_events_but_the_model(
             INPUT_TOKENS + CACHE_READ + CACHE_WRITE,
             6,
         )
+        # the ledger keeps the parts too (cached_tokens, cache_write_tokens columns)
+        assert (row.cached_tokens, row.cache_write_tokens, row.reasoning_tokens) == (
+            CACHE_READ,
+            CACHE_WRITE,
+            0,
+        )
         assert env.usages == [
             wire.Usage(
                 prompt_tokens=INPUT_TOKENS + CACHE_READ + CACHE_WRITE,
@@ -389,6 +395,7 @@ async def test_the_anthropic_sdk_streams_and_creates_through_a_native_tunnel(
         )
         assert env.usages[0].cached_tokens == CACHE_READ
         assert env.usages[0].cache_write_tokens == CACHE_WRITE
+        assert (row.cached_tokens, row.cache_write_tokens) == (CACHE_READ, CACHE_WRITE)
         assert orjson.loads(whole)["model"] == CLAUDE_SERVED
         await env.rows("m-sdk-stream", 1)
 
@@ -557,6 +564,7 @@ async def test_responses_stream_is_the_providers_events_but_the_model(
             "reported",
         )
         assert (row.prompt_tokens, row.completion_tokens) == (INPUT_TOKENS, 4)
+        assert (row.cached_tokens, row.reasoning_tokens) == (CACHED_TOKENS, REASONING_TOKENS)
         assert env.usages == [
             wire.Usage(
                 prompt_tokens=INPUT_TOKENS,
