@@ -163,6 +163,10 @@ class Needs:
     predicate: Predicate | None = attrs.field(default=None, eq=False)
     exclude: frozenset[CandidateKey] = frozenset()
     session_id: str | None = None
+    affinity_key: str | None = None
+    """The request's affinity key (issue #26: the client's own, or a hash of its stable
+    prefix): the candidate it ranks first is preferred where the group's policy turns
+    affinity on."""
     _excluded: frozenset[CandidateIdentity] = attrs.field(
         init=False,
         eq=False,
@@ -223,6 +227,7 @@ def needs_from_body(
     body: Mapping[str, Any],
     *,
     session_id: str | None = None,
+    affinity_key: str | None = None,
     predicate: Predicate | None = None,
     exclude: frozenset[CandidateKey] = frozenset(),
 ) -> Needs:
@@ -275,4 +280,5 @@ def needs_from_body(
         predicate=predicate,
         exclude=exclude,
         session_id=session_id,
+        affinity_key=affinity_key,
     )

@@ -303,6 +303,7 @@ class ModelCall:
         raw_body: Callable[[str], bytes] | None = None,
         run_route: wire.RouteName = "chat",
         tunnel_body: dict[str, Any] | None = None,
+        affinity_key: str | None = None,
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
         tunnel attempt relays as the client sent it (``tunnel_body`` instead, when the route
@@ -338,6 +339,7 @@ class ModelCall:
                 route=request.path,
                 run_route=run_route,
                 session_id=session.decode("latin-1") if session else None,
+                affinity_key=affinity_key,
                 predicate=predicate,
                 # fair queueing between tenants: the tenant as admitted (a reload since the
                 # request was authenticated does not change it)

@@ -54,6 +54,8 @@ class DispatchRequest:
     embeddings body."""
     session_id: str | None = None
     """Prefer the node that served this session last, when it has a free slot."""
+    affinity_key: str | None = None
+    """The request's affinity key (``Needs.affinity_key``), or None."""
     predicate: Predicate | None = attrs.field(default=None, eq=False)
     """An embedder's extra test of each candidate: a rejection reason, or None."""
     exclude: frozenset[CandidateKey] = frozenset()
@@ -128,6 +130,7 @@ class Pool:
         needs = needs_from_body(
             request.body,
             session_id=request.session_id,
+            affinity_key=request.affinity_key,
             predicate=request.predicate,
             exclude=request.exclude,
         )
