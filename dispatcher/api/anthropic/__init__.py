@@ -41,6 +41,7 @@ from ...errors import (
 from ...gate.attempts import Answer, TunnelAnswer
 from ...http import PeerGone, Request, Responder
 from ...shared.excgroups import leaves
+from ..affinity import affinity_key
 from ..common import (
     JSON_HEADERS,
     SHUTDOWN_SEND_TIMEOUT,
@@ -153,6 +154,7 @@ async def messages(call: ModelCall, responder: Responder) -> str:
         predicate=MESSAGES_PREDICATE,
         prepare=fit_effort(chat),
         tunnel_body=parsed.body,
+        affinity_key=affinity_key(call.request.headers, parsed.body, chat),
     )
     estimate = count_input_tokens(parsed.body)
     async with call.edge.gate.open(gated) as answer:

@@ -34,6 +34,7 @@ from ...http import (
     Responder,
 )
 from ...tenants import Tenant
+from ..affinity import affinity_key
 from ..common import (
     JSON_HEADERS,
     SHUTDOWN_SEND_TIMEOUT,
@@ -60,7 +61,12 @@ from ._request import ChatRequest, parse_chat_request, parse_tunnel_body
 @model_route
 async def chat_completions(call: ModelCall, responder: Responder) -> str:
     chat = parse_chat_request(await call.request.body())
-    gated = await call.gate_request(chat.body, stream=chat.stream, predicate=serving("chat"))
+    gated = await call.gate_request(
+        chat.body,
+        stream=chat.stream,
+        predicate=serving("chat"),
+        affinity_key=affinity_key(call.request.headers, chat.body),
+    )
     return await _chat(call.edge, chat, gated, responder, call.ctx)
 
 
@@ -140,7 +146,10 @@ async def tunnel_route(call: ModelCall, responder: Responder) -> str:
     body = parse_tunnel_body(await call.request.body(), route=route)
     stream = body.get("stream") is True
     gated = await call.gate_request(
-        body, stream=stream, predicate=both(serving("completions"), tunnel_only(route))
+        body,
+        stream=stream,
+        predicate=both(serving("completions"), tunnel_only(route)),
+        affinity_key=affinity_key(call.request.headers, body),
     )
     async with call.edge.gate.open(gated) as answer:
         assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"

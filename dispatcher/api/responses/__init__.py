@@ -42,6 +42,7 @@ from ...gate.attempts import Answer, TunnelAnswer
 from ...http import PeerGone, Request, Responder
 from ...store.seam import ResponseStore, StoredResponse
 from ...wire import JSONObject
+from ..affinity import affinity_key
 from ..common import (
     JSON_HEADERS,
     SHUTDOWN_SEND_TIMEOUT,
@@ -185,6 +186,7 @@ def _create_route(store_of: StoreOf) -> Route:
             predicate=RESPONSES_PREDICATE if previous is None else CHAINED_PREDICATE,
             prepare=fit_effort(chat),
             tunnel_body=request.body,
+            affinity_key=affinity_key(call.request.headers, request.body, chat),
         )
         turn = Turn(request, previous)
 
