@@ -61,26 +61,22 @@ def client_affinity_key(
     headers: Iterable[tuple[bytes, bytes]], body: Mapping[str, Any]
 ) -> str | None:
     """The client's own key, hashed: ``x-session-affinity``, ``prompt_cache_key``,
-    ``metadata.user_id``, ``x-session-id`` (the first present and not empty), or None.
+    ``metadata.user_id``, ``x-session-id`` (the first present and not blank), or None.
     ``body`` is the body as the client sent it (before a front end translates it)."""
     headers = tuple(headers)
+    metadata = body.get("metadata")
+    candidates = (
+        *(_header(headers, name) for name in _CLIENT_HEADERS),
+        body.get("prompt_cache_key"),
+        metadata.get("user_id") if isinstance(metadata, Mapping) else None,
+        _header(headers, _SESSION_HEADER),
+    )
     chosen: bytes | None = None
-    for name in _CLIENT_HEADERS:
-        value = _header(headers, name)
-        if value and value.strip():
-            chosen = value.strip()
+    for candidate in candidates:
+        value = candidate.encode() if isinstance(candidate, str) else candidate
+        if isinstance(value, bytes) and value.strip():
+            chosen = value.strip()  # surrounding blanks are no part of a key
             break
-    if chosen is None:
-        cache_key = body.get("prompt_cache_key")
-        metadata = body.get("metadata")
-        user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-        session = _header(headers, _SESSION_HEADER)
-        if isinstance(cache_key, str) and cache_key:
-            chosen = cache_key.encode()
-        elif isinstance(user_id, str) and user_id:
-            chosen = user_id.encode()
-        elif session and session.strip():
-            chosen = session.strip()
     return None if chosen is None else _digest(b"client", chosen)
 
 

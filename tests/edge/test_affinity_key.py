@@ -4,7 +4,7 @@ speaks; and, end to end through a real edge, the key reaching admission (``Needs
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -14,7 +14,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dispatcher.admission import Needs
+from dispatcher.admission import Needs, needs_from_body
 from dispatcher.api.affinity import (
     RAW_PREFIX_CHARS,
     affinity_key,
@@ -106,7 +106,7 @@ def test_later_turns_keep_the_key(
 ) -> None:
     system, users, answers = conversation
     later = (system, [*users, *more], [*answers, *(f"answer {n}" for n in range(len(more)))])
-    first = (system, users[:1], [])
+    first: tuple[str, list[str], list[str]] = (system, users[:1], [])
     assert affinity_key((), front(*later)) == affinity_key((), front(*first))
 
 
@@ -168,13 +168,17 @@ def test_nothing_secret_nor_readable_in_the_key(
         ((b"authorization", f"Bearer {secret}".encode()), (b"x-api-key", secret.encode())), body
     )
     assert key == with_auth  # the credentials are no part of it
-    assert key is not None and len(key) == 32 and int(key, 16) >= 0  # 128 bits, hex
+    assert key is not None
+    assert len(key) == 32  # 128 bits, hex
+    assert int(key, 16) >= 0
     own = client_affinity_key(((b"x-session-affinity", secret.encode()),), {})
-    assert own is not None and len(own) == 32 and own != secret.strip()  # hashed too
+    assert own is not None
+    assert len(own) == 32  # hashed too
+    assert own != secret.strip()
 
 
 def test_the_stable_prefix() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "be brief"},
         {"role": "developer", "content": [{"type": "text", "text": "and kind"}]},
         {
@@ -210,10 +214,10 @@ def test_a_raw_prompt_keys_by_its_head() -> None:
 
 
 @pytest.fixture
-def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Needs]]:
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[Needs]:
     """Every ``Needs`` the gate's pool builds, recorded in process."""
     seen: list[Needs] = []
-    real = pool.needs_from_body
+    real = needs_from_body
 
     def recording(*args: Any, **kwargs: Any) -> Needs:
         needs = real(*args, **kwargs)
@@ -221,7 +225,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Needs]]:
         return needs
 
     monkeypatch.setattr(pool, "needs_from_body", recording)
-    yield seen
+    return seen
 
 
 @pytest.fixture
@@ -308,7 +312,8 @@ async def test_the_key_reaches_admission_the_same_from_every_front_end(
     conversation = keys[0]
     assert conversation is not None
     assert keys[:5] == [conversation] * 5  # three chat turns, Responses, Messages
-    assert keys[5] is not None and keys[5] != conversation  # another system prompt
+    assert keys[5] is not None
+    assert keys[5] != conversation  # another system prompt
     assert keys[6] == keys[7] == client_affinity_key((), {"prompt_cache_key": "conversation-7"})
     assert keys[6] not in (conversation, keys[5])
     assert conversation == prefix_affinity_key(
