@@ -9,7 +9,8 @@ client's body); the choice's ``finish_reason`` -> the finish reason (passed thro
 ``length``, ``tool_calls``, ``content_filter``...); the ``usage`` chunk -> usage. A legacy
 ``function_call`` delta (the deprecated ``functions`` API) fails the run with code
 ``unsupported_function_call`` (not retryable): use ``tools``. ``data: [DONE]`` ends the
-stream. An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
+stream. With the ``cache_prompt`` option, the body also carries llama.cpp's
+``cache_prompt: true`` (the engine's prompt cache hint). An ``{"error": ...}`` event fails the run with code ``upstream_error`` (retryable), or
 as the client's error (its code, message and status, not retryable) when it names a 400, 413,
 415 or 422 in ``code`` (vLLM, llama.cpp) or has code ``context_length_exceeded``. A non-2xx
 answer fails as ``_upstream_errors`` maps it: 400, 413, 415, 422 are the client's error, with
@@ -65,10 +66,15 @@ class OpenAIOptions:
     """Merge every ``system`` message into one at the start (texts joined by a blank line,
     in order), for an engine whose chat template takes a system message only first
     (Claude Code puts some in the middle of the conversation, which the edge keeps there)."""
+    cache_prompt: bool = False
+    """Send llama.cpp's ``cache_prompt: true`` (unless the body has ``cache_prompt``): the
+    engine reuses the prefix its slot (or its host-memory prompt cache) keeps, even when it
+    was started with ``--no-cache-prompt``. Off by default: OpenAI's API refuses fields it
+    does not know, and vLLM's prefix caching needs no hint."""
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> OpenAIOptions:
-        checks = {"include_usage": _flag, "merge_system_messages": _flag}
+        checks = {"include_usage": _flag, "merge_system_messages": _flag, "cache_prompt": _flag}
         return cls(**parse_options(raw, checks, kind="openai"))
 
 
@@ -126,6 +132,8 @@ class OpenAIAdapter(HTTPAdapter):
         if self.options.merge_system_messages:
             body["messages"] = merge_system_messages(body.get("messages"))
         body["stream"] = True
+        if self.options.cache_prompt:
+            body.setdefault("cache_prompt", True)
         if self.options.include_usage:
             stream_options = body.get("stream_options")
             body["stream_options"] = {

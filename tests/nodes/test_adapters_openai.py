@@ -155,6 +155,23 @@ async def test_merge_system_messages_makes_one_leading_system_message(fake: Fake
     assert fake.requests[1].json["messages"] == plain
 
 
+async def test_cache_prompt_is_sent_only_when_the_option_says_so(fake: FakeOpenAI) -> None:
+    await run(adapter_for(fake.base_url), req())
+    assert "cache_prompt" not in fake.requests[0].json  # OpenAI's API refuses unknown fields
+    await run(adapter_for(fake.base_url, cache_prompt=True), req())
+    assert fake.requests[1].json["cache_prompt"] is True
+    # the client's own value is kept
+    await run(adapter_for(fake.base_url, cache_prompt=True), req(cache_prompt=False))
+    assert fake.requests[2].json["cache_prompt"] is False
+
+
+def test_cache_prompt_option_is_a_flag() -> None:
+    assert OpenAIOptions.from_mapping({"cache_prompt": True}).cache_prompt is True
+    assert OpenAIOptions.from_mapping({}).cache_prompt is False
+    with pytest.raises(OptionsError, match="cache_prompt"):
+        OpenAIOptions.from_mapping({"cache_prompt": "yes"})
+
+
 async def test_client_stream_options_are_kept(fake: FakeOpenAI) -> None:
     await run(adapter_for(fake.base_url), req(stream_options={"other": 1}))
     assert fake.requests[0].json["stream_options"] == {"other": 1, "include_usage": True}
