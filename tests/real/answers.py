@@ -176,6 +176,10 @@ NUMBERS: dict[str, dict[str, list[float]]] = {}
 them as a table at the end of the run)."""
 
 
+REPORT: list[str] = []
+"""Lines a measuring test leaves for the end of the run (``test_affinity``'s table)."""
+
+
 CANCELS: dict[str, tuple[float, int, int]] = {}
 """The disconnect tests' findings: model -> (seconds from the client leaving to the engine's
 slot idle, tokens the engine decoded, tokens asked for)."""

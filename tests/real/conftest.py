@@ -21,7 +21,7 @@ import pytest
 
 from tests.optional import deselect_unless
 
-from .answers import CANCELS, GAVE_UP, NUMBERS, client
+from .answers import CANCELS, GAVE_UP, NUMBERS, REPORT, client
 from .stack import Stack, busy_slots, start_edge_and_node, start_engine
 
 ENGINE_ENV = "DISPATCHER_REAL_ENGINE"
@@ -95,6 +95,10 @@ def idle_engine(stack: Stack) -> Stack:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if REPORT:
+        terminalreporter.section("real engines: cache-aware routing (test_affinity)")
+        for line in REPORT:
+            terminalreporter.write_line(line)
     if not NUMBERS and not CANCELS and not GAVE_UP:
         return
     terminalreporter.section("real engine: direct vs through the edge")

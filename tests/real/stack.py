@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,23 +207,30 @@ def start_engine(
     *,
     cache_prompt: bool = False,
     parallel: int = PARALLEL,
+    context: int = CONTEXT,
+    threads: int | None = None,
+    extra: Sequence[str] = (),
+    name: str = "llama-server",
 ) -> None:
     """``llama-server`` with the model, CPU only, ``/slots`` and ``/metrics`` on, and a ChatML
     chat template: ``template`` (a file: the nox session gives one of llama.cpp's bundled
     templates that renders tool definitions), else llama.cpp's built-in ``chatml``. (With the
     model's own template llama-server silently drops tool definitions.) ``cache_prompt``: the
     engine keeps each slot's prompt and reuses its prefix (off by default: see below);
-    ``parallel`` slots of :data:`CONTEXT` tokens each."""
+    ``parallel`` slots of ``context`` tokens each; ``threads`` (default
+    ``DISPATCHER_REAL_THREADS``, else 2); ``extra`` arguments; ``name`` its log's. Another
+    engine started on the same stack becomes ``stack.engine_url`` (read it after each)."""
     port = free_port()
-    threads = os.environ.get("DISPATCHER_REAL_THREADS", "2")
+    if threads is None:
+        threads = int(os.environ.get("DISPATCHER_REAL_THREADS", "2"))
     argv = [
         engine,
         "--model", model,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--ctx-size", str(CONTEXT * parallel),
+        "--ctx-size", str(context * parallel),
         "--parallel", str(parallel),
-        "--threads", threads,
+        "--threads", str(threads),
         "--jinja",
         *(["--chat-template-file", template] if template else ["--chat-template", "chatml"]),
         # Every prompt evaluated whole: a prompt served partly from the cache is evaluated
@@ -233,15 +240,16 @@ def start_engine(
         "--metrics",
         "--slots",
         "--no-webui",
+        *extra,
     ]  # fmt: skip
-    engine_child = stack.spawn("llama-server", argv)
+    engine_child = stack.spawn(name, argv)
     stack.engine_url = f"http://127.0.0.1:{port}"
     stack.engine_log = EngineLog(engine_child.log)
 
     def healthy() -> bool:
         return httpx.get(f"{stack.engine_url}/health", timeout=2).status_code == 200
 
-    _wait("llama-server /health", stack, stack.engine, healthy, START_TIMEOUT)
+    _wait(f"{name} /health", stack, engine_child, healthy, START_TIMEOUT)
 
 
 EDGE_TOML = """\
@@ -309,18 +317,25 @@ def start_edge(stack: Stack, edge_toml: str) -> None:
     stack.edge_url = f"http://127.0.0.1:{port}"
 
 
-def start_node(stack: Stack, node_toml: str, models: Collection[str]) -> None:
-    """A node process with the config ``node_toml``; returns once the edge is ready and
-    serves every one of ``models``."""
-    path = stack.workdir / "node.toml"
+def start_node(
+    stack: Stack,
+    node_toml: str,
+    models: Collection[str],
+    *,
+    name: str = "node",
+    ready: Callable[[], bool] | None = None,
+) -> None:
+    """A node process with the config ``node_toml`` (kept as ``<name>.toml``); returns once
+    the edge is ready and serves every one of ``models`` (or once ``ready()`` says so)."""
+    path = stack.workdir / f"{name}.toml"
     path.write_text(node_toml)
-    node = stack.spawn("node", [sys.executable, "-m", "dispatcher", "node", "--config", str(path)])
+    node = stack.spawn(name, [sys.executable, "-m", "dispatcher", "node", "--config", str(path)])
 
-    def ready() -> bool:
+    def serving() -> bool:
         answer = httpx.get(f"{stack.edge_url}/readyz", timeout=2)
         return answer.status_code == 200 and set(models) <= set(answer.json()["models"])
 
-    _wait("the edge ready with the node's models", stack, node, ready, START_TIMEOUT)
+    _wait("the edge ready with the node's models", stack, node, ready or serving, START_TIMEOUT)
 
 
 def start_edge_and_node(stack: Stack) -> None:
