@@ -294,6 +294,7 @@ def report(results: dict[bool, list[Turn]], system_tokens: int) -> list[str]:
     return lines
 
 
+@pytest.mark.timeout(600 + 900 * PAIRS)
 def test_affinity_lowers_the_time_to_first_token_of_later_turns(
     affinity_stack: AffinityStack,
 ) -> None:
@@ -307,7 +308,11 @@ def test_affinity_lowers_the_time_to_first_token_of_later_turns(
             if not affinity_stack.switch(on):
                 available = False
                 continue
+            began = time.monotonic()
             turns = run_round(edge_url, f"{pair}{'on' if on else 'off'}")
+            print(
+                f"round {pair} affinity {'on' if on else 'off'}: {time.monotonic() - began:.0f} s"
+            )
             # each round's conversations are new: a round's own conversation numbers, kept
             # apart from the other rounds' for the per-conversation counts
             offset = pair * CONVERSATIONS
