@@ -11,10 +11,11 @@ client's body); the choice's ``finish_reason`` -> the finish reason (passed thro
 ``unsupported_function_call`` (not retryable): use ``tools``. ``data: [DONE]`` ends the
 stream. With the ``cache_prompt`` option, the body also carries llama.cpp's
 ``cache_prompt: true`` (the engine's prompt cache hint). An ``{"error": ...}`` event fails
-the run with code ``upstream_error`` (retryable), or as the client's error (its code, message and status, not retryable) when it names a 400, 413,
-415 or 422 in ``code`` (vLLM, llama.cpp) or has code ``context_length_exceeded``. A non-2xx
-answer fails as ``_upstream_errors`` maps it: 400, 413, 415, 422 are the client's error, with
-the upstream's ``error.code`` (else ``invalid_request``), message and status.
+the run with code ``upstream_error`` (retryable), or as the client's error (its code, message
+and status, not retryable) when it names a 400, 413, 415 or 422 in ``code`` (vLLM,
+llama.cpp) or has code ``context_length_exceeded``. A non-2xx answer fails as
+``_upstream_errors`` maps it: 400, 413, 415, 422 are the client's error, with the upstream's
+``error.code`` (else ``invalid_request``), message and status.
 
 The usage's parts (:class:`StreamUsage`): the prompt's cached tokens are
 ``usage.prompt_tokens_details.cached_tokens`` (OpenAI; vLLM with
