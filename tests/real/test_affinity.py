@@ -55,7 +55,7 @@ PAIRS = int(os.environ.get("DISPATCHER_REAL_AFFINITY_PAIRS", "2"))
 
 CACHE_RAM = os.environ.get("DISPATCHER_REAL_CACHE_RAM", "64")
 
-THINK = (0.2, 1.5)
+THINK = (1.0, 6.0)
 """Seconds a conversation waits between an answer and its next turn (drawn per turn, seeded):
 a user reading, an agent running a tool. Without it the six conversations would each resend
 the moment their answer ended, into the slot that answer just freed -- the least loaded node
