@@ -207,13 +207,15 @@ def start_engine(
     *,
     cache_prompt: bool = False,
     parallel: int = PARALLEL,
+    alias: str | None = None,
 ) -> None:
     """``llama-server`` with the model, CPU only, ``/slots`` and ``/metrics`` on, and a ChatML
     chat template: ``template`` (a file: the nox session gives one of llama.cpp's bundled
     templates that renders tool definitions), else llama.cpp's built-in ``chatml``. (With the
     model's own template llama-server silently drops tool definitions.) ``cache_prompt``: the
     engine keeps each slot's prompt and reuses its prefix (off by default: see below);
-    ``parallel`` slots of :data:`CONTEXT` tokens each."""
+    ``parallel`` slots of :data:`CONTEXT` tokens each; ``alias``: the model name the engine
+    answers with (``--alias``; without it, its ``/v1/messages`` names the GGUF file's path)."""
     port = free_port()
     threads = os.environ.get("DISPATCHER_REAL_THREADS", "2")
     argv = [
@@ -230,6 +232,7 @@ def start_engine(
         # in other batch shapes, whose last bits differ, and at temperature 0 one close call
         # between two tokens then makes the direct and the edge's answers part ways.
         *([] if cache_prompt else ["--no-cache-prompt"]),
+        *(["--alias", alias] if alias else []),
         "--metrics",
         "--slots",
         "--no-webui",
