@@ -924,22 +924,20 @@ class AdmissionCore:
 
     # ------------------------------------------------------------------ affinity
 
-    def _ranked(self, waiter: _Waiter, states: Iterable[_CandidateState]) -> list[_CandidateState]:
-        """The ``states`` an affine ``waiter`` may prefer, its key's ranking (the heaviest
-        first): those that fit its needs, have slots of its class, and are not ejected."""
+    def _preferable(
+        self, waiter: _Waiter, states: Iterable[_CandidateState]
+    ) -> list[_CandidateState]:
+        """The ``states`` an affine ``waiter`` may prefer (unordered): those that fit its
+        needs, have slots of its class, and are not ejected."""
         klass = waiter.klass
         unhealthy = self._health.unhealthy
-        ranked = [
+        return [
             s
             for s in states
             if s.limits[1 + klass] > 0
             and not (unhealthy and s.ejected)
             and self._unfit(s, waiter) is None
         ]
-        key = waiter.affinity
-        assert key is not None
-        ranked.sort(key=lambda s: weight(key, s.seed), reverse=True)
-        return ranked
 
     def _has_room(self, state: _CandidateState, klass: int) -> bool:
         return state.free(klass) and (not self._health.unhealthy or state.accepting())
@@ -985,16 +983,24 @@ class AdmissionCore:
         policy = group.policy
         if key is None or not policy.affinity:
             return False, None
-        ranked = self._ranked(waiter, states)
+        ranked = self._preferable(waiter, states)
         if not ranked:
             return False, None
         klass = waiter.klass
         roomy = [s for s in ranked if self._has_room(s, klass)]
-        if roomy and roomy[0] is not ranked[0] and waiter.hold_until is not None:
-            if self._now < waiter.hold_until:
-                return True, None  # it waits for ranked[0] (its hold's end is a deadline)
         if not roomy:
             return True, None
+
+        def heaviest(state: _CandidateState) -> tuple[int, int]:
+            return weight(key, state.seed)
+
+        if waiter.hold_until is not None and self._now < waiter.hold_until:
+            first = max(ranked, key=heaviest)
+            if not self._has_room(first, klass):
+                return True, None  # it waits for ``first`` (its hold's end is a deadline)
+        if len(roomy) == 1:
+            return True, roomy[0]  # within the bound or not, the one choice
+        roomy.sort(key=heaviest, reverse=True)
         occupied = sum(s.occupied() for s in ranked) + 1
         total = sum(s.limits[0] for s in ranked)
         factor = policy.affinity_load_factor
