@@ -42,8 +42,16 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   waiters, so a freed slot on an ejected candidate skips every queue without one.
 * invariant: no queued waiter could use a candidate that has a free slot in its class (with
   health taken into account: an ejected candidate only for a fallback waiter, a probing one
-  only while its probe is not in flight). So a release only has to look for waiters when it
-  turned a full candidate free (or ended a probe).
+  only while its probe is not in flight; a waiter in its affinity hold only its preferred
+  candidate). So a release only has to look for waiters when it turned a full candidate
+  free (or ended a probe).
+* affinity (see "Affinity" in ``docs/admission.md``): a keyed waiter of a group with
+  affinity on ranks the group's candidates by rendezvous hashing (:mod:`._affinity`) and
+  takes the first with room within the bounded load; while its *hold* lasts
+  (``submitted + affinity_wait_s``, a deadline in its own heap) and its first-ranked
+  candidate has no room, it can use that one only, and blocks nobody behind it. An input
+  that may change a held waiter's preferred candidate (a node leaving or re-announcing, an
+  ejection, a capacity change) refills every candidate of the group while some waiter holds.
 
 Bounded memory (nodes are not trusted: one may announce hundreds of new model names at each
 reconnect):
@@ -344,7 +352,9 @@ class _CandidateState:
         return health.probe is None or health.state != "probing"
 
     def occupied(self) -> int:
-        return self.in_use[_SHORT] + self.in_use[_LONG] + self.draining[_SHORT] + self.draining[_LONG]
+        return (
+            self.in_use[_SHORT] + self.in_use[_LONG] + self.draining[_SHORT] + self.draining[_LONG]
+        )
 
     def load(self) -> float:
         total = self.limits[0]
@@ -1211,9 +1221,8 @@ class AdmissionCore:
             if ejected and self._healthy_fit(waiter):
                 self._flag(waiter, False)  # stale: a candidate recovered meanwhile
                 return False
-            if waiter.hold_pending and self._holding(waiter) is not None:
-                return False  # it waits for its preferred candidate, which is not ``state``
-            return True
+            # a waiter in its hold waits for its preferred candidate, which is not ``state``
+            return not (waiter.hold_pending and self._holding(waiter) is not None)
 
         for key, queue in group.queues.items():
             if key[0] != klass or key[2] & ~state.capmask:

@@ -177,7 +177,11 @@ def _queues(stats: AdmissionStatistics, traffic: Traffic, now: float) -> list[Qu
                 refused_429=refused.too_many_requests if refused else 0,
                 refused_503=refused.unavailable if refused else 0,
                 last_refused_at=refused.last_at if refused else None,
-                affinity=dict(group.affinity) if group and group.affinity_on else None,
+                affinity=(
+                    {str(r): n for r, n in group.affinity.items()}
+                    if group and group.affinity_on
+                    else None
+                ),
             )
         )
     return queues

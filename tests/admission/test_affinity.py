@@ -399,17 +399,18 @@ async def test_the_bounded_wait_in_virtual_time(autojump_clock: trio.testing.Moc
                 assert trio.current_time() - start == pytest.approx(0.25)
                 assert slot.queue_wait == pytest.approx(0.25)
         # and one whose home frees within the bound gets it
-        async with trio.open_nursery() as nursery:
-            async with admission.open_slot("m", Needs(affinity_key=key)) as busy:
+        async with (
+            trio.open_nursery() as nursery,
+            admission.open_slot("m", Needs(affinity_key=key)) as busy,
+        ):
 
-                async def free_soon() -> None:
-                    await trio.sleep(0.1)
-                    busy.release()
+            async def free_soon() -> None:
+                await trio.sleep(0.1)
+                busy.release()
 
-                nursery.start_soon(free_soon)
-                async with admission.open_slot("m", Needs(affinity_key=key)) as slot:
-                    assert slot.candidate.node_id == "a"
-                    assert slot.queue_wait == pytest.approx(0.1)
+            nursery.start_soon(free_soon)
+            async with admission.open_slot("m", Needs(affinity_key=key)) as slot:
+                assert slot.candidate.node_id == "a"
+                assert slot.queue_wait == pytest.approx(0.1)
         stats = admission.statistics().groups["m"].affinity
         assert (stats["hit"], stats["busy"]) == (3, 1)
-

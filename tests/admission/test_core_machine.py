@@ -396,6 +396,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             )
             event("affinity: first ranked" if admitted == ranked[0] else "affinity: spilled")
         else:
+
             def load(c: Candidate) -> float:
                 return self.occupied(c.key) / self.limits(c.key)[0]
 
@@ -1004,8 +1005,10 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert preferred is not None, f"{waiter.id!r} waits while {elsewhere[0].key} has room"
             assert preferred not in elsewhere or not self.room_for(waiter, preferred)
             assert waiter.hold_until is not None
-            assert self.now - waiter.submitted < waiter.hold_until - waiter.submitted <= max(
-                p.policy_for(waiter.group).affinity_wait_s for p in POLICIES
+            assert (
+                self.now - waiter.submitted
+                < waiter.hold_until - waiter.submitted
+                <= max(p.policy_for(waiter.group).affinity_wait_s for p in POLICIES)
             )
             event("a waiter holds for its preferred candidate while another has room")
 
