@@ -190,6 +190,8 @@ class FairMachine(RuleBasedStateMachine):
         for other in self.queued.values():
             if other is not waiter and self.fits(other, key):
                 assert not other.ahead_of(waiter), f"{waiter} overtook {other}"
+            elif other is not waiter and other.ahead_of(waiter) and self.can_serve(other, key):
+                event("affinity: passed a waiter holding for another candidate")
         self.slots[admit.slot_id] = key
         if not queued:
             assert admit.reason == ("requeued" if waiter.retry else "immediate")
