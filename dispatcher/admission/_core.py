@@ -42,8 +42,16 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   waiters, so a freed slot on an ejected candidate skips every queue without one.
 * invariant: no queued waiter could use a candidate that has a free slot in its class (with
   health taken into account: an ejected candidate only for a fallback waiter, a probing one
-  only while its probe is not in flight). So a release only has to look for waiters when it
-  turned a full candidate free (or ended a probe).
+  only while its probe is not in flight; a waiter in its affinity hold only its preferred
+  candidate). So a release only has to look for waiters when it turned a full candidate
+  free (or ended a probe).
+* affinity (see "Affinity" in ``docs/admission.md``): a keyed waiter of a group with
+  affinity on ranks the group's candidates by rendezvous hashing (:mod:`._affinity`) and
+  takes the first with room within the bounded load; while its *hold* lasts
+  (``submitted + affinity_wait_s``, a deadline in its own heap) and its first-ranked
+  candidate has no room, it can use that one only, and blocks nobody behind it. An input
+  that may change a held waiter's preferred candidate (a node leaving or re-announcing, an
+  ejection, a capacity change) refills every candidate of the group while some waiter holds.
 
 Bounded memory (nodes are not trusted: one may announce hundreds of new model names at each
 reconnect):
@@ -62,12 +70,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, Literal, TypeAlias
 
 import attrs
 
+from ._affinity import AFFINITY_RESULTS, AffinityResult, identity_seed, key_hash, weight
 from ._candidates import (
     CAPABILITIES,
     Candidate,
@@ -179,6 +189,11 @@ class GroupStatistics:
 
     short: int
     long: int
+    affinity_on: bool = False
+    """The group's policy turns affinity on."""
+    affinity: Mapping[AffinityResult, int] = attrs.field(factory=dict)
+    """Admissions while affinity was on, by :data:`AffinityResult` (counters since the
+    group exists; every result present, zeros included)."""
 
     @property
     def depth(self) -> int:
@@ -260,6 +275,13 @@ class _Waiter:
     """While queued: its flow, its tenant in its band (``REQUEUED`` for a requeued one)."""
     lane: Lane[_Waiter] | None = None
     """While queued: its flow's lane in its queue."""
+    affinity: int | None = None
+    """The affinity key's hash (``key_hash``), None without a key."""
+    hold_until: float | None = None
+    """Affinity: until when it may wait for its preferred candidate while another has a
+    free slot (set at submit, kept)."""
+    hold_pending: bool = False
+    """Its hold's end is in the core's heap (counted in ``group.holding``)."""
 
     @property
     def order(self) -> tuple[int, int, float, int]:
@@ -279,6 +301,8 @@ class _CandidateState:
     group: _Group
     health: IdentityHealth[_CandidateState]
     key: CandidateKey = attrs.field(init=False)
+    seed: int = attrs.field(init=False)
+    """The identity's rendezvous seed (``identity_seed``)."""
     capmask: int = attrs.field(init=False)
     limits: tuple[int, int, int] = attrs.field(init=False)
     """(total, short limit, long limit) under the group's current policy."""
@@ -289,6 +313,7 @@ class _CandidateState:
 
     def __attrs_post_init__(self) -> None:
         self.key = self.candidate.key
+        self.seed = identity_seed(self.candidate.identity)
         self.update(self.candidate)
 
     def update(self, candidate: Candidate) -> None:
@@ -326,9 +351,14 @@ class _CandidateState:
         health = self.health
         return health.probe is None or health.state != "probing"
 
+    def occupied(self) -> int:
+        return (
+            self.in_use[_SHORT] + self.in_use[_LONG] + self.draining[_SHORT] + self.draining[_LONG]
+        )
+
     def load(self) -> float:
         total = self.limits[0]
-        occupied = sum(self.in_use) + sum(self.draining)
+        occupied = self.occupied()
         return occupied / total if total else float("inf")
 
 
@@ -355,6 +385,9 @@ class _Group:
     """Per queue key, how many of its live waiters are flagged ``fallback`` (no zeros)."""
     left_at: float | None = None
     """When its last candidate left (None: it never lost one)."""
+    holding: int = 0
+    """Queued waiters whose affinity hold has not ended (``_Waiter.hold_pending``)."""
+    affinity: dict[AffinityResult, int] = attrs.Factory(lambda: dict.fromkeys(AFFINITY_RESULTS, 0))
 
     def waiters(self) -> list[_Waiter]:
         """Live waiters in queue order (O(n); for rare operations only)."""
@@ -393,6 +426,9 @@ class AdmissionCore:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._deadlines_dead = 0
         self._drains: list[tuple[float, SlotId]] = []
+        self._holds: list[tuple[float, int, _Waiter]] = []
+        """The ends of affinity holds (lazy deletion)."""
+        self._holds_dead = 0
         self._health: HealthTable[_CandidateState] = HealthTable()
         """The health of every candidate identity the core tracks (:mod:`._health`)."""
         self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -448,6 +484,16 @@ class AdmissionCore:
             deadline=self._now + policy.queue_timeout_s,
             share=share,
         )
+        if needs.affinity_key is not None:
+            waiter.affinity = key_hash(needs.affinity_key)
+            hold_until = self._now + policy.affinity_wait_s
+            if (
+                policy.affinity
+                and hold_until > self._now
+                and hold_until < waiter.deadline
+                and (requeue or group.depth[_SHORT] + group.depth[_LONG] < policy.max_queue)
+            ):
+                waiter.hold_until = hold_until
         if group.candidates:
             fit: list[_CandidateState] = []
             reasons: list[str] = []
@@ -460,10 +506,15 @@ class AdmissionCore:
             if not fit:
                 self._reject_incapable(decisions, waiter_id, name, reasons, waiter, group)
                 return decisions
-            if not self._health.unhealthy:
+            if self._health.unhealthy:
+                waiter.fallback = all(s.ejected for s in fit)
+            affine, chosen = self._pick_affine(waiter, fit)
+            if affine:
+                pass
+            elif not self._health.unhealthy:
                 chosen = self._pick(waiter, (s for s in fit if s.free(klass)))
             else:
-                fallback = waiter.fallback = all(s.ejected for s in fit)
+                fallback = waiter.fallback
                 chosen = self._pick(
                     waiter,
                     (
@@ -572,6 +623,8 @@ class AdmissionCore:
             self._reresolve(decisions, self._groups[name])
         for name, states in touched.items():
             self._fill(decisions, self._groups[name], states)
+        for name in reresolve | superseded:
+            self._unhold(decisions, self._groups[name])
         for name in superseded:
             self._prune(self._groups[name])
         for health in left:  # unless the new session announced it again
@@ -597,6 +650,7 @@ class AdmissionCore:
         for name in groups:
             group = self._groups[name]
             self._reresolve(decisions, group)
+            self._unhold(decisions, group)
             self._prune(group)
         return decisions
 
@@ -614,6 +668,7 @@ class AdmissionCore:
         if (before.long_context_slots > 0) != (long_context_slots > 0):
             self._reresolve(decisions, group)
         self._fill(decisions, group, [state])
+        self._unhold(decisions, group)
         return decisions
 
     def set_policy(self, policy: PolicySnapshot, now: float) -> list[Decision]:
@@ -677,6 +732,7 @@ class AdmissionCore:
             state = health.live
             if state is not None:  # waiters it was the last candidate for may fall back now
                 self._reresolve(decisions, state.group)
+                self._unhold(decisions, state.group)
         return decisions
 
     def tick(self, now: float) -> list[Decision]:
@@ -690,7 +746,8 @@ class AdmissionCore:
         waiter = self._peek_deadline()
         drain = self._peek_drain()
         cooldown = self._health.next_cooldown()
-        times = [t for t in (waiter, drain, cooldown) if t is not None]
+        hold = self._peek_hold()
+        times = [t for t in (waiter, drain, cooldown, hold) if t is not None]
         return min(times) if times else None
 
     def knows_model(self, model: str) -> bool:
@@ -702,7 +759,12 @@ class AdmissionCore:
 
     def statistics(self) -> AdmissionStatistics:
         groups = {
-            name: GroupStatistics(short=group.depth[_SHORT], long=group.depth[_LONG])
+            name: GroupStatistics(
+                short=group.depth[_SHORT],
+                long=group.depth[_LONG],
+                affinity_on=group.policy.affinity,
+                affinity=dict(group.affinity),
+            )
             for name, group in self._groups.items()
         }
         candidates: dict[CandidateKey, CandidateStatistics] = {}
@@ -870,6 +932,117 @@ class AdmissionCore:
                 best, best_key = state, key
         return best
 
+    # ------------------------------------------------------------------ affinity
+
+    def _preferable(
+        self, waiter: _Waiter, states: Iterable[_CandidateState]
+    ) -> list[_CandidateState]:
+        """The ``states`` an affine ``waiter`` may prefer (unordered): those that fit its
+        needs, have slots of its class, and are not ejected."""
+        klass = waiter.klass
+        unhealthy = self._health.unhealthy
+        return [
+            s
+            for s in states
+            if s.limits[1 + klass] > 0
+            and not (unhealthy and s.ejected)
+            and self._unfit(s, waiter) is None
+        ]
+
+    def _has_room(self, state: _CandidateState, klass: int) -> bool:
+        return state.free(klass) and (not self._health.unhealthy or state.accepting())
+
+    def _holding(self, waiter: _Waiter) -> _CandidateState | None:
+        """The candidate a queued affine ``waiter`` waits for while its hold lasts (its
+        preferred one, which has no room for it now), or None: it may take any."""
+        hold_until = waiter.hold_until
+        key = waiter.affinity
+        if hold_until is None or key is None or self._now >= hold_until:
+            return None
+        group = waiter.group
+        if not group.policy.affinity:
+            return None
+        klass = waiter.klass
+        unhealthy = self._health.unhealthy
+        best: _CandidateState | None = None
+        best_weight = (-1, -1)
+        for state in group.candidates.values():
+            if state.limits[1 + klass] == 0 or (unhealthy and state.ejected):
+                continue
+            w = weight(key, state.seed)
+            if w > best_weight and self._unfit(state, waiter) is None:
+                best, best_weight = state, w
+        if best is None or self._has_room(best, klass):
+            return None
+        return best
+
+    def _pick_affine(
+        self, waiter: _Waiter, states: Iterable[_CandidateState]
+    ) -> tuple[bool, _CandidateState | None]:
+        """Affinity's choice for ``waiter`` among the group's ``states``: (False, None) when
+        affinity does not apply (off, no key, or every candidate that can serve it is
+        ejected: the usual selection then); (True, None) when it must wait (nothing has
+        room, or it holds for its preferred candidate); else (True, the candidate).
+
+        The rule: the first in its key's ranking that has room and is within the bounded
+        load (``occupied + 1 <= ceil(f * (occupied of all + 1) * slots / slots of all)``,
+        over the ranked candidates); none within it: the least loaded with room. While its
+        hold lasts and its first-ranked candidate has no room, nothing."""
+        key = waiter.affinity
+        group = waiter.group
+        policy = group.policy
+        if key is None or not policy.affinity:
+            return False, None
+        ranked = self._preferable(waiter, states)
+        if not ranked:
+            return False, None
+        klass = waiter.klass
+        roomy = [s for s in ranked if self._has_room(s, klass)]
+        if not roomy:
+            return True, None
+
+        def heaviest(state: _CandidateState) -> tuple[int, int]:
+            return weight(key, state.seed)
+
+        if waiter.hold_until is not None and self._now < waiter.hold_until:
+            first = max(ranked, key=heaviest)
+            if not self._has_room(first, klass):
+                return True, None  # it waits for ``first`` (its hold's end is a deadline)
+        if len(roomy) == 1:
+            return True, roomy[0]  # within the bound or not, the one choice
+        roomy.sort(key=heaviest, reverse=True)
+        occupied = sum(s.occupied() for s in ranked) + 1
+        total = sum(s.limits[0] for s in ranked)
+        factor = policy.affinity_load_factor
+        for state in roomy:
+            if state.occupied() + 1 <= math.ceil(factor * occupied * state.limits[0] / total):
+                return True, state
+        return True, min(roomy, key=lambda s: (s.load(), s.last_pick))
+
+    def _affinity_result(self, waiter: _Waiter, state: _CandidateState) -> AffinityResult:
+        """How the admission of ``waiter`` onto ``state`` counts (its group has affinity
+        on): against its key's home among all the group's candidates."""
+        key = waiter.affinity
+        if key is None:
+            return "unkeyed"
+        home = max(waiter.group.candidates.values(), key=lambda s: weight(key, s.seed))
+        if home is state:
+            return "hit"
+        if home.limits[1 + waiter.klass] == 0 or self._unfit(home, waiter) is not None:
+            return "ineligible"
+        if self._health.unhealthy and home.ejected:
+            return "ejected"
+        if self._has_room(home, waiter.klass):
+            return "over_load"
+        return "busy"
+
+    def _unhold(self, decisions: list[Decision], group: _Group) -> None:
+        """Candidates of ``group`` changed (one left, was ejected, changed its slots): a
+        held waiter's preferred candidate may be another now, so let every candidate with
+        room look at the queue again (only while some waiter holds)."""
+        if group.holding:
+            self._fill(decisions, group, list(group.candidates.values()))
+
     def _admit(
         self,
         decisions: list[Decision],
@@ -881,6 +1054,8 @@ class AdmissionCore:
             if not waiter.retry:
                 Flows.charge(waiter.flow, waiter.share.weight)
             self._end(waiter)
+        if waiter.group.policy.affinity:
+            waiter.group.affinity[self._affinity_result(waiter, state)] += 1
         slot = _Slot(id=next(self._slot_ids), state=state, klass=waiter.klass)
         self._slots[slot.id] = slot
         state.slot_ids.add(slot.id)
@@ -949,6 +1124,10 @@ class AdmissionCore:
         self._place(waiter)
         self._waiters[waiter.id] = waiter
         heapq.heappush(self._deadlines, (waiter.deadline, waiter.seq, waiter))
+        if waiter.hold_until is not None:
+            waiter.hold_pending = True
+            group.holding += 1
+            heapq.heappush(self._holds, (waiter.hold_until, waiter.seq, waiter))
 
     def _end(self, waiter: _Waiter, *, popped: bool = False) -> None:
         """Take a queued waiter out (lazily: it stays in its lane and, unless ``popped``,
@@ -958,6 +1137,15 @@ class AdmissionCore:
         waiter.live = False
         del self._waiters[waiter.id]
         group = waiter.group
+        if waiter.hold_pending:
+            waiter.hold_pending = False
+            group.holding -= 1
+            self._holds_dead += 1
+            dead = self._holds_dead
+            if dead > _COMPACT_MIN and dead > len(self._holds) - dead:
+                self._holds = [entry for entry in self._holds if entry[2].hold_pending]
+                heapq.heapify(self._holds)
+                self._holds_dead = 0
         group.depth[waiter.klass] -= 1
         key = waiter.queue_key
         queue = group.queues[key]
@@ -1033,7 +1221,8 @@ class AdmissionCore:
             if ejected and self._healthy_fit(waiter):
                 self._flag(waiter, False)  # stale: a candidate recovered meanwhile
                 return False
-            return True
+            # a waiter in its hold waits for its preferred candidate, which is not ``state``
+            return not (waiter.hold_pending and self._holding(waiter) is not None)
 
         for key, queue in group.queues.items():
             if key[0] != klass or key[2] & ~state.capmask:
@@ -1074,7 +1263,10 @@ class AdmissionCore:
             if oldest is None:
                 return
             waiter = oldest
-            if self._health.unhealthy:
+            affine, chosen = self._pick_affine(waiter, list(group.candidates.values()))
+            if affine:
+                pass
+            elif self._health.unhealthy:
                 chosen = self._pick(waiter, self._usable(waiter, states))
             else:
                 chosen = self._pick(
@@ -1198,6 +1390,13 @@ class AdmissionCore:
             self._deadlines_dead -= 1
         return heap[0][0] if heap else None
 
+    def _peek_hold(self) -> float | None:
+        heap = self._holds
+        while heap and not heap[0][2].hold_pending:
+            heapq.heappop(heap)
+            self._holds_dead -= 1
+        return heap[0][0] if heap else None
+
     def _peek_drain(self) -> float | None:
         heap = self._drains
         while heap:
@@ -1219,7 +1418,21 @@ class AdmissionCore:
             waiter_due = self._peek_deadline()
             drain_due = self._peek_drain()
             cool_due = self._health.next_cooldown()
+            hold_due = self._peek_hold()
             if (
+                hold_due is not None
+                and hold_due <= self._now
+                and (waiter_due is None or hold_due < waiter_due)
+                and (drain_due is None or hold_due < drain_due)
+                and (cool_due is None or hold_due < cool_due)
+            ):
+                _, _, waiter = heapq.heappop(self._holds)
+                group = waiter.group
+                waiter.hold_pending = False
+                group.holding -= 1
+                # the waiter may take any candidate now (and so may others whose hold ended)
+                self._fill(decisions, group, list(group.candidates.values()))
+            elif (
                 cool_due is not None
                 and cool_due <= self._now
                 and (waiter_due is None or cool_due < waiter_due)

@@ -14,6 +14,11 @@ def _non_negative(_: Any, attribute: attrs.Attribute[Any], value: float | None) 
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
+def _load_factor(_: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not (1.0 <= value < float("inf")):
+        raise ValueError(f"{attribute.name} must be a finite number >= 1, got {value!r}")
+
+
 def _positive(_: Any, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
@@ -35,6 +40,12 @@ class Policy:
     consecutive retryable failures of a candidate eject it (0: never); the first cool-down
     is ``eject_base_s``, each further ejection without a success in between doubles it, up
     to ``eject_max_s``.
+
+    Affinity (cache-aware routing, see "Affinity" in ``docs/admission.md``): with
+    ``affinity`` on, a request with an affinity key prefers the candidate its key ranks
+    first (rendezvous hashing); it spills to the next in its ranking when that one is above
+    ``affinity_load_factor`` x the group's average load, or has no free slot within
+    ``affinity_wait_s`` of the request's arrival.
     """
 
     max_queue: int = attrs.field(default=256, validator=_non_negative)
@@ -46,6 +57,9 @@ class Policy:
     eject_after_failures: int = attrs.field(default=2, validator=_non_negative)
     eject_base_s: float = attrs.field(default=5.0, validator=_non_negative)
     eject_max_s: float = attrs.field(default=300.0, validator=_non_negative)
+    affinity: bool = False
+    affinity_wait_s: float = attrs.field(default=0.05, validator=_non_negative)
+    affinity_load_factor: float = attrs.field(default=1.25, validator=_load_factor)
 
     def cool_down(self, ejections: int) -> float:
         """The cool-down of the ``ejections``-th ejection in a row (1 for the first)."""

@@ -337,6 +337,15 @@ class QueuePolicySettings:
     """An attempt that produced no content this long after dispatch is aborted."""
     stall_timeout_s: float | None = None
     """A run that goes this long between two events is aborted."""
+    affinity: bool | None = None
+    """Cache-aware routing (``docs/admission.md``, "Affinity"): a request with an affinity
+    key prefers the candidate its key ranks first. Off by default."""
+    affinity_wait_ms: float | None = None
+    """How long a request may wait for its preferred candidate while another has a free
+    slot (milliseconds; default 50)."""
+    affinity_load_factor: float | None = None
+    """A preferred candidate above this many times the group's average load is passed over
+    for the next in the ranking (>= 1; default 1.25)."""
     model_linger_s: float | None = None
     """``[admission]`` only: after the last node serving a model left, requests for it get
     503 ``model_unavailable`` (retry) for this long, then 404 (default 60)."""
@@ -348,12 +357,16 @@ class QueuePolicySettings:
     it. Checked at load: a known group, not this one, no cycle."""
 
     def overrides(self) -> dict[str, Any]:
-        """The admission policy fields that are set."""
-        return {
+        """The admission policy fields that are set (``affinity_wait_ms`` as the policy's
+        ``affinity_wait_s``)."""
+        fields = {
             name: value
             for name, value in attrs.asdict(self).items()
             if value is not None and name not in _NOT_POLICY_FIELDS
         }
+        if "affinity_wait_ms" in fields:
+            fields["affinity_wait_s"] = fields.pop("affinity_wait_ms") / 1000.0
+        return fields
 
     def gate_overrides(self) -> dict[str, Any]:
         """The stream gate fields that are set."""
@@ -828,6 +841,18 @@ def _validate(config: EdgeConfig) -> list[tuple[str, str]]:
                 "only in [admission]: a model named in [models] always waits for a node",
             )
             check(policy.model_linger_s >= 0, f"{name}.model_linger_s", "must be >= 0")
+        if policy.affinity_wait_ms is not None:
+            check(
+                0 <= policy.affinity_wait_ms < math.inf,
+                f"{name}.affinity_wait_ms",
+                "must be a number of milliseconds >= 0",
+            )
+        if policy.affinity_load_factor is not None:
+            check(
+                1 <= policy.affinity_load_factor < math.inf,
+                f"{name}.affinity_load_factor",
+                "must be a number >= 1 (1.25: 25% above the group's average load)",
+            )
     _validate_tenants(config, check, env_name)
     _validate_metrics(config.metrics, check, env_name)
     _validate_store(config.store, check, env_name)

@@ -175,8 +175,18 @@ def _metrics_listener(config: EdgeConfig) -> str:
 
 
 def _policy(settings: QueuePolicySettings) -> str:
+    """The set fields, as the file names them (``affinity_wait_ms`` in milliseconds)."""
     fields = {**settings.overrides(), **settings.gate_overrides()}
-    return ", ".join(f"{name} = {value:g}" for name, value in sorted(fields.items()))
+    if settings.affinity_wait_ms is not None:
+        del fields["affinity_wait_s"]
+        fields["affinity_wait_ms"] = settings.affinity_wait_ms
+    return ", ".join(f"{name} = {_value(value)}" for name, value in sorted(fields.items()))
+
+
+def _value(value: float) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:g}"
 
 
 # --------------------------------------------------------------------------- a node

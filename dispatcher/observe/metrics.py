@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from ..admission import (
     ADMIT_REASONS,
+    AFFINITY_RESULTS,
     HEALTH_STATES,
     REJECT_CAUSES,
     Admission,
@@ -95,6 +96,19 @@ class _AdmissionCollector(Collector):
             depth.add_metric([model, "short"], group.short)
             depth.add_metric([model, "long"], group.long)
         yield depth
+
+        affinity = CounterMetricFamily(
+            "dispatcher_affinity",
+            "Admissions of a model group with affinity on, by result: hit (onto the candidate "
+            "the request's affinity key ranks first), a spill by reason (over_load, busy, "
+            "ineligible, ejected), or unkeyed (no key).",
+            labels=["model", "result"],
+        )
+        for model, group in sorted(stats.groups.items()):
+            if group.affinity_on or any(group.affinity.values()):
+                for result in AFFINITY_RESULTS:
+                    affinity.add_metric([model, result], group.affinity.get(result, 0))
+        yield affinity
 
         labels = ["node", "provider", "model"]
         total = GaugeMetricFamily(

@@ -91,6 +91,10 @@ class QueueStatus:
     refused_503: int
     """Within the last ``refusal_window_s``."""
     last_refused_at: float | None
+    affinity: dict[str, int] | None = None
+    """With affinity on for the group (``docs/admission.md``, "Affinity"): its admissions by
+    result (``hit``, the spills ``over_load``, ``busy``, ``ineligible``, ``ejected``, and
+    ``unkeyed``), as ``dispatcher_affinity_total`` counts them; None while it is off."""
 
 
 @attrs.frozen(kw_only=True)
@@ -173,6 +177,11 @@ def _queues(stats: AdmissionStatistics, traffic: Traffic, now: float) -> list[Qu
                 refused_429=refused.too_many_requests if refused else 0,
                 refused_503=refused.unavailable if refused else 0,
                 last_refused_at=refused.last_at if refused else None,
+                affinity=(
+                    {str(r): n for r, n in group.affinity.items()}
+                    if group and group.affinity_on
+                    else None
+                ),
             )
         )
     return queues

@@ -59,7 +59,7 @@ import orjson
 
 from dispatcher import wire
 from nodes.adapters._http_adapter import HTTPAdapter, chat_url, parse_options
-from nodes.adapters._post import post_chunks
+from nodes.adapters._post import post_chunks, post_json
 from nodes.adapters._upstream_errors import loads_object, parse_error
 from nodes.adapters.base import AdapterError, RunOutput, message_text
 from nodes.config import OptionsError, ProviderConfig
@@ -72,8 +72,6 @@ ANTHROPIC_VERSION: Final = "2023-06-01"
 """The ``anthropic-version`` header sent (the API's only stable version)."""
 DEFAULT_MAX_TOKENS: Final = 4096
 """``max_tokens`` when the request sets none (Anthropic requires one)."""
-MAX_BODY: Final = 32 * 1024 * 1024
-"""Bytes of a non-streamed answer read at most."""
 
 STOP_REASONS: Final[Mapping[str, str]] = {
     "end_turn": "stop",
@@ -696,22 +694,16 @@ class AnthropicAdapter(HTTPAdapter):
     async def run_on(self, client: UpstreamPool, request: wire.RunRequest, out: RunOutput) -> None:
         payload = messages_body(request.body, request.served_model, self.options)
         answer = MessagesStream()
-        async with post_chunks(client, self.url, payload, headers=self.headers()) as chunks:
-            if self.options.stream:
+        if self.options.stream:
+            async with post_chunks(client, self.url, payload, headers=self.headers()) as chunks:
                 await _relay_stream(chunks, answer, out)
-            else:
-                raw = bytearray()
-                async for piece in chunks:
-                    raw += piece
-                    if len(raw) > MAX_BODY:
-                        raise AdapterError(
-                            "upstream_bad_response",
-                            f"the provider's answer is over {MAX_BODY} bytes",
-                            retryable=True,
-                        )
-                pieces = answer.take_message(loads_object(bytes(raw), "a message"))
-                _report_usage(answer, out)
-                await _emit(pieces, out)
+        else:
+            message = await post_json(
+                client, self.url, payload, headers=self.headers(), what="a message"
+            )
+            pieces = answer.take_message(message)
+            _report_usage(answer, out)
+            await _emit(pieces, out)
         if not answer.ended:
             raise AdapterError(
                 "upstream_disconnected",

@@ -19,6 +19,15 @@ every decision the core returns against the rules of ``docs/admission.md``:
   probing candidate can serve (so never while a healthy capable one has a free slot), that
   a probing candidate has at most one probe in flight, and that work-conserving and FIFO
   hold with health taken into account;
+* affinity (groups whose policy turns it on, requests with an affinity key): the model
+  ranks the fit, not ejected candidates with slots of the request's class by
+  ``rendezvous_rank`` and checks every admission against the rule of ``docs/admission.md``:
+  the first in the ranking with room within the bounded load (else the least loaded with
+  room), never another while the request's hold lasts and its first-ranked one has no
+  room; a request never waits while another fit candidate has room for longer than its
+  ``affinity_wait_s`` (checked on the machine's clock); the hold's end is a deadline; the
+  affinity counters (hits, spills by reason) agree; FIFO and work-conserving hold with the
+  hold taken into account (a held waiter does not block those behind it);
 * the core's statistics (health included) and next deadline agree with the model;
 * bounded memory: a group exists exactly while it has a candidate or a queued waiter, or
   the policy names it (so one with none of them is gone after the input that emptied it),
@@ -34,6 +43,7 @@ every decision the core returns against the rules of ``docs/admission.md``:
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
@@ -60,6 +70,7 @@ from dispatcher.admission import (
     Reject,
     RequestClass,
     WaiterId,
+    rendezvous_rank,
 )
 
 NODES = ("n1", "n2", "n3")
@@ -89,6 +100,9 @@ def _policy(
     eject_after: int = 2,
     eject_base: float = 2.0,
     eject_max: float = 8.0,
+    affinity: bool = False,
+    wait: float = 0.5,
+    load: float = 1.25,
 ) -> Policy:
     return Policy(
         max_queue=max_queue,
@@ -100,6 +114,9 @@ def _policy(
         eject_after_failures=eject_after,
         eject_base_s=eject_base,
         eject_max_s=eject_max,
+        affinity=affinity,
+        affinity_wait_s=wait,
+        affinity_load_factor=load,
     )
 
 
@@ -109,24 +126,44 @@ model of what the core remembers exact)."""
 
 POLICIES = (
     PolicySnapshot(
-        default=_policy(),
+        default=_policy(affinity=True),
         groups={"g3": _policy(timeout=4.0)},
         aliases={"alias1": "g1"},
         model_linger_s=LINGER,
     ),
     PolicySnapshot(
         default=_policy(
-            max_queue=6, timeout=5.0, cap=1, long_tokens=None, drain=1.0, eject_after=1
+            max_queue=6,
+            timeout=5.0,
+            cap=1,
+            long_tokens=None,
+            drain=1.0,
+            eject_after=1,
+            affinity=True,
+            wait=2.0,
+            load=1.0,
         ),
-        groups={"g2": _policy(max_queue=1, timeout=0.0, eject_after=0), "g3": _policy()},
+        groups={
+            "g2": _policy(max_queue=1, timeout=0.0, eject_after=0, affinity=True, wait=0.0),
+            "g3": _policy(),
+        },
         aliases={"alias1": "g2"},
         model_linger_s=LINGER,
     ),
     PolicySnapshot(
         default=_policy(max_queue=0, cap=2, long_tokens=5000, eject_base=1.0, eject_max=3.0),
-        groups={"g1": _policy(max_queue=4, timeout=2.0, long_tokens=1000, eject_after=3)},
+        groups={
+            "g1": _policy(
+                max_queue=4, timeout=2.0, long_tokens=1000, eject_after=3, affinity=True, wait=3.0
+            ),
+        },
         model_linger_s=LINGER,
         tenant_models={"": {"nope"}, "someone-else": {"g3"}},
+    ),
+    PolicySnapshot(
+        default=_policy(max_queue=5, long_tokens=None, affinity=True, wait=1.0, load=3.0),
+        groups={"g2": _policy(max_queue=2, timeout=3.0, affinity=True, wait=0.5, load=1.0)},
+        model_linger_s=LINGER,
     ),
 )
 
@@ -140,6 +177,7 @@ needs_strategy = st.builds(
     estimated_tokens=st.sampled_from([0, 0, 500, 1500, 4000, 6000]),
     predicate=st.sampled_from((None, None, None, *PREDICATES[1:])),
     session_id=st.sampled_from([None, "s1", "s2"]),
+    affinity_key=st.sampled_from([None, "k1", "k2", "k3", "k4"]),
 )
 
 
@@ -151,6 +189,11 @@ class MWaiter:
     retry: bool
     seq: int
     deadline: float
+    submitted: float = 0.0
+    hold_until: float | None = None
+    """Affinity: the end of its hold (set at submit as the core's rule says)."""
+    hold_pending: bool = False
+    """Its hold's end has not been expired yet (a deadline of the core)."""
 
     @property
     def order(self) -> tuple[int, int]:
@@ -203,6 +246,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.ejections = 0
         self.left_at: dict[str, float] = {}
         """group -> when its last candidate left (the latest time it lost its last one)."""
+        self.affinity: dict[str, dict[str, int]] = {}
+        """group -> its affinity counters (reset when the core drops the group)."""
 
     # ------------------------------------------------------------------ model helpers
 
@@ -278,7 +323,99 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.fits(waiter, candidate)
             and self.has_room(candidate.key, self.klass(waiter))
             and self.health_allows(waiter, candidate)
+            and self.holding(waiter) is None
         )
+
+    # affinity: the rule of docs/admission.md, written from the words (not the core's code)
+
+    def affine(self, waiter: MWaiter) -> bool:
+        return waiter.needs.affinity_key is not None and self.group_policy(waiter.group).affinity
+
+    def class_limit(self, key: CandidateKey, klass: RequestClass) -> int:
+        return self.limits(key)[1 if klass == "short" else 2]
+
+    def ranked(self, waiter: MWaiter) -> list[Candidate]:
+        """The candidates an affine waiter may prefer, in its key's order: fit, not ejected,
+        with slots of its class."""
+        key = waiter.needs.affinity_key
+        assert key is not None
+        klass = self.klass(waiter)
+        fit = {
+            c.identity: c
+            for c in self.group_candidates(waiter.group)
+            if self.fits(waiter, c)
+            and self.class_limit(c.key, klass) > 0
+            and self.h(c.identity).state != "ejected"
+        }
+        return [fit[identity] for identity in rendezvous_rank(key, fit)]
+
+    def room_for(self, waiter: MWaiter, candidate: Candidate) -> bool:
+        """Room in its class and health lets it in (a probing one: no probe in flight)."""
+        health = self.h(candidate.identity)
+        return self.has_room(candidate.key, self.klass(waiter)) and not (
+            health.state == "probing" and health.probe is not None
+        )
+
+    def holding(self, waiter: MWaiter) -> Candidate | None:
+        """The candidate an affine waiter waits for while its hold lasts (its first-ranked,
+        with no room for it), else None."""
+        if waiter.hold_until is None or self.now >= waiter.hold_until or not self.affine(waiter):
+            return None
+        ranked = self.ranked(waiter)
+        if not ranked or self.room_for(waiter, ranked[0]):
+            return None
+        return ranked[0]
+
+    def occupied(self, key: CandidateKey) -> int:
+        return sum(self.occupancy(key))
+
+    def affinity_choice(self, waiter: MWaiter, admitted: Candidate) -> None:
+        """Check an affine waiter's admission against the rule."""
+        ranked = self.ranked(waiter)
+        if not ranked:
+            event("affinity: every candidate ejected (usual selection)")
+            return
+        assert self.holding(waiter) is None, (
+            f"{waiter.id!r} admitted onto {admitted.key} while holding for its preferred one"
+        )
+        roomy = [c for c in ranked if self.room_for(waiter, c)]
+        assert admitted in roomy, (admitted.key, [c.key for c in roomy])
+        occupied = sum(self.occupied(c.key) for c in ranked) + 1
+        total = sum(self.limits(c.key)[0] for c in ranked)
+        factor = self.group_policy(waiter.group).affinity_load_factor
+        within = [
+            c
+            for c in roomy
+            if self.occupied(c.key) + 1
+            <= math.ceil(factor * occupied * self.limits(c.key)[0] / total)
+        ]
+        if within:
+            assert admitted == within[0], (
+                f"{waiter.id!r} on {admitted.key}, not the first within the load bound "
+                f"{within[0].key}"
+            )
+            event("affinity: first ranked" if admitted == ranked[0] else "affinity: spilled")
+        else:
+
+            def load(c: Candidate) -> float:
+                return self.occupied(c.key) / self.limits(c.key)[0]
+
+            assert load(admitted) == min(load(c) for c in roomy)
+            event("affinity: none within the bound")
+
+    def affinity_result(self, waiter: MWaiter, admitted: Candidate) -> str:
+        key = waiter.needs.affinity_key
+        if key is None:
+            return "unkeyed"
+        candidates = {c.identity: c for c in self.group_candidates(waiter.group)}
+        home = candidates[rendezvous_rank(key, candidates)[0]]
+        if home == admitted:
+            return "hit"
+        if self.class_limit(home.key, self.klass(waiter)) == 0 or not self.fits(waiter, home):
+            return "ineligible"
+        if self.h(home.identity).state == "ejected":
+            return "ejected"
+        return "over_load" if self.room_for(waiter, home) else "busy"
 
     def drop_slot(self, slot_id: int) -> MSlot | None:
         slot = self.slots.pop(slot_id, None)
@@ -356,10 +493,18 @@ class AdmissionMachine(RuleBasedStateMachine):
                 and other.order < waiter.order
                 and self.fits(other, admit.candidate)
                 and self.health_allows(other, admit.candidate)
+                and self.holding(other) is None
             ):
                 raise AssertionError(f"{waiter.id!r} overtook older waiter {other.id!r}")
         if health.state != "healthy":
             event(f"admitted onto a candidate that is {health.state}")
+        if self.group_policy(waiter.group).affinity:
+            if self.affine(waiter):
+                self.affinity_choice(waiter, admit.candidate)
+            result = self.affinity_result(waiter, admit.candidate)
+            counts = self.affinity.setdefault(waiter.group, {})
+            counts[result] = counts.get(result, 0) + 1
+            event(f"affinity result {result}")
         if health.state == "probing":
             assert health.probe is None, "a second probe in flight"
             self.health[key.identity].probe = admit.slot_id
@@ -406,22 +551,29 @@ class AdmissionMachine(RuleBasedStateMachine):
             for h in self.health.values()
             if h.state == "ejected" and h.until is not None and h.until <= self.now
         ]
+        events += [
+            (w.hold_until, 3, w.seq, w.id)
+            for w in self.queued.values()
+            if w.hold_pending and w.hold_until is not None and w.hold_until <= self.now
+        ]
         events.sort(key=lambda e: e[:3])
         for _, kind, _, ident in events:
-            if kind == 2:
+            if kind == 3:
+                held = self.queued.get(ident)
+                if held is None:
+                    continue
+                held.hold_pending = False
+                # the end of a hold: it (and any other whose hold is over) may take any
+                # candidate with room now
+                self.admit_usable(decisions)
+            elif kind == 2:
                 assert isinstance(ident, int)
                 identity = cool_downs[ident]
                 health = self.health[identity]
                 health.state, health.until = "probing", None
-                if decisions:  # the probe, if a waiter can take it (now, not after a
-                    head = decisions[0]  # later drain expiry freed a slot for it)
-                    if (
-                        isinstance(head, Admit)
-                        and head.candidate.identity == identity
-                        and head.waiter_id in self.queued
-                        and self.usable(self.queued[head.waiter_id], head.candidate)
-                    ):
-                        self.check_queued_decision(decisions.popleft())
+                # the probe, if a waiter can take it (now, not after a later drain expiry
+                # freed a slot for it); an affine waiter it frees may go elsewhere
+                self.admit_usable(decisions)
             elif kind == 0:
                 if ident not in self.queued:
                     continue
@@ -437,17 +589,22 @@ class AdmissionMachine(RuleBasedStateMachine):
                 if slot is None or not slot.draining:
                     continue
                 self.drop_slot(ident)
-                while decisions:
-                    head = decisions[0]
-                    if not (
-                        isinstance(head, Admit)
-                        and head.candidate.key == slot.key
-                        and head.waiter_id in self.queued
-                        and self.usable(self.queued[head.waiter_id], head.candidate)
-                    ):
-                        break
-                    self.check_queued_decision(decisions.popleft())
+                self.admit_usable(decisions)
         self.expired_now = True
+
+    def admit_usable(self, decisions: deque[Decision]) -> None:
+        """Consume the admissions an expiry caused: those at the head of ``decisions`` of
+        queued waiters onto candidates the model says they may use now."""
+        while decisions:
+            head = decisions[0]
+            if not (
+                isinstance(head, Admit)
+                and head.waiter_id in self.queued
+                and self.candidates.get(head.candidate.key) == head.candidate
+                and self.usable(self.queued[head.waiter_id], head.candidate)
+            ):
+                break
+            self.check_queued_decision(decisions.popleft())
 
     def run(self, decisions: Sequence[Decision]) -> deque[Decision]:
         pending = deque(decisions)
@@ -481,7 +638,16 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @rule(
         model=st.sampled_from(GROUPS),
-        needs=st.sampled_from([Needs(), Needs(estimated_tokens=4000), Needs(session_id="s1")]),
+        needs=st.sampled_from(
+            [
+                Needs(),
+                Needs(estimated_tokens=4000),
+                Needs(session_id="s1"),
+                Needs(affinity_key="k1"),
+                Needs(affinity_key="k2", session_id="s2"),
+                Needs(affinity_key="k3", estimated_tokens=4000),
+            ]
+        ),
     )
     def submit_plain(self, model: str, needs: Needs) -> None:
         """The common request, more often: it makes requests compete and queues form."""
@@ -503,7 +669,17 @@ class AdmissionMachine(RuleBasedStateMachine):
             retry=requeue,
             seq=n,
             deadline=self.now + policy.queue_timeout_s,
+            submitted=self.now,
         )
+        hold_until = self.now + policy.affinity_wait_s
+        depth = sum(w.group == group for w in self.queued.values())
+        if (
+            needs.affinity_key is not None
+            and policy.affinity
+            and self.now < hold_until < waiter.deadline
+            and (requeue or depth < policy.max_queue)
+        ):
+            waiter.hold_until = hold_until
         own = [d for d in pending if d.waiter_id == waiter_id]
         rest = [d for d in pending if d.waiter_id != waiter_id]
         candidates = self.group_candidates(group)
@@ -550,6 +726,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         else:
             assert own == [], own
             self.queued[waiter_id] = waiter
+            waiter.hold_pending = waiter.hold_until is not None
+            if self.holding(waiter) is not None:
+                event("submit -> held for its preferred candidate")
         assert rest == [], rest
         event(f"submit -> {own[0].__class__.__name__ if own else 'queued'}")
 
@@ -806,6 +985,34 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert waiter.deadline > self.now
 
     @invariant()
+    def affinity_wait_is_bounded(self) -> None:
+        """A waiter never waits while another fit candidate has room for it, except its hold:
+        an affine waiter, within ``affinity_wait_s`` of its arrival, whose preferred
+        candidate has no room."""
+        if not self.expired_now:
+            return
+        for waiter in self.queued.values():
+            elsewhere = [
+                c
+                for c in self.group_candidates(waiter.group)
+                if self.fits(waiter, c)
+                and self.has_room(c.key, self.klass(waiter))
+                and self.health_allows(waiter, c)
+            ]
+            if not elsewhere:
+                continue
+            preferred = self.holding(waiter)
+            assert preferred is not None, f"{waiter.id!r} waits while {elsewhere[0].key} has room"
+            assert preferred not in elsewhere or not self.room_for(waiter, preferred)
+            assert waiter.hold_until is not None
+            assert (
+                self.now - waiter.submitted
+                < waiter.hold_until - waiter.submitted
+                <= max(p.policy_for(waiter.group).affinity_wait_s for p in POLICIES)
+            )
+            event("a waiter holds for its preferred candidate while another has room")
+
+    @invariant()
     def one_probe_at_most(self) -> None:
         for identity, health in self.health.items():
             probes = [i for i, s in self.slots.items() if i == health.probe]
@@ -826,6 +1033,12 @@ class AdmissionMachine(RuleBasedStateMachine):
             )
             found = stats.groups.get(group)
             assert ((found.short, found.long) if found else (0, 0)) == (short, long)
+            if found is None:
+                self.affinity.pop(group, None)  # dropped: its counters start again
+                continue
+            assert found.affinity_on == self.group_policy(group).affinity
+            counts = self.affinity.get(group, {})
+            assert {r: n for r, n in found.affinity.items() if n} == counts, (group, counts)
         assert set(stats.candidates) == set(self.candidates)
         for key, candidate_stats in stats.candidates.items():
             in_use = [s for s in self.slots.values() if s.key == key and not s.draining]
@@ -887,6 +1100,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         times = [w.deadline for w in self.queued.values()]
         times += [s.deadline for s in self.slots.values() if s.draining]
         times += [h.until for h in self.health.values() if h.until is not None]
+        times += [w.hold_until for w in self.queued.values() if w.hold_pending and w.hold_until]
         assert self.core.next_deadline() == (min(times) if times else None)
 
     def teardown(self) -> None:

@@ -6,6 +6,8 @@ import dispatcher.admission
 
 PUBLIC = {
     "ADMIT_REASONS",
+    "AFFINITY_RESULTS",
+    "AffinityResult",
     "CAPABILITIES",
     "DEFAULT_SHARE",
     "HEALTH_STATES",
@@ -43,6 +45,7 @@ PUBLIC = {
     "error_for",
     "needs_from_body",
     "open_admission",
+    "rendezvous_rank",
 }
 
 

@@ -16,6 +16,14 @@ Two worlds, drawn at the start:
 In both: requeued waiters first (FIFO among them), work-conserving (no queued waiter could
 use a candidate with a free slot), every waiter ends exactly once, and teardown leaves
 nothing behind.
+
+Affinity (``docs/admission.md``, "Affinity": it chooses the candidate, never the waiter),
+also drawn at the start: *off*; *pick* (on, with no hold: it only chooses which candidate a
+keyed waiter takes, so every rule above, the fairness bound included, must hold exactly);
+*hold* (on, with 1 s holds: a keyed waiter whose preferred candidate is full can use only
+that one for its first second, so it counts as a waiter that cannot use the others, as a
+constrained one; band order, FIFO within a tenant and work-conserving hold with that, and
+the fairness bound is not promised).
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from dispatcher.admission import (
     AdmissionCore,
     Admit,
+    CandidateIdentity,
     CandidateKey,
     Needs,
     Policy,
     PolicySnapshot,
     Reject,
     Share,
+    rendezvous_rank,
 )
 
 from .helpers import cand
@@ -45,6 +55,8 @@ TENANTS = ("a", "b", "c", "d")
 WEIGHTS = (0.5, 1.0, 1.0, 2.0, 3.0)
 TIMEOUT = 10.0
 EPSILON = 1e-9
+HOLD = 1.0
+MAX_QUEUE = 40
 
 
 @attrs.define
@@ -54,6 +66,7 @@ class MWaiter:
     retry: bool
     seq: int
     needs: Needs
+    hold_until: float | None = None
 
     def ahead_of(self, other: MWaiter) -> bool:
         """Whether the rules put ``self`` before ``other`` whatever the virtual times."""
@@ -69,9 +82,8 @@ class MWaiter:
 class FairMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.core = AdmissionCore(
-            PolicySnapshot(default=Policy(max_queue=40, queue_timeout_s=TIMEOUT))
-        )
+        self.core = AdmissionCore(self.policy("off"))
+        self.affinity = "off"
         self.now = 0.0
         self.ids = itertools.count()
         self.seqs = itertools.count()
@@ -89,8 +101,40 @@ class FairMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ model helpers
 
-    def fits(self, waiter: MWaiter, key: CandidateKey) -> bool:
+    @staticmethod
+    def policy(affinity: str) -> PolicySnapshot:
+        return PolicySnapshot(
+            default=Policy(
+                max_queue=MAX_QUEUE,
+                queue_timeout_s=TIMEOUT,
+                affinity=affinity != "off",
+                affinity_wait_s=HOLD if affinity == "hold" else 0.0,
+            )
+        )
+
+    def can_serve(self, waiter: MWaiter, key: CandidateKey) -> bool:
         return not waiter.needs.vision or key.node_id == "n1" or self.homogeneous
+
+    def fits(self, waiter: MWaiter, key: CandidateKey) -> bool:
+        """Whether ``waiter`` may take a slot of ``key`` (room aside): it can serve it, and
+        the waiter is not holding for another candidate."""
+        return self.can_serve(waiter, key) and self.held_for(waiter) in (None, key)
+
+    def held_for(self, waiter: MWaiter) -> CandidateKey | None:
+        """The candidate a keyed waiter holds for: its preferred one, while full, within its
+        hold."""
+        affinity_key = waiter.needs.affinity_key
+        if waiter.hold_until is None or affinity_key is None or self.now >= waiter.hold_until:
+            return None
+        able = {
+            CandidateIdentity(k.node_id, k.provider_id, k.model): k
+            for k, slots in self.candidates.items()
+            if slots > 0 and self.can_serve(waiter, k)
+        }
+        if not able:
+            return None
+        preferred = able[rendezvous_rank(affinity_key, able)[0]]
+        return None if self.free(preferred) > 0 else preferred
 
     def free(self, key: CandidateKey) -> int:
         return self.candidates[key] - sum(1 for k in self.slots.values() if k == key)
@@ -146,6 +190,8 @@ class FairMachine(RuleBasedStateMachine):
         for other in self.queued.values():
             if other is not waiter and self.fits(other, key):
                 assert not other.ahead_of(waiter), f"{waiter} overtook {other}"
+            elif other is not waiter and other.ahead_of(waiter) and self.can_serve(other, key):
+                event("affinity: passed a waiter holding for another candidate")
         self.slots[admit.slot_id] = key
         if not queued:
             assert admit.reason == ("requeued" if waiter.retry else "immediate")
@@ -154,18 +200,23 @@ class FairMachine(RuleBasedStateMachine):
         if not waiter.retry:
             band = waiter.share.priority
             self.log.setdefault(band, []).append(waiter.share.tenant)
-            if self.homogeneous:
+            if self.homogeneous and self.affinity != "hold":
                 self.check_fair(band)
         self.leave_queue(waiter)
 
     # ------------------------------------------------------------------ rules
 
     @initialize(
+        affinity=st.sampled_from(["off", "pick", "hold"]),
         homogeneous=st.booleans(),
         weights=st.lists(st.sampled_from(WEIGHTS), min_size=len(TENANTS), max_size=len(TENANTS)),
         slots=st.tuples(st.integers(0, 2), st.integers(0, 2)),
     )
-    def setup(self, homogeneous: bool, weights: list[float], slots: tuple[int, int]) -> None:
+    def setup(
+        self, affinity: str, homogeneous: bool, weights: list[float], slots: tuple[int, int]
+    ) -> None:
+        self.affinity = affinity
+        assert self.core.set_policy(self.policy(affinity), self.now) == []
         self.homogeneous = homogeneous
         self.weights = dict(zip(TENANTS, weights, strict=True))
         joined = [
@@ -181,8 +232,17 @@ class FairMachine(RuleBasedStateMachine):
         retry=st.sampled_from([False, False, False, False, True]),
         vision=st.booleans(),
         count=st.integers(1, 4),
+        affinity_key=st.sampled_from([None, "k1", "k2", "k3"]),
     )
-    def submit(self, tenant: str, band: int, retry: bool, vision: bool, count: int) -> None:
+    def submit(
+        self,
+        tenant: str,
+        band: int,
+        retry: bool,
+        vision: bool,
+        count: int,
+        affinity_key: str | None,
+    ) -> None:
         """``count`` arrivals of one share (bursts build backlogs)."""
         share = Share(tenant=tenant, priority=band, weight=self.weights[tenant])
         for _ in range(count):
@@ -191,8 +251,14 @@ class FairMachine(RuleBasedStateMachine):
                 share=share,
                 retry=retry,
                 seq=next(self.seqs),
-                needs=Needs(vision=vision and not self.homogeneous),
+                needs=Needs(vision=vision and not self.homogeneous, affinity_key=affinity_key),
             )
+            if (
+                self.affinity == "hold"
+                and affinity_key is not None
+                and (retry or len(self.queued) < MAX_QUEUE)
+            ):
+                waiter.hold_until = self.now + HOLD
             decisions = self.core.submit(
                 waiter.id, "m", waiter.needs, self.now, requeue=retry, share=share
             )

@@ -32,6 +32,7 @@ from dispatcher.admission import (
     Policy,
     PolicySnapshot,
     UnknownModel,
+    open_admission,
 )
 from dispatcher.admission._core import MODEL_MEMORY
 from dispatcher.config import EdgeConfig, QueuePolicySettings
@@ -270,3 +271,33 @@ def test_waiting_requests_keep_their_model_known() -> None:
     assert core.knows_model("m")
     core.cancel(2, 2.0)
     assert not core.knows_model("m")
+
+
+async def test_affinity_series_per_group_with_it_on_and_gone_with_the_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``dispatcher_affinity_total{model, result}``: six series per group with affinity on
+    (issue #26), read from admission's counters at each scrape; none for a group with it
+    off; none once the group is gone."""
+    policy = PolicySnapshot(default=Policy(affinity=True), groups={"plain": Policy()})
+    async with open_admission(policy) as admission:
+        metrics = Metrics(admission)
+        admission.node_joined([cand("a", model="served"), cand("b", model="served")])
+        admission.node_joined([cand("c", model="plain")])
+        for needs in (Needs(affinity_key="k"), Needs(affinity_key="k"), Needs()):
+            async with admission.open_slot("served", needs):
+                pass
+        async with admission.open_slot("plain", Needs(affinity_key="k")):
+            pass
+        text = metrics.render().decode()
+        labels = {"model": "served"}
+        assert value(text, "dispatcher_affinity_total", **labels, result="hit") == 2
+        assert value(text, "dispatcher_affinity_total", **labels, result="unkeyed") == 1
+        assert value(text, "dispatcher_affinity_total", **labels, result="busy") == 0
+        found = series_naming(text, "dispatcher_affinity_total{")
+        assert len(found) == 6
+        assert all('model="served"' in line for line in found)  # not "plain": off there
+        admission.node_left("a", 1)
+        admission.node_left("b", 1)
+        text = metrics.render().decode()
+        assert series_naming(text, "dispatcher_affinity_total{") == []

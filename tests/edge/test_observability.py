@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from dispatcher import wire
+from dispatcher.admission import Policy, PolicySnapshot
 from dispatcher.api.app import key_id
 from dispatcher.config import EdgeConfig, QueuePolicySettings
 from dispatcher.edge import open_dispatcher
@@ -732,3 +733,26 @@ async def test_tunnelled_requests_are_recorded(
         value(samples, tokens, f"{tokens}_sum", **embeddings, gen_ai_token_type="input")
         == usage["prompt_tokens"]
     )
+
+
+async def test_status_shows_affinity_per_model_group() -> None:
+    """``queues[].affinity``: a group with affinity on (issue #26) lists its admissions by
+    result (what ``dispatcher_affinity_total`` counts); off, it is null."""
+    async with open_edge(affinity=True) as edge:
+        async with edge.client(CLIENT_KEY) as client:
+            assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
+        document = await edge.status()
+        [queue] = [q for q in document["queues"] if q["model"] == "echo"]
+        assert set(queue["affinity"]) == {
+            "hit",
+            "over_load",
+            "busy",
+            "ineligible",
+            "ejected",
+            "unkeyed",
+        }
+        assert sum(queue["affinity"].values()) == 1  # one admission, keyed or not
+        edge.dispatcher.admission.set_policy(PolicySnapshot(groups={"m": Policy()}))
+        document = await edge.status()
+        [queue] = [q for q in document["queues"] if q["model"] == "echo"]
+        assert queue["affinity"] is None

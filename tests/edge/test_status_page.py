@@ -218,6 +218,8 @@ async def test_the_page_shows_nodes_queues_and_requests_and_follows_them(
         assert "#" not in browser.current_url, browser.current_url
         queues = _section_text(browser, "queues")
         assert "m 1" in queues, queues  # model m, one waiting
+        [row] = [line for line in queues.splitlines() if line.startswith("m 1")]
+        assert row.endswith(" off"), row  # the affinity column: off for this group
         _screenshot(browser, "status-page-busy.png")
 
         # The stream ends; the queued request gets node-a's slot and is answered; node-b

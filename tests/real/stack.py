@@ -207,6 +207,7 @@ def start_engine(
     *,
     cache_prompt: bool = False,
     parallel: int = PARALLEL,
+    alias: str | None = None,
     context: int = CONTEXT,
     threads: int | None = None,
     extra: Sequence[str] = (),
@@ -217,9 +218,11 @@ def start_engine(
     templates that renders tool definitions), else llama.cpp's built-in ``chatml``. (With the
     model's own template llama-server silently drops tool definitions.) ``cache_prompt``: the
     engine keeps each slot's prompt and reuses its prefix (off by default: see below);
-    ``parallel`` slots of ``context`` tokens each; ``threads`` (default
-    ``DISPATCHER_REAL_THREADS``, else 2); ``extra`` arguments; ``name`` its log's. Another
-    engine started on the same stack becomes ``stack.engine_url`` (read it after each)."""
+    ``parallel`` slots of ``context`` tokens each; ``alias``: the model name the engine
+    answers with (``--alias``; without it, its ``/v1/messages`` names the GGUF file's path);
+    ``threads`` (default ``DISPATCHER_REAL_THREADS``, else 2); ``extra`` arguments; ``name``
+    its log's. Another engine started on the same stack becomes ``stack.engine_url`` (read it
+    after each)."""
     port = free_port()
     if threads is None:
         threads = int(os.environ.get("DISPATCHER_REAL_THREADS", "2"))
@@ -237,6 +240,7 @@ def start_engine(
         # in other batch shapes, whose last bits differ, and at temperature 0 one close call
         # between two tokens then makes the direct and the edge's answers part ways.
         *([] if cache_prompt else ["--no-cache-prompt"]),
+        *(["--alias", alias] if alias else []),
         "--metrics",
         "--slots",
         "--no-webui",
