@@ -25,9 +25,12 @@ from dispatcher.api.affinity import (
 from dispatcher.api.anthropic._request import parse_messages_request, to_chat_body
 from dispatcher.api.openai._request import parse_chat_request
 from dispatcher.api.responses._request import chat_body, parse_responses_request
-from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings
+from dispatcher.config import EdgeConfig, HTTPSettings, NodeSettings, QueuePolicySettings
 from dispatcher.edge import open_dispatcher
 from dispatcher.gate import pool
+from dispatcher.shared.transport import ConnectionClosed
+
+from .fakes import ScriptedNode, connect, hello
 
 # --------------------------------------------------------------------------- one conversation
 # as each front end's client sends it
@@ -324,3 +327,80 @@ async def test_the_key_reaches_admission_the_same_from_every_front_end(
             ]
         }
     )
+
+
+async def _serve(node: ScriptedNode) -> None:
+    """Answer every run on ``node`` until its connection closes."""
+    try:
+        while True:
+            request = await node.receive_run()
+            await node.emit(request.run_id, ("run.delta", {"text": "ok"}), ("run.completed", {}))
+    except ConnectionClosed:
+        pass
+
+
+async def test_with_affinity_on_a_conversation_stays_on_one_node_whatever_it_speaks() -> None:
+    """Three nodes, affinity on for the group (issue #26): every turn of a conversation, in
+    any of the three APIs, reaches the same node; other conversations reach the others."""
+    config = EdgeConfig(
+        port=0,
+        local_node=False,
+        expose_node_ids=True,
+        models={"m": QueuePolicySettings(affinity=True)},
+    )
+    async with open_dispatcher(config) as dispatcher, trio.open_nursery() as nursery:
+        server = await nursery.start(dispatcher.serve)
+        for name in ("node-a", "node-b", "node-c"):
+            node = await connect(dispatcher, hello(name, slots=2))
+            nursery.start_soon(_serve, node)
+        url = f"http://127.0.0.1:{server.address.port}"
+
+        def chat_turn(system: str, turns: int) -> dict[str, Any]:
+            messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+            for n in range(turns):
+                if n:
+                    messages.append({"role": "assistant", "content": "ok"})
+                messages.append({"role": "user", "content": QUESTIONS[n]})
+            return {"model": "m", "messages": messages}
+
+        served: list[str] = []
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+
+            async def send(route: str, payload: dict[str, Any]) -> str:
+                answer = await client.post(
+                    route, json=payload, headers={"anthropic-version": "2023-06-01"}
+                )
+                assert answer.status_code == 200, answer.text
+                return answer.headers["x-dispatcher-node"]
+
+            for turns in (1, 2, 3):
+                served.append(await send("/v1/chat/completions", chat_turn(SYSTEM, turns)))
+            served.append(
+                await send(
+                    "/v1/responses", {"model": "m", "instructions": SYSTEM, "input": QUESTIONS[0]}
+                )
+            )
+            served.append(
+                await send(
+                    "/v1/messages",
+                    {
+                        "model": "m",
+                        "max_tokens": 16,
+                        "system": SYSTEM,
+                        "messages": [
+                            {"role": "user", "content": QUESTIONS[0]},
+                            {"role": "assistant", "content": "ok"},
+                            {"role": "user", "content": QUESTIONS[1]},
+                        ],
+                    },
+                )
+            )
+            others = {
+                await send("/v1/chat/completions", chat_turn(f"System prompt number {n}.", 1))
+                for n in range(12)
+            }
+        nursery.cancel_scope.cancel()
+    assert len(set(served)) == 1, served  # one conversation, one node
+    assert len(others) > 1  # twelve conversations are not all on one node
+    stats = dispatcher.admission.statistics()
+    assert stats.in_use == 0
