@@ -17,10 +17,12 @@ asserts, since lowering it is the feature (the figure is in docs/real-engine.md;
 is 3x) -- and, the mechanism behind it, that with affinity on the later turns find their
 system prompt cached. ``nox -s real -- -k affinity`` runs it alone.
 
-The engines run with ``--cache-ram 0`` (``DISPATCHER_REAL_CACHE_RAM`` overrides): their cache
-is what their slots hold, as on a GPU whose memory holds a few conversations' KV. (A recent
-llama-server also keeps evicted prompts in host memory, 8 GiB by default: for a 135M model
-that holds every conversation of this test, and every node ends up with a copy of each.)
+The engines run with ``--cache-ram 64`` (``DISPATCHER_REAL_CACHE_RAM`` overrides): besides
+its two slots an engine keeps one evicted prompt (~33 MiB here) in host memory -- about a
+node's share of the conversations, as a GPU's memory holds the KV of a few conversations, not
+of all. (At llama-server's default, 8 GiB, every node would in the end keep a copy of every
+conversation of a 135M model.) The keys, and so which node each conversation prefers, are the
+same from run to run: the system prompts and the node ids are fixed.
 """
 
 from __future__ import annotations
