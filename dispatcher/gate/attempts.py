@@ -220,6 +220,8 @@ class RunAttempt(Attempt):
     run: Run = attrs.field(kw_only=True)
     stalled: bool = False
     """The stall timeout ended the answer after the commit (the client got an error)."""
+    delivered: bool = False
+    """The client was sent the answer's end (:meth:`Answer.delivered`)."""
 
     def observe(self, event: wire.RunEvent) -> None:
         """The consumer took ``event`` (usage is read from the run itself, consumed or
@@ -232,6 +234,7 @@ class RunAttempt(Attempt):
             rules.RunEnd(
                 terminal=_terminal_kind(self.run.terminal),
                 stalled=self.stalled,
+                delivered=self.delivered,
                 **self.ending(ended),
             )
         )
@@ -304,6 +307,11 @@ class Answer(_Answer[RunAttempt]):
     @property
     def terminal(self) -> wire.RunEvent | None:
         return self.attempt.run.terminal
+
+    def delivered(self) -> None:
+        """The client was sent the answer's end (the terminal event, rendered): a failed
+        run's row says ``failed`` even if the client leaves before the request's block ends."""
+        self.attempt.delivered = True
 
     def __aiter__(self) -> Answer:
         return self

@@ -192,12 +192,17 @@ class RunEnd:
     client_gone: bool
     """The API found the client gone by a broken connection."""
     stalled: bool
+    delivered: bool = False
+    """The client was sent the answer's end (its front end rendered and sent the terminal
+    event: the stream's end, or its error event)."""
 
 
 def run_outcome(end: RunEnd) -> Outcome:
     """The row outcome of a normalized attempt: what its client saw when the request ended."""
     if end.terminal == "completed":
         return "completed"  # the run ended whole, whether or not the API relayed it all
+    if end.delivered and end.committed and end.terminal == "failed":
+        return "failed"  # the client got the error event: leaving after it changes nothing
     if end.client_gone or end.ended == "cancelled":
         return "cancelled"
     if end.committed and (end.terminal is not None or end.ended != "quietly" or end.stalled):

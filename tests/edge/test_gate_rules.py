@@ -150,6 +150,7 @@ def _run_end(
     deadline_fired: bool,
     client_gone: bool,
     stalled: bool,
+    delivered: bool = False,
 ) -> rules.RunEnd:
     return rules.RunEnd(
         terminal=terminal,
@@ -157,6 +158,7 @@ def _run_end(
         ended=rules.scope_ended(raised, committed=committed, deadline_fired=deadline_fired),
         client_gone=client_gone,
         stalled=stalled,
+        delivered=delivered and terminal is not None and committed,
     )
 
 
@@ -168,6 +170,7 @@ RUN_ENDS = st.builds(
     deadline_fired=st.booleans(),
     client_gone=st.booleans(),
     stalled=st.booleans(),
+    delivered=st.booleans(),
 )
 
 
@@ -177,6 +180,8 @@ def test_a_run_rows_outcome_is_what_its_client_saw(end: rules.RunEnd) -> None:
     left = end.client_gone or end.ended == "cancelled"
     if end.terminal == "completed":
         assert outcome == "completed"  # the node's whole answer arrived
+    elif end.delivered and end.terminal == "failed":
+        assert outcome == "failed"  # the client was sent the error event, then left
     elif left:
         assert outcome == "cancelled"
     else:

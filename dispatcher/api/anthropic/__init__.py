@@ -214,7 +214,11 @@ async def _stream(
                 nursery.start_soon(keepalive.ping)
                 await keepalive.send()
                 if not ended:
-                    await relay_rest(answer, render, keepalive.send)
+                    ended = await relay_rest(answer, render, keepalive.send)
+                if ended:
+                    # sent: a client leaving from here (while the pinger stops) changes
+                    # nothing of what it saw
+                    answer.delivered()
                 async with keepalive.lock:  # never cut a ping in the middle
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
