@@ -177,19 +177,26 @@ def usage_of(value: object) -> TokenCounts | None:
     (``completion_tokens`` may be absent, as in embeddings)."""
     if not isinstance(value, dict):
         return None
-    usage = value.get("usage")
+    return _openai_counts(value.get("usage"), "prompt", "completion")
+
+
+def _openai_counts(usage: object, inputs: str, outputs: str) -> TokenCounts | None:
+    """OpenAI's usage object under either naming (chat's ``prompt`` / ``completion``, the
+    Responses API's ``input`` / ``output``): the two totals (``<inputs>_tokens`` a count,
+    ``<outputs>_tokens`` absent as 0) and their parts, the cached tokens of
+    ``<inputs>_tokens_details`` and the reasoning ones of ``<outputs>_tokens_details``."""
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = _count(usage.get("completion_tokens"))
+    prompt = usage.get(f"{inputs}_tokens")
+    completion = _count(usage.get(f"{outputs}_tokens"))
     if type(prompt) is not int or prompt < 0 or completion is None:
         return None
     return wire.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
-        cached_tokens=min(prompt, _detail(usage, "prompt_tokens_details", "cached_tokens")),
+        cached_tokens=min(prompt, _detail(usage, f"{inputs}_tokens_details", "cached_tokens")),
         reasoning_tokens=min(
-            completion, _detail(usage, "completion_tokens_details", "reasoning_tokens")
+            completion, _detail(usage, f"{outputs}_tokens_details", "reasoning_tokens")
         ),
     )
 
@@ -273,20 +280,7 @@ def responses_usage(usage: object) -> TokenCounts | None:
     """A Responses ``usage`` object as :class:`wire.Usage`: ``input_tokens`` (cached ones
     included, ``input_tokens_details.cached_tokens``), ``output_tokens`` (reasoning included,
     ``output_tokens_details.reasoning_tokens``)."""
-    if not isinstance(usage, dict):
-        return None
-    prompt = usage.get("input_tokens")
-    completion = _count(usage.get("output_tokens"))
-    if type(prompt) is not int or prompt < 0 or completion is None:
-        return None
-    return wire.Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        cached_tokens=min(prompt, _detail(usage, "input_tokens_details", "cached_tokens")),
-        reasoning_tokens=min(
-            completion, _detail(usage, "output_tokens_details", "reasoning_tokens")
-        ),
-    )
+    return _openai_counts(usage, "input", "output")
 
 
 def _anthropic_body_usage(value: object) -> TokenCounts | None:
