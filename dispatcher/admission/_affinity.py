@@ -9,8 +9,11 @@ others; and removing a candidate only moves the keys it ranked first (each key's
 the others is unchanged), adding one only takes keys to itself.
 
 The core (:mod:`._core`) caches a candidate's seed and a waiter's key hash, so a weight is
-a few integer operations. What the core does with the ranking (the bounded load, the bounded
-wait) is described in "Affinity" in ``docs/admission.md``.
+a few integer operations. It also remembers where it last placed each key (its *placement*)
+and puts that candidate before the ranking (:func:`preference`): a turn that once spilled
+stays where its prefix now is instead of going back home to evaluate it again. What the
+core does with the ranking (the bounded load, the bounded wait) is described in "Affinity"
+in ``docs/admission.md``.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from typing import Final, Literal, TypeAlias
 from ._candidates import CandidateIdentity
 
 AffinityResult: TypeAlias = Literal["hit", "over_load", "busy", "ineligible", "ejected", "unkeyed"]
-"""How an admission of a group with affinity on went: ``hit`` (onto the key's home, the
-candidate it ranks first among the group's), a spill to another candidate because the home
-was ``over_load`` (above ``affinity_load_factor`` x the group's average), ``busy`` (no free
-slot within ``affinity_wait_s``), ``ineligible`` (cannot serve this request: capability,
+"""How an admission of a group with affinity on went: ``hit`` (onto the key's preferred
+candidate among the group's: where this core last placed it, else its home, the candidate
+it ranks first), a spill to another candidate because that one was ``over_load`` (above
+``affinity_load_factor`` x the group's average), ``busy`` (no free slot within
+``affinity_wait_s``), ``ineligible`` (cannot serve this request: capability,
 context window, exclusion, predicate, or no slot of its class) or ``ejected``; ``unkeyed``:
 the request had no affinity key (selection as without affinity)."""
 AFFINITY_RESULTS: Final[tuple[AffinityResult, ...]] = (
@@ -67,6 +71,17 @@ def weight(key: int, seed: int) -> tuple[int, int]:
     x = (x * 0xC4CEB9FE1A85EC53) & _MASK
     x ^= x >> 33
     return (x, seed)
+
+
+_PLACED: Final = 1 << 64
+"""Above every :func:`weight`: the rank of the candidate that last served a key."""
+
+
+def preference(key: int, seed: int, placed: int | None) -> tuple[int, int]:
+    """A candidate's (``seed``) place in ``key``'s order: the candidate that last served the
+    key (its seed ``placed``, None when this core has not placed the key) before all, then
+    the others by :func:`weight`. The engine behind the last one holds the key's prefix."""
+    return (_PLACED, seed) if seed == placed else weight(key, seed)
 
 
 def rendezvous_rank(key: str, identities: Iterable[CandidateIdentity]) -> list[CandidateIdentity]:

@@ -46,8 +46,9 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   candidate). So a release only has to look for waiters when it turned a full candidate
   free (or ended a probe).
 * affinity (see "Affinity" in ``docs/admission.md``): a keyed waiter of a group with
-  affinity on ranks the group's candidates by rendezvous hashing (:mod:`._affinity`) and
-  takes the first with room within the bounded load; while its *hold* lasts
+  affinity on ranks the group's candidates by rendezvous hashing (:mod:`._affinity`), after
+  the candidate that last served its key (its *placement*, at most PLACEMENT_MEMORY keys
+  remembered), and takes the first with room within the bounded load; while its *hold* lasts
   (``submitted + affinity_wait_s``, a deadline in its own heap) and its first-ranked
   candidate has no room, it can use that one only, and blocks nobody behind it. An input
   that may change a held waiter's preferred candidate (a node leaving or re-announcing, an
@@ -77,7 +78,7 @@ from typing import Final, Literal, TypeAlias
 
 import attrs
 
-from ._affinity import AFFINITY_RESULTS, AffinityResult, identity_seed, key_hash, weight
+from ._affinity import AFFINITY_RESULTS, AffinityResult, identity_seed, key_hash, preference
 from ._candidates import (
     CAPABILITIES,
     Candidate,
@@ -117,6 +118,10 @@ SESSION_MEMORY: Final = 10_000
 NODE_MEMORY: Final = 10_000
 """Departed nodes whose newest generation the core remembers (to ignore their stale
 announcements); beyond that the one that left first is forgotten."""
+PLACEMENT_MEMORY: Final = 100_000
+"""Affinity keys whose placement (the candidate that last served the key) the core
+remembers, per group and key (least recently placed ones are forgotten: a forgotten key
+goes by its ranking again)."""
 MODEL_MEMORY: Final = 10_000
 """Dropped groups whose last candidate's departure the core remembers (a request for one
 within ``model_linger_s`` is ``model_unavailable``, not ``unknown_model``); beyond that the
@@ -432,6 +437,9 @@ class AdmissionCore:
         self._health: HealthTable[_CandidateState] = HealthTable()
         """The health of every candidate identity the core tracks (:mod:`._health`)."""
         self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._placements: OrderedDict[tuple[str, int], int] = OrderedDict()
+        """Affinity: (group, key hash) -> the seed of the candidate identity that last served
+        the key (at most PLACEMENT_MEMORY, least recently placed forgotten first)."""
         self._admissions: dict[AdmitReason, int] = dict.fromkeys(ADMIT_REASONS, 0)
         self._rejections: dict[RejectCause, int] = dict.fromkeys(REJECT_CAUSES, 0)
         self._cancellations = 0
@@ -964,12 +972,13 @@ class AdmissionCore:
             return None
         klass = waiter.klass
         unhealthy = self._health.unhealthy
+        placed = self._placements.get((group.name, key))
         best: _CandidateState | None = None
         best_weight = (-1, -1)
         for state in group.candidates.values():
             if state.limits[1 + klass] == 0 or (unhealthy and state.ejected):
                 continue
-            w = weight(key, state.seed)
+            w = preference(key, state.seed, placed)
             if w > best_weight and self._unfit(state, waiter) is None:
                 best, best_weight = state, w
         if best is None or self._has_room(best, klass):
@@ -1000,9 +1009,10 @@ class AdmissionCore:
         roomy = [s for s in ranked if self._has_room(s, klass)]
         if not roomy:
             return True, None
+        placed = self._placements.get((group.name, key))
 
         def heaviest(state: _CandidateState) -> tuple[int, int]:
-            return weight(key, state.seed)
+            return preference(key, state.seed, placed)
 
         if waiter.hold_until is not None and self._now < waiter.hold_until:
             first = max(ranked, key=heaviest)
@@ -1025,7 +1035,9 @@ class AdmissionCore:
         key = waiter.affinity
         if key is None:
             return "unkeyed"
-        home = max(waiter.group.candidates.values(), key=lambda s: weight(key, s.seed))
+        group = waiter.group
+        placed = self._placements.get((group.name, key))
+        home = max(group.candidates.values(), key=lambda s: preference(key, s.seed, placed))
         if home is state:
             return "hit"
         if home.limits[1 + waiter.klass] == 0 or self._unfit(home, waiter) is not None:
@@ -1054,8 +1066,15 @@ class AdmissionCore:
             if not waiter.retry:
                 Flows.charge(waiter.flow, waiter.share.weight)
             self._end(waiter)
-        if waiter.group.policy.affinity:
-            waiter.group.affinity[self._affinity_result(waiter, state)] += 1
+        group = waiter.group
+        if group.policy.affinity:
+            group.affinity[self._affinity_result(waiter, state)] += 1
+            if waiter.affinity is not None:
+                placement = (group.name, waiter.affinity)
+                self._placements[placement] = state.seed
+                self._placements.move_to_end(placement)
+                if len(self._placements) > PLACEMENT_MEMORY:
+                    self._placements.popitem(last=False)
         slot = _Slot(id=next(self._slot_ids), state=state, klass=waiter.klass)
         self._slots[slot.id] = slot
         state.slot_ids.add(slot.id)

@@ -248,7 +248,76 @@ def test_over_the_load_bound_it_spills_to_its_next_choice() -> None:
     assert admit.candidate.node_id == second
     assert results(core) == {"hit": 2, "over_load": 1}
     core.release(held[0].slot_id, 0.0)  # a holds 1: (1 + 1) <= ceil(1.25 * 3 * 4 / 12)
-    assert only_admit(core.submit(2, "m", Needs(affinity_key=key), 0.0)).candidate.node_id == "a"
+    # the key stays where it was last served (its prefix is there now), not back home
+    assert only_admit(core.submit(2, "m", Needs(affinity_key=key), 0.0)).candidate.node_id == (
+        second
+    )
+    other = key_homed_on("a", [A, B, C], start=int(key.rpartition("-")[2]) + 1)
+    assert only_admit(core.submit(3, "m", Needs(affinity_key=other), 0.0)).candidate.node_id == "a"
+    assert results(core) == {"hit": 4, "over_load": 1}
+
+
+def test_a_key_stays_where_it_was_last_served() -> None:
+    """A turn that spilled (its home was busy past the hold) leaves its prefix on the node
+    that served it: the key's next requests prefer that one, hold for it as for a home,
+    and go by the ranking again once it leaves."""
+    a, b, c = (cand(n, slots=1) for n in ("a", "b", "c"))
+    core = core_with(a, b, c)
+    key = key_homed_on("a", [a, b, c])
+    second, third = ranking(key, [a, b, c])[1:]
+    busy = only_admit(core.submit("busy", "m", Needs(affinity_key=key), 0.0))
+    assert core.submit("w", "m", Needs(affinity_key=key), 0.0) == []  # holds for a
+    spilled = only_admit(core.tick(WAIT))
+    assert (spilled.waiter_id, spilled.candidate.node_id) == ("w", second)
+    assert results(core) == {"hit": 1, "busy": 1}
+    core.release(busy.slot_id, WAIT)
+    core.release(spilled.slot_id, WAIT)
+    # a is free, but the key now goes to the node that served it last, every time
+    for n in range(3):
+        admit = only_admit(core.submit(f"t{n}", "m", Needs(affinity_key=key), WAIT))
+        assert admit.candidate.node_id == second
+        core.release(admit.slot_id, WAIT)
+    assert results(core) == {"hit": 4, "busy": 1}
+    # it holds for that node as for its home: freed within the hold, the slot is its
+    held = only_admit(core.submit("h", "m", Needs(affinity_key=key), WAIT))
+    assert core.submit("w2", "m", Needs(affinity_key=key), WAIT) == []
+    assert core.tick(WAIT * 1.5) == []
+    after = only_admit(core.release(held.slot_id, WAIT * 1.5))
+    assert (after.waiter_id, after.candidate.node_id) == ("w2", second)
+    core.release(after.slot_id, WAIT * 1.5)
+    # its node leaving: the key goes by its ranking again, home first
+    core.node_left(second, 1, WAIT * 2)
+    back = only_admit(core.submit("x", "m", Needs(affinity_key=key), WAIT * 2))
+    assert back.candidate.node_id == "a"
+    assert third != "a"
+
+
+def test_placements_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core remembers at most PLACEMENT_MEMORY keys' placements; a forgotten key goes by
+    its ranking again."""
+    from dispatcher.admission import _core
+
+    monkeypatch.setattr(_core, "PLACEMENT_MEMORY", 2)
+    a, b = cand("a", slots=1), cand("b", slots=1)
+    core = core_with(a, b)
+    key = key_homed_on("a", [a, b])
+    busy = only_admit(core.submit("busy", "m", Needs(affinity_key=key), 0.0))
+    assert core.submit("w", "m", Needs(affinity_key=key), 0.0) == []
+    spilled = only_admit(core.tick(WAIT))
+    assert spilled.candidate.node_id == "b"
+    core.release(spilled.slot_id, WAIT)
+    core.release(busy.slot_id, WAIT)
+    # remembered: b, though a is free
+    again = only_admit(core.submit("again", "m", Needs(affinity_key=key), WAIT))
+    assert again.candidate.node_id == "b"
+    core.release(again.slot_id, WAIT)
+    # two other keys placed since: the first is forgotten, and goes home to a
+    for n in range(2):
+        other = key_homed_on("b", [a, b], start=100 * (n + 1))
+        admit = only_admit(core.submit(f"o{n}", "m", Needs(affinity_key=other), WAIT))
+        core.release(admit.slot_id, WAIT)
+    home = only_admit(core.submit("home", "m", Needs(affinity_key=key), WAIT))
+    assert home.candidate.node_id == "a"
 
 
 def test_a_factor_as_large_as_the_candidates_bounds_nothing_but_slots() -> None:
@@ -329,7 +398,8 @@ def test_a_home_that_cannot_serve_the_request_is_skipped() -> None:
     assert admit.candidate.node_id == "b"
     excluded = Needs(affinity_key=key, exclude=frozenset({a.key}))  # a retry, a failed
     assert only_admit(core.submit(2, "m", excluded, 0.0)).candidate.node_id == "b"
-    assert results(core) == {"ineligible": 2}
+    # the first placed the key on b: b is where its prefix is, the second a hit
+    assert results(core) == {"ineligible": 1, "hit": 1}
 
 
 def test_an_ejected_home_is_last() -> None:
@@ -398,7 +468,9 @@ async def test_the_bounded_wait_in_virtual_time(autojump_clock: trio.testing.Moc
                 assert slot.candidate.node_id == "b"
                 assert trio.current_time() - start == pytest.approx(0.25)
                 assert slot.queue_wait == pytest.approx(0.25)
-        # and one whose home frees within the bound gets it
+        # and one whose home frees within the bound gets it (another key: this one's
+        # place is b now, where it was last served)
+        key = key_homed_on("a", [a, b], start=int(key.rpartition("-")[2]) + 1)
         async with (
             trio.open_nursery() as nursery,
             admission.open_slot("m", Needs(affinity_key=key)) as busy,

@@ -247,6 +247,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.left_at: dict[str, float] = {}
         """group -> when its last candidate left (the latest time it lost its last one)."""
         self.affinity: dict[str, dict[str, int]] = {}
+        self.placed: dict[tuple[str, str], CandidateIdentity] = {}
+        """(group, affinity key) -> the identity that last served the key (its placement)."""
         """group -> its affinity counters (reset when the core drops the group)."""
 
     # ------------------------------------------------------------------ model helpers
@@ -347,7 +349,19 @@ class AdmissionMachine(RuleBasedStateMachine):
             and self.class_limit(c.key, klass) > 0
             and self.h(c.identity).state != "ejected"
         }
-        return [fit[identity] for identity in rendezvous_rank(key, fit)]
+        return [fit[identity] for identity in self.preference(waiter.group, key, fit)]
+
+    def preference(
+        self, group: str, key: str, identities: Iterable[CandidateIdentity]
+    ) -> list[CandidateIdentity]:
+        """``identities`` in ``key``'s order: where the key was last served first, then by
+        rendezvous ranking."""
+        ranked = rendezvous_rank(key, identities)
+        placed = self.placed.get((group, key))
+        if placed in ranked:
+            ranked.remove(placed)
+            ranked.insert(0, placed)
+        return ranked
 
     def room_for(self, waiter: MWaiter, candidate: Candidate) -> bool:
         """Room in its class and health lets it in (a probing one: no probe in flight)."""
@@ -408,7 +422,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         if key is None:
             return "unkeyed"
         candidates = {c.identity: c for c in self.group_candidates(waiter.group)}
-        home = candidates[rendezvous_rank(key, candidates)[0]]
+        home = candidates[self.preference(waiter.group, key, candidates)[0]]
         if home == admitted:
             return "hit"
         if self.class_limit(home.key, self.klass(waiter)) == 0 or not self.fits(waiter, home):
@@ -505,6 +519,11 @@ class AdmissionMachine(RuleBasedStateMachine):
             counts = self.affinity.setdefault(waiter.group, {})
             counts[result] = counts.get(result, 0) + 1
             event(f"affinity result {result}")
+            if waiter.needs.affinity_key is not None:
+                placement = (waiter.group, waiter.needs.affinity_key)
+                if placement in self.placed and self.placed[placement] != key.identity:
+                    event("affinity: a key placed elsewhere")
+                self.placed[placement] = key.identity
         if health.state == "probing":
             assert health.probe is None, "a second probe in flight"
             self.health[key.identity].probe = admit.slot_id

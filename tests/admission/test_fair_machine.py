@@ -94,6 +94,8 @@ class FairMachine(RuleBasedStateMachine):
         self.queued: dict[int, MWaiter] = {}
         self.slots: dict[int, CandidateKey] = {}
         self.ended: set[int] = set()
+        self.placed: dict[str, CandidateIdentity] = {}
+        """Affinity key -> the candidate that last served it (preferred while it can)."""
         self.log: dict[int, list[str]] = {}
         """Per band, the tenant of each first-time waiter admitted from the queue."""
         self.since: dict[tuple[int, str], int] = {}
@@ -133,7 +135,9 @@ class FairMachine(RuleBasedStateMachine):
         }
         if not able:
             return None
-        preferred = able[rendezvous_rank(affinity_key, able)[0]]
+        placed = self.placed.get(affinity_key)
+        first = placed if placed in able else rendezvous_rank(affinity_key, able)[0]
+        preferred = able[first]
         return None if self.free(preferred) > 0 else preferred
 
     def free(self, key: CandidateKey) -> int:
@@ -193,6 +197,8 @@ class FairMachine(RuleBasedStateMachine):
             elif other is not waiter and other.ahead_of(waiter) and self.can_serve(other, key):
                 event("affinity: passed a waiter holding for another candidate")
         self.slots[admit.slot_id] = key
+        if self.affinity != "off" and waiter.needs.affinity_key is not None:
+            self.placed[waiter.needs.affinity_key] = key.identity
         if not queued:
             assert admit.reason == ("requeued" if waiter.retry else "immediate")
             return
