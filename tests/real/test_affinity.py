@@ -14,8 +14,8 @@ It prints TTFT p50/p99 per turn and the prompt tokens the engines reported cache
 (``usage.prompt_tokens_details.cached_tokens``, from llama.cpp's answers through the node),
 and asserts that affinity lowers the TTFT p50 of turns 2-8 -- the one timing this suite
 asserts, since lowering it is the feature (the figure is in docs/real-engine.md; the target
-is 3x) -- and, the mechanism behind it, that with affinity on the later turns find their
-system prompt cached. ``nox -s real -- -k affinity`` runs it alone.
+is 3x) -- and, the mechanism behind it, that with affinity on at least 90 % of the later
+turns find their system prompt cached. ``nox -s real -- -k affinity`` runs it alone.
 
 The engines run with ``--cache-ram 64`` (``DISPATCHER_REAL_CACHE_RAM`` overrides): besides
 its two slots an engine keeps one evicted prompt (~33 MiB here) in host memory -- about a
@@ -375,4 +375,7 @@ def test_affinity_lowers_the_time_to_first_token_of_later_turns(
     # the mechanism: with affinity on, more later turns find their system prompt cached on
     # the node they reach; and so the time to their first token is lower
     assert hits[True] > hits[False], "\n".join(lines)
+    # a conversation stays where its prefix is (its placement, once it has spilled), so
+    # nearly every later turn finds it there
+    assert hits[True] >= 0.9 * len(on_later), "\n".join(lines)
     assert on_p50 < off_p50, "\n".join(lines)
