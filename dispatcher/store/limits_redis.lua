@@ -60,24 +60,38 @@ end
 
 local function hold_key(rid) return base .. ':hold:' .. rid end
 
--- The tenant's hash, read once per call into S and written back once (if changed): one
--- HMGET and at most one HSET, where each field's own command would cost a call apiece.
-local S
+-- The tenant's hash, read once per call into S and written back once (its fields that
+-- changed): one HMGET and at most one HSET, where each field's own command would cost a call
+-- apiece. (An absent field reads as 0 or ''.)
+local FIELDS = {'day', 'day_tokens', 'day_usd', 'month', 'month_tokens', 'month_usd',
+  'rsv_tokens', 'rsv_usd', 'charged', 'kept'}
+local TEXT = {day = true, month = true}
+local WHOLE = {day_tokens = true, month_tokens = true, rsv_tokens = true, charged = true}
+local S, LOADED
 local changed = false
 local function load()
-  local v = redis.call('HMGET', K_ST, 'day', 'day_tokens', 'day_usd', 'month', 'month_tokens',
-    'month_usd', 'rsv_tokens', 'rsv_usd', 'charged', 'kept')
-  S = {day = v[1] or '', day_tokens = num(v[2]), day_usd = num(v[3]), month = v[4] or '',
-    month_tokens = num(v[5]), month_usd = num(v[6]), rsv_tokens = num(v[7]),
-    rsv_usd = num(v[8]), charged = num(v[9]), kept = num(v[10])}
+  local v = redis.call('HMGET', K_ST, unpack(FIELDS))
+  S, LOADED = {}, {}
+  for i, name in ipairs(FIELDS) do
+    local x
+    if TEXT[name] then x = v[i] or '' else x = num(v[i]) end
+    S[name], LOADED[name] = x, x
+  end
 end
 local function int(x) return string.format('%d', x) end
 local function save()
   if not changed then return end
-  redis.call('HSET', K_ST, 'day', S.day, 'day_tokens', int(S.day_tokens),
-    'day_usd', f(S.day_usd), 'month', S.month, 'month_tokens', int(S.month_tokens),
-    'month_usd', f(S.month_usd), 'rsv_tokens', int(S.rsv_tokens), 'rsv_usd', f(S.rsv_usd),
-    'charged', int(S.charged), 'kept', f(S.kept))
+  local out = {}
+  for _, name in ipairs(FIELDS) do
+    local x = S[name]
+    if x ~= LOADED[name] then
+      out[#out + 1] = name
+      if TEXT[name] then out[#out + 1] = x
+      elseif WHOLE[name] then out[#out + 1] = int(x)
+      else out[#out + 1] = f(x) end
+    end
+  end
+  if #out > 0 then redis.call('HSET', K_ST, unpack(out)) end
 end
 
 -- A hold's reservation (its fields reserved, tokens, usd) comes off the tenant's total;
@@ -179,14 +193,18 @@ local function answer(head, flying)
 end
 
 -- What the x-ratelimit headers need: requests in the window (`requests`) and the oldest
--- one's time, tokens charged and the oldest charge's time.
+-- one's time, tokens charged and the oldest charge's time -- the same time: the two windows
+-- hold the same ids at the same times (an admission adds to both, both drop what is older
+-- than the window). Not read for a key with neither rpm nor tpm (no such headers).
 local function with_headers(head, requests)
-  local oldest_req = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')
-  local oldest_chg = redis.call('ZRANGE', K_CHG, 0, 0, 'WITHSCORES')
+  local oldest = ''
+  if ARGV[8] ~= '' or ARGV[9] ~= '' then
+    oldest = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')[2] or ''
+  end
   head[#head + 1] = tostring(requests)
-  head[#head + 1] = oldest_req[2] or ''
+  head[#head + 1] = oldest
   head[#head + 1] = int(S.charged)
-  head[#head + 1] = oldest_chg[2] or ''
+  head[#head + 1] = oldest
   return head
 end
 
