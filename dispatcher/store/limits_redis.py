@@ -562,6 +562,7 @@ class RedisLimits:
         ]
         if carried is not None:
             self._queue.clear()
+            self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
             command += [carried.kind, *carried.args[3:]]
         try:
             if trio.current_effective_deadline() <= trio.current_time() + self.command_timeout:
@@ -627,6 +628,7 @@ class RedisLimits:
         op = _Op(self._seq, "admit", hold.tenant_id, args, hold, trio.Event())
         batch = [*self._queue, op]
         self._queue.clear()
+        self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
         sent = await self._submit(batch)
         self._flights.append((batch, sent))
         self._flown.set()
