@@ -23,12 +23,15 @@ connection: two Trio task steps per command, where coredis took six and ~5x the 
   by request for a release, by an id of its own for a spend). A settle and its request's
   release posted one after the other run as one script.
 * An admission is sent by its caller, not the writer: alone when no write is waiting (the
-  wire already holds everything posted before it), or behind the writes waiting, in one
-  pipeline (its request's settle and release, for one client's requests back to back): the
-  admit path is one round trip and two task steps, and a request's end costs no round trip
-  of its own. For that, the writer holds writes with no awaited operation behind them up to
-  :data:`WRITE_LINGER` seconds before it sends them itself: a release reaches the server,
-  and other edges, at most that much later.
+  wire already holds everything posted before it); with the one write waiting a finish or a
+  release of its tenant (one client's requests back to back: the previous request's end),
+  that write's arguments ride in the admission's own script, which runs it first; with
+  other writes waiting, they and the admission go as one pipeline. The admit path is one
+  round trip and two task steps, and a request's end costs no round trip, and at one client
+  no script, of its own. For that, the writer holds writes with no awaited operation behind
+  them up to :data:`WRITE_LINGER` seconds before it sends them itself: a release reaches the
+  server, and other edges, at most that much later (:meth:`RedisLimits.flush` does not
+  wait). A carried write whose admission fails is written again on its own.
 * What it costs (``nox -s bench -- store``): the script reads the tenant's hash once and
   writes it once, a settle or a release does not move the windows (only an admission and a
   read need them moved), and an answer is one string of fields, not an array to parse.
@@ -101,11 +104,11 @@ CLOSE_TIMEOUT: Final = 5.0
 COMMAND_TIMEOUT: Final = 2.0
 """Seconds one command may take before it counts as failed (a write is then tried again)."""
 PARK_LIMIT: Final = 100_000
-WRITE_LINGER: Final = 0.005
-"""Seconds the writer holds writes (settles, releases) for the next admission to carry, in
-its own pipeline: at one client, a request's end then costs the edge and the server no
-round trip of its own (the client's next request is on the edge by then)."""
 """Writes kept while the store is suspended; beyond, the oldest are given up (counted)."""
+WRITE_LINGER: Final = 0.005
+"""Seconds the writer holds writes (settles, releases) for the next admission to carry: at
+one client, a request's end then costs the edge and the server no round trip and no script
+of its own (the client's next request is on the edge by then)."""
 _ERRORS: Final = (RedisReplyError, RedisLinkError, OSError, trio.TooSlowError)
 _UNREACHABLE: Final = (RedisLinkError, OSError, trio.TooSlowError)
 """The errors that say the server is not answering (not that it refused one command)."""
@@ -247,6 +250,7 @@ class RedisLimits:
     """Set when something in the queue must not wait out :data:`WRITE_LINGER` (an awaited
     operation, a suspension's change, closing): reset when the queue is empty."""
     linger: float = attrs.field(init=False, default=WRITE_LINGER)
+    """Seconds the writer holds writes for an admission to carry (:data:`WRITE_LINGER`)."""
     _seq: int = attrs.field(init=False, default=0)
     _seen: dict[str, _Seen] = attrs.field(init=False, factory=dict)
     _seen_seq: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -776,11 +780,15 @@ class RedisLimits:
         """A write an admission carried, whose admission failed (it may or may not have run:
         it is idempotent on the server), goes again on its own, in the order posted
         (:meth:`_writer` puts a write going alone behind those posted before it)."""
-        if write is not None and not self._closed:
-            write.alone = True
-            self._queue.appendleft(write)
-            self._wake.set()
-            self._urgent.set()
+        if write is None:
+            return
+        if self._closed:  # (the writer is gone)
+            self._lost += 1
+            return
+        write.alone = True
+        self._queue.appendleft(write)
+        self._wake.set()
+        self._urgent.set()
 
     def _park(self, op: _Op) -> None:
         """Keep a write until :meth:`resume` (the oldest goes beyond :data:`PARK_LIMIT`)."""
