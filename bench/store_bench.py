@@ -13,8 +13,10 @@
 
    Non-streaming chat completions back to back on keep-alive connections (``bench._load``):
    p50/p99 at one client, req/s at 64. The edges take turns in short rounds, so other load on
-   the machine falls on each alike. Then, in this process against the same server, the
-   round trip of one ``admit`` + ``release`` of each store (the micro row).
+   the machine falls on each alike. Then :data:`SCRIPT_PROBE` requests at one client to the
+   Redis edge, with ``INFO commandstats`` read around them: the scripts it ran per request
+   and their time on the server. Then, in this process against the same server, the round
+   trip of one ``admit`` + ``release`` of each store (the micro row).
 2. **Ledger writes.** :data:`ROWS` usage rows ``record()``-ed back to back, then
    ``flush()``-ed, into SQLite (``open_usage_ledger`` on a file) and into PostgreSQL
    (``open_postgres_ledger`` on a cluster this section starts, with PostgreSQL's default
@@ -42,7 +44,16 @@ from typing import Any
 import trio
 
 from bench import Table, fmt_int
-from bench._load import LoadError, LoadResult, MachineLoad, cpu_seconds, http_request, request_load
+from bench._load import (
+    LoadError,
+    LoadResult,
+    MachineLoad,
+    connect,
+    cpu_seconds,
+    exchange,
+    http_request,
+    request_load,
+)
 from bench._options import RunOptions
 from bench._procs import edge_daemon, log_notes, node_daemon
 from bench._stores import Running, postgres_missing, redis_missing, running_postgres, running_redis
@@ -72,6 +83,8 @@ IDLE_PINGS = 200
 IDLE_GAP = 0.005
 """PINGs sent after this many seconds idle (the gap between one client's admissions)."""
 MICRO_WARMUP = 200
+SCRIPT_PROBE = 300
+"""Requests at one client to the Redis edge while its scripts are counted on the server."""
 ROWS = 50_000
 
 QUICK_ROUNDS = 1
@@ -211,10 +224,50 @@ async def _measure_edges(edges: Sequence[Edge], plan: Plan, redis_pid: int | Non
                 edge.loads.setdefault(clients, []).append(load)
 
 
+async def _commandstats(link: Any) -> dict[str, tuple[int, int]]:
+    """``INFO commandstats``: command -> (calls, µs)."""
+    info = await link.call("INFO", "commandstats")
+    out: dict[str, tuple[int, int]] = {}
+    for line in info.decode().splitlines():
+        if line.startswith("cmdstat_"):
+            name, _, rest = line.removeprefix("cmdstat_").partition(":")
+            fields = dict(part.split("=", 1) for part in rest.split(","))
+            out[name] = (int(fields["calls"]), int(fields["usec"]))
+    return out
+
+
+async def _scripts_per_request(redis_url: str, edge: Edge) -> str:
+    """A note: what :data:`SCRIPT_PROBE` requests at one client cost redis-server, read from
+    its ``INFO commandstats`` (scripts run, their time)."""
+    from dispatcher.store.redis_link import open_redis_link
+
+    request = chat_request()
+    async with open_redis_link(redis_url) as link:
+        before = await _commandstats(link)
+        sock = await connect(edge.port)
+        with sock:
+            pending = b""
+            for _ in range(SCRIPT_PROBE):
+                status, pending = await exchange(sock, request, pending)
+                if status != 200:
+                    raise LoadError(f"{edge.name}: the edge answered {status}")
+        await trio.sleep(0.1)  # a write the last request left (held for an admission)
+        after = await _commandstats(link)
+    (calls_before, usec_before), (calls_after, usec_after) = (
+        stats.get("evalsha", (0, 0)) for stats in (before, after)
+    )
+    calls, usec = calls_after - calls_before, usec_after - usec_before
+    return (
+        f"redis at 1 client ({SCRIPT_PROBE} requests, INFO commandstats): "
+        f"{calls / SCRIPT_PROBE:.2f} scripts per request, {usec / SCRIPT_PROBE:.0f} µs of "
+        f"script time per request ({usec / max(calls, 1):.0f} µs per script)"
+    )
+
+
 async def _round_trips(store: Any, limits: Any, runs: int) -> list[float]:
     """``runs`` (after a warm-up) of ``admit`` then ``release`` on ``store``: each one's
-    seconds. A release is posted, not awaited: on Redis the next admit waits for it, so in
-    the steady state one pair's time is both round trips."""
+    seconds. A release is posted, not awaited: on Redis the next admit carries it in its own
+    script, so in the steady state one pair's time is one round trip doing both."""
     from dispatcher.store.seam import Hold, Refusal
 
     times: list[float] = []
@@ -311,6 +364,9 @@ async def limit_path(plan: Plan) -> Table:
             await _check_answer(edge, limited=name != NO_LIMITS)
             edges.append(edge)
         await _measure_edges(edges, plan, redis.pid if redis is not None else None)
+        if redis_url is not None:
+            redis_edge = next(edge for edge in edges if edge.name == REDIS)
+            notes.append(await _scripts_per_request(redis_url, redis_edge))
         micro = await _micro(redis_url, plan.micro_runs, notes)
 
     results = {
@@ -342,6 +398,11 @@ async def limit_path(plan: Plan) -> Table:
             f"redis <= {TARGET_REDIS_ADDED_P50_MS:g} ms: {verdict or 'n/a'}",
         ],
         ["added p99 ms vs no limits", *cells(lambda n: added(n, lo, 0.99)), ""],
+        [
+            f"edge CPU µs/req, {lo} client",
+            *cells(lambda n: fmt_int(results[n][lo].server_cpu / results[n][lo].rps * 1e6)),
+            "",
+        ],
         [f"req/s, {hi} clients", *cells(lambda n: fmt_int(results[n][hi].rps)), ""],
         [f"p50 ms, {hi} clients", *cells(lambda n: fmt_ms(p(n, hi, 0.5))), ""],
         [
@@ -369,8 +430,8 @@ async def limit_path(plan: Plan) -> Table:
         f"warm-up + {plan.duration / plan.rounds:g} s counted; responses counted at 1 / {hi} "
         f"clients: {counted}",
         "admit+release: in this process, one Hold admitted then released, back to back "
-        "(redis: against the same server; the next admit waits for the posted release, so "
-        "the time is both round trips)",
+        "(redis: against the same server; the next admit carries the posted release in its "
+        "own script, so the time is one round trip doing both)",
     ]
     if REDIS in results and redis is not None and results[REDIS][hi].seconds > 0:
         redis_rps = results[REDIS][hi].rps

@@ -21,6 +21,7 @@ local K_TOK = base .. ':tok'    -- hash: request id -> its live charge's tokens
 local K_FLY = base .. ':fly'    -- zset: request id -> its lease's expiry (max_concurrent)
 local WINDOW = 60
 local KEEP = 40 * 86400         -- a tenant's keys outlive a month of idleness, no longer
+local KEEP_EVERY = 3600         -- an admission renews the keys' expiry at most this often
 local HOLD_KEEP = 86400         -- a request's hold answers its settles for a day
 
 local function f(x) return string.format('%.17g', x) end
@@ -59,24 +60,38 @@ end
 
 local function hold_key(rid) return base .. ':hold:' .. rid end
 
--- The tenant's hash, read once per call into S and written back once (if changed): one
--- HMGET and at most one HSET, where each field's own command would cost a call apiece.
-local S
+-- The tenant's hash, read once per call into S and written back once (its fields that
+-- changed): one HMGET and at most one HSET, where each field's own command would cost a call
+-- apiece. (An absent field reads as 0 or ''.)
+local FIELDS = {'day', 'day_tokens', 'day_usd', 'month', 'month_tokens', 'month_usd',
+  'rsv_tokens', 'rsv_usd', 'charged', 'kept'}
+local TEXT = {day = true, month = true}
+local WHOLE = {day_tokens = true, month_tokens = true, rsv_tokens = true, charged = true}
+local S, LOADED
 local changed = false
 local function load()
-  local v = redis.call('HMGET', K_ST, 'day', 'day_tokens', 'day_usd', 'month', 'month_tokens',
-    'month_usd', 'rsv_tokens', 'rsv_usd', 'charged')
-  S = {day = v[1] or '', day_tokens = num(v[2]), day_usd = num(v[3]), month = v[4] or '',
-    month_tokens = num(v[5]), month_usd = num(v[6]), rsv_tokens = num(v[7]),
-    rsv_usd = num(v[8]), charged = num(v[9])}
+  local v = redis.call('HMGET', K_ST, unpack(FIELDS))
+  S, LOADED = {}, {}
+  for i, name in ipairs(FIELDS) do
+    local x
+    if TEXT[name] then x = v[i] or '' else x = num(v[i]) end
+    S[name], LOADED[name] = x, x
+  end
 end
 local function int(x) return string.format('%d', x) end
 local function save()
   if not changed then return end
-  redis.call('HSET', K_ST, 'day', S.day, 'day_tokens', int(S.day_tokens),
-    'day_usd', f(S.day_usd), 'month', S.month, 'month_tokens', int(S.month_tokens),
-    'month_usd', f(S.month_usd), 'rsv_tokens', int(S.rsv_tokens), 'rsv_usd', f(S.rsv_usd),
-    'charged', int(S.charged))
+  local out = {}
+  for _, name in ipairs(FIELDS) do
+    local x = S[name]
+    if x ~= LOADED[name] then
+      out[#out + 1] = name
+      if TEXT[name] then out[#out + 1] = x
+      elseif WHOLE[name] then out[#out + 1] = int(x)
+      else out[#out + 1] = f(x) end
+    end
+  end
+  if #out > 0 then redis.call('HSET', K_ST, unpack(out)) end
 end
 
 -- A hold's reservation (its fields reserved, tokens, usd) comes off the tenant's total;
@@ -156,6 +171,8 @@ end
 
 local function keep()
   for _, key in ipairs({K_ST, K_REQ, K_CHG, K_TOK, K_FLY}) do redis.call('EXPIRE', key, KEEP) end
+  S.kept = wall
+  changed = true
 end
 
 -- Every answer: the clocks, the operation's own head, then the tenant's snapshot (in flight,
@@ -176,25 +193,77 @@ local function answer(head, flying)
 end
 
 -- What the x-ratelimit headers need: requests in the window (`requests`) and the oldest
--- one's time, tokens charged and the oldest charge's time.
+-- one's time, tokens charged and the oldest charge's time -- the same time: the two windows
+-- hold the same ids at the same times (an admission adds to both, both drop what is older
+-- than the window). Not read for a key with neither rpm nor tpm (no such headers).
 local function with_headers(head, requests)
-  local oldest_req = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')
-  local oldest_chg = redis.call('ZRANGE', K_CHG, 0, 0, 'WITHSCORES')
+  local oldest = ''
+  if ARGV[8] ~= '' or ARGV[9] ~= '' then
+    oldest = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')[2] or ''
+  end
   head[#head + 1] = tostring(requests)
-  head[#head + 1] = oldest_req[2] or ''
+  head[#head + 1] = oldest
   head[#head + 1] = int(S.charged)
-  head[#head + 1] = oldest_chg[2] or ''
+  head[#head + 1] = oldest
   return head
 end
 
 local op = ARGV[3]
 load()
 
+-- A request's attempt settles once (keyed by the request and the attempt, on any edge): its
+-- live charge becomes what it used, its reservation comes off, what it spent counts.
+local function settle(rid, attempt, tokens, usd)
+  local hk = hold_key(rid)
+  if redis.call('HSETNX', hk, 's:' .. attempt, '1') == 0 then
+    return 'again'  -- this (request, attempt) settled before
+  end
+  redis.call('EXPIRE', hk, HOLD_KEEP)
+  local h = redis.call('HMGET', hk, 'settled', 'charge', 'tokens', 'reserved', 'usd')
+  if h[3] then  -- the hold is known (else only the spend counts)
+    local charge = tokens
+    if num(h[1]) > 0 then charge = tokens + num(h[2]) end
+    recharge(rid, charge)
+    unreserve(h[4], h[3], h[5])
+    redis.call('HSET', hk, 'charge', charge, 'settled', num(h[1]) + 1, 'reserved', '0')
+  end
+  spend(tokens, usd, wall)
+  return 'settled'
+end
+
+-- A request leaves (once): its place in flight and what it still reserved come back; one
+-- not answered and never settled costs nothing.
+local function release(rid, answered)
+  local hk = hold_key(rid)
+  local h = redis.call('HMGET', hk, 'released', 'settled', 'reserved', 'tokens', 'usd')
+  if h[1] ~= '0' then return 'again' end  -- released before, or unknown
+  redis.call('ZREM', K_FLY, rid)
+  unreserve(h[3], h[4], h[5])
+  if num(h[2]) == 0 and answered ~= '1' then  -- it costs nothing
+    recharge(rid, 0)
+    redis.call('HSET', hk, 'released', '1', 'reserved', '0', 'charge', 0)
+  else
+    redis.call('HSET', hk, 'released', '1', 'reserved', '0')
+  end
+  return 'released'
+end
+
 if op == 'admit' then
+  -- A write of this edge's posted just before (its request's settle and release, or its
+  -- release) may ride along: it runs first, as it would have in a script of its own.
+  local carried = ARGV[15]
+  if carried == 'finish' then
+    settle(ARGV[16], ARGV[17], tonumber(ARGV[18]), tonumber(ARGV[19]))
+    release(ARGV[16], ARGV[20])
+  elseif carried == 'release' then
+    release(ARGV[16], ARGV[17])
+  end
   local flying = advance()
-  -- A tenant's keys are kept KEEP past its last admission or spend: what else comes (a
-  -- settle, a release, a renewal) follows an admission by at most HOLD_KEEP.
-  keep()
+  -- A tenant's keys are kept KEEP past its last admission or spend (within KEEP_EVERY: an
+  -- admission renews them all only that often, and gives a key it creates its expiry):
+  -- what else comes (a settle, a release, a renewal) follows an admission by at most
+  -- HOLD_KEEP.
+  if not (S.kept <= wall and wall < S.kept + KEEP_EVERY) then keep() end
   local rid, tokens, usd, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local rpm, tpm, conc = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
   local n = redis.call('ZCARD', K_REQ)
@@ -235,6 +304,12 @@ if op == 'admit' then
   redis.call('ZADD', K_CHG, sn, rid)
   redis.call('HSET', K_TOK, rid, tokens)
   redis.call('ZADD', K_FLY, f(now + lease), rid)
+  if n == 0 then  -- the windows were empty: these keys did not exist (they hold the same ids)
+    redis.call('EXPIRE', K_REQ, KEEP)
+    redis.call('EXPIRE', K_CHG, KEEP)
+    redis.call('EXPIRE', K_TOK, KEEP)
+  end
+  if flying == 0 then redis.call('EXPIRE', K_FLY, KEEP) end
   S.charged = S.charged + tokens
   S.rsv_tokens, S.rsv_usd = S.rsv_tokens + tokens, S.rsv_usd + usd
   changed = true
@@ -244,43 +319,6 @@ if op == 'admit' then
     'released', '0', 'settled', 0)
   redis.call('EXPIRE', hk, HOLD_KEEP)
   return answer(with_headers({'held', '', '', ''}, n + 1), flying + 1)
-end
-
--- A request's attempt settles once (keyed by the request and the attempt, on any edge): its
--- live charge becomes what it used, its reservation comes off, what it spent counts.
-local function settle(rid, attempt, tokens, usd)
-  local hk = hold_key(rid)
-  if redis.call('HSETNX', hk, 's:' .. attempt, '1') == 0 then
-    return 'again'  -- this (request, attempt) settled before
-  end
-  redis.call('EXPIRE', hk, HOLD_KEEP)
-  local h = redis.call('HMGET', hk, 'settled', 'charge', 'tokens', 'reserved', 'usd')
-  if h[3] then  -- the hold is known (else only the spend counts)
-    local charge = tokens
-    if num(h[1]) > 0 then charge = tokens + num(h[2]) end
-    recharge(rid, charge)
-    unreserve(h[4], h[3], h[5])
-    redis.call('HSET', hk, 'charge', charge, 'settled', num(h[1]) + 1, 'reserved', '0')
-  end
-  spend(tokens, usd, wall)
-  return 'settled'
-end
-
--- A request leaves (once): its place in flight and what it still reserved come back; one
--- not answered and never settled costs nothing.
-local function release(rid, answered)
-  local hk = hold_key(rid)
-  local h = redis.call('HMGET', hk, 'released', 'settled', 'reserved', 'tokens', 'usd')
-  if h[1] ~= '0' then return 'again' end  -- released before, or unknown
-  redis.call('ZREM', K_FLY, rid)
-  unreserve(h[3], h[4], h[5])
-  if num(h[2]) == 0 and answered ~= '1' then  -- it costs nothing
-    recharge(rid, 0)
-    redis.call('HSET', hk, 'released', '1', 'reserved', '0', 'charge', 0)
-  else
-    redis.call('HSET', hk, 'released', '1', 'reserved', '0')
-  end
-  return 'released'
 end
 
 if op == 'settle' then

@@ -22,8 +22,16 @@ connection: two Trio task steps per command, where coredis took six and ~5x the 
   retries a write that failed (each is idempotent on the server, keyed by request and attempt,
   by request for a release, by an id of its own for a spend). A settle and its request's
   release posted one after the other run as one script.
-* An admission with no write waiting is sent by its caller, not the writer (the wire already
-  holds everything posted before it): the admit path is one round trip and two task steps.
+* An admission is sent by its caller, not the writer: alone when no write is waiting (the
+  wire already holds everything posted before it); with the one write waiting a finish or a
+  release of its tenant (one client's requests back to back: the previous request's end),
+  that write's arguments ride in the admission's own script, which runs it first; with
+  other writes waiting, they and the admission go as one pipeline. The admit path is one
+  round trip and two task steps, and a request's end costs no round trip, and at one client
+  no script, of its own. For that, the writer holds writes with no awaited operation behind
+  them up to :data:`WRITE_LINGER` seconds before it sends them itself: a release reaches the
+  server, and other edges, at most that much later (:meth:`RedisLimits.flush` does not
+  wait). A carried write whose admission fails is written again on its own.
 * What it costs (``nox -s bench -- store``): the script reads the tenant's hash once and
   writes it once, a settle or a release does not move the windows (only an admission and a
   read need them moved), and an answer is one string of fields, not an array to parse.
@@ -97,6 +105,10 @@ COMMAND_TIMEOUT: Final = 2.0
 """Seconds one command may take before it counts as failed (a write is then tried again)."""
 PARK_LIMIT: Final = 100_000
 """Writes kept while the store is suspended; beyond, the oldest are given up (counted)."""
+WRITE_LINGER: Final = 0.005
+"""Seconds the writer holds writes (settles, releases) for the next admission to carry: at
+one client, a request's end then costs the edge and the server no round trip and no script
+of its own (the client's next request is on the edge by then)."""
 _ERRORS: Final = (RedisReplyError, RedisLinkError, OSError, trio.TooSlowError)
 _UNREACHABLE: Final = (RedisLinkError, OSError, trio.TooSlowError)
 """The errors that say the server is not answering (not that it refused one command)."""
@@ -234,6 +246,11 @@ class RedisLimits:
     no admission asking -- is enough for an outage to be seen."""
     _queue: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _urgent: trio.Event = attrs.field(init=False, factory=trio.Event)
+    """Set when something in the queue must not wait out :data:`WRITE_LINGER` (an awaited
+    operation, a suspension's change, closing): reset when the queue is empty."""
+    linger: float = attrs.field(init=False, default=WRITE_LINGER)
+    """Seconds the writer holds writes for an admission to carry (:data:`WRITE_LINGER`)."""
     _seq: int = attrs.field(init=False, default=0)
     _seen: dict[str, _Seen] = attrs.field(init=False, factory=dict)
     _seen_seq: dict[str, int] = attrs.field(init=False, factory=dict)
@@ -281,8 +298,15 @@ class RedisLimits:
             _decimal(limits.budget_usd_month),
         ]
         answer: list[str] | None = None
-        if not (self._queue or self._running or self.suspended or self._closed):
-            answer = await self._admit_now(hold, args)
+        if not (self._running or self.suspended or self._closed):
+            if not self._queue:
+                answer = await self._admit_now(hold, args)
+            elif self.client.connected:
+                carried = self._carriable(hold)
+                if carried is not None:
+                    answer = await self._admit_now(hold, args, carried)
+                elif self._only_writes():
+                    answer = await self._admit_behind_writes(hold, args)
         if answer is None:
             op = self._post("admit", hold.tenant_id, args, hold=hold, awaited=True)
             answer = await self._answer(op)
@@ -419,6 +443,7 @@ class RedisLimits:
         """The server is known not to answer: from now on writes are parked (in order), not
         tried, and an awaited operation fails at once, until :meth:`resume`."""
         self._suspension.set()
+        self._urgent.set()
 
     def resume(self) -> None:
         """The server answers again: the parked writes go first, in the order posted."""
@@ -429,6 +454,7 @@ class RedisLimits:
         self._queue.extendleft(reversed(self._parked))
         self._parked.clear()
         self._wake.set()
+        self._urgent.set()
 
     @property
     def suspended(self) -> bool:
@@ -465,6 +491,8 @@ class RedisLimits:
         op = _Op(seq, kind, tenant_id, args, hold, trio.Event() if awaited else None)
         self._queue.append(op)
         self._wake.set()
+        if awaited:
+            self._urgent.set()
         return op
 
     def _delta(
@@ -516,9 +544,13 @@ class RedisLimits:
         assert strings is not None, answer
         return strings
 
-    async def _admit_now(self, hold: Hold, args: list[str]) -> list[str] | None:
+    async def _admit_now(
+        self, hold: Hold, args: list[str], carried: _Op | None = None
+    ) -> list[str] | None:
         """:meth:`admit`'s own way (see there): the script's answer, or None if the server
-        lacks the script (the writer then loads it). A caller that leaves after its script
+        lacks the script (the writer then loads it). ``carried``: the one write waiting
+        (:meth:`_carriable`), taken off the queue and run first by the same script; written
+        again on its own if the admission fails. A caller that leaves after its script
         may have been sent, or an answer lost, releases what it may hold: releasing a
         request the server does not hold does nothing."""
         self._seq += 1
@@ -532,19 +564,31 @@ class RedisLimits:
             "admit",
             *args,
         ]
+        if carried is not None:
+            self._queue.clear()
+            self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
+            command += [carried.kind, *carried.args[3:]]
         try:
-            with trio.fail_after(self.command_timeout):
+            if trio.current_effective_deadline() <= trio.current_time() + self.command_timeout:
+                # The caller's deadline comes first (the edge's guard's): a scope of our own
+                # would cost as much as the rest of sending the command.
                 reply = await self.client.call(*command)
+            else:
+                with trio.fail_after(self.command_timeout):
+                    reply = await self.client.call(*command)
         except RedisReplyError as error:
+            self._again_alone(carried)
             if error.code == "NOSCRIPT":
                 return None
             raise StoreUnreachable(f"admit: the server refused it: {error}") from error
         except _ERRORS as error:
+            self._again_alone(carried)
             if isinstance(error, _UNREACHABLE) and self.on_unreachable is not None:
                 self.on_unreachable(_failure("admit", error))
             self._release_unknown(hold)
             raise StoreUnreachable(_failure("admit", error)) from error
         except BaseException:
+            self._again_alone(carried)
             self._release_unknown(hold)
             raise
         answer = _strings(reply)
@@ -552,6 +596,47 @@ class RedisLimits:
         self._see(hold.tenant_id, answer, seq)
         self._acknowledge(hold.tenant_id, seq)
         return answer
+
+    def _carriable(self, hold: Hold) -> _Op | None:
+        """The one write waiting, if the admission of ``hold`` may run it first in its own
+        script: a finish or a release of the same tenant, on the same clocks."""
+        queue = self._queue
+        if len(queue) != 1:
+            return None
+        write = queue[0]
+        if (
+            write.kind in ("finish", "release")
+            and write.tenant_id == hold.tenant_id
+            and not write.alone
+            and write.args[:2] == self._clocks()
+        ):
+            return write
+        return None
+
+    def _only_writes(self) -> bool:
+        """Whether the queue holds only writes that may go in a pipeline now (no awaited
+        operation, barrier or write going again alone), at most :data:`PIPELINE` - 1."""
+        queue = self._queue
+        if len(queue) >= PIPELINE:
+            return False
+        return all(op.done is None and not op.alone for op in queue)
+
+    async def _admit_behind_writes(self, hold: Hold, args: list[str]) -> list[str]:
+        """:meth:`admit`'s way when writes wait (see there): they and the admission go as one
+        pipeline, written by the caller at once (the link is connected: no scheduler turn
+        between taking them off the queue and the wire), their replies handled by the
+        receiver, as the writer's pipelines are."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._seq += 1
+        args = [*self._clocks(), "admit", *args]
+        op = _Op(self._seq, "admit", hold.tenant_id, args, hold, trio.Event())
+        batch = [*self._queue, op]
+        self._queue.clear()
+        self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
+        sent = await self._submit(batch)
+        self._flights.append((batch, sent))
+        self._flown.set()
+        return await self._answer(op)
 
     def _release_unknown(self, hold: Hold) -> None:
         """An admission whose answer never came: a hold it may have taken goes at once,
@@ -579,10 +664,18 @@ class RedisLimits:
         flight, then go one at a time; while suspended, writes are parked and awaited
         operations fail at once."""
         queue = self._queue
+        lingered: _Op | None = None
         while True:
             if not queue:
                 self._wake = trio.Event()
+                self._urgent = trio.Event()
                 await self._wake.wait()
+                continue
+            if not (queue[0] is lingered or self._urgent.is_set() or self._suspension.is_set()):
+                # Writes only: the next admission may carry them (see the module docstring).
+                lingered = queue[0]
+                with trio.move_on_after(self.linger):
+                    await self._urgent.wait()
                 continue
             op = queue.popleft()
             if op.abandoned:
@@ -682,6 +775,20 @@ class RedisLimits:
             self._post("release", op.tenant_id, [op.hold.request_id, "0"])
         elif isinstance(answer, list) and op.left() and answer[2] == "held":
             self.release(RedisHeld(op.hold, ()), answered=False)
+
+    def _again_alone(self, write: _Op | None) -> None:
+        """A write an admission carried, whose admission failed (it may or may not have run:
+        it is idempotent on the server), goes again on its own, in the order posted
+        (:meth:`_writer` puts a write going alone behind those posted before it)."""
+        if write is None:
+            return
+        if self._closed:  # (the writer is gone)
+            self._lost += 1
+            return
+        write.alone = True
+        self._queue.appendleft(write)
+        self._wake.set()
+        self._urgent.set()
 
     def _park(self, op: _Op) -> None:
         """Keep a write until :meth:`resume` (the oldest goes beyond :data:`PARK_LIMIT`)."""

@@ -364,6 +364,11 @@ class RedisLink:
         conn.waiters.append(waiter)
         return Submitted(waiter)
 
+    @property
+    def connected(self) -> bool:
+        """A connection is up: :meth:`submit` writes at once, without a scheduler turn."""
+        return self._conn is not None
+
     def script_sha(self, script: str) -> str:
         """The SHA1 EVALSHA names ``script`` by (for a pipeline of EVALSHAs: a NOSCRIPT
         reply in it means the server must load it, as :meth:`evalsha` does)."""

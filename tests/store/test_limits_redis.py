@@ -15,7 +15,10 @@
   and writes them first when resumed;
 * what was posted before the store closed is written;
 * a settle and its release posted together are one script on the server; an admission with
-  nothing queued is sent by its caller, not through the writer's tasks;
+  nothing queued is sent by its caller, not through the writer's tasks; one with its tenant's
+  settle and release (or release) waiting carries them in its own script, run first (one
+  script per request at one client), and they are written again on their own if it fails;
+  a write with no admission behind it waits at most the writer's linger (flush: not at all);
 * on the server's own clocks (no clock given) it limits and spends;
 * nothing of the embedded default imports ``coredis``.
 """
@@ -37,6 +40,7 @@ from dispatcher.config import Limits
 from dispatcher.store.ledger import open_usage_ledger
 from dispatcher.store.limits import Held, MemoryLimits
 from dispatcher.store.limits_redis import (
+    WRITE_LINGER,
     RedisHeld,
     RedisLimits,
     RedisLimitsStatistics,
@@ -485,7 +489,9 @@ class _Steps(trio.abc.Instrument):
 async def test_an_admission_with_nothing_queued_is_sent_by_its_caller(url: str) -> None:
     """With no write waiting, an admission does not pass through the store's writer and
     receiver tasks (two scheduler turns instead of five): neither runs a step while it is
-    answered; with a write queued before it, it goes through them, after that write."""
+    answered; with its tenant's release waiting, it carries the release in its own script
+    (one script on the server, the release first: the one place is free for it), still
+    without the receiver."""
     clocks = Clocks()
     async with edge(url, clocks) as store:
         await store.refresh("t1")  # connected, the script loaded
@@ -497,11 +503,103 @@ async def test_an_admission_with_nothing_queued_is_sent_by_its_caller(url: str) 
             trio.lowlevel.remove_instrument(steps)
         assert isinstance(held, RedisHeld)
         assert not {name for name in steps.names if name.endswith(("_writer", "_receiver"))}
-        store.release(held, answered=False)  # queued: the next admission follows it
+        store.release(held, answered=False)  # queued: the next admission carries it
+        before = await _script_calls(store)
         steps = _Steps()
         trio.lowlevel.add_instrument(steps)
         try:
             assert isinstance(await store.admit(hold("r2", max_concurrent=1)), RedisHeld)
         finally:
             trio.lowlevel.remove_instrument(steps)
-        assert any(name.endswith("_writer") for name in steps.names)
+        assert not {name for name in steps.names if name.endswith("_receiver")}
+        assert await _script_calls(store) == before + 1
+        assert store.statistics().pending == 0
+        assert store.in_flight("t1") == 1
+
+
+async def test_an_admission_carries_its_tenants_settle_and_release(url: str) -> None:
+    """A request's settle and release, waiting when the next admission of the tenant comes,
+    run in that admission's script, first: the place is back, the reservation off and the
+    spend counted before it is decided (one script on the server for all three). A write of
+    another tenant goes in the same pipeline instead, in its own script."""
+    clocks = Clocks()
+    limits: dict[str, Any] = {"max_concurrent": 1, "budget_tokens_day": 100}
+    async with edge(url, clocks) as store:
+        held = await store.admit(hold("r1", 60, **limits))
+        assert isinstance(held, RedisHeld)
+        await store.flush()
+        before = await _script_calls(store)
+        store.settle(held, 1, 30, 0.25)
+        store.release(held, answered=True)
+        # 30 spent, 60 no longer reserved: 70 of the day's 100 left, and the one place.
+        again = await store.admit(hold("r2", 70, **limits))
+        assert isinstance(again, RedisHeld)
+        assert await _script_calls(store) == before + 1
+        assert store.statistics().pending == 0
+        assert store.in_flight("t1") == 1
+        assert store.spent("t1").tokens_day == 30
+        assert store.spent("t1").usd_day == 0.25
+        refused = await store.admit(hold("r3", 1, **limits))
+        assert isinstance(refused, Refusal)
+        assert refused.limit == "budget_tokens_day"  # 30 spent + 70 reserved
+        store.release(again, answered=False)
+        other = await store.admit(hold("r4", 1, tenant="t2", max_concurrent=1))
+        assert isinstance(other, RedisHeld)
+        await store.flush()
+        assert await _script_calls(store) == before + 4  # r3; t1's release beside r4
+        assert store.in_flight("t1") == 0
+        await store.refresh("t1")
+        assert store.in_flight("t1") == 0
+        assert store.spent("t1").tokens_day == 30
+
+
+async def test_a_carried_write_is_written_alone_when_its_admission_fails() -> None:
+    """The server stops answering while an admission carries its tenant's release: the
+    admission fails, and the release is written on its own once the server answers (with
+    the place the admission may have taken: nothing is left held)."""
+    with redis_server.own_server() as server:
+        clocks = Clocks()
+        async with edge(server.url, clocks, command_timeout=0.3) as store:
+            held = await store.admit(hold("r1", max_concurrent=1))
+            assert isinstance(held, RedisHeld)
+            store.release(held, answered=False)
+            server.pause()
+            try:
+                with pytest.raises(StoreUnreachable):
+                    await store.admit(hold("r2", max_concurrent=1))
+                assert store.statistics().pending >= 1  # the release, and r2's
+            finally:
+                server.resume()
+            with trio.fail_after(10):
+                await store.flush()
+            assert store.statistics().lost == 0
+            await store.refresh("t1")
+            assert store.in_flight("t1") == 0
+            assert isinstance(await store.admit(hold("r3", max_concurrent=1)), RedisHeld)
+
+
+async def test_a_write_alone_waits_at_most_the_linger(url: str) -> None:
+    """A release with no admission behind it is held for the next one to carry, and written
+    on its own after the writer's linger: another edge then sees the place free. Flush
+    writes what is held at once."""
+    clocks = Clocks()
+    limits: dict[str, Any] = {"max_concurrent": 1}
+    async with edge(url, clocks) as one, edge(url, clocks) as other:
+        held = await one.admit(hold("r1", **limits))
+        assert isinstance(held, RedisHeld)
+        one.release(held, answered=False)
+        with trio.fail_after(5):
+            while one.statistics().pending:
+                await trio.sleep(WRITE_LINGER / 2)
+        again = await other.admit(hold("r2", **limits))
+        assert isinstance(again, RedisHeld)
+        other.linger = 3600.0  # held for an admission that does not come
+        other.release(again, answered=False)
+        await trio.sleep(0.05)
+        assert other.statistics().pending == 1
+        refused = await one.admit(hold("r3", **limits))
+        assert isinstance(refused, Refusal)
+        assert refused.limit == "max_concurrent"
+        with trio.fail_after(5):
+            await other.flush()
+        assert isinstance(await one.admit(hold("r4", **limits)), RedisHeld)
