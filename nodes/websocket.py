@@ -140,12 +140,14 @@ class WebSocketClient:
     # --- the Connection ---------------------------------------------------------------
 
     async def send(self, frame: RawFrame) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
         await self.send_many((frame,))
 
     async def send_many(self, frames: Iterable[RawFrame]) -> None:
-        """Send ``frames`` in order, in one socket write with whatever else is queued.
-        Raises ``ConnectionClosed`` once the connection is closing or gone."""
-        await trio.lowlevel.checkpoint_if_cancelled()
+        """Send ``frames`` in order, in one socket write with whatever else is queued. They
+        are handed in before the first schedule point (so in call order), and written even
+        if the caller is cancelled after that. Raises ``ConnectionClosed`` once the
+        connection is closing or gone."""
         proto = self._proto
         if self._close_code is not None or proto.state is not ConnectionState.OPEN:
             raise self._closed_error()

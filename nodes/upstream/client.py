@@ -268,6 +268,7 @@ class Response:
 
     __slots__ = (
         "_conn",
+        "_failed",
         "_pieces",
         "_timeouts",
         "closed",
@@ -292,6 +293,8 @@ class Response:
         h11 is ready for the next request."""
         self._pieces: list[bytes | bytearray] = []
         """The body h11 gave from what was received and the caller has not read."""
+        self._failed: httpx.HTTPError | None = None
+        """What h11 refused in :meth:`take_whole`: the next read raises it."""
         framing = 0
         for name, _ in self.headers.raw:
             if name == b"transfer-encoding":
@@ -307,6 +310,8 @@ class Response:
         """The next piece of the body as it is on the wire (chunked framing removed): what
         one read of the connection brought; b"" at its end, or once the response is
         closed."""
+        if self._failed is not None:
+            raise self._failed
         pieces = self._pieces
         while not self.closed:
             if pieces:
@@ -318,6 +323,25 @@ class Response:
             await self._conn.receive(self._timeouts)
             self._drain()
         return b""
+
+    def take_whole(self) -> bytes | None:
+        """The whole body, if it already arrived (with the head: no read needed); else None,
+        and nothing is taken (the reads give it all). A body h11 refuses is None too: the
+        next read raises."""
+        if self.closed or self._failed is not None:
+            return None
+        if not self.complete:
+            try:
+                self._drain()
+            except httpx.HTTPError as exc:
+                self._failed = exc
+                return None
+            if not self.complete:
+                return None
+        pieces = self._pieces
+        body = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        return body
 
     def _drain(self) -> None:
         """Every event h11 makes of what was received: body pieces kept, the end noted."""
