@@ -326,8 +326,12 @@ async def handshake(stream: Stream, host: str, resource: str) -> WSConnection:
     body = b""
     while True:
         data = await stream.receive_some(READ_SIZE)
+        if not data:
+            if rejected is not None:
+                raise UpgradeRejected(rejected.status_code, body)
+            raise ConnectionClosed("the edge closed the connection during the websocket upgrade")
         try:
-            handshake.receive_data(bytes(data) if data else None)
+            handshake.receive_data(bytes(data))
         except RemoteProtocolError:
             # Not HTTP (a TLS edge's alert to a plain hello): no answer to the upgrade, which
             # times out as it would have with trio-websocket (the dial's cause, "timeout" in
@@ -346,10 +350,6 @@ async def handshake(stream: Stream, host: str, resource: str) -> WSConnection:
                 body = (body + bytes(event.data))[:MAX_REJECT_BODY]
                 if event.body_finished:
                     raise UpgradeRejected(rejected.status_code, body)
-        if not data:
-            if rejected is not None:
-                raise UpgradeRejected(rejected.status_code, body)
-            raise ConnectionClosed("the edge closed the connection during the websocket upgrade")
 
 
 @asynccontextmanager
