@@ -63,11 +63,11 @@ from wsproto.utilities import RemoteProtocolError
 
 from dispatcher.shared.transport import ConnectionClosed, RawFrame
 
-NORMAL_CLOSURE: Final = 1000
-ABNORMAL_CLOSURE: Final = 1006
-MESSAGE_TOO_BIG: Final = 1009
-READ_SIZE: Final = 65536
-MAX_REJECT_BODY: Final = 64 * 1024
+_NORMAL_CLOSURE: Final = 1000
+_ABNORMAL_CLOSURE: Final = 1006
+_MESSAGE_TOO_BIG: Final = 1009
+_READ_SIZE: Final = 65536
+_MAX_REJECT_BODY: Final = 64 * 1024
 """Of a refused upgrade's body, what is kept (for the error)."""
 
 Stream = trio.abc.Stream
@@ -174,13 +174,13 @@ class WebSocketClient:
                 raise self._closed_error()
             await self._receiver.park()
 
-    async def aclose(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+    async def aclose(self, code: int = _NORMAL_CLOSURE, reason: str = "") -> None:
         """Send our close frame (once; after everything queued) and wait for the edge's
         answer, at most ``close_timeout``. Never raises for a connection already gone."""
         with trio.move_on_after(self._close_timeout):
             await self._close(code, reason)
 
-    async def _close(self, code: int = NORMAL_CLOSURE, reason: str = "") -> None:
+    async def _close(self, code: int = _NORMAL_CLOSURE, reason: str = "") -> None:
         if self._close_code is None and self._proto.state is ConnectionState.OPEN:
             data = self._proto.send(CloseConnection(code=code, reason=reason))
             self._note_close(code, reason)
@@ -193,9 +193,9 @@ class WebSocketClient:
     # --- internals --------------------------------------------------------------------
 
     def _closed_error(self) -> ConnectionClosed:
-        if self._broken is not None and self._close_code in (None, ABNORMAL_CLOSURE):
-            return ConnectionClosed(self._broken, ABNORMAL_CLOSURE)
-        code = ABNORMAL_CLOSURE if self._close_code is None else self._close_code
+        if self._broken is not None and self._close_code in (None, _ABNORMAL_CLOSURE):
+            return ConnectionClosed(self._broken, _ABNORMAL_CLOSURE)
+        code = _ABNORMAL_CLOSURE if self._close_code is None else self._close_code
         return ConnectionClosed(self._close_reason or close_name(code), code)
 
     def _note_close(self, code: int, reason: str) -> None:
@@ -208,7 +208,7 @@ class WebSocketClient:
         """The stream is gone (or unusable): wake everyone; every later call raises."""
         if self._broken is None:
             self._broken = why
-        self._note_close(ABNORMAL_CLOSURE, "")
+        self._note_close(_ABNORMAL_CLOSURE, "")
         self._peer_closed.set()
         self._flushed.unpark_all()
         self._reader_wake.unpark_all()
@@ -260,7 +260,7 @@ class WebSocketClient:
             while proto.state is not ConnectionState.CLOSED and self._broken is None:
                 while len(self._messages) >= self._queue_size and self._broken is None:
                     await self._reader_wake.park()
-                data = await self._stream.receive_some(READ_SIZE)
+                data = await self._stream.receive_some(_READ_SIZE)
                 if not data:
                     break
                 proto.receive_data(bytes(data))  # the same object for bytes: no copy
@@ -285,8 +285,8 @@ class WebSocketClient:
                     self._parts, self._parts_size = [], 0
                     if proto.state is ConnectionState.OPEN:
                         reason = f"message too big (over {self._max_size} bytes)"
-                        replies += proto.send(CloseConnection(code=MESSAGE_TOO_BIG, reason=reason))
-                        self._note_close(MESSAGE_TOO_BIG, reason)
+                        replies += proto.send(CloseConnection(code=_MESSAGE_TOO_BIG, reason=reason))
+                        self._note_close(_MESSAGE_TOO_BIG, reason)
                     continue
                 if event.message_finished:
                     self._finish_message(text=isinstance(data, str))
@@ -325,7 +325,7 @@ async def handshake(stream: Stream, host: str, resource: str) -> WSConnection:
     rejected: RejectConnection | None = None
     body = b""
     while True:
-        data = await stream.receive_some(READ_SIZE)
+        data = await stream.receive_some(_READ_SIZE)
         if not data:
             if rejected is not None:
                 raise UpgradeRejected(rejected.status_code, body)
@@ -347,7 +347,7 @@ async def handshake(stream: Stream, host: str, resource: str) -> WSConnection:
                 if not event.has_body:
                     raise UpgradeRejected(event.status_code)
             elif isinstance(event, RejectData) and rejected is not None:
-                body = (body + bytes(event.data))[:MAX_REJECT_BODY]
+                body = (body + bytes(event.data))[:_MAX_REJECT_BODY]
                 if event.body_finished:
                     raise UpgradeRejected(rejected.status_code, body)
 
