@@ -7,16 +7,17 @@
         await ws.send_many([frame, frame])  # one socket write
         frame = await ws.receive()
 
-:func:`open_websocket` runs the opening handshake over a stream the caller owns (TCP, or TLS
-as a ``trio.SSLStream``): an HTTP/1.1 upgrade of ``resource`` with no subprotocol and no extra
+:func:`handshake` runs the opening handshake over a stream the caller owns (TCP, or TLS as a
+``trio.SSLStream``): an HTTP/1.1 upgrade of ``resource`` with no subprotocol and no extra
 header (the node's token travels in its ``hello``), answered by ``101`` -- else
-:class:`UpgradeRejected` with the status, or ``ConnectionClosed`` when the edge closed the
-connection first. Then a reader task, in a nursery around the block, reads the socket: pings
-are answered with pongs, fragments reassembled up to ``max_message_size`` (beyond: close 1009,
-"message too big"), whole messages queued for :meth:`WebSocketClient.receive`; while
-``queue_size`` messages wait there the reader stops reading the socket, so TCP pushes back on
-the edge. The peer's close frame is answered and ends the reader; the connection lost
-without one is an abnormal close (1006).
+:class:`UpgradeRejected` with the status; no answer (the edge closed, or answered what is not
+HTTP) waits for the caller's deadline, as trio-websocket did. In :func:`open_websocket`, a
+reader task, in a nursery around the block, reads the socket: pings are answered with pongs,
+fragments reassembled up to ``max_message_size`` (beyond: close 1009, "message too big"),
+whole messages queued for :meth:`WebSocketClient.receive`; while ``queue_size`` messages wait
+there the reader stops reading the socket, so TCP pushes back on the edge. The peer's close
+frame is answered and ends the reader; the connection lost without one is an abnormal close
+(1006).
 
 Writes: every frame is built (framed and masked by wsproto) when it is handed in, in the
 order handed in, and one task at a time writes the socket: a send made while a write is in
@@ -41,7 +42,7 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Final
+from typing import Final, NoReturn
 
 import trio
 from wsproto.connection import Connection as WSConnection
@@ -318,8 +319,8 @@ class WebSocketClient:
 async def handshake(stream: Stream, host: str, resource: str) -> WSConnection:
     """The opening handshake over ``stream`` (bound it from outside): the open connection
     (bytes that came after the ``101`` already fed to it). Raises :class:`UpgradeRejected`,
-    ``ConnectionClosed`` when the edge closed first, or the stream's errors; an answer that
-    is not HTTP is no answer (it waits for the caller's deadline)."""
+    or the stream's errors; the edge closing without an answer, or answering what is not
+    HTTP, is no answer: it waits for the caller's deadline."""
     handshake = H11Handshake(ConnectionType.CLIENT)
     await stream.send_all(handshake.send(Request(host=host, target=resource)))
     rejected: RejectConnection | None = None
@@ -329,14 +330,11 @@ async def handshake(stream: Stream, host: str, resource: str) -> WSConnection:
         if not data:
             if rejected is not None:
                 raise UpgradeRejected(rejected.status_code, body)
-            raise ConnectionClosed("the edge closed the connection during the websocket upgrade")
+            await _no_answer()
         try:
             handshake.receive_data(bytes(data))
         except RemoteProtocolError:
-            # Not HTTP (a TLS edge's alert to a plain hello): no answer to the upgrade, which
-            # times out as it would have with trio-websocket (the dial's cause, "timeout" in
-            # the "websocket upgrade", advises wss://).
-            await trio.sleep_forever()
+            await _no_answer()
         for event in handshake.events():
             if isinstance(event, AcceptConnection):
                 connection = handshake.connection
@@ -350,6 +348,14 @@ async def handshake(stream: Stream, host: str, resource: str) -> WSConnection:
                 body = (body + bytes(event.data))[:_MAX_REJECT_BODY]
                 if event.body_finished:
                     raise UpgradeRejected(rejected.status_code, body)
+
+
+async def _no_answer() -> NoReturn:
+    """The edge closed without answering the upgrade (what an edge serving TLS does with a
+    plain hello), or answered what is not HTTP: no answer, the upgrade times out, as it did
+    with trio-websocket (the dial's cause, "timeout" in the "websocket upgrade", advises
+    wss://)."""
+    await trio.sleep_forever()
 
 
 @asynccontextmanager
