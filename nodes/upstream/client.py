@@ -10,8 +10,9 @@ auth models: ~1.5-1.8 ms of the client's CPU per 64-token SSE answer against ~1.
 whole and its events drained at once into one piece of body. A chunked body is read here
 (:class:`_ChunkedBody`, h11's rules, each read's chunks in one pass: h11's ~5 us per chunk
 was most of what reading a streamed answer cost), and its connection gets a fresh
-``h11.Connection`` for the next request. The request's head is written here (:func:`_request`: one formatting
-pass, where h11's checks and writer cost ~60 us a request) and h11 told of it. Errors are
+``h11.Connection`` for the next request. The request's head is written here
+(:func:`_request`: one formatting pass, where h11's checks and writer cost ~60 us a request)
+and h11 told of it. Errors are
 httpx's exception classes, so the callers' mapping (``nodes.adapters._post``,
 ``nodes.tunnel``) is the same table whatever the client.
 
