@@ -1,18 +1,26 @@
-"""CPU instructions per request on the real path, each process measured on its own.
+"""CPU instructions per request on the real path, each process measured on its own, per path.
 
-``python -m bench.instructions [--requests N] [TREE ...]`` (default: this checkout). For each
-tree (a checkout of this repository: compare a commit with ``git worktree add``) and each of
-the two processes of the ``edge`` section's latency path -- the edge
-(``python -m bench._edge_server edge``) and a real node (``python -m dispatcher node``) over
-the websocket -- that one process runs under ``valgrind --tool=callgrind`` while one
-keep-alive client sends non-streaming chat completions back to back; the run is made twice,
-with 50 and with ``50 + N`` requests, and the difference of the instructions counted,
-divided by N, is the process's instructions per request (start-up, joining and shutting
-down cancel out).
+``python -m bench.instructions [--requests N] [--cells CELL ...] [--process edge node] [TREE ...]``
+(default: this checkout, every cell, both processes). For each tree (a checkout of this
+repository: compare a commit with ``git worktree add``) and each of the two processes of the
+real path -- the edge (``python -m bench._edge_server edge``) and a real node
+(``python -m dispatcher node`` over the websocket, a ``node.toml`` of three providers: ``echo``,
+``tunnel`` (``type = "openai"``, ``path = "tunnel"``) and ``openai`` (normalized), the last
+two on ``bench._fake_upstream`` in a process of its own) -- that one process runs under
+``valgrind --tool=callgrind`` while one keep-alive client sends chat completions back to back.
+
+A *cell* is a path (``echo``, ``tunnel``, ``openai``) and a mode: ``plain`` (non-streaming;
+``echo`` answers ``"hello"``, the upstream 16 tokens) or ``stream`` (``"stream": true``, 64
+tokens: echo's 64 words, the upstream's 64 tokens). Each process runs once with the base
+plan -- every cell's :data:`WARMUP` then :data:`BASE_REQUESTS` requests, in turn -- and once
+per cell with that plan plus ``N`` more requests of that cell at the end; the difference of
+the instructions counted, divided by N, is the process's instructions per request of that
+cell (start-up, joining, the other cells and shutting down cancel out).
 
 Wall-clock latency on a shared machine moves by +-15 % between runs; instruction counts
-repeat to about +-1 %, so this is the figure that says whether a change made the path
-cheaper. Needs valgrind (Debian's ``valgrind``); a few minutes per tree. Not a section of
+repeat to about +-1 % (a little more for streams, whose frames coalesce by timing), so this is
+the figure that says whether a change made the path cheaper. Needs valgrind (Debian's
+``valgrind``); about a minute per run, two runs at once. Not a section of
 ``python -m bench`` for those two reasons.
 """
 
@@ -26,59 +34,169 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASE_REQUESTS = 50
 WARMUP = 20
 JOIN_TIMEOUT = 300.0
-CHAT = json.dumps({"model": "echo", "messages": [{"role": "user", "content": "hello"}]}).encode()
+NON_STREAM_TOKENS = 16
+STREAM_TOKENS = 64
+PATHS = ("echo", "tunnel", "openai")
+MODES = ("plain", "stream")
+CELLS = tuple(f"{path}-{mode}" for path in PATHS for mode in MODES)
+KEY_ENV = "BENCH_INSTRUCTIONS_UPSTREAM_KEY"
+
+NODE_TOML = """\
+[node]
+id = "bench"
+edge_url = "ws://127.0.0.1:{edge_port}/v1/nodes/connect"
+
+[[providers]]
+id = "echo"
+type = "echo"
+  [[providers.models]]
+  name = "echo"
+  slots = 8
+
+[[providers]]
+id = "up-tunnel"
+type = "openai"
+path = "tunnel"
+base_url = "http://127.0.0.1:{up}/v1"
+api_key_env = "{key_env}"
+  [[providers.models]]
+  name = "tunnel"
+  served_name = "bench-model"
+  slots = 8
+
+[[providers]]
+id = "up-openai"
+type = "openai"
+base_url = "http://127.0.0.1:{up}/v1"
+api_key_env = "{key_env}"
+  [[providers.models]]
+  name = "openai"
+  served_name = "bench-model"
+  slots = 8
+"""
+
+
+def request_body(cell: str) -> bytes:
+    """The chat completion a cell sends."""
+    path, _, mode = cell.partition("-")
+    stream = mode == "stream"
+    if path == "echo":
+        # echo answers with the user's words, one token each
+        content = " ".join(f"w{i}" for i in range(STREAM_TOKENS)) if stream else "hello"
+        body: dict[str, object] = {
+            "model": "echo",
+            "messages": [{"role": "user", "content": content}],
+        }
+    else:
+        tokens = STREAM_TOKENS if stream else NON_STREAM_TOKENS
+        body = {
+            "model": path,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": tokens,
+        }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
+def _read_head(sock: socket.socket, data: bytes) -> tuple[bytes, bytes]:
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            raise RuntimeError("the edge closed the connection")
+        data += piece
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
 
 
 def _exchange(sock: socket.socket, method: str, path: str, body: bytes = b"") -> bytes:
+    """One request on the keep-alive connection; the response body (de-chunked)."""
     head = (
         f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
         "Content-Type: application/json\r\n\r\n"
     )
     sock.sendall(head.encode() + body)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    response_head, _, rest = data.partition(b"\r\n\r\n")
+    response_head, rest = _read_head(sock, b"")
     if response_head.split()[1] != b"200":
         raise RuntimeError(f"{method} {path}: {response_head[:200]!r}")
     found = re.search(rb"content-length: (\d+)", response_head, re.IGNORECASE)
-    if found is None:
-        raise RuntimeError(f"{method} {path}: no Content-Length")
-    while len(rest) < int(found.group(1)):
-        rest += sock.recv(65536)
-    return rest
+    if found is not None:
+        while len(rest) < int(found.group(1)):
+            rest += sock.recv(65536)
+        return rest
+    if not re.search(rb"transfer-encoding: chunked", response_head, re.IGNORECASE):
+        raise RuntimeError(f"{method} {path}: neither Content-Length nor chunked")
+    return _read_chunked(sock, rest)
 
 
-def count(tree: Path, process: str, requests: int) -> int:
+def _read_chunked(sock: socket.socket, data: bytes) -> bytes:
+    body = b""
+    while True:
+        while b"\r\n" not in data:
+            data += sock.recv(65536)
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        while len(data) < size + 2:
+            data += sock.recv(65536)
+        body += data[:size]
+        data = data[size + 2 :]
+        if size == 0:
+            return body
+
+
+def _check(cell: str, body: bytes) -> None:
+    """The answer is the one asked for (a failure here is a broken path, not a figure)."""
+    path, _, mode = cell.partition("-")
+    if mode == "stream":
+        ok = body.rstrip().endswith(b"data: [DONE]")
+        last = f"w{STREAM_TOKENS - 1}" if path == "echo" else f"tok{STREAM_TOKENS - 1}"
+        ok = ok and last.encode() in body
+    else:
+        answer = json.loads(body)
+        content = answer["choices"][0]["message"]["content"]
+        ok = "hello" in content if path == "echo" else f"tok{NON_STREAM_TOKENS - 1}" in content
+    if not ok:
+        raise RuntimeError(f"{cell}: unexpected answer {body[-300:]!r}")
+
+
+def count(tree: Path, process: str, plan: Sequence[tuple[str, int]], upstream: int) -> int:
     """Instructions ``process`` (``edge`` or ``node``) of ``tree`` ran in a whole run of
-    ``requests`` counted requests (after the warm-up)."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
+    ``plan``: (cell, requests) in order, each answer checked."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", KEY_ENV: "sk-bench"}
     grind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     edge_command = [sys.executable, "-m", "bench._edge_server", "edge"]
-    with subprocess.Popen(
-        [*(grind if process == "edge" else []), *edge_command],
-        cwd=tree,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as edge:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp,
+        subprocess.Popen(
+            [*(grind if process == "edge" else []), *edge_command],
+            cwd=tree,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as edge,
+    ):
         assert edge.stdout is not None
         port = next(
             int(found.group(1))
             for line in edge.stdout
             if (found := re.search(r"BENCH-PORT (\d+)", line)) is not None
         )
+        node_toml = Path(tmp) / "node.toml"
+        node_toml.write_text(NODE_TOML.format(edge_port=port, up=upstream, key_env=KEY_ENV))
         node_command = [sys.executable, "-m", "dispatcher", "--log-level", "WARNING", "node"]
-        node_command += ["--edge", f"ws://127.0.0.1:{port}/v1/nodes/connect", "--id", "bench"]
+        node_command += ["--config", str(node_toml)]
         with subprocess.Popen(
             [*(grind if process == "node" else []), *node_command],
             cwd=tree,
@@ -88,7 +206,7 @@ def count(tree: Path, process: str, requests: int) -> int:
             text=True,
         ) as node:
             try:
-                _drive(port, requests)
+                _drive(port, plan)
             except BaseException:
                 node.kill()
                 edge.kill()
@@ -104,39 +222,97 @@ def count(tree: Path, process: str, requests: int) -> int:
     return int(collected.group(1))
 
 
-def _drive(port: int, requests: int) -> None:
-    """Wait for the node to join, then send the requests (``WARMUP`` first)."""
+def _drive(port: int, plan: Sequence[tuple[str, int]]) -> None:
+    """Wait for the node to join (every model listed), then send the plan's requests."""
+    wanted = set(PATHS)
     with socket.create_connection(("127.0.0.1", port)) as sock:
         joined_by = time.monotonic() + JOIN_TIMEOUT
-        while not any(
-            model["id"] == "echo"
-            for model in json.loads(_exchange(sock, "GET", "/v1/models"))["data"]
-        ):
+        while not wanted <= {
+            model["id"] for model in json.loads(_exchange(sock, "GET", "/v1/models"))["data"]
+        }:
             if time.monotonic() > joined_by:
                 raise RuntimeError("the node did not join the edge")
             time.sleep(1.0)
-        for _ in range(WARMUP + requests):
-            _exchange(sock, "POST", "/v1/chat/completions", CHAT)
+        for cell, requests in plan:
+            body = request_body(cell)
+            for _ in range(requests):
+                _check(cell, _exchange(sock, "POST", "/v1/chat/completions", body))
 
 
-def per_request(tree: Path, process: str, requests: int) -> float:
-    """The two runs at once (one per core)."""
+def base_plan(cells: Sequence[str]) -> list[tuple[str, int]]:
+    return [(cell, WARMUP + BASE_REQUESTS) for cell in cells]
+
+
+def per_request(
+    tree: Path, process: str, cells: Sequence[str], requests: int, upstream: int
+) -> dict[str, float]:
+    """Each cell's instructions per request in ``process``: the base run and one run per
+    cell, two at a time (one per core)."""
+    base = base_plan(cells)
     with ThreadPoolExecutor(2) as pool:
-        base = pool.submit(count, tree, process, BASE_REQUESTS)
-        more = pool.submit(count, tree, process, BASE_REQUESTS + requests)
-        return (more.result() - base.result()) / requests
+        base_count = pool.submit(count, tree, process, base, upstream)
+        more = {
+            cell: pool.submit(count, tree, process, [*base, (cell, requests)], upstream)
+            for cell in cells
+        }
+        return {
+            cell: (future.result() - base_count.result()) / requests
+            for cell, future in more.items()
+        }
+
+
+@contextmanager
+def fake_upstream() -> Iterator[int]:
+    """``bench._fake_upstream`` in its own process; its port."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "bench._fake_upstream"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as upstream:
+        try:
+            assert upstream.stdout is not None
+            port = next(
+                int(found.group(1))
+                for line in upstream.stdout
+                if (found := re.search(r"BENCH-PORT (\d+)", line)) is not None
+            )
+            yield port
+        finally:
+            upstream.send_signal(signal.SIGTERM)
+            try:
+                upstream.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                upstream.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
     parser.add_argument("trees", nargs="*", type=Path, default=[REPO_ROOT], metavar="TREE")
     parser.add_argument("--requests", type=int, default=200, metavar="N")
+    parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=CELLS)
+    parser.add_argument("--process", nargs="+", default=["edge", "node"], choices=["edge", "node"])
     args = parser.parse_args(argv)
-    print(f"instructions per non-streaming chat completion ({args.requests} counted)")
-    print(f"{'tree':<40} {'edge':>12} {'node':>12} {'both':>12}")
-    for tree in args.trees:
-        edge, node = (per_request(tree, process, args.requests) for process in ("edge", "node"))
-        print(f"{tree!s:<40} {edge:>12,.0f} {node:>12,.0f} {edge + node:>12,.0f}", flush=True)
+    print(
+        f"instructions per chat completion ({args.requests} counted; plain: non-streaming, "
+        f"{NON_STREAM_TOKENS} tokens from the upstream; stream: {STREAM_TOKENS} tokens)"
+    )
+    columns = [*args.process, *(["both"] if len(args.process) == 2 else [])]
+    print(f"{'tree':<32} {'cell':<14}" + "".join(f" {name:>12}" for name in columns))
+    with fake_upstream() as upstream:
+        for tree in args.trees:
+            figures = {
+                process: per_request(tree, process, args.cells, args.requests, upstream)
+                for process in args.process
+            }
+            for cell in args.cells:
+                values = [figures[process][cell] for process in args.process]
+                if len(values) == 2:
+                    values.append(sum(values))
+                print(
+                    f"{str(tree)[-32:]:<32} {cell:<14}" + "".join(f" {v:>12,.0f}" for v in values),
+                    flush=True,
+                )
     return 0
 
 

@@ -14,7 +14,9 @@ websocket server that welcomes the node and sends ``--runs`` ``run.request`` or
 ended. A ``ping`` before and after the measured runs marks the window (after a warm-up of 10
 requests). Printed per cell: the node's CPU per request (``time.process_time``: this process
 only), the websocket frames the node sent per request (control, events and body frames),
-and requests per second. Not a section of ``python -m bench``: a focused before/after probe.
+the batched sends it made per request (``sends/req``: each one socket write, fewer when
+joined behind a write in flight), and requests per second. Not a section of
+``python -m bench``: a focused before/after probe.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import argparse
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -175,6 +177,8 @@ class _Counting:
         self._inner = inner
         self.counting = False
         self.frames = 0
+        self.writes = 0
+        """Batched sends (each one socket write, or joined into one in flight)."""
         self.cpu = self.wall = 0.0
 
     def on_start(self) -> None:
@@ -187,6 +191,13 @@ class _Counting:
         if self.counting:
             self.frames += 1
         await self._inner.send(frame)
+
+    async def send_many(self, frames: Sequence[RawFrame]) -> None:
+        """The websocket's batched send (``nodes.websocket``), counted: one write."""
+        if self.counting:
+            self.frames += len(frames)
+            self.writes += 1
+        await self._inner.send_many(frames)  # type: ignore[attr-defined]
 
     async def receive(self) -> RawFrame:
         frame = await self._inner.receive()
@@ -255,6 +266,7 @@ async def _cell(
     return {
         "cpu_ms": counted.cpu / runs * 1000,
         "frames": counted.frames / runs,
+        "writes": counted.writes / runs,
         "per_s": runs / counted.wall if counted.wall else 0.0,
     }
 
@@ -272,7 +284,7 @@ async def _read_line(stream: trio.abc.ReceiveStream) -> str:
 async def _main(args: argparse.Namespace) -> None:
     print(
         f"{'path':10} {'stream':>6} {'c':>3} {'runs':>5} {'node CPU ms':>12} "
-        f"{'frames/req':>10} {'req/s':>7}"
+        f"{'frames/req':>10} {'sends/req':>9} {'req/s':>7}"
     )
     for path in args.path:
         for stream in args.stream:
@@ -281,6 +293,7 @@ async def _main(args: argparse.Namespace) -> None:
                 print(
                     f"{path:10} {stream:>6} {concurrency:>3} {args.runs:>5} "
                     f"{result['cpu_ms']:>12.3f} {result['frames']:>10.1f} "
+                    f"{result['writes']:>9.1f} "
                     f"{result['per_s']:>7.0f}",
                     flush=True,
                 )

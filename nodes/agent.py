@@ -58,7 +58,7 @@ from __future__ import annotations
 import logging
 import random
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Final
 
@@ -67,7 +67,7 @@ import trio
 
 from dispatcher import wire
 from dispatcher.shared.excgroups import first_leaf
-from dispatcher.shared.transport import Connection, ConnectionClosed
+from dispatcher.shared.transport import Connection, ConnectionClosed, RawFrame
 from dispatcher.wire import CLOSE_GOING_AWAY, CLOSE_NODE_ID_IN_USE, CLOSE_PROTOCOL_ERROR
 from nodes.adapters import ADAPTERS, Adapter, DropConnection, build_adapters, open_adapters
 from nodes.config import NodeConfig, hello_from_config
@@ -169,6 +169,9 @@ class _EndSession(Exception):
 _ANSWERS: Final = (*wire.TERMINAL_EVENTS, wire.TunnelEnd)
 """What this node sends to finish a run or a tunnel the edge gave it."""
 
+_SendFrames = Callable[[Sequence[RawFrame]], Awaitable[None]]
+"""A batching connection's ``send_many``."""
+
 
 class _SendTurn:
     """The link's send lock (a ``trio.Lock``), taken as ``Lock`` takes it but without its
@@ -195,11 +198,17 @@ class _SendTurn:
 class _Link:
     """The connection to the edge, seen through this node's half of the protocol state machine
     (:class:`~dispatcher.wire.NodeProtocol`): every frame the edge sends is judged by it,
-    every frame this node sends is recorded in it, in wire order (under the one send lock
-    that serializes the runner's writer, pongs and tunnels)."""
+    every frame this node sends is recorded in it, in wire order.
+
+    Over a connection with ``send_many`` (:class:`nodes.websocket.WebSocketClient`: frames
+    handed in, in call order, before its first schedule point, and written even if the
+    caller is then cancelled) a send records its messages and hands their frames in without
+    a lock: what the runner's writer, pongs and tunnels send while a write is in flight
+    joins the next socket write. Over any other connection one send lock serializes them."""
 
     def __init__(self, conn: Connection, grants: EdgeGrants | None = None, edge: str = "") -> None:
         self._conn = conn
+        self._batch: _SendFrames | None = getattr(conn, "send_many", None)
         self._lock = _SendTurn()
         self._idle = trio.lowlevel.ParkingLot()
         self.protocol = wire.NodeProtocol()
@@ -225,27 +234,49 @@ class _Link:
         return True
 
     async def send(self, message: wire.NodeMessage) -> None:
-        frame = wire.encode(message)
-        async with self._lock:
-            if self.counted and isinstance(message, _ANSWERS):
-                ended = message.tunnel_id if isinstance(message, wire.TunnelEnd) else message.run_id
-                key = self.counted.pop(ended, None)
-                if key is not None and self.grants is not None:
-                    # This edge's new grants go before the end: it sees a lowered grant
-                    # before it sees the slot free.
-                    for grant in self.grants.run_ended(self.edge, key):
-                        self.protocol.send(grant)
-                        await self._conn.send(wire.encode(grant))
-            self.protocol.send(message)
-            await self._conn.send(frame)
-        if isinstance(message, _ANSWERS) and self.protocol.is_idle():
-            self._idle.unpark_all()
+        await self.send_many((message,))
 
     async def send_data(self, tunnel_id: str, data: bytes) -> None:
-        frame = wire.encode_tunnel_data(tunnel_id, data)
-        async with self._lock:
-            self.protocol.send(wire.TunnelData(tunnel_id, data))
-            await self._conn.send(frame)
+        await self.send_many((wire.TunnelData(tunnel_id, data),))
+
+    async def send_many(self, messages: Sequence[wire.NodeMessage | wire.TunnelData]) -> None:
+        """Send ``messages`` in order (one socket write over a batching connection)."""
+        batch = self._batch
+        if batch is None:
+            for message in messages:
+                async with self._lock:
+                    frames: list[RawFrame] = []
+                    self._record(message, frames)
+                    for frame in frames:
+                        await self._conn.send(frame)
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            frames = []
+            for message in messages:
+                self._record(message, frames)
+            await batch(frames)
+        if self.protocol.is_idle() and any(isinstance(m, _ANSWERS) for m in messages):
+            self._idle.unpark_all()
+
+    def _record(self, message: wire.NodeMessage | wire.TunnelData, frames: list[RawFrame]) -> None:
+        """``message`` recorded in the machine and its frame added to ``frames``; before an
+        answer, the lowered grants it frees (this edge sees a lowered grant before it sees
+        the slot free)."""
+        if isinstance(message, wire.TunnelData):
+            data_frame = wire.encode_tunnel_data(message.tunnel_id, message.data)
+            self.protocol.send(message)
+            frames.append(data_frame)
+            return
+        frame = wire.encode(message)
+        if self.counted and isinstance(message, _ANSWERS):
+            ended = message.tunnel_id if isinstance(message, wire.TunnelEnd) else message.run_id
+            key = self.counted.pop(ended, None)
+            if key is not None and self.grants is not None:
+                for grant in self.grants.run_ended(self.edge, key):
+                    self.protocol.send(grant)
+                    frames.append(wire.encode(grant))
+        self.protocol.send(message)
+        frames.append(frame)
 
     async def receive(self) -> wire.Frame | None:
         """The next frame from the edge, once the machine accepted it; None when it tolerated
@@ -396,8 +427,10 @@ async def _serve_welcomed(
     end: tuple[int, str] = (CLOSE_NORMAL, "session ended")
     try:
         async with (
-            open_runner(link.send, adapters=adapters) as runner,
-            open_tunnels(link.send, link.send_data, tunnel_providers) as tunnels,
+            open_runner(link.send, adapters=adapters, send_many=link.send_many) as runner,
+            open_tunnels(
+                link.send, link.send_data, tunnel_providers, send_many=link.send_many
+            ) as tunnels,
             trio.open_nursery() as nursery,
         ):
 

@@ -1,8 +1,8 @@
 """Dialling the edge: the websocket a node's session runs over.
 
 :func:`dial_edge` is the default dial of :func:`nodes.agent.serve_node`: a TCP (or TLS) stream
-this module owns, trio-websocket over it, and a :class:`WebSocketClientConnection` that turns
-every websocket, stream and socket failure into ``transport.ConnectionClosed``. A refused
+this module owns and our websocket client over it (:mod:`nodes.websocket`, on wsproto), whose
+every websocket, stream and socket failure is ``transport.ConnectionClosed``. A refused
 upgrade is ``ConnectionClosed`` too, except 401 and 403, which are :class:`NodeRejected` (the
 edge does not let this node in; retrying cannot help).
 
@@ -24,13 +24,12 @@ from typing import Final
 
 import attrs
 import trio
-import trio_websocket
 
 from dispatcher import wire
-from dispatcher.shared.excgroups import first_leaf, leaves
-from dispatcher.shared.transport import Connection, ConnectionClosed, RawFrame
+from dispatcher.shared.transport import Connection, ConnectionClosed
 from nodes.config import NodeConfig, check_edge_url
 from nodes.reconnect import DialCause, advice
+from nodes.websocket import UpgradeRejected, WebSocketClient, handshake, open_websocket
 
 Dial = Callable[[], AbstractAsyncContextManager[Connection]]
 """Opens one connection to the edge (an async context manager that closes it)."""
@@ -44,7 +43,7 @@ CANCELLED_CLOSE_TIMEOUT: Final = 0.1
 """Bound on closing when cancelled: enough to write our close frame, no wait for the answer."""
 CONNECT_TIMEOUT: Final = 10.0
 WEBSOCKET_QUEUE_SIZE: Final = 16
-"""Edge-to-node messages trio-websocket buffers before it stops reading the socket."""
+"""Edge-to-node messages the websocket queues before it stops reading the socket."""
 
 
 class NodeRejected(Exception):
@@ -75,49 +74,12 @@ def close_budget() -> float:
     return WEBSOCKET_CLOSE_TIMEOUT
 
 
-class WebSocketClientConnection:
-    """A :class:`~dispatcher.shared.transport.Connection` over a trio-websocket client connection:
-    trio-websocket's ``ConnectionClosed``, ``HandshakeError`` and ``OSError`` become
-    ``transport.ConnectionClosed`` (with the close code and reason when there is one)."""
-
-    def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
-        self._ws = ws
-
-    async def send(self, frame: RawFrame) -> None:
-        try:
-            await self._ws.send_message(frame)
-        except _WEBSOCKET_ERRORS as exc:
-            raise _closed(exc) from None
-
-    async def receive(self) -> RawFrame:
-        try:
-            message: RawFrame = await self._ws.get_message()
-            return message
-        except _WEBSOCKET_ERRORS as exc:
-            raise _closed(exc) from None
-
-    async def aclose(self, code: int = 1000, reason: str = "") -> None:
-        try:
-            with trio.move_on_after(WEBSOCKET_CLOSE_TIMEOUT):
-                await self._ws.aclose(code, reason or None)
-        except _WEBSOCKET_ERRORS:
-            pass
-
-
 _WEBSOCKET_ERRORS: Final = (
-    trio_websocket.ConnectionClosed,
-    trio_websocket.HandshakeError,
+    ConnectionClosed,
     trio.BrokenResourceError,
     trio.ClosedResourceError,
     OSError,
 )
-
-
-def _closed(exc: BaseException) -> ConnectionClosed:
-    close = getattr(exc, "reason", None)
-    if isinstance(exc, trio_websocket.ConnectionClosed) and close is not None:
-        return ConnectionClosed(close.reason or close.name, close.code)
-    return ConnectionClosed(str(exc) or type(exc).__name__)
 
 
 @attrs.frozen
@@ -157,15 +119,14 @@ def edge_ssl_context(config: NodeConfig) -> ssl.SSLContext:
 async def dial_edge(
     config: NodeConfig, *, ssl_context: ssl.SSLContext | None = None
 ) -> AsyncIterator[Connection]:
-    """The default dial: a websocket to ``config.edge_url`` (trio-websocket over a TCP or TLS
-    stream this function owns), with explicit limits: frames up to ``wire.MAX_FRAME_SIZE``,
+    """The default dial: a websocket to ``config.edge_url`` (:mod:`nodes.websocket` over a TCP
+    or TLS stream this function owns), with explicit limits: frames up to ``wire.MAX_FRAME_SIZE``,
     :data:`WEBSOCKET_QUEUE_SIZE` queued messages, :data:`CONNECT_TIMEOUT` for TCP + upgrade,
     :data:`WEBSOCKET_CLOSE_TIMEOUT` for the closing handshake.
 
-    Why not ``trio_websocket.open_websocket_url``: in trio-websocket 0.12.2 it leaves the TCP
-    socket open (a ``ResourceWarning`` and a file descriptor held until garbage collection)
-    when the edge closes first or refuses the upgrade -- the two usual ways a node session
-    ends. Owning the stream, we always close it.
+    Owning the stream, we always close it, however the block is left (trio-websocket 0.12.2's
+    ``open_websocket_url``, used before, left it open when the edge closed first or refused
+    the upgrade -- the two usual ways a node session ends).
 
     Dial failures raise ``transport.ConnectionClosed``, or :class:`NodeRejected` when the
     upgrade is refused with 401 or 403.
@@ -193,7 +154,7 @@ async def dial_edge(
             with _connect_failures(url, address, "TLS handshake"), trio.fail_after(CONNECT_TIMEOUT):
                 await stream.do_handshake()
         async with _open_websocket(stream, address, url) as ws:
-            yield WebSocketClientConnection(ws)
+            yield ws
     finally:
         await trio.aclose_forcefully(stream)
 
@@ -267,68 +228,41 @@ async def _open_websocket(
     stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
     address: _EdgeAddress,
     url: str,
-) -> AsyncIterator[trio_websocket.WebSocketConnection]:
-    """trio-websocket over ``stream``, its reader task in a nursery around the block.
-
-    An exception from the block comes out as itself, not wrapped in a group, so callers can
-    catch ``NodeRejected`` and friends; a failed upgrade comes out translated by
-    :func:`_upgrade_failure`."""
-    body_error: BaseException | None = None
+) -> AsyncIterator[WebSocketClient]:
+    """Our websocket client over ``stream`` (:func:`nodes.websocket.open_websocket`, its
+    reader task in a nursery around the block); a failed upgrade comes out translated by
+    :func:`_upgrade_failure`, an exception from the block as itself."""
     try:
-        async with trio.open_nursery() as nursery:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                ws = await trio_websocket.wrap_client_stream(
-                    nursery,
-                    stream,
-                    address.host_header,
-                    address.resource,
-                    max_message_size=wire.MAX_FRAME_SIZE,
-                    message_queue_size=WEBSOCKET_QUEUE_SIZE,
-                )
-            try:
-                yield ws
-            except BaseException as exc:
-                body_error = exc
-                raise
-            finally:
-                with trio.move_on_after(close_budget(), shield=True):
-                    await ws.aclose()
-                nursery.cancel_scope.cancel(reason="websocket closed")
-    except BaseExceptionGroup as group:
-        if body_error is not None:
-            # The reader task only ever fails with the connection; the block's own error
-            # is the one that matters.
-            raise body_error from None
-        failure = _upgrade_failure(group, url, address)
-        if failure is None:
-            raise  # cancellation, or a bug: as it is
-        raise failure from group
+        with trio.fail_after(CONNECT_TIMEOUT):
+            proto = await handshake(stream, address.host_header, address.resource)
+    except (UpgradeRejected, trio.TooSlowError, *_WEBSOCKET_ERRORS) as exc:
+        raise _upgrade_failure(exc, url, address) from exc
+    async with open_websocket(
+        stream,
+        proto,
+        max_message_size=wire.MAX_FRAME_SIZE,
+        queue_size=WEBSOCKET_QUEUE_SIZE,
+        close_timeout=WEBSOCKET_CLOSE_TIMEOUT,
+        cancelled_close_timeout=CANCELLED_CLOSE_TIMEOUT,
+    ) as ws:
+        yield ws
 
 
-def _upgrade_failure(
-    group: BaseExceptionGroup[BaseException], url: str, address: _EdgeAddress
-) -> Exception | None:
+def _upgrade_failure(exc: BaseException, url: str, address: _EdgeAddress) -> Exception:
     """What a failed websocket upgrade means for the reconnect loop."""
     host, port = address.host, address.port
-    rejected, _ = group.split(trio_websocket.ConnectionRejected)
-    if rejected is not None:
-        refused = first_leaf(rejected, trio_websocket.ConnectionRejected)
-        assert refused is not None
-        status = refused.status_code
+    if isinstance(exc, UpgradeRejected):
+        status = exc.status_code
         cause = DialCause(kind="http", host=host, port=port, status=status)
         if status in REJECTED_HTTP_STATUSES:
             return NodeRejected(advice(cause, url))
         reason = f"the edge refused the websocket upgrade with HTTP {status}"
         return DialFailed(reason, cause)
-    if group.subgroup(trio.TooSlowError) is not None:
+    if isinstance(exc, trio.TooSlowError):
         cause = DialCause(kind="timeout", host=host, port=port, stage="websocket upgrade")
         return DialFailed(f"cannot connect to {url}: websocket upgrade timed out", cause)
-    broken = group.subgroup(_WEBSOCKET_ERRORS)
-    if broken is not None:
-        first = leaves(broken)[0]
-        cause = DialCause(kind="closed", host=host, port=port, detail=explain(first))
-        return DialFailed(f"cannot connect to {url}: {explain(first)}", cause)
-    return None
+    cause = DialCause(kind="closed", host=host, port=port, detail=explain(exc))
+    return DialFailed(f"cannot connect to {url}: {explain(exc)}", cause)
 
 
 def explain(exc: BaseException) -> str:

@@ -78,6 +78,19 @@ log = logging.getLogger("nodes.runner")
 
 Send = Callable[[wire.NodeMessage], Awaitable[None]]
 """Sends one message to the edge (serialized by the caller; only the writer task calls it)."""
+SendMany = Callable[[Sequence[wire.NodeMessage]], Awaitable[None]]
+"""Sends messages to the edge in order, at once (one socket write over the websocket)."""
+
+
+def one_by_one(send: Send) -> SendMany:
+    """A :data:`SendMany` over a :data:`Send`: each message its own send."""
+
+    async def send_many(messages: Sequence[wire.NodeMessage]) -> None:
+        for message in messages:
+            await send(message)
+
+    return send_many
+
 
 MAX_PENDING_CHARS: Final = 64 * 1024
 """Unsent text per run (characters) beyond which ``out.delta()`` waits for the connection."""
@@ -225,9 +238,11 @@ class _Output:
 class Runner:
     """Runs requests on adapters. Create with :func:`open_runner`."""
 
-    def __init__(self, nursery: trio.Nursery, send: Send, adapters: Mapping[str, Adapter]) -> None:
+    def __init__(
+        self, nursery: trio.Nursery, send_many: SendMany, adapters: Mapping[str, Adapter]
+    ) -> None:
         self._nursery = nursery
-        self._send = send
+        self._send_many = send_many
         self._adapters = adapters
         self._runs: dict[str, _Run] = {}
         self._ready: collections.deque[_Run] = collections.deque()
@@ -294,10 +309,9 @@ class Runner:
                 run.queued = False
                 frames = run.pieces.take()
                 run.drained.unpark_all()
-                for frame in frames:
-                    await self._send(frame)
-                    if isinstance(frame, wire.TERMINAL_EVENTS):
-                        run.terminal_sent.set()
+                await self._send_many(frames)  # what the run had ready: one socket write
+                if frames and isinstance(frames[-1], wire.TERMINAL_EVENTS):  # nothing follows it
+                    run.terminal_sent.set()
         finally:
             self._writing = False
             self._writer_woke.unpark_all()
@@ -518,15 +532,19 @@ def _split_call(call: Mapping[str, Any]) -> list[wire.JSONObject]:
 
 
 @asynccontextmanager
-async def open_runner(send: Send, *, adapters: Mapping[str, Adapter]) -> AsyncIterator[Runner]:
+async def open_runner(
+    send: Send, *, adapters: Mapping[str, Adapter], send_many: SendMany | None = None
+) -> AsyncIterator[Runner]:
     """A :class:`Runner` whose runs live inside this block. ``adapters`` maps provider ids
     to adapters (see :func:`nodes.adapters.build_adapters`); a request for another provider
     fails with code ``unknown_provider``. The adapters that have a lifetime (the HTTP
     adapters' pooled clients) are opened for the block (:func:`~nodes.adapters.base.
     open_adapters`; adapters already opened by the caller stay as they are) and closed after
-    the last run ended. Leaving the block cancels every run; nothing more is sent."""
+    the last run ended. Leaving the block cancels every run; nothing more is sent.
+    ``send_many``, when given, sends what a run has ready at once (else each message is
+    ``send``'s)."""
     async with open_adapters(adapters) as opened, trio.open_nursery() as nursery:
-        runner = Runner(nursery, send, opened)
+        runner = Runner(nursery, send_many or one_by_one(send), opened)
         nursery.start_soon(runner._write_loop, name="runner writer")
         try:
             yield runner

@@ -41,7 +41,7 @@ body, which it could not do through a compressed one.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Final, Literal
 
@@ -67,6 +67,8 @@ log = logging.getLogger("nodes.tunnel")
 
 SendData = Callable[[str, bytes], Awaitable[None]]
 """Sends one binary body frame: ``(tunnel_id, data)``."""
+SendFrames = Callable[[Sequence[wire.NodeMessage | wire.TunnelData]], Awaitable[None]]
+"""Sends messages and body frames in order, at once (one socket write over the websocket)."""
 
 MAX_PENDING: Final = 64 * 1024
 """Upstream body bytes a tunnel buffers before it stops reading the upstream."""
@@ -271,6 +273,8 @@ class _Tunnel:
     """Request body bytes still to come in binary frames."""
     body: bytearray = attrs.Factory(bytearray)
     body_complete: trio.Event = attrs.Factory(trio.Event)
+    answer: list[wire.NodeMessage | wire.TunnelData] = attrs.Factory(list)
+    """A whole answer not yet sent (``tunnel.start`` and its body): it leaves with the end."""
 
 
 class _UpstreamFailed(Exception):
@@ -288,10 +292,12 @@ class TunnelRunner:
         send: SendMessage,
         send_data: SendData,
         providers: Mapping[str, PooledTunnelProvider],
+        send_many: SendFrames | None = None,
     ) -> None:
         self._nursery = nursery
         self._send = send
         self._send_data = send_data
+        self._send_many = send_many or self._one_by_one
         self._providers = providers
         self._tunnels: dict[str, _Tunnel] = {}
         self._peak_pending = 0
@@ -369,7 +375,11 @@ class TunnelRunner:
                 end = wire.TunnelEnd(tunnel_id=tunnel_id, error=f"internal: {_name(exc)}")
             if end is None or tunnel.scope.cancel_called:
                 end = wire.TunnelEnd(tunnel_id=tunnel_id, error=CANCELLED)
-            await self._send(end)
+                tunnel.answer.clear()  # none of it was sent: the end alone
+            if tunnel.answer:
+                await self._send_many([*tunnel.answer, end])
+            else:
+                await self._send(end)
         finally:
             if self._tunnels.get(tunnel_id) is tunnel:
                 del self._tunnels[tunnel_id]
@@ -408,13 +418,20 @@ class TunnelRunner:
                 log.debug(
                     "tunnel %s: %s answered %d", tunnel_id, shown_url(url), response.status_code
                 )
-                await self._send(
-                    wire.TunnelStart(
-                        tunnel_id=tunnel_id,
-                        status=response.status_code,
-                        headers=response_headers(response),
-                    )
+                start = wire.TunnelStart(
+                    tunnel_id=tunnel_id,
+                    status=response.status_code,
+                    headers=response_headers(response),
                 )
+                whole = response.take_whole()
+                if whole is not None and len(whole) <= tunnel.credit:
+                    # The whole answer came with its head (a non-streamed one): tunnel.start,
+                    # its body frames and tunnel.end leave together, in one socket write.
+                    tunnel.answer = [start, *self._body_frames(tunnel, whole)]
+                    return wire.TunnelEnd(tunnel_id=tunnel_id)
+                await self._send(start)
+                if whole:
+                    tunnel.pending += whole  # more than the credit: the writer sends it
                 await self._pump(tunnel, response, where)
         except httpx.TimeoutException as exc:
             log.info("tunnel %s: %s timed out: %s", tunnel_id, display_url(url), _name(exc))
@@ -434,6 +451,25 @@ class TunnelRunner:
         except _UpstreamFailed as exc:
             return wire.TunnelEnd(tunnel_id=tunnel_id, error=redact(exc.error))
         return wire.TunnelEnd(tunnel_id=tunnel_id)
+
+    def _body_frames(self, tunnel: _Tunnel, body: bytes) -> list[wire.TunnelData]:
+        """``body`` (within the credit) as body frames, the credit taken."""
+        pending = bytearray(body)
+        frames = []
+        while pending:
+            data = take_body(pending, tunnel.credit)
+            tunnel.credit -= len(data)
+            frames.append(wire.TunnelData(tunnel.tunnel_id, data))
+            self._frames_sent += 1
+            self._bytes_sent += len(data)
+        return frames
+
+    async def _one_by_one(self, messages: Sequence[wire.NodeMessage | wire.TunnelData]) -> None:
+        for message in messages:
+            if isinstance(message, wire.TunnelData):
+                await self._send_data(message.tunnel_id, message.data)
+            else:
+                await self._send(message)
 
     async def _pump(self, tunnel: _Tunnel, response: Response, where: str) -> None:
         """Relay the body: a reader task fills ``pending``, this task sends it."""
@@ -497,15 +533,21 @@ def _name(exc: BaseException) -> str:
 
 @asynccontextmanager
 async def open_tunnels(
-    send: SendMessage, send_data: SendData, providers: Mapping[str, AnyTunnelProvider]
+    send: SendMessage,
+    send_data: SendData,
+    providers: Mapping[str, AnyTunnelProvider],
+    *,
+    send_many: SendFrames | None = None,
 ) -> AsyncIterator[TunnelRunner]:
     """A :class:`TunnelRunner` whose tunnels live inside this block. The providers' pools
     (one pooled HTTP client per provider) not yet open are opened for the block
     (:func:`open_tunnel_pools`; those the caller opened stay open after it). Leaving it
     cancels every tunnel, which closes their upstream connections (a connection whose answer
-    was not read to its end is never pooled); nothing more is sent."""
+    was not read to its end is never pooled); nothing more is sent. ``send_many``, when
+    given, sends a whole answer that came at once (``tunnel.start``, its body, ``tunnel.end``)
+    together."""
     async with open_tunnel_pools(providers) as pooled, trio.open_nursery() as nursery:
-        runner = TunnelRunner(nursery, send, send_data, pooled)
+        runner = TunnelRunner(nursery, send, send_data, pooled, send_many)
         try:
             yield runner
         finally:

@@ -5,11 +5,14 @@ alive. httpx (over httpcore and h11) handled each piece of a streamed answer as 
 through httpcore's and httpx's iterators, and built each request through its URL, header and
 auth models: ~1.5-1.8 ms of the client's CPU per 64-token SSE answer against ~1.2 ms here
 (``python -m bench.profile_node --clients``). Reading answers -- the status line, headers,
-``Content-Length`` / chunked / until-close framing, ``1xx`` answers, keep-alive -- is h11's:
-one ``h11.Connection`` per connection, ``start_next_cycle()`` between requests, each read fed
-whole and its events drained at once into one piece of body (h11's ~5 us per chunk is most of
-what reading costs). The request's head is written here (:func:`_request`: one formatting
-pass, where h11's checks and writer cost ~60 us a request) and h11 told of it. Errors are
+``Content-Length`` / until-close framing, ``1xx`` answers, keep-alive -- is h11's: one
+``h11.Connection`` per connection, ``start_next_cycle()`` between requests, each read fed
+whole and its events drained at once into one piece of body. A chunked body is read here
+(:class:`_ChunkedBody`, h11's rules, each read's chunks in one pass: h11's ~5 us per chunk
+was most of what reading a streamed answer cost), and its connection gets a fresh
+``h11.Connection`` for the next request. The request's head is written here
+(:func:`_request`: one formatting pass, where h11's checks and writer cost ~60 us a request)
+and h11 told of it. Errors are
 httpx's exception classes, so the callers' mapping (``nodes.adapters._post``,
 ``nodes.tunnel``) is the same table whatever the client.
 
@@ -267,7 +270,9 @@ class Response:
     """One answer, its body read from the connection as the caller asks for it."""
 
     __slots__ = (
+        "_chunks",
         "_conn",
+        "_failed",
         "_pieces",
         "_timeouts",
         "closed",
@@ -278,7 +283,13 @@ class Response:
         "status_code",
     )
 
-    def __init__(self, conn: _Connection, timeouts: _Timeouts, event: h11.Response) -> None:
+    def __init__(
+        self,
+        conn: _Connection,
+        timeouts: _Timeouts,
+        event: h11.Response,
+        request: h11.Request | None = None,
+    ) -> None:
         self._conn = conn
         self._timeouts = timeouts
         self.status_code = event.status_code
@@ -292,6 +303,8 @@ class Response:
         h11 is ready for the next request."""
         self._pieces: list[bytes | bytearray] = []
         """The body h11 gave from what was received and the caller has not read."""
+        self._failed: httpx.HTTPError | None = None
+        """What h11 refused in :meth:`take_whole`: the next read raises it."""
         framing = 0
         for name, _ in self.headers.raw:
             if name == b"transfer-encoding":
@@ -302,11 +315,31 @@ class Response:
             raise httpx.DecodingError(
                 "the provider's answer is framed by both Content-Length and chunked"
             )
+        self._chunks: _ChunkedBody | None = None
+        """A chunked body, read here rather than by h11 (see :class:`_ChunkedBody`)."""
+        if (
+            framing == 1  # h11 accepted the head: its Transfer-Encoding is exactly chunked
+            and request is not None
+            and request.method not in (b"HEAD", b"CONNECT")
+            and event.status_code not in (204, 304)
+        ):
+            keep_alive = (
+                event.http_version == b"1.1"
+                and b"close" not in self.headers.tokens(b"connection")
+                and not any(
+                    name == b"connection" and b"close" in value.lower()
+                    for name, value in request.headers
+                )
+            )
+            self._chunks = _ChunkedBody(keep_alive)
+            self._feed(conn.h11.trailing_data[0], eof=conn.eof)
 
     async def read(self) -> bytes:
         """The next piece of the body as it is on the wire (chunked framing removed): what
         one read of the connection brought; b"" at its end, or once the response is
         closed."""
+        if self._failed is not None:
+            raise self._failed
         pieces = self._pieces
         while not self.closed:
             if pieces:
@@ -315,12 +348,60 @@ class Response:
                 return piece
             if self.complete:
                 break
-            await self._conn.receive(self._timeouts)
-            self._drain()
+            if self._chunks is None:
+                await self._conn.receive(self._timeouts)
+                self._drain()
+            else:
+                data = await _receive(self._conn, self._timeouts)
+                if not data:
+                    self._conn.eof = True
+                self._feed(data, eof=not data)
         return b""
 
+    def _feed(self, data: bytes, *, eof: bool) -> None:
+        """Bytes of a chunked body (``eof``: the provider closed the connection after them)."""
+        chunks = self._chunks
+        assert chunks is not None
+        conn = self._conn
+        try:
+            done = chunks.feed(data, self._pieces) if data else False
+            if not done and eof:
+                raise h11.RemoteProtocolError(
+                    "peer closed connection without sending complete message body: "
+                    "incomplete chunked read"
+                )
+        except h11.RemoteProtocolError as exc:
+            raise conn.refused(exc) from None
+        if done:
+            self.complete = True
+            if chunks.keep_alive and not chunks.leftover and not conn.eof:
+                conn.h11 = _h11_client()  # the next request's (h11 did not read this body)
+                self.reusable = True
+
+    def take_whole(self) -> bytes | None:
+        """The whole body, if it already arrived (with the head: no read needed); else None,
+        and nothing is taken (the reads give it all). A body h11 refuses is None too: the
+        next read raises."""
+        if self.closed or self._failed is not None:
+            return None
+        if not self.complete:
+            try:
+                self._drain()
+            except httpx.HTTPError as exc:
+                self._failed = exc
+                return None
+            if not self.complete:
+                return None
+        pieces = self._pieces
+        body = bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        return body
+
     def _drain(self) -> None:
-        """Every event h11 makes of what was received: body pieces kept, the end noted."""
+        """Every event h11 makes of what was received: body pieces kept, the end noted. (A
+        chunked body was fed as it came.)"""
+        if self._chunks is not None:
+            return
         conn = self._conn
         connection = conn.h11
         next_event, append = connection.next_event, self._pieces.append
@@ -371,6 +452,112 @@ class Response:
         """No more of the body is read: the connection is closed when the request's block
         is left, unless the body was read to its end."""
         self.closed = True
+
+
+_CHUNK_HEADER: Final = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;[^\r\n]*)?[ \t]*")
+"""A chunk's size line without its CRLF (h11's rule: 1 to 20 hex digits, extensions)."""
+_TRAILER: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n\0]*")
+
+_IN_SIZE, _IN_DATA, _IN_DATA_END, _IN_TRAILERS, _IN_DONE = range(5)
+
+
+class _ChunkedBody:
+    """A chunked body's framing removed, sans-IO: what one read brings, in one pass.
+
+    h11 makes an event of every chunk (an SSE stream is a chunk per token: ~5 us each, the
+    most of what reading a streamed answer cost); this takes a read's chunks in one loop and
+    gives their data as pieces. The rules are h11's: a size line of 1 to 20 hex digits (and
+    extensions), each chunk's data followed by CRLF, trailers as header lines up to the
+    empty line, at most :data:`MAX_HEAD` bytes of a size line or of the trailers. A broken
+    framing is ``h11.RemoteProtocolError`` (the caller maps it as it maps h11's). Once done,
+    ``leftover`` is what followed the body (the connection is then not reused)."""
+
+    __slots__ = (
+        "_bad_trailer",
+        "_buffer",
+        "_left",
+        "_state",
+        "_trailers",
+        "keep_alive",
+        "leftover",
+    )
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.keep_alive = keep_alive
+        """Both sides keep the connection alive (HTTP/1.1, no ``Connection: close``)."""
+        self.leftover = b""
+        self._buffer = b""
+        self._state = _IN_SIZE
+        self._left = 0
+        self._trailers = 0
+        self._bad_trailer: bytes | None = None
+
+    def feed(self, data: bytes, out: list[bytes | bytearray]) -> bool:
+        """Take ``data``; append its body pieces to ``out``. True once the body ended."""
+        buf = self._buffer + data if self._buffer else data
+        pos, size = 0, len(buf)
+        state, left = self._state, self._left
+        while True:
+            if state == _IN_DATA:
+                if pos >= size:
+                    break
+                end = pos + left
+                if end <= size:
+                    out.append(buf[pos:end])
+                    pos, left, state = end, 0, _IN_DATA_END
+                else:
+                    out.append(buf[pos:])
+                    left -= size - pos
+                    pos = size
+                    break
+            elif state == _IN_DATA_END:
+                if size - pos < 2:
+                    if pos < size and buf[pos] != 13:
+                        raise h11.RemoteProtocolError("missing \\r\\n after chunk data")
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise h11.RemoteProtocolError("missing \\r\\n after chunk data")
+                pos += 2
+                state = _IN_SIZE
+            elif state == _IN_SIZE:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if size - pos > MAX_HEAD:
+                        raise h11.RemoteProtocolError("chunk header too long")
+                    break
+                found = _CHUNK_HEADER.fullmatch(buf, pos, end)
+                if found is None:
+                    raise h11.RemoteProtocolError(f"illegal chunk header: {buf[pos:end]!r}")
+                left = int(found.group(1), 16)
+                pos = end + 2
+                state = _IN_DATA if left else _IN_TRAILERS
+            else:  # _IN_TRAILERS: header lines (CRLF or LF, as h11) up to an empty one
+                end = buf.find(b"\n", pos)
+                if end < 0:
+                    if self._trailers + size - pos > MAX_HEAD:
+                        raise h11.RemoteProtocolError("trailers too long")
+                    break
+                line_end = end - 1 if end > pos and buf[end - 1] == 13 else end
+                if line_end == pos:
+                    if self._bad_trailer is not None:  # judged, as h11 does, once whole
+                        raise h11.RemoteProtocolError(f"illegal trailer: {self._bad_trailer!r}")
+                    self.leftover = buf[end + 1 :]
+                    self._buffer, self._state = b"", _IN_DONE
+                    return True
+                if self._bad_trailer is None:
+                    first = buf[pos]
+                    if first in (32, 9):  # an obsolete folded line: part of the one before
+                        if not self._trailers:
+                            self._bad_trailer = buf[pos:line_end]
+                    elif _TRAILER.fullmatch(buf, pos, line_end) is None:
+                        self._bad_trailer = buf[pos:line_end]
+                self._trailers += end + 1 - pos
+                if self._trailers > MAX_HEAD:
+                    raise h11.RemoteProtocolError("trailers too long")
+                pos = end + 1
+        self._buffer = buf[pos:] if pos < size else b""
+        self._state, self._left = state, left
+        return False
 
 
 class _Decoder:
@@ -538,7 +725,7 @@ class UpstreamPool:
             try:
                 _tell(conn.h11, event)
                 await self._send(conn, request)
-                response = await self._read_head(conn)
+                response = await self._read_head(conn, event)
                 yield response
             finally:
                 if (
@@ -635,7 +822,7 @@ class UpstreamPool:
         except (trio.BrokenResourceError, OSError) as exc:
             raise httpx.WriteError(str(exc) or type(exc).__name__) from None
 
-    async def _read_head(self, conn: _Connection) -> Response:
+    async def _read_head(self, conn: _Connection, request: h11.Request | None = None) -> Response:
         """The answer's status line and headers (``1xx`` answers skipped), and what h11
         made of the body's bytes that came with them."""
         next_event = conn.h11.next_event
@@ -651,7 +838,7 @@ class UpstreamPool:
             if event is h11.NEED_DATA:
                 await conn.receive(self._timeouts)
             elif type(event) is h11.Response:
-                response = Response(conn, self._timeouts, event)
+                response = Response(conn, self._timeouts, event, request)
                 response._drain()
                 return response
             # else an interim answer (100 Continue, 103 Early Hints): skipped

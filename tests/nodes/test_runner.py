@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -63,6 +64,29 @@ async def test_completed_run_events_in_order() -> None:
     assert terminal.finish_reason == "length"
     assert isinstance(events[-2], wire.RunUsage)
     assert events[-2].usage == wire.Usage(prompt_tokens=2, completion_tokens=2)
+
+
+async def test_what_a_run_has_ready_is_sent_at_once() -> None:
+    """With ``send_many``, the writer hands over everything a run had ready in one call (one
+    socket write over the websocket): the rest of the text, the usage and the end together."""
+    rec = Recorder()
+    batches: list[list[str]] = []
+
+    async def send_many(messages: Sequence[wire.NodeMessage]) -> None:
+        batches.append([message.TYPE for message in messages])
+        for message in messages:
+            await rec.send(message)
+
+    pieces = tuple(f"w{n} " for n in range(10))
+    adapters = {"p": Scripted(pieces=pieces)}
+    async with open_runner(rec.send, adapters=adapters, send_many=send_many) as runner:
+        runner.start(request("r1", provider_id="p"))
+        await rec.wait_terminal("r1")
+    assert_well_formed(rec.events("r1"))
+    assert rec.text("r1") == "".join(pieces)
+    assert len(batches) < len(rec.events("r1"))
+    assert batches[-1][-2:] == ["run.usage", "run.completed"]
+    assert sum(len(batch) for batch in batches) == len(rec.events("r1"))
 
 
 async def test_adapter_error_becomes_run_failed() -> None:

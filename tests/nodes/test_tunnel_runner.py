@@ -79,3 +79,67 @@ async def test_tunnels_share_one_pool_per_provider_sized_to_its_slots(
         await up.relay.wait_for(lambda: up.relay.open == 0)
     assert [end.error for end in ends] == [None] * 8
     assert up.relay.peak_open == up.relay.accepted == 2
+
+
+async def test_a_whole_answer_leaves_at_once_with_its_end(nursery: trio.Nursery) -> None:
+    """A non-streamed answer that came whole with its head: ``tunnel.start``, its body and
+    ``tunnel.end`` are handed over together (one socket write over the websocket); a window
+    smaller than the body sends it as credit allows, as before."""
+    up = await start_upstream(nursery, "openai")
+    providers = tunnel_providers([attrs.evolve(provider(up, slots=2), path="tunnel")])
+    batches: list[list[object]] = []
+    singles: list[object] = []
+    ended = trio.Event()
+
+    async def send(message: wire.NodeMessage) -> None:
+        await trio.lowlevel.checkpoint()
+        singles.append(message)
+        if isinstance(message, wire.TunnelEnd):
+            ended.set()
+
+    async def send_data(tunnel_id: str, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        singles.append(wire.TunnelData(tunnel_id, data))
+
+    async def send_many(messages: object) -> None:
+        await trio.lowlevel.checkpoint()
+        assert isinstance(messages, list)
+        batches.append(messages)
+        if isinstance(messages[-1], wire.TunnelEnd):
+            ended.set()
+
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).decode()
+    request = wire.TunnelRequest(
+        tunnel_id="t1", provider_id="up", method="POST", path="/v1/chat/completions", body=body
+    )
+    with trio.fail_after(TIMEOUT):
+        async with open_tunnels(send, send_data, providers, send_many=send_many) as tunnels:
+            tunnels.start(request)
+            await ended.wait()
+    assert singles == []
+    (batch,) = batches
+    start, *data, end = batch
+    assert isinstance(start, wire.TunnelStart)
+    assert start.status == 200
+    assert data
+    assert all(isinstance(piece, wire.TunnelData) for piece in data)
+    answer = orjson.loads(b"".join(piece.data for piece in data))  # type: ignore[attr-defined]
+    assert answer["object"] == "chat.completion"
+    assert end == wire.TunnelEnd(tunnel_id="t1")
+
+    # A window smaller than the body: tunnel.start alone, the body as credit comes.
+    ended = trio.Event()
+    batches.clear()
+    small = attrs.evolve(request, tunnel_id="t2", window=10)
+    with trio.fail_after(TIMEOUT):
+        async with open_tunnels(send, send_data, providers, send_many=send_many) as tunnels:
+            tunnels.start(small)
+            while not any(isinstance(m, wire.TunnelData) for m in singles):
+                await trio.sleep(0.01)
+            tunnels.credit("t2", 1 << 20)
+            await ended.wait()
+    assert batches == []
+    assert isinstance(singles[0], wire.TunnelStart)
+    assert len(singles[1].data) == 10  # type: ignore[attr-defined]
+    assert isinstance(singles[-1], wire.TunnelEnd)
+    assert singles[-1].error is None
