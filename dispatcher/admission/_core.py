@@ -47,12 +47,14 @@ Data layout (what keeps an operation O(1) in the common case, whatever the queue
   free (or ended a probe).
 * affinity (see "Affinity" in ``docs/admission.md``): a keyed waiter of a group with
   affinity on ranks the group's candidates by rendezvous hashing (:mod:`._affinity`), after
-  the candidate that last served its key (its *placement*, at most PLACEMENT_MEMORY keys
-  remembered), and takes the first with room within the bounded load; while its *hold* lasts
-  (``submitted + affinity_wait_s``, a deadline in its own heap) and its first-ranked
-  candidate has no room, it can use that one only, and blocks nobody behind it. An input
-  that may change a held waiter's preferred candidate (a node leaving or re-announcing, an
-  ejection, a capacity change) refills every candidate of the group while some waiter holds.
+  the candidate that last served its key when it was submitted (its *placement*, at most
+  PLACEMENT_MEMORY keys remembered), and takes the first with room within the bounded
+  load; while its *hold* lasts (``submitted + affinity_wait_s``, a deadline in its own
+  heap) and its first-ranked candidate has no room, it can use that one only, and blocks
+  nobody behind it. An input that may change a held waiter's preferred candidate (a node
+  leaving or re-announcing, an ejection, a capacity change) refills every candidate of the
+  group while some waiter holds; a placement made meanwhile does not change it (the
+  waiter keeps the one of its submit).
 
 Bounded memory (nodes are not trusted: one may announce hundreds of new model names at each
 reconnect):
@@ -282,6 +284,10 @@ class _Waiter:
     """While queued: its flow's lane in its queue."""
     affinity: int | None = None
     """The affinity key's hash (``key_hash``), None without a key."""
+    placed: int | None = None
+    """Affinity: the seed of the candidate its key was placed on when it was submitted
+    (None: not placed). Its own, so a later placement of the same key (another request
+    admitted meanwhile) does not change the candidate it holds for."""
     hold_until: float | None = None
     """Affinity: until when it may wait for its preferred candidate while another has a
     free slot (set at submit, kept)."""
@@ -494,6 +500,7 @@ class AdmissionCore:
         )
         if needs.affinity_key is not None:
             waiter.affinity = key_hash(needs.affinity_key)
+            waiter.placed = self._placements.get((group.name, waiter.affinity))
             hold_until = self._now + policy.affinity_wait_s
             if (
                 policy.affinity
@@ -972,7 +979,7 @@ class AdmissionCore:
             return None
         klass = waiter.klass
         unhealthy = self._health.unhealthy
-        placed = self._placements.get((group.name, key))
+        placed = waiter.placed
         best: _CandidateState | None = None
         best_weight = (-1, -1)
         for state in group.candidates.values():
@@ -1009,7 +1016,7 @@ class AdmissionCore:
         roomy = [s for s in ranked if self._has_room(s, klass)]
         if not roomy:
             return True, None
-        placed = self._placements.get((group.name, key))
+        placed = waiter.placed
 
         def heaviest(state: _CandidateState) -> tuple[int, int]:
             return preference(key, state.seed, placed)
@@ -1035,9 +1042,8 @@ class AdmissionCore:
         key = waiter.affinity
         if key is None:
             return "unkeyed"
-        group = waiter.group
-        placed = self._placements.get((group.name, key))
-        home = max(group.candidates.values(), key=lambda s: preference(key, s.seed, placed))
+        placed = waiter.placed
+        home = max(waiter.group.candidates.values(), key=lambda s: preference(key, s.seed, placed))
         if home is state:
             return "hit"
         if home.limits[1 + waiter.klass] == 0 or self._unfit(home, waiter) is not None:

@@ -194,6 +194,8 @@ class MWaiter:
     """Affinity: the end of its hold (set at submit as the core's rule says)."""
     hold_pending: bool = False
     """Its hold's end has not been expired yet (a deadline of the core)."""
+    placed: CandidateIdentity | None = None
+    """Affinity: where its key was last served when it was submitted (its own)."""
 
     @property
     def order(self) -> tuple[int, int]:
@@ -349,15 +351,15 @@ class AdmissionMachine(RuleBasedStateMachine):
             and self.class_limit(c.key, klass) > 0
             and self.h(c.identity).state != "ejected"
         }
-        return [fit[identity] for identity in self.preference(waiter.group, key, fit)]
+        return [fit[identity] for identity in self.preference(waiter, key, fit)]
 
     def preference(
-        self, group: str, key: str, identities: Iterable[CandidateIdentity]
+        self, waiter: MWaiter, key: str, identities: Iterable[CandidateIdentity]
     ) -> list[CandidateIdentity]:
-        """``identities`` in ``key``'s order: where the key was last served first, then by
-        rendezvous ranking."""
+        """``identities`` in ``key``'s order: where the key was last served (when ``waiter``
+        was submitted) first, then by rendezvous ranking."""
         ranked = rendezvous_rank(key, identities)
-        placed = self.placed.get((group, key))
+        placed = waiter.placed
         if placed in ranked:
             ranked.remove(placed)
             ranked.insert(0, placed)
@@ -422,7 +424,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         if key is None:
             return "unkeyed"
         candidates = {c.identity: c for c in self.group_candidates(waiter.group)}
-        home = candidates[self.preference(waiter.group, key, candidates)[0]]
+        home = candidates[self.preference(waiter, key, candidates)[0]]
         if home == admitted:
             return "hit"
         if self.class_limit(home.key, self.klass(waiter)) == 0 or not self.fits(waiter, home):
@@ -689,6 +691,9 @@ class AdmissionMachine(RuleBasedStateMachine):
             seq=n,
             deadline=self.now + policy.queue_timeout_s,
             submitted=self.now,
+            placed=(
+                None if needs.affinity_key is None else self.placed.get((group, needs.affinity_key))
+            ),
         )
         hold_until = self.now + policy.affinity_wait_s
         depth = sum(w.group == group for w in self.queued.values())

@@ -67,6 +67,8 @@ class MWaiter:
     seq: int
     needs: Needs
     hold_until: float | None = None
+    placed: CandidateIdentity | None = None
+    """Where its affinity key was last served when it was submitted (its own)."""
 
     def ahead_of(self, other: MWaiter) -> bool:
         """Whether the rules put ``self`` before ``other`` whatever the virtual times."""
@@ -135,7 +137,7 @@ class FairMachine(RuleBasedStateMachine):
         }
         if not able:
             return None
-        placed = self.placed.get(affinity_key)
+        placed = waiter.placed
         first = placed if placed in able else rendezvous_rank(affinity_key, able)[0]
         preferred = able[first]
         return None if self.free(preferred) > 0 else preferred
@@ -258,6 +260,7 @@ class FairMachine(RuleBasedStateMachine):
                 retry=retry,
                 seq=next(self.seqs),
                 needs=Needs(vision=vision and not self.homogeneous, affinity_key=affinity_key),
+                placed=None if affinity_key is None else self.placed.get(affinity_key),
             )
             if (
                 self.affinity == "hold"
