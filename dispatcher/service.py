@@ -154,6 +154,8 @@ class Service:
     _demand_keys: dict[NodeSession, DemandKeys] = attrs.field(factory=dict)
     """Each live session's candidate keys, as its ``hello`` announced them (fixed for the
     session): made once at its join, not again on every admission change."""
+    _affinity_anywhere: tuple[PolicySnapshot, bool] | None = None
+    """Whether the admission policy in force (the snapshot) turns affinity on anywhere."""
     shutting_down: bool = False
     """Set when what the drain left is ended (streams get their final event at once)."""
 
@@ -343,6 +345,23 @@ class Service:
     def model_aliases(self) -> Mapping[str, str]:
         """The aliases the admission policy in force names (public name -> model group)."""
         return self.admission.policy.aliases
+
+    def affinity_wanted(self, model: str) -> bool:
+        """Whether a request for ``model`` may be routed by its affinity key: its group's
+        policy, or a fallback's, turns affinity on. While no policy in force does (the
+        default), False at once: no key is made per request."""
+        snapshot = self.admission.policy
+        anywhere = self._affinity_anywhere
+        if anywhere is None or anywhere[0] is not snapshot:
+            anywhere = self._affinity_anywhere = (
+                snapshot,
+                snapshot.default.affinity
+                or any(policy.affinity for policy in snapshot.groups.values()),
+            )
+        if not anywhere[1]:
+            return False
+        groups = (model, *self.gate.policy_for(model).fallbacks)
+        return any(snapshot.policy_for(snapshot.resolve(group)).affinity for group in groups)
 
     def metric_model_label(self, model: str) -> str:
         """``model`` if it names a served or configured group, else "unknown" (clients must not

@@ -240,13 +240,15 @@ class Tunnel(Lease):
         none); ``b""`` at the clean end. At an abnormal end, what arrived before it is
         delivered first, then :class:`TunnelFailed` is raised."""
         route = self._route
+        waited = not route.chunks and route.end is None
         while not route.chunks and route.end is None:
             await route.wait()
         if route.chunks:
             data = route.take()
-            await self._consumed(len(data))
+            await self._consumed(len(data), checkpoint=not waited)
             return data
-        await trio.lowlevel.checkpoint()
+        if not waited:  # a wait was the checkpoint
+            await trio.lowlevel.checkpoint()
         end = route.end
         assert end is not None
         if end.error is not None:
@@ -264,17 +266,21 @@ class Tunnel(Lease):
                 self, usage.prompt_tokens, usage.completion_tokens, not usage.estimated
             )
 
-    async def _consumed(self, size: int) -> None:
+    async def _consumed(self, size: int, *, checkpoint: bool = True) -> None:
+        """``size`` bytes were taken: the node gets its credit back a step at a time. A
+        checkpoint unless ``checkpoint`` is False (the caller parked already)."""
         self._unreported += size
         if self._unreported < self._owner.credit_step or self.finished:
-            await trio.lowlevel.checkpoint()
+            if checkpoint:
+                await trio.lowlevel.checkpoint()
             return
         grant, self._unreported = self._unreported, 0
         # Granted before the send: the node may answer with data before the send returns.
         self._route.outstanding += grant
         # Posted: dropped if the session is over (the route is failed by the registry).
         self.session.post(wire.TunnelCredit(tunnel_id=self.tunnel_id, bytes=grant))
-        await trio.lowlevel.checkpoint()
+        if checkpoint:
+            await trio.lowlevel.checkpoint()
 
     def _failure(self, end: wire.TunnelEnd, when: str) -> TunnelFailed:
         where = f"{self.candidate.label}"
