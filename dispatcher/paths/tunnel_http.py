@@ -463,7 +463,7 @@ class SSEFilter:
                 self.done = True
             if self._skip_next:
                 self._skip_next = False
-            elif 0 <= probe < end:
+            elif 0 <= probe < end and _usage_given(buf, probe, end):
                 if self._inspect(buf[event_start:end]):
                     out.append(buf[sent:event_start])
                     sent = end
@@ -681,6 +681,29 @@ def _responses_content(value: dict[str, Any]) -> bool:
     if item_type == "reasoning":
         return bool(item.get("summary") or item.get("content"))
     return True
+
+
+_JSON_SPACE: Final = b" \t\r\n"
+
+
+def _usage_given(buf: bytes, at: int, end: int) -> bool:
+    """Whether ``buf[at:end]`` (``at``: where ``"usage"`` first occurs in it) may give a
+    usage: a ``"usage"`` member whose value is not ``null``. OpenAI's chunks carry
+    ``"usage":null`` on every event of a stream that asked for the usage (and the usage
+    only on the last): those are passed on without parsing their JSON. (A ``"usage"`` that
+    is not followed by a colon is a string, not a member.)"""
+    while 0 <= at < end:
+        colon = at + len(_USAGE_KEY)
+        while colon < end and buf[colon] in _JSON_SPACE:
+            colon += 1
+        if colon < end and buf[colon] == 0x3A:  # ':'
+            value = colon + 1
+            while value < end and buf[value] in _JSON_SPACE:
+                value += 1
+            if not buf.startswith(b"null", value, end):
+                return True
+        at = buf.find(_USAGE_KEY, colon, end)
+    return False
 
 
 def _event_json(event: bytes) -> object:
