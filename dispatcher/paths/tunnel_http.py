@@ -440,6 +440,40 @@ class SSEFilter:
 
     def feed(self, data: bytes) -> bytes:
         buf = self._pending + data if self._pending else data
+        cut = self._passed_whole(buf)
+        if cut is not None:
+            passed = buf[:cut]
+            self._pending = buf[cut:]
+        else:
+            passed = self._feed_events(buf)
+        if len(self._pending) > MAX_SSE_EVENT:
+            passed += self._pending
+            self._pending = b""
+            self._skip_next = True
+            self.content_seen = True  # an event this large is output, whatever it holds
+        return self._rewrite(passed) if self._rewrite is not None and passed else passed
+
+    def _passed_whole(self, buf: bytes) -> int | None:
+        """Where the complete events of ``buf`` end, when each of them goes through as it is
+        and says nothing the filter notes -- an OpenAI stream after its first content, no
+        ``[DONE]``, every ``"usage"`` a null one (the stream's chunks but its last) --, found
+        by scanning the bytes, not event by event; None: read them one by one."""
+        if self.dialect != "openai" or not self.content_seen or self._skip_next:
+            return None
+        if _DONE_EVENT in buf or _DONE_EVENT_NO_SPACE in buf:
+            return None
+        usages = buf.count(_USAGE_KEY)
+        if usages and usages != len(_NULL_USAGE.findall(buf)):
+            return None
+        parts = _SSE_BOUNDARY.split(buf)
+        if not parts[-1] and buf[-1:] == b"\r":
+            return None  # a CR at the very end may be the first half of a CRLF
+        self.events += len(parts) - 1
+        return len(buf) - len(parts[-1])
+
+    def _feed_events(self, buf: bytes) -> bytes:
+        """:meth:`feed`'s complete events of ``buf``, read one by one: what is passed on (the
+        rest, an unfinished event, is kept pending)."""
         out: list[bytes] = []
         sent = 0  # buf[:sent] is decided (passed on or stripped)
         event_start = 0
@@ -474,13 +508,7 @@ class SSEFilter:
             event_start = end
         out.append(buf[sent:event_start])
         self._pending = buf[event_start:]
-        if len(self._pending) > MAX_SSE_EVENT:
-            out.append(self._pending)
-            self._pending = b""
-            self._skip_next = True
-            self.content_seen = True  # an event this large is output, whatever it holds
-        passed = b"".join(out)
-        return self._rewrite(passed) if self._rewrite is not None and passed else passed
+        return b"".join(out)
 
     def finish(self) -> bytes:
         """What is left: an unfinished last event, passed on as it is."""
@@ -684,6 +712,7 @@ def _responses_content(value: dict[str, Any]) -> bool:
 
 
 _JSON_SPACE: Final = b" \t\r\n"
+_NULL_USAGE: Final = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*null')
 
 
 def _usage_given(buf: bytes, at: int, end: int) -> bool:

@@ -1101,14 +1101,23 @@ _CHUNKS = st.fixed_dictionaries(
 @given(
     chunks=st.lists(_CHUNKS, max_size=6),
     spaced=st.lists(st.booleans(), min_size=6, max_size=6),
+    ends=st.lists(
+        st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n"]), min_size=6, max_size=6
+    ),
+    done=st.booleans(),
     size=st.integers(1, 80),
 )
 def test_the_sse_filter_reads_usage_as_a_parse_of_every_event_would(
-    chunks: list[dict[str, Any]], spaced: list[bool], size: int
+    chunks: list[dict[str, Any]],
+    spaced: list[bool],
+    ends: list[bytes],
+    done: bool,
+    size: int,
 ) -> None:
     """Events whose ``"usage"`` is null (OpenAI's every chunk but the last, spaced or not) or
-    only a string are passed without parsing their JSON: the usage noted, the chunk stripped
-    and the bytes passed on are what parsing every event gives."""
+    only a string are passed without parsing their JSON (pieces of such events without
+    reading them one by one): the usage noted, the chunk stripped, the events counted, the
+    end seen and the bytes passed on are what parsing every event gives."""
     events = [
         b"data: "
         + (
@@ -1117,10 +1126,10 @@ def test_the_sse_filter_reads_usage_as_a_parse_of_every_event_would(
             if spaced[i]
             else orjson.dumps(chunk)
         )
-        + b"\n\n"
+        + ends[i]
         for i, chunk in enumerate(chunks)
     ]
-    raw = b"".join(events)
+    raw = b"".join(events) + (b"data: [DONE]\n\n" if done else b"")
     usage, stripped = None, None
     for event, chunk in zip(events, chunks, strict=True):
         counts = usage_of(chunk)
@@ -1133,6 +1142,8 @@ def test_the_sse_filter_reads_usage_as_a_parse_of_every_event_would(
     assert out + sse.finish() == (raw if stripped is None else raw.replace(stripped, b"", 1))
     assert sse.usage == usage
     assert sse.stripped == (stripped is not None)
+    assert sse.events == len(events) + done
+    assert sse.done == done
 
 
 def test_the_model_rewrite_renames_only_model_members_with_the_served_name() -> None:
