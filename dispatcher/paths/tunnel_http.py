@@ -440,12 +440,10 @@ class SSEFilter:
 
     def feed(self, data: bytes) -> bytes:
         buf = self._pending + data if self._pending else data
-        cut = self._passed_whole(buf)
-        if cut is not None:
-            passed = buf[:cut]
-            self._pending = buf[cut:]
-        else:
-            passed = self._feed_events(buf)
+        cut = self._plain_events(buf)
+        passed = self._feed_events(buf[cut:] if cut else buf)
+        if cut:
+            passed = buf[:cut] + passed
         if len(self._pending) > MAX_SSE_EVENT:
             passed += self._pending
             self._pending = b""
@@ -453,23 +451,29 @@ class SSEFilter:
             self.content_seen = True  # an event this large is output, whatever it holds
         return self._rewrite(passed) if self._rewrite is not None and passed else passed
 
-    def _passed_whole(self, buf: bytes) -> int | None:
-        """Where the complete events of ``buf`` end, when each of them goes through as it is
-        and says nothing the filter notes -- an OpenAI stream after its first content, no
-        ``[DONE]``, every ``"usage"`` a null one (the stream's chunks but its last) --, found
-        by scanning the bytes, not event by event; None: read them one by one."""
+    def _plain_events(self, buf: bytes) -> int:
+        """Where the leading complete events of ``buf`` end that go through as they are and
+        say nothing the filter notes -- in an OpenAI stream after its first content, the
+        events before the first ``[DONE]`` and the first ``"usage"`` that is not a null one
+        (the stream's chunks but its last) --, found by scanning the bytes, not event by event
+        (0: none; the rest is read one by one)."""
         if self.dialect != "openai" or not self.content_seen or self._skip_next:
-            return None
-        if _DONE_EVENT in buf or _DONE_EVENT_NO_SPACE in buf:
-            return None
-        usages = buf.count(_USAGE_KEY)
-        if usages and usages != len(_NULL_USAGE.findall(buf)):
-            return None
-        parts = _SSE_BOUNDARY.split(buf)
-        if not parts[-1] and buf[-1:] == b"\r":
-            return None  # a CR at the very end may be the first half of a CRLF
+            return 0
+        stop = len(buf)
+        for found in (
+            buf.find(_DONE_EVENT),
+            buf.find(_DONE_EVENT_NO_SPACE),
+            -1 if (live := _LIVE_USAGE.search(buf)) is None else live.start(),
+        ):
+            if 0 <= found < stop:
+                stop = found
+        # (``stop`` is inside an event: the boundaries before it are whole in buf[:stop])
+        parts = _SSE_BOUNDARY.split(buf[:stop] if stop < len(buf) else buf)
+        cut = stop - len(parts[-1])
+        if cut == len(buf) and buf[-1:] == b"\r":
+            return 0  # a CR at the very end may be the first half of a CRLF
         self.events += len(parts) - 1
-        return len(buf) - len(parts[-1])
+        return cut
 
     def _feed_events(self, buf: bytes) -> bytes:
         """:meth:`feed`'s complete events of ``buf``, read one by one: what is passed on (the
@@ -712,7 +716,8 @@ def _responses_content(value: dict[str, Any]) -> bool:
 
 
 _JSON_SPACE: Final = b" \t\r\n"
-_NULL_USAGE: Final = re.compile(rb'"usage"[ \t\r\n]*:[ \t\r\n]*null')
+_LIVE_USAGE: Final = re.compile(rb'"usage"(?![ \t\r\n]*:[ \t\r\n]*null)')
+"""A ``"usage"`` that is not a member whose value is null."""
 
 
 def _usage_given(buf: bytes, at: int, end: int) -> bool:
