@@ -440,16 +440,30 @@ class SSEFilter:
 
     def feed(self, data: bytes) -> bytes:
         buf = self._pending + data if self._pending else data
-        cut = self._plain_events(buf)
-        passed = self._feed_events(buf[cut:] if cut else buf)
-        if cut:
-            passed = buf[:cut] + passed
+        passed = self._pass(buf)
         if len(self._pending) > MAX_SSE_EVENT:
             passed += self._pending
             self._pending = b""
             self._skip_next = True
             self.content_seen = True  # an event this large is output, whatever it holds
         return self._rewrite(passed) if self._rewrite is not None and passed else passed
+
+    def _pass(self, buf: bytes) -> bytes:
+        """What of ``buf`` is passed on (the rest kept pending): before the first content,
+        event by event up to it; after it, the plain events at once
+        (:meth:`_plain_events`), then event by event from the first that says something."""
+        if self.dialect == "openai" and not self.content_seen:
+            head = self._feed_events(buf, until_content=True)
+            if self._pending and self._has_seen_content():  # the first content came
+                rest, self._pending = self._pending, b""
+                return head + self._pass(rest)
+            return head
+        cut = self._plain_events(buf)
+        passed = self._feed_events(buf[cut:] if cut else buf)
+        return buf[:cut] + passed if cut else passed
+
+    def _has_seen_content(self) -> bool:
+        return self.content_seen
 
     def _plain_events(self, buf: bytes) -> int:
         """Where the leading complete events of ``buf`` end that go through as they are and
@@ -475,9 +489,10 @@ class SSEFilter:
         self.events += len(parts) - 1
         return cut
 
-    def _feed_events(self, buf: bytes) -> bytes:
+    def _feed_events(self, buf: bytes, *, until_content: bool = False) -> bytes:
         """:meth:`feed`'s complete events of ``buf``, read one by one: what is passed on (the
-        rest, an unfinished event, is kept pending)."""
+        rest, an unfinished event -- or, ``until_content``, what follows the first event
+        that carries content --, is kept pending)."""
         out: list[bytes] = []
         sent = 0  # buf[:sent] is decided (passed on or stripped)
         event_start = 0
@@ -510,6 +525,8 @@ class SSEFilter:
             if 0 <= probe < end:
                 probe = buf.find(_USAGE_KEY, end)
             event_start = end
+            if until_content and self.content_seen:
+                break
         out.append(buf[sent:event_start])
         self._pending = buf[event_start:]
         return b"".join(out)

@@ -1137,14 +1137,16 @@ def test_the_sse_filter_reads_usage_as_a_parse_of_every_event_would(
             usage = counts
             if stripped is None and chunk["choices"] == []:
                 stripped = event
-    sse = SSEFilter(strip_usage_chunk=True)
-    out = b"".join(sse.feed(raw[i : i + size]) for i in range(0, len(raw), size))
-    assert out + sse.finish() == (raw if stripped is None else raw.replace(stripped, b"", 1))
-    assert sse.usage == usage
-    assert sse.stripped == (stripped is not None)
-    if not raw.endswith(b"\r"):  # (a CR at the very end may be half a CRLF: still pending)
-        assert sse.events == len(events) + done
-    assert sse.done == done
+    for find_content in (False, True):  # (True: read event by event until the first content)
+        sse = SSEFilter(strip_usage_chunk=True, find_content=find_content)
+        out = b"".join(sse.feed(raw[i : i + size]) for i in range(0, len(raw), size))
+        assert out + sse.finish() == (raw if stripped is None else raw.replace(stripped, b"", 1))
+        assert sse.usage == usage
+        assert sse.stripped == (stripped is not None)
+        if not raw.endswith(b"\r"):  # (a CR at the very end may be half a CRLF: pending)
+            assert sse.events == len(events) + done
+        assert sse.done == done
+        assert sse.content_seen == (not find_content or any(c["choices"] for c in chunks))
 
 
 def test_the_model_rewrite_renames_only_model_members_with_the_served_name() -> None:
