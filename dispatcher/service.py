@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from typing import Final, TypeVar
 
@@ -38,7 +38,7 @@ from nodes.agent import serve_node_session
 from nodes.config import NodeConfig, default_node_config
 
 from . import wire
-from .admission import Admission, Candidate, PolicySnapshot
+from .admission import Admission, Candidate, CandidateKey, PolicySnapshot
 from .config import ConfigError, EdgeConfig, NodeToken
 from .errors import ShuttingDown
 from .gate.attempts import Gate
@@ -151,6 +151,11 @@ class Service:
     _idle: trio.Event = attrs.field(factory=trio.Event)
     _drain_deadline: float | None = None
     _peers: tuple[wire.EdgePeer, ...] = ()
+    _demand_keys: dict[NodeSession, DemandKeys] = attrs.field(factory=dict)
+    """Each live session's candidate keys, as its ``hello`` announced them (fixed for the
+    session): made once at its join, not again on every admission change."""
+    _affinity_anywhere: tuple[PolicySnapshot, bool] | None = None
+    """Whether the admission policy in force (the snapshot) turns affinity on anywhere."""
     shutting_down: bool = False
     """Set when what the drain left is ended (streams get their final event at once)."""
 
@@ -279,7 +284,7 @@ class Service:
                 self.admission.capacity_changed(
                     candidate.key, change.slots, change.long_context_slots
                 )
-        report_demand(self.admission, session)
+        report_demand(self.admission, session, self._keys_of(session))
 
     def peers(self) -> tuple[wire.EdgePeer, ...]:
         """The other live edges, as last read (:meth:`watch_peers`): what a node's welcome
@@ -310,7 +315,7 @@ class Service:
         while True:
             await self.admission.wait_changed()
             for session in list(self.registry.sessions.values()):
-                report_demand(self.admission, session)
+                report_demand(self.admission, session, self._keys_of(session))
 
     def on_draining(self, session: NodeSession) -> None:
         """The node said ``node.draining``: admit nothing more onto its candidates (their
@@ -321,14 +326,42 @@ class Service:
             self.admission.capacity_changed(candidate.key, 0, candidate.long_context_slots)
 
     def _node_joined(self, session: NodeSession) -> None:
-        self.admission.node_joined(candidates_for_session(session))
+        candidates = candidates_for_session(session)
+        self._demand_keys[session] = demand_keys(candidates)
+        self.admission.node_joined(candidates)
 
     def _node_left(self, session: NodeSession) -> None:
+        self._demand_keys.pop(session, None)
         self.admission.node_left(session.node_id, session.generation)
+
+    def _keys_of(self, session: NodeSession) -> DemandKeys:
+        """``session``'s candidate keys (made at its join; a session that left or has not
+        joined gets them made afresh, and not kept)."""
+        keys = self._demand_keys.get(session)
+        if keys is None:
+            keys = demand_keys(candidates_for_session(session))
+        return keys
 
     def model_aliases(self) -> Mapping[str, str]:
         """The aliases the admission policy in force names (public name -> model group)."""
         return self.admission.policy.aliases
+
+    def affinity_wanted(self, model: str) -> bool:
+        """Whether a request for ``model`` may be routed by its affinity key: its group's
+        policy, or a fallback's, turns affinity on. While no policy in force does (the
+        default), False at once: no key is made per request."""
+        snapshot = self.admission.policy
+        anywhere = self._affinity_anywhere
+        if anywhere is None or anywhere[0] is not snapshot:
+            anywhere = self._affinity_anywhere = (
+                snapshot,
+                snapshot.default.affinity
+                or any(policy.affinity for policy in snapshot.groups.values()),
+            )
+        if not anywhere[1]:
+            return False
+        groups = (model, *self.gate.policy_for(model).fallbacks)
+        return any(snapshot.policy_for(snapshot.resolve(group)).affinity for group in groups)
 
     def metric_model_label(self, model: str) -> str:
         """``model`` if it names a served or configured group, else "unknown" (clients must not
@@ -642,20 +675,31 @@ async def open_service_of(
             nursery.cancel_scope.cancel(reason="dispatcher closed")
 
 
-def report_demand(admission: Admission, session: NodeSession) -> None:
-    """Post ``demand`` to the node for each of its candidates whose report changed: the
-    requests waiting, or the grant applied (the node waits for it to trust a smaller one),
-    or the slots held when they are beyond the grant or come back to it (within its grant
-    the node counts this edge's runs itself: no report per request)."""
+DemandKeys = tuple[tuple[CandidateKey, tuple[str, str]], ...]
+"""A session's candidates as :func:`report_demand` reads them: each key, and the (provider,
+model) its ``demand`` names."""
+
+
+def demand_keys(candidates: Iterable[Candidate]) -> DemandKeys:
+    return tuple(
+        (candidate.key, (candidate.provider_id, candidate.model)) for candidate in candidates
+    )
+
+
+def report_demand(admission: Admission, session: NodeSession, keys: DemandKeys) -> None:
+    """Post ``demand`` to the node for each of its candidates (``keys``: the session's,
+    :func:`demand_keys`) whose report changed: the requests waiting, or the grant applied
+    (the node waits for it to trust a smaller one), or the slots held when they are beyond
+    the grant or come back to it (within its grant the node counts this edge's runs itself:
+    no report per request)."""
     if session.closed_reason is not None or session.draining:
         return
     serial = session.grant_serial
-    for candidate in candidates_for_session(session):
-        now = admission.demand(candidate.key)
+    for key, where in keys:
+        now = admission.demand(key)
         if now is None:
             continue
         waiting, held, slots = now
-        where = (candidate.provider_id, candidate.model)
         # Nothing said yet is "nothing waits, nothing beyond the hello's grant".
         was_waiting, was_held, was_serial = session.demand_sent.get(where, (0, 0, 0))
         if (
@@ -667,8 +711,8 @@ def report_demand(admission: Admission, session: NodeSession) -> None:
         session.demand_sent[where] = (waiting, held, serial)
         session.post(
             wire.Demand(
-                provider_id=candidate.provider_id,
-                model=candidate.model,
+                provider_id=where[0],
+                model=where[1],
                 waiting=waiting,
                 in_use=held,
                 serial=serial,

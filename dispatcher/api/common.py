@@ -304,6 +304,7 @@ class ModelCall:
         run_route: wire.RouteName = "chat",
         tunnel_body: dict[str, Any] | None = None,
         affinity_key: str | None = None,
+        affinity: Callable[[], str | None] | None = None,
     ) -> GateRequest:
         """The gate's view of the request (``body`` already parsed and validated), which a
         tunnel attempt relays as the client sent it (``tunnel_body`` instead, when the route
@@ -311,7 +312,9 @@ class ModelCall:
         natively; or, with ``raw_body``, as the bytes it gives for the served model name:
         ``TunnelCall.raw_body``) and a normalized attempt runs as ``run_route`` (what ``body``
         is: a chat body, or an embeddings body); the counted request learns its model label and
-        then follows the gate's result.
+        then follows the gate's result. ``affinity`` makes the request's affinity key, called
+        only when affinity may route it (:meth:`EdgeServices.affinity_wanted`);
+        ``affinity_key`` is one made already.
 
         The one check of the client's tenant, before the gate (so a recovery attempt is
         never a second request): a model it may not use is a 404, a limit it is over a 429;
@@ -329,6 +332,12 @@ class ModelCall:
             tenancy.ticket = ticket = await tenancy.held.enter_async_context(
                 self.edge.tenants.admitted(ctx.request_id, ctx.tenant, body["model"], body)
             )
+        if (
+            affinity_key is None
+            and affinity is not None
+            and self.edge.affinity_wanted(body["model"])
+        ):
+            affinity_key = affinity()  # made only where affinity may route the request
         session = request.header(b"x-session-id")
         gated = GateRequest(
             request_id=ctx.request_id,

@@ -127,6 +127,11 @@ class EdgeServices(Protocol):
         """A model name safe as a metric label (served or configured, else "unknown")."""
         ...
 
+    def affinity_wanted(self, model: str) -> bool:
+        """Whether a request for ``model`` may be routed by its affinity key: affinity is on
+        for the model's group or one of its fallbacks (else no key is made for it)."""
+        ...
+
     async def reload_cluster(self) -> tuple[tuple[str, ...], int]:
         """:meth:`reload_config`, then ask every other edge sharing this edge's Redis to
         reload its own file; returns what was not applied here and how many edges were told.

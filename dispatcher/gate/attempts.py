@@ -33,9 +33,10 @@ then the rest.
 
 The loop (:meth:`Gate.open`) enters each attempt as one block (``Gate._attempt``: its
 request deadline, its ``pool.open``, its usage row, nested) on the request's ``_Committed``
-(an exit stack of one block); an attempt that fails before its commit point leaves its
-block as it raises, so it holds only the one that committed, and the gate yields its
-answer once, after the loop, so the caller's block runs inside its scopes. Every dispatched
+(the block ``Gate.open`` returns: an exit stack of one block, no generator); an attempt
+that fails before its commit point leaves its block as it raises, so it holds only the one
+that committed, and the gate's block enters with its answer once, after the loop, so the
+caller's block runs inside its scopes. Every dispatched
 attempt (its run or tunnel request was sent) gets exactly one usage row when its scopes end,
 however they end (:mod:`dispatcher.gate.accounting`). The decisions -- retry or not, how a scope
 ended, the row's outcome, the candidate's health -- are pure functions in
@@ -368,14 +369,19 @@ class TunnelAnswer(_Answer[TunnelAttempt]):
 
 
 class _Committed:
-    """The committed attempt's block, held for the rest of the request: what an
-    :class:`~contextlib.AsyncExitStack` is for one block, without its deque of callbacks (a
-    held stream keeps one of these). ``enter`` keeps a block only once it entered: one that
-    raises from its ``__aenter__`` has left already."""
+    """The block of :meth:`Gate.open`: entering it makes the attempts (the gate's loop), and
+    it holds the committed attempt's block for the rest of the request -- what an
+    :class:`~contextlib.AsyncExitStack` is for one block, without its deque of callbacks,
+    and without a generator around it (a held stream keeps one of these, not a suspended
+    frame). ``enter`` keeps a block only once it entered: one that raises from its
+    ``__aenter__`` has left already; when no attempt commits, nothing is held and the
+    request's error is raised from ``__aenter__``."""
 
-    __slots__ = ("_block",)
+    __slots__ = ("_block", "_gate", "_request")
 
-    def __init__(self) -> None:
+    def __init__(self, gate: Gate, request: GateRequest) -> None:
+        self._gate = gate
+        self._request = request
         self._block: AbstractAsyncContextManager[Answer | TunnelAnswer] | None = None
 
     async def enter(
@@ -387,8 +393,8 @@ class _Committed:
         self._block = block
         return answer
 
-    async def __aenter__(self) -> _Committed:
-        return self
+    async def __aenter__(self) -> Answer | TunnelAnswer:
+        return await self._gate._until_committed(self._request, self)
 
     async def __aexit__(
         self,
@@ -468,12 +474,10 @@ class Gate:
     def settle_timeout(self, seconds: float) -> None:
         self.accounting.settle_timeout = seconds
 
-    @asynccontextmanager
-    async def open(self, request: GateRequest) -> AsyncIterator[Answer | TunnelAnswer]:
+    def open(self, request: GateRequest) -> AbstractAsyncContextManager[Answer | TunnelAnswer]:
         """Make attempts until one commits and yield its answer, inside that attempt's
         scopes; raise the request's error when none does."""
-        async with _Committed() as committed:
-            yield await self._until_committed(request, committed)
+        return _Committed(self, request)
 
     async def _until_committed(
         self, request: GateRequest, committed: _Committed

@@ -141,8 +141,16 @@ class Pool:
             if self.on_admitted is not None:
                 self.on_admitted(candidate.model, slot.request_class, slot.queue_wait)
             if candidate.path == "tunnel":
-                async with self._tunnel(request, slot) as dispatch:
-                    yield dispatch
+                # the tunnel's path in this block (no generator of its own per request)
+                if self.open_tunnel is None:
+                    raise TunnelUnavailable(
+                        f"{candidate.label} serves {request.model!r} through a tunnel, "
+                        "which this edge cannot open yet"
+                    )
+                if self.prepare_tunnel is not None:
+                    request = await self.prepare_tunnel(candidate, request)
+                async with self.open_tunnel(slot) as tunnel:
+                    yield Dispatch(self._result(request, slot, None), tunnel=tunnel)
                 return
             spec = RunSpec(
                 model=candidate.model, body=request.body, needs=needs, route=request.run_route
@@ -152,18 +160,6 @@ class Pool:
                 spec = await prepare(candidate, spec)
             async with self.runs.open_on_slot(spec, slot) as run:
                 yield Dispatch(self._result(request, slot, run.run_id), run=run)
-
-    @asynccontextmanager
-    async def _tunnel(self, request: DispatchRequest, slot: Slot) -> AsyncIterator[Dispatch]:
-        if self.open_tunnel is None:
-            raise TunnelUnavailable(
-                f"{slot.candidate.label} serves {request.model!r} through a tunnel, "
-                "which this edge cannot open yet"
-            )
-        if self.prepare_tunnel is not None:
-            request = await self.prepare_tunnel(slot.candidate, request)
-        async with self.open_tunnel(slot) as tunnel:
-            yield Dispatch(self._result(request, slot, None), tunnel=tunnel)
 
     @staticmethod
     def _result(request: DispatchRequest, slot: Slot, run_id: str | None) -> DispatchResult:

@@ -146,6 +146,9 @@ class Tunnel(Lease):
     _owner: Tunnels
     _unreported: int = 0
     """Body bytes consumed and not yet granted back to the node."""
+    _end_told: bool = False
+    """The last piece :meth:`receive_some` returned came after the end had arrived (its
+    checkpoint counts for telling the end)."""
     usage_recorded: bool = False
     usage: wire.Usage | None = None
     """The last usage reported with :meth:`on_usage` (``estimated`` when the edge estimated
@@ -227,26 +230,35 @@ class Tunnel(Lease):
         """The response's status and headers. Raises :class:`TunnelFailed` if the tunnel
         ended before its response started."""
         route = self._route
-        while route.start is None and route.end is None:
-            await route.wait()
+        if route.start is None and route.end is None:
+            # parked until it came: that wait is the checkpoint
+            while route.start is None and route.end is None:
+                await route.wait()
+        else:
+            await trio.lowlevel.checkpoint()
         if route.start is None:
             assert route.end is not None
             raise self._failure(route.end, "before the response started")
-        await trio.lowlevel.checkpoint()
         return route.start
 
     async def receive_some(self) -> bytes:
         """Every body byte buffered now, as one piece (waiting for some when there are
         none); ``b""`` at the clean end. At an abnormal end, what arrived before it is
-        delivered first, then :class:`TunnelFailed` is raised."""
+        delivered first, then :class:`TunnelFailed` is raised.
+
+        One pass through the scheduler per piece: a wait for it, else a checkpoint; the
+        end that had arrived with the last piece is told without another."""
         route = self._route
+        waited = not route.chunks and route.end is None
         while not route.chunks and route.end is None:
             await route.wait()
         if route.chunks:
             data = route.take()
-            await self._consumed(len(data))
+            await self._consumed(len(data), checkpoint=not waited)
+            self._end_told = route.end is not None  # (nothing can come after the end)
             return data
-        await trio.lowlevel.checkpoint()
+        if not (waited or self._end_told):
+            await trio.lowlevel.checkpoint()
         end = route.end
         assert end is not None
         if end.error is not None:
@@ -264,17 +276,21 @@ class Tunnel(Lease):
                 self, usage.prompt_tokens, usage.completion_tokens, not usage.estimated
             )
 
-    async def _consumed(self, size: int) -> None:
+    async def _consumed(self, size: int, *, checkpoint: bool = True) -> None:
+        """``size`` bytes were taken: the node gets its credit back a step at a time. A
+        checkpoint unless ``checkpoint`` is False (the caller parked already)."""
         self._unreported += size
         if self._unreported < self._owner.credit_step or self.finished:
-            await trio.lowlevel.checkpoint()
+            if checkpoint:
+                await trio.lowlevel.checkpoint()
             return
         grant, self._unreported = self._unreported, 0
         # Granted before the send: the node may answer with data before the send returns.
         self._route.outstanding += grant
         # Posted: dropped if the session is over (the route is failed by the registry).
         self.session.post(wire.TunnelCredit(tunnel_id=self.tunnel_id, bytes=grant))
-        await trio.lowlevel.checkpoint()
+        if checkpoint:
+            await trio.lowlevel.checkpoint()
 
     def _failure(self, end: wire.TunnelEnd, when: str) -> TunnelFailed:
         where = f"{self.candidate.label}"

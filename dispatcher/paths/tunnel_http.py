@@ -440,6 +440,59 @@ class SSEFilter:
 
     def feed(self, data: bytes) -> bytes:
         buf = self._pending + data if self._pending else data
+        passed = self._pass(buf)
+        if len(self._pending) > MAX_SSE_EVENT:
+            passed += self._pending
+            self._pending = b""
+            self._skip_next = True
+            self.content_seen = True  # an event this large is output, whatever it holds
+        return self._rewrite(passed) if self._rewrite is not None and passed else passed
+
+    def _pass(self, buf: bytes) -> bytes:
+        """What of ``buf`` is passed on (the rest kept pending): before the first content,
+        event by event up to it; after it, the plain events at once
+        (:meth:`_plain_events`), then event by event from the first that says something."""
+        if self.dialect == "openai" and not self.content_seen:
+            head = self._feed_events(buf, until_content=True)
+            if self._pending and self._has_seen_content():  # the first content came
+                rest, self._pending = self._pending, b""
+                return head + self._pass(rest)
+            return head
+        cut = self._plain_events(buf)
+        passed = self._feed_events(buf[cut:] if cut else buf)
+        return buf[:cut] + passed if cut else passed
+
+    def _has_seen_content(self) -> bool:
+        return self.content_seen
+
+    def _plain_events(self, buf: bytes) -> int:
+        """Where the leading complete events of ``buf`` end that go through as they are and
+        say nothing the filter notes -- in an OpenAI stream after its first content, the
+        events before the first ``[DONE]`` and the first ``"usage"`` that is not a null one
+        (the stream's chunks but its last) --, found by scanning the bytes, not event by event
+        (0: none; the rest is read one by one)."""
+        if self.dialect != "openai" or not self.content_seen or self._skip_next:
+            return 0
+        stop = len(buf)
+        for found in (
+            buf.find(_DONE_EVENT),
+            buf.find(_DONE_EVENT_NO_SPACE),
+            -1 if (live := _LIVE_USAGE.search(buf)) is None else live.start(),
+        ):
+            if 0 <= found < stop:
+                stop = found
+        # (``stop`` is inside an event: the boundaries before it are whole in buf[:stop])
+        parts = _SSE_BOUNDARY.split(buf[:stop] if stop < len(buf) else buf)
+        cut = stop - len(parts[-1])
+        if cut == len(buf) and buf[-1:] == b"\r":
+            return 0  # a CR at the very end may be the first half of a CRLF
+        self.events += len(parts) - 1
+        return cut
+
+    def _feed_events(self, buf: bytes, *, until_content: bool = False) -> bytes:
+        """:meth:`feed`'s complete events of ``buf``, read one by one: what is passed on (the
+        rest, an unfinished event -- or, ``until_content``, what follows the first event
+        that carries content --, is kept pending)."""
         out: list[bytes] = []
         sent = 0  # buf[:sent] is decided (passed on or stripped)
         event_start = 0
@@ -463,7 +516,7 @@ class SSEFilter:
                 self.done = True
             if self._skip_next:
                 self._skip_next = False
-            elif 0 <= probe < end:
+            elif 0 <= probe < end and _usage_given(buf, probe, end):
                 if self._inspect(buf[event_start:end]):
                     out.append(buf[sent:event_start])
                     sent = end
@@ -472,15 +525,11 @@ class SSEFilter:
             if 0 <= probe < end:
                 probe = buf.find(_USAGE_KEY, end)
             event_start = end
+            if until_content and self.content_seen:
+                break
         out.append(buf[sent:event_start])
         self._pending = buf[event_start:]
-        if len(self._pending) > MAX_SSE_EVENT:
-            out.append(self._pending)
-            self._pending = b""
-            self._skip_next = True
-            self.content_seen = True  # an event this large is output, whatever it holds
-        passed = b"".join(out)
-        return self._rewrite(passed) if self._rewrite is not None and passed else passed
+        return b"".join(out)
 
     def finish(self) -> bytes:
         """What is left: an unfinished last event, passed on as it is."""
@@ -681,6 +730,31 @@ def _responses_content(value: dict[str, Any]) -> bool:
     if item_type == "reasoning":
         return bool(item.get("summary") or item.get("content"))
     return True
+
+
+_JSON_SPACE: Final = b" \t\r\n"
+_LIVE_USAGE: Final = re.compile(rb'"usage"(?![ \t\r\n]*:[ \t\r\n]*null)')
+"""A ``"usage"`` that is not a member whose value is null."""
+
+
+def _usage_given(buf: bytes, at: int, end: int) -> bool:
+    """Whether ``buf[at:end]`` (``at``: where ``"usage"`` first occurs in it) may give a
+    usage: a ``"usage"`` member whose value is not ``null``. OpenAI's chunks carry
+    ``"usage":null`` on every event of a stream that asked for the usage (and the usage
+    only on the last): those are passed on without parsing their JSON. (A ``"usage"`` that
+    is not followed by a colon is a string, not a member.)"""
+    while 0 <= at < end:
+        colon = at + len(_USAGE_KEY)
+        while colon < end and buf[colon] in _JSON_SPACE:
+            colon += 1
+        if colon < end and buf[colon] == 0x3A:  # ':'
+            value = colon + 1
+            while value < end and buf[value] in _JSON_SPACE:
+                value += 1
+            if not buf.startswith(b"null", value, end):
+                return True
+        at = buf.find(_USAGE_KEY, colon, end)
+    return False
 
 
 def _event_json(event: bytes) -> object:

@@ -27,6 +27,7 @@ import attrs
 import trio
 
 from ..admission import UnknownModel
+from ..config import Limits
 from ..errors import QuotaExceeded, RateLimited, StoreUnavailable, TokenRateLimited
 from ..shared.tokens import estimate_prompt_tokens
 from ..store.seam import (
@@ -68,6 +69,16 @@ def expected_output_tokens(body: dict[str, Any]) -> int:
         if type(value) is int and value > 0:
             return value
     return 0
+
+
+def _limits_tokens(limits: Limits) -> bool:
+    """Whether ``limits`` counts a request's tokens (a tokens-per-minute limit or a token
+    budget): only then is its estimate reserved."""
+    return (
+        limits.tpm is not None
+        or limits.budget_tokens_day is not None
+        or limits.budget_tokens_month is not None
+    )
 
 
 def request_estimate(body: dict[str, Any]) -> int:
@@ -159,14 +170,14 @@ class Tenants:
         tenant = policy.current(tenant)
         if not tenant.allows(model):
             raise UnknownModel(f"model {model!r} does not exist")
-        estimate = request_estimate(body)
-        hold = Hold(
-            request_id,
-            tenant.id,
-            tenant.limits,
-            estimate,
-            policy.prices.cost((model,), estimate, 0),
-        )
+        limits = tenant.limits
+        # Nothing computed for a limit the key does not have: the estimate counts only
+        # against a token limit or budget, its price only against a USD budget.
+        tokens = _limits_tokens(limits)
+        dollars = limits.budget_usd_day is not None or limits.budget_usd_month is not None
+        estimate = request_estimate(body) if tokens or dollars else 0
+        usd = policy.prices.cost((model,), estimate, 0) if dollars else 0.0
+        hold = Hold(request_id, tenant.id, limits, estimate if tokens else 0, usd)
         decision = await self.limits.admit(hold)
         if isinstance(decision, Refusal):
             raise refusal_error(decision)

@@ -15,6 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dispatcher.admission import Needs, needs_from_body
+from dispatcher.api import anthropic as anthropic_front
+from dispatcher.api import openai as openai_front
+from dispatcher.api import responses as responses_front
 from dispatcher.api.affinity import (
     RAW_PREFIX_CHARS,
     affinity_key,
@@ -231,18 +234,78 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[Needs]:
     return seen
 
 
-@pytest.fixture
-async def edge_url(nursery: trio.Nursery) -> AsyncIterator[str]:
-    config = EdgeConfig(
-        port=0,
-        http=HTTPSettings(max_body_size=64 * 1024, shutdown_grace=5),
-        nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),
-    )
+async def _edge_url(nursery: trio.Nursery, config: EdgeConfig) -> AsyncIterator[str]:
     async with open_dispatcher(config) as dispatcher:
         await dispatcher.attach_local_node()
         server = await nursery.start(dispatcher.serve)
         yield f"http://127.0.0.1:{server.address.port}"
         server.shutdown()
+
+
+def _config(**fields: Any) -> EdgeConfig:
+    return EdgeConfig(
+        port=0,
+        http=HTTPSettings(max_body_size=64 * 1024, shutdown_grace=5),
+        nodes=NodeSettings(heartbeat_interval=1, heartbeat_timeout=5),
+        **fields,
+    )
+
+
+@pytest.fixture
+async def edge_url(nursery: trio.Nursery) -> AsyncIterator[str]:
+    """An edge with affinity on (``[admission] affinity``): every request's key is made."""
+    async for url in _edge_url(nursery, _config(admission=QueuePolicySettings(affinity=True))):
+        yield url
+
+
+KEYED = {
+    "model": "echo",
+    "prompt_cache_key": "conversation-7",
+    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+}
+
+
+async def test_with_affinity_off_no_key_is_made(
+    nursery: trio.Nursery, recorded: list[Needs], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Affinity off (the default) for the model and its fallbacks: no key is made for a
+    request, whatever key it carries (nothing computed for what cannot route it); on for a
+    fallback only, the key is made (the fallback may serve the request)."""
+    made: list[str | None] = []
+    real = affinity_key
+
+    def counting(*args: Any) -> str | None:
+        key = real(*args)
+        made.append(key)
+        return key
+
+    for module in (openai_front, responses_front, anthropic_front):
+        monkeypatch.setattr(module, "affinity_key", counting)
+    async for url in _edge_url(nursery, _config()):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            answer = await client.post(
+                "/v1/chat/completions", json=KEYED, headers={"x-session-affinity": "c-7"}
+            )
+            assert answer.status_code == 200, answer.text
+            answer = await client.post(
+                "/v1/responses", json={"model": "echo", "input": "hi", "prompt_cache_key": "k"}
+            )
+            assert answer.status_code == 200, answer.text
+    assert made == []
+    assert [needs.affinity_key for needs in recorded] == [None, None]
+    fallback_on = _config(
+        models={
+            "echo": QueuePolicySettings(fallbacks=("spare",)),
+            "spare": QueuePolicySettings(affinity=True),
+        }
+    )
+    async for url in _edge_url(nursery, fallback_on):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            answer = await client.post("/v1/chat/completions", json=KEYED)
+            assert answer.status_code == 200, answer.text
+    expected = client_affinity_key((), {"prompt_cache_key": "conversation-7"})
+    assert made == [expected]
+    assert recorded[-1].affinity_key == expected
 
 
 SYSTEM = "You answer in one word."

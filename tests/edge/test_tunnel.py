@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import json
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -23,6 +24,8 @@ import openai
 import orjson
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dispatcher import wire
 from dispatcher.config import EdgeConfig, NodeSettings
@@ -41,6 +44,7 @@ from dispatcher.paths.tunnel_http import (
     SSEFilter,
     upstream_body,
     upstream_headers,
+    usage_of,
 )
 from dispatcher.shared.transport import Connection, ConnectionClosed, RawFrame
 from nodes.agent import dial_edge, serve_node
@@ -1080,6 +1084,69 @@ async def test_sse_filter_passes_bytes_through_in_any_split() -> None:
         assert out + keep.finish() == raw
         assert keep.usage == wire.Usage(prompt_tokens=3, completion_tokens=2)
     await trio.lowlevel.checkpoint()
+
+
+_USAGES = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {"prompt_tokens": st.integers(0, 99), "completion_tokens": st.integers(0, 99)}
+    ),
+)
+_CHUNKS = st.fixed_dictionaries(
+    {"choices": st.sampled_from([[], [{"delta": {"content": "usage"}}], [{"text": '"usage"'}]])},
+    optional={"usage": _USAGES, "note": st.just("usage")},
+)
+
+
+@given(
+    chunks=st.lists(_CHUNKS, max_size=6),
+    spaced=st.lists(st.booleans(), min_size=6, max_size=6),
+    ends=st.lists(
+        st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n"]), min_size=6, max_size=6
+    ),
+    done=st.booleans(),
+    size=st.integers(1, 80),
+)
+def test_the_sse_filter_reads_usage_as_a_parse_of_every_event_would(
+    chunks: list[dict[str, Any]],
+    spaced: list[bool],
+    ends: list[bytes],
+    done: bool,
+    size: int,
+) -> None:
+    """Events whose ``"usage"`` is null (OpenAI's every chunk but the last, spaced or not) or
+    only a string are passed without parsing their JSON (pieces of such events without
+    reading them one by one): the usage noted, the chunk stripped, the events counted, the
+    end seen and the bytes passed on are what parsing every event gives."""
+    events = [
+        b"data: "
+        + (
+            # JSON's blanks (an SSE data line holds no newline): around colons and commas
+            json.dumps(chunk, separators=(" , ", " :\t ")).encode()
+            if spaced[i]
+            else orjson.dumps(chunk)
+        )
+        + ends[i]
+        for i, chunk in enumerate(chunks)
+    ]
+    raw = b"".join(events) + (b"data: [DONE]\n\n" if done else b"")
+    usage, stripped = None, None
+    for event, chunk in zip(events, chunks, strict=True):
+        counts = usage_of(chunk)
+        if counts is not None:
+            usage = counts
+            if stripped is None and chunk["choices"] == []:
+                stripped = event
+    for find_content in (False, True):  # (True: read event by event until the first content)
+        sse = SSEFilter(strip_usage_chunk=True, find_content=find_content)
+        out = b"".join(sse.feed(raw[i : i + size]) for i in range(0, len(raw), size))
+        assert out + sse.finish() == (raw if stripped is None else raw.replace(stripped, b"", 1))
+        assert sse.usage == usage
+        assert sse.stripped == (stripped is not None)
+        if not raw.endswith(b"\r"):  # (a CR at the very end may be half a CRLF: pending)
+            assert sse.events == len(events) + done
+        assert sse.done == done
+        assert sse.content_seen == (not find_content or any(c["choices"] for c in chunks))
 
 
 def test_the_model_rewrite_renames_only_model_members_with_the_served_name() -> None:

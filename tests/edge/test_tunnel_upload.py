@@ -221,6 +221,7 @@ async def test_a_json_body_too_long_for_one_frame_goes_as_body_frames(
                         method="POST", path="/v1/embeddings", body=body
                     )
                     await dispatch.tunnel.start()
+                    assert await dispatch.tunnel.receive_some() == b""  # the end came
 
             nursery.start_soon(client)
             with trio.fail_after(10):

@@ -22,6 +22,7 @@ the commit). A tunnel provider that does not declare ``messages`` is never chose
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Final
 
@@ -154,7 +155,7 @@ async def messages(call: ModelCall, responder: Responder) -> str:
         predicate=MESSAGES_PREDICATE,
         prepare=fit_effort(chat),
         tunnel_body=parsed.body,
-        affinity_key=affinity_key(call.request.headers, parsed.body, chat),
+        affinity=functools.partial(affinity_key, call.request.headers, parsed.body, chat),
     )
     estimate = count_input_tokens(parsed.body)
     async with call.edge.gate.open(gated) as answer:

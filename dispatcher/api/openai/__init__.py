@@ -17,6 +17,7 @@ silent clean end.
 
 from __future__ import annotations
 
+import functools
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
@@ -65,7 +66,7 @@ async def chat_completions(call: ModelCall, responder: Responder) -> str:
         chat.body,
         stream=chat.stream,
         predicate=serving("chat"),
-        affinity_key=affinity_key(call.request.headers, chat.body),
+        affinity=functools.partial(affinity_key, call.request.headers, chat.body),
     )
     return await _chat(call.edge, chat, gated, responder, call.ctx)
 
@@ -149,7 +150,7 @@ async def tunnel_route(call: ModelCall, responder: Responder) -> str:
         body,
         stream=stream,
         predicate=both(serving("completions"), tunnel_only(route)),
-        affinity_key=affinity_key(call.request.headers, body),
+        affinity=functools.partial(affinity_key, call.request.headers, body),
     )
     async with call.edge.gate.open(gated) as answer:
         assert isinstance(answer, TunnelAnswer), "the predicate admits tunnels only"

@@ -28,6 +28,7 @@ count, bytes and age), reached through the seam (``EdgeServices.response_store``
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
@@ -186,7 +187,7 @@ def _create_route(store_of: StoreOf) -> Route:
             predicate=RESPONSES_PREDICATE if previous is None else CHAINED_PREDICATE,
             prepare=fit_effort(chat),
             tunnel_body=request.body,
-            affinity_key=affinity_key(call.request.headers, request.body, chat),
+            affinity=functools.partial(affinity_key, call.request.headers, request.body, chat),
         )
         turn = Turn(request, previous)
 
