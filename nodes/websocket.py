@@ -24,9 +24,14 @@ order handed in, and one task at a time writes the socket: a send made while a w
 flight queues its bytes behind it and waits, and the writer, when its write is done, writes
 everything queued meanwhile in **one** socket write. :meth:`WebSocketClient.send_many`
 hands several frames in at once (one write). A send cancelled while it waits still has its
-frame written (it was queued in order: taking it back could split the stream); a write
-cancelled or failing part-way leaves the framing broken, so the connection is closed at once
-and every send after raises ``ConnectionClosed``.
+frame written (it was queued in order: taking it back could split the stream). On a TCP
+stream (``trio.SocketStream``) the writer sends through the socket itself, whose every send
+either sends some bytes or is cancelled having sent none: a writer cancelled mid-write puts
+what it has not sent back at the head of the queue, and the next send (or a sender waiting
+behind it, woken to take over) writes it -- the framing stays whole and the connection open,
+as a cancelled write was harmless with trio-websocket. On any other stream (TLS, memory) a
+write cancelled part-way, and on every stream a write that fails, leaves the framing broken,
+so the connection is closed at once and every send after raises ``ConnectionClosed``.
 
 :meth:`WebSocketClient.aclose` starts the closing handshake (our close frame goes after every
 frame queued before it; sends after it raise ``ConnectionClosed``) and waits for the edge's
@@ -137,6 +142,10 @@ class WebSocketClient:
         self._flushed = trio.lowlevel.ParkingLot()
         self._broken: str | None = None
         """Why the stream can carry nothing more (a write failed or was cut part-way)."""
+        self._socket: trio.socket.SocketType | None = (
+            stream.socket if isinstance(stream, trio.SocketStream) else None
+        )
+        """A TCP stream's socket: written directly, so a cancelled write is taken back."""
 
     # --- the Connection ---------------------------------------------------------------
 
@@ -232,12 +241,17 @@ class WebSocketClient:
 
     async def _flush(self) -> None:
         """Write what is queued, as one write, until nothing is; every waiter whose bytes
-        went out is woken. Cancelled or failing part-way: the connection is broken."""
+        went out is woken. Cancelled on a TCP stream: what was not sent goes back to the
+        head of the queue (a waiter takes over). Else, cancelled or failing part-way: the
+        connection is broken."""
         self._writing = True
         try:
             while self._outgoing and self._broken is None:
                 data = bytes(self._outgoing)
                 self._outgoing.clear()
+                if self._socket is not None:
+                    await self._send_on_socket(self._socket, data)
+                    continue
                 try:
                     await self._stream.send_all(data)
                 except BaseException as exc:
@@ -250,8 +264,31 @@ class WebSocketClient:
                 self._flushed.unpark_all()
         finally:
             self._writing = False
+            # A writer leaving with bytes queued (cancelled): a sender waiting behind it
+            # takes over the writing.
+            self._flushed.unpark_all()
         if self._broken is not None:
             raise self._closed_error()
+
+    async def _send_on_socket(self, sock: trio.socket.SocketType, data: bytes) -> None:
+        """Write ``data`` on the TCP socket. Each ``sock.send`` sends some bytes or, cancelled,
+        none: cancelled, the unsent rest goes back to the head of the queue (in order, before
+        what was handed in meanwhile) and the cancellation goes on; a failure breaks the
+        connection."""
+        view = memoryview(data)
+        sent = 0
+        try:
+            while sent < len(data):
+                n = await sock.send(view[sent:])
+                sent += n
+                self._written += n
+        except trio.Cancelled:
+            self._outgoing[0:0] = data[sent:]
+            raise
+        except (OSError, trio.ClosedResourceError) as exc:
+            self._lost(f"a write failed: {type(exc).__name__}")
+            raise self._closed_error() from exc
+        self._flushed.unpark_all()
 
     async def _read_loop(self) -> None:
         """The reader task: until the close handshake is over or the stream is gone."""

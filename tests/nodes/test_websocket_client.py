@@ -330,3 +330,66 @@ async def test_a_lost_connection_fails_receive_and_send() -> None:
         assert closed.value.code == 1006
         with pytest.raises(ConnectionClosed):
             await ws.send("into the void")
+
+
+@asynccontextmanager
+async def connected_over_tcp() -> AsyncIterator[tuple[WebSocketClient, Edge]]:
+    """The client over a real TCP connection on 127.0.0.1 (the node's case)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listeners[0], trio.open_nursery() as nursery:
+        client_end = await trio.testing.open_stream_to_socket_listener(listeners[0])
+        server_end = await listeners[0].accept()
+        async with client_end, server_end:
+            edge = Edge(server_end)
+            nursery.start_soon(edge.accept)
+            proto = await handshake(client_end, "127.0.0.1", "/v1/nodes/connect")
+            async with open_websocket(
+                client_end,
+                proto,
+                max_message_size=1 << 20,
+                queue_size=16,
+                close_timeout=1.0,
+                cancelled_close_timeout=0.1,
+            ) as ws:
+                yield ws, edge
+
+
+async def whole_message(edge: Edge) -> str:
+    """The next text message, its pieces joined (wsproto hands a large one over in pieces)."""
+    parts: list[str] = []
+    while True:
+        event = await edge.next_event()
+        assert isinstance(event, TextMessage), event
+        parts.append(event.data)
+        if event.message_finished:
+            return "".join(parts)
+
+
+async def test_a_write_cancelled_part_way_on_tcp_keeps_the_connection_and_the_framing() -> None:
+    """The cluster soak's failure: a run's task cancelled (its client left) while it was the
+    writer closed the node's whole session ("a write failed: Cancelled"). On TCP the unsent
+    rest goes back to the head of the queue: the frame arrives whole, and later ones after it."""
+    big = "x" * (16 << 20)  # far more than the socket buffers: the write blocks part-way
+    async with connected_over_tcp() as (ws, edge):
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def cancel_when_blocked() -> None:
+                    await trio.testing.wait_all_tasks_blocked()
+                    scope.cancel()
+
+                nursery.start_soon(cancel_when_blocked)
+                await ws.send(big)
+        assert scope.cancelled_caught
+        # not broken: the next send writes the rest, then itself
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws.send, "after")
+            assert await whole_message(edge) == big
+            assert await whole_message(edge) == "after"
+        # and a write cancelled before it started sends nothing of it, and breaks nothing
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await ws.send("never started")
+        await ws.send("next")
+        assert await whole_message(edge) == "next"
+        await edge.send(CloseConnection(code=1000))
