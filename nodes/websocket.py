@@ -254,11 +254,12 @@ class WebSocketClient:
                     continue
                 try:
                     await self._stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._lost(f"a write failed: {type(exc).__name__}")
+                    raise self._closed_error() from exc
                 except BaseException as exc:
                     # Part of it may have been written: nothing can follow it on this stream.
                     self._lost(f"a write failed: {type(exc).__name__}")
-                    if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError):
-                        raise self._closed_error() from exc
                     raise
                 self._written += len(data)
                 self._flushed.unpark_all()
