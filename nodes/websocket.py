@@ -265,9 +265,10 @@ class WebSocketClient:
                 self._flushed.unpark_all()
         finally:
             self._writing = False
-            # A writer leaving with bytes queued (cancelled): a sender waiting behind it
-            # takes over the writing.
-            self._flushed.unpark_all()
+            if self._outgoing:
+                # A writer leaving with bytes queued (cancelled): a sender waiting behind it
+                # takes over the writing.
+                self._flushed.unpark_all()
         if self._broken is not None:
             raise self._closed_error()
 

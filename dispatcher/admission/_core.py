@@ -76,7 +76,7 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias, TypeVar
 
 import attrs
 
@@ -405,6 +405,19 @@ class _Group:
         found = [w for queue in self.queues.values() for w in queue.waiters()]
         found.sort(key=lambda w: w.order)
         return found
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _remember(memory: OrderedDict[_K, _V], key: _K, value: _V, limit: int) -> None:
+    """``memory[key] = value`` as its most recent entry; beyond ``limit`` entries the least
+    recent is forgotten."""
+    memory[key] = value
+    memory.move_to_end(key)
+    if len(memory) > limit:
+        memory.popitem(last=False)
 
 
 # --------------------------------------------------------------------------- the core
@@ -1076,11 +1089,9 @@ class AdmissionCore:
         if group.policy.affinity:
             group.affinity[self._affinity_result(waiter, state)] += 1
             if waiter.affinity is not None:
-                placement = (group.name, waiter.affinity)
-                self._placements[placement] = state.seed
-                self._placements.move_to_end(placement)
-                if len(self._placements) > PLACEMENT_MEMORY:
-                    self._placements.popitem(last=False)
+                _remember(
+                    self._placements, (group.name, waiter.affinity), state.seed, PLACEMENT_MEMORY
+                )
         slot = _Slot(id=next(self._slot_ids), state=state, klass=waiter.klass)
         self._slots[slot.id] = slot
         state.slot_ids.add(slot.id)
@@ -1092,11 +1103,9 @@ class AdmissionCore:
                 health.probe = slot.id
         session = waiter.needs.session_id
         if session is not None:
-            key = (waiter.group.name, session)
-            self._sessions[key] = state.candidate.node_id
-            self._sessions.move_to_end(key)
-            if len(self._sessions) > SESSION_MEMORY:
-                self._sessions.popitem(last=False)
+            _remember(
+                self._sessions, (group.name, session), state.candidate.node_id, SESSION_MEMORY
+            )
         self._admissions[reason] += 1
         decisions.append(
             Admit(

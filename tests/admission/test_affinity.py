@@ -264,7 +264,7 @@ def test_a_key_stays_where_it_was_last_served() -> None:
     a, b, c = (cand(n, slots=1) for n in ("a", "b", "c"))
     core = core_with(a, b, c)
     key = key_homed_on("a", [a, b, c])
-    second, third = ranking(key, [a, b, c])[1:]
+    second = ranking(key, [a, b, c])[1]
     busy = only_admit(core.submit("busy", "m", Needs(affinity_key=key), 0.0))
     assert core.submit("w", "m", Needs(affinity_key=key), 0.0) == []  # holds for a
     spilled = only_admit(core.tick(WAIT))
@@ -289,7 +289,6 @@ def test_a_key_stays_where_it_was_last_served() -> None:
     core.node_left(second, 1, WAIT * 2)
     back = only_admit(core.submit("x", "m", Needs(affinity_key=key), WAIT * 2))
     assert back.candidate.node_id == "a"
-    assert third != "a"
 
 
 def test_placements_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
