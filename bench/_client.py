@@ -474,6 +474,7 @@ async def hold(command: Mapping[str, Any]) -> dict[str, Any]:
         _, metrics = await _get(port, "/metrics", poll_timeout)
         out["slots_in_use_held"] = metric_sum(metrics, "dispatcher_slots_in_use")
     finally:
+        cpu_left = cpu_of(pids)
         left = time.perf_counter()
         for conn in conns:
             if conn.transport is not None:
@@ -481,6 +482,7 @@ async def hold(command: Mapping[str, Any]) -> dict[str, Any]:
     slowest = 0.0
     unanswered = 0
     released = None
+    in_use_released = None
     while time.perf_counter() - left < release_timeout:
         try:
             took, metrics = await _get(port, "/metrics", poll_timeout)
@@ -497,10 +499,17 @@ async def hold(command: Mapping[str, Any]) -> dict[str, Any]:
                 "dispatcher_inflight_runs",
             )
         )
-        if busy == 0:
+        if busy == 0 and in_use_released is None:
+            in_use_released = time.perf_counter() - left
+        # a slot whose client left stays draining until the node confirms the cancel
+        if busy == 0 and metric_sum(metrics, "dispatcher_slots_draining") == 0:
             released = time.perf_counter() - left
             break
         await asyncio.sleep(poll)
+    cpu_released = cpu_of(pids)
+    # the CPU both daemons spent from the close to the last slot freed (the polls included)
+    out["release_cpu"] = {name: cpu_released[name] - cpu_left[name] for name in pids}
+    out["in_use_release_seconds"] = in_use_released
     out["release_seconds"] = released
     out["metrics_slowest"] = slowest
     out["metrics_unanswered"] = unanswered
