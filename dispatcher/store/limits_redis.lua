@@ -89,16 +89,19 @@ local function load()
     S[name], LOADED[name] = x, x
   end
 end
+local WRITTEN = {}  -- a number field as save() wrote it (answer() writes it the same)
 local function save()
   if not changed then return end
   local out = {}
   for _, name in ipairs(FIELDS) do
     local x = S[name]
     if x ~= LOADED[name] then
+      if not TEXT[name] then
+        if WHOLE[name] then x = int(x) else x = f(x) end
+        WRITTEN[name] = x
+      end
       out[#out + 1] = name
-      if TEXT[name] then out[#out + 1] = x
-      elseif WHOLE[name] then out[#out + 1] = int(x)
-      else out[#out + 1] = f(x) end
+      out[#out + 1] = x
     end
   end
   if #out > 0 then redis.call('HSET', K_ST, unpack(out)) end
@@ -201,11 +204,11 @@ local function answer(head, flying)
   for _, v in ipairs(head) do out[#out + 1] = v end
   out[#out + 1] = tostring(flying)
   out[#out + 1] = S.day
-  out[#out + 1] = int(S.day_tokens)
-  out[#out + 1] = f(S.day_usd)
+  out[#out + 1] = WRITTEN.day_tokens or int(S.day_tokens)
+  out[#out + 1] = WRITTEN.day_usd or f(S.day_usd)
   out[#out + 1] = S.month
-  out[#out + 1] = int(S.month_tokens)
-  out[#out + 1] = f(S.month_usd)
+  out[#out + 1] = WRITTEN.month_tokens or int(S.month_tokens)
+  out[#out + 1] = WRITTEN.month_usd or f(S.month_usd)
   return table.concat(out, ' ')
 end
 
