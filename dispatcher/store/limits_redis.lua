@@ -145,28 +145,40 @@ local function spend(tokens, usd, at)
 end
 
 -- The windows move on, leases run out: what an admission (or a read) decides on. Answers
--- the places in flight and the oldest request left in the window ({id, score}, or {} when
--- it is empty). (A settle or a release needs none of it: what it changes is the same
--- whether the windows moved first or not.) The two windows hold the same ids at the same
--- times (an admission adds to both, both drop what is older than the window): while the
--- oldest request is in the window, neither has anything to drop.
+-- the places in flight, the oldest request left in the window ({id, score}; empty when the
+-- window is) and the requests in it. (A settle or a release needs none of it: what it
+-- changes is the same whether the windows moved first or not.) The two windows hold the same
+-- ids at the same times (an admission adds to both, both drop what is older than the
+-- window): while the oldest request is in the window, neither has anything to drop; when
+-- it alone left (one client's steady state), it is all they drop.
 local function advance()
-  local first = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')
-  if first[2] and tonumber(first[2]) <= now - WINDOW then
-    local cutoff = f(now - WINDOW)
-    redis.call('ZREMRANGEBYSCORE', K_REQ, '-inf', cutoff)
-    local gone = redis.call('ZRANGEBYSCORE', K_CHG, '-inf', cutoff)
+  local cutoff = now - WINDOW
+  local head = redis.call('ZRANGE', K_REQ, 0, 1, 'WITHSCORES')
+  local first = {head[1], head[2]}
+  local gone = {}
+  if head[2] and tonumber(head[2]) <= cutoff then
+    if not head[4] or tonumber(head[4]) > cutoff then
+      gone = {head[1]}
+      redis.call('ZREM', K_REQ, head[1])
+      first = {head[3], head[4]}
+    else
+      local c = f(cutoff)
+      redis.call('ZREMRANGEBYSCORE', K_REQ, '-inf', c)
+      gone = redis.call('ZRANGEBYSCORE', K_CHG, '-inf', c)
+      first = nil
+    end
     if #gone > 0 then
       local sum = 0
       for _, t in ipairs(redis.call('HMGET', K_TOK, unpack(gone))) do sum = sum + num(t) end
       S.charged = S.charged - sum
       redis.call('ZREM', K_CHG, unpack(gone))
       redis.call('HDEL', K_TOK, unpack(gone))
-      if redis.call('ZCARD', K_CHG) == 0 then S.charged = 0 end
       changed = true
     end
-    first = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')
   end
+  local requests = redis.call('ZCARD', K_REQ)
+  if #gone > 0 and requests == 0 then S.charged = 0 end  -- (the charges' window is empty)
+  if not first then first = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES') end
   -- Leases run out: the holds of an edge that died (or never released them) come back.
   local expired = redis.call('ZRANGEBYSCORE', K_FLY, '-inf', NOW)
   if #expired > 0 then
@@ -186,7 +198,7 @@ local function advance()
     changed = true
   end
   roll(periods(wall))
-  return flying, first
+  return flying, first, requests
 end
 
 local function keep()
@@ -316,7 +328,7 @@ if op == 'admit' then
   elseif carried == 'release' then
     release(ARGV[16], ARGV[17])
   end
-  local flying, first = advance()
+  local flying, first, n = advance()
   -- A tenant's keys are kept KEEP past its last admission or spend (within KEEP_EVERY: an
   -- admission renews them all only that often, and gives a key it creates its expiry):
   -- what else comes (a settle, a release, a renewal) follows an admission by at most
@@ -324,7 +336,6 @@ if op == 'admit' then
   if not (S.kept <= wall and wall < S.kept + KEEP_EVERY) then keep() end
   local rid, tokens, usd, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local rpm, tpm, conc = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-  local n = redis.call('ZCARD', K_REQ)
   local refusal = nil
   local budgets = {
     {'budget_tokens_day', ARGV[11], S.day_tokens + S.rsv_tokens},
