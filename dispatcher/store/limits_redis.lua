@@ -24,7 +24,9 @@ local KEEP = 40 * 86400         -- a tenant's keys outlive a month of idleness, 
 local KEEP_EVERY = 3600         -- an admission renews the keys' expiry at most this often
 local HOLD_KEEP = 86400         -- a request's hold answers its settles for a day
 
-local function f(x) return string.format('%.17g', x) end
+local fmt = string.format
+local function f(x) return fmt('%.17g', x) end
+local function int(x) return fmt('%d', x) end
 local function num(s) return tonumber(s) or 0 end
 
 local now, wall
@@ -35,6 +37,10 @@ else
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
   wall = now
 end
+-- The clocks as the answers and the scores write them (each formatted once).
+local NOW = f(now)
+local WALL = NOW
+if wall ~= now then WALL = f(wall) end
 
 -- The UTC date of a day count since the epoch (Howard Hinnant's civil_from_days).
 local function civil(z)
@@ -53,9 +59,14 @@ local function civil(z)
   return y, m, d
 end
 
+local P_DAYS, P_DAY, P_MONTH  -- the last day's periods (a call asks for one day or two)
 local function periods(at)
-  local y, m, d = civil(math.floor(at / 86400))
-  return string.format('%04d-%02d-%02d', y, m, d), string.format('%04d-%02d', y, m)
+  local days = math.floor(at / 86400)
+  if days ~= P_DAYS then
+    local y, m, d = civil(days)
+    P_DAYS, P_DAY, P_MONTH = days, fmt('%04d-%02d-%02d', y, m, d), fmt('%04d-%02d', y, m)
+  end
+  return P_DAY, P_MONTH
 end
 
 local function hold_key(rid) return base .. ':hold:' .. rid end
@@ -78,17 +89,19 @@ local function load()
     S[name], LOADED[name] = x, x
   end
 end
-local function int(x) return string.format('%d', x) end
+local WRITTEN = {}  -- a number field as save() wrote it (answer() writes it the same)
 local function save()
   if not changed then return end
   local out = {}
   for _, name in ipairs(FIELDS) do
     local x = S[name]
     if x ~= LOADED[name] then
+      if not TEXT[name] then
+        if WHOLE[name] then x = int(x) else x = f(x) end
+        WRITTEN[name] = x
+      end
       out[#out + 1] = name
-      if TEXT[name] then out[#out + 1] = x
-      elseif WHOLE[name] then out[#out + 1] = int(x)
-      else out[#out + 1] = f(x) end
+      out[#out + 1] = x
     end
   end
   if #out > 0 then redis.call('HSET', K_ST, unpack(out)) end
@@ -132,23 +145,42 @@ local function spend(tokens, usd, at)
 end
 
 -- The windows move on, leases run out: what an admission (or a read) decides on. Answers
--- the places in flight. (A settle or a release needs none of it: what it changes is the
--- same whether the windows moved first or not.)
+-- the places in flight, the oldest request left in the window ({id, score}; empty when the
+-- window is) and the requests in it. (A settle or a release needs none of it: what it
+-- changes is the same whether the windows moved first or not.) The two windows hold the same
+-- ids at the same times (an admission adds to both, both drop what is older than the
+-- window): while the oldest request is in the window, neither has anything to drop; when
+-- it alone left (one client's steady state), it is all they drop.
 local function advance()
-  local cutoff = f(now - WINDOW)
-  redis.call('ZREMRANGEBYSCORE', K_REQ, '-inf', cutoff)
-  local gone = redis.call('ZRANGEBYSCORE', K_CHG, '-inf', cutoff)
-  if #gone > 0 then
-    local sum = 0
-    for _, t in ipairs(redis.call('HMGET', K_TOK, unpack(gone))) do sum = sum + num(t) end
-    S.charged = S.charged - sum
-    redis.call('ZREM', K_CHG, unpack(gone))
-    redis.call('HDEL', K_TOK, unpack(gone))
-    if redis.call('ZCARD', K_CHG) == 0 then S.charged = 0 end
-    changed = true
+  local cutoff = now - WINDOW
+  local head = redis.call('ZRANGE', K_REQ, 0, 1, 'WITHSCORES')
+  local first = {head[1], head[2]}
+  local gone = {}
+  if head[2] and tonumber(head[2]) <= cutoff then
+    if not head[4] or tonumber(head[4]) > cutoff then
+      gone = {head[1]}
+      redis.call('ZREM', K_REQ, head[1])
+      first = {head[3], head[4]}
+    else
+      local c = f(cutoff)
+      redis.call('ZREMRANGEBYSCORE', K_REQ, '-inf', c)
+      gone = redis.call('ZRANGEBYSCORE', K_CHG, '-inf', c)
+      first = nil
+    end
+    if #gone > 0 then
+      local sum = 0
+      for _, t in ipairs(redis.call('HMGET', K_TOK, unpack(gone))) do sum = sum + num(t) end
+      S.charged = S.charged - sum
+      redis.call('ZREM', K_CHG, unpack(gone))
+      redis.call('HDEL', K_TOK, unpack(gone))
+      changed = true
+    end
   end
+  local requests = redis.call('ZCARD', K_REQ)
+  if #gone > 0 and requests == 0 then S.charged = 0 end  -- (the charges' window is empty)
+  if not first then first = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES') end
   -- Leases run out: the holds of an edge that died (or never released them) come back.
-  local expired = redis.call('ZRANGEBYSCORE', K_FLY, '-inf', f(now))
+  local expired = redis.call('ZRANGEBYSCORE', K_FLY, '-inf', NOW)
   if #expired > 0 then
     for _, rid in ipairs(expired) do
       local hk = hold_key(rid)
@@ -158,7 +190,7 @@ local function advance()
         redis.call('HSET', hk, 'reserved', '0', 'released', '1')
       end
     end
-    redis.call('ZREMRANGEBYSCORE', K_FLY, '-inf', f(now))
+    redis.call('ZREMRANGEBYSCORE', K_FLY, '-inf', NOW)
   end
   local flying = redis.call('ZCARD', K_FLY)
   if flying == 0 and (S.rsv_tokens ~= 0 or S.rsv_usd ~= 0) then
@@ -166,7 +198,7 @@ local function advance()
     changed = true
   end
   roll(periods(wall))
-  return flying
+  return flying, first, requests
 end
 
 local function keep()
@@ -179,28 +211,26 @@ end
 -- the day and month spent). `flying` is the places in flight if the caller knows them.
 local function answer(head, flying)
   save()
-  if not flying then flying = redis.call('ZCOUNT', K_FLY, '(' .. f(now), '+inf') end
-  local out = {f(now), f(wall)}
+  if not flying then flying = redis.call('ZCOUNT', K_FLY, '(' .. NOW, '+inf') end
+  local out = {NOW, WALL}
   for _, v in ipairs(head) do out[#out + 1] = v end
   out[#out + 1] = tostring(flying)
   out[#out + 1] = S.day
-  out[#out + 1] = int(S.day_tokens)
-  out[#out + 1] = f(S.day_usd)
+  out[#out + 1] = WRITTEN.day_tokens or int(S.day_tokens)
+  out[#out + 1] = WRITTEN.day_usd or f(S.day_usd)
   out[#out + 1] = S.month
-  out[#out + 1] = int(S.month_tokens)
-  out[#out + 1] = f(S.month_usd)
+  out[#out + 1] = WRITTEN.month_tokens or int(S.month_tokens)
+  out[#out + 1] = WRITTEN.month_usd or f(S.month_usd)
   return table.concat(out, ' ')
 end
 
 -- What the x-ratelimit headers need: requests in the window (`requests`) and the oldest
 -- one's time, tokens charged and the oldest charge's time -- the same time: the two windows
--- hold the same ids at the same times (an admission adds to both, both drop what is older
--- than the window). Not read for a key with neither rpm nor tpm (no such headers).
-local function with_headers(head, requests)
-  local oldest = ''
-  if ARGV[8] ~= '' or ARGV[9] ~= '' then
-    oldest = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')[2] or ''
-  end
+-- hold the same ids at the same times. `oldest`: the oldest request's score (advance's, or
+-- the one just admitted if earlier). Left empty for a key with neither rpm nor tpm (no such
+-- headers).
+local function with_headers(head, requests, oldest)
+  if ARGV[8] == '' and ARGV[9] == '' then oldest = '' end
   head[#head + 1] = tostring(requests)
   head[#head + 1] = oldest
   head[#head + 1] = int(S.charged)
@@ -248,17 +278,57 @@ local function release(rid, answered)
   return 'released'
 end
 
+-- A settle and its request's release, posted one after the other: settle() then release(),
+-- with the hold read once and written once. Answers the release's outcome.
+local function finish(rid, attempt, tokens, usd, answered)
+  local hk = hold_key(rid)
+  local mark = 's:' .. attempt
+  local h = redis.call('HMGET', hk, mark, 'settled', 'charge', 'tokens', 'reserved', 'usd',
+    'released')
+  local settled, reserved = num(h[2]), h[5]
+  local out, n = {}, 0
+  local function put(field, value) out[n + 1], out[n + 2], n = field, value, n + 2 end
+  if not h[1] then  -- the settle: this (request, attempt) did not settle before
+    put(mark, '1')
+    if h[4] then  -- the hold is known (else only the spend counts)
+      local charge = tokens
+      if settled > 0 then charge = tokens + num(h[3]) end
+      recharge(rid, charge)
+      unreserve(reserved, h[4], h[6])
+      settled, reserved = settled + 1, '0'
+      put('charge', charge)
+      put('settled', settled)
+      put('reserved', '0')
+    end
+    spend(tokens, usd, wall)
+  end
+  local outcome = 'again'  -- the release: released before, or unknown
+  if h[7] == '0' then
+    outcome = 'released'
+    redis.call('ZREM', K_FLY, rid)
+    unreserve(reserved, h[4], h[6])
+    put('released', '1')
+    put('reserved', '0')
+    if settled == 0 and answered ~= '1' then  -- it costs nothing
+      recharge(rid, 0)
+      put('charge', 0)
+    end
+  end
+  if n > 0 then redis.call('HSET', hk, unpack(out)) end
+  if not h[1] then redis.call('EXPIRE', hk, HOLD_KEEP) end
+  return outcome
+end
+
 if op == 'admit' then
   -- A write of this edge's posted just before (its request's settle and release, or its
   -- release) may ride along: it runs first, as it would have in a script of its own.
   local carried = ARGV[15]
   if carried == 'finish' then
-    settle(ARGV[16], ARGV[17], tonumber(ARGV[18]), tonumber(ARGV[19]))
-    release(ARGV[16], ARGV[20])
+    finish(ARGV[16], ARGV[17], tonumber(ARGV[18]), tonumber(ARGV[19]), ARGV[20])
   elseif carried == 'release' then
     release(ARGV[16], ARGV[17])
   end
-  local flying = advance()
+  local flying, first, n = advance()
   -- A tenant's keys are kept KEEP past its last admission or spend (within KEEP_EVERY: an
   -- admission renews them all only that often, and gives a key it creates its expiry):
   -- what else comes (a settle, a release, a renewal) follows an admission by at most
@@ -266,7 +336,6 @@ if op == 'admit' then
   if not (S.kept <= wall and wall < S.kept + KEEP_EVERY) then keep() end
   local rid, tokens, usd, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local rpm, tpm, conc = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-  local n = redis.call('ZCARD', K_REQ)
   local refusal = nil
   local budgets = {
     {'budget_tokens_day', ARGV[11], S.day_tokens + S.rsv_tokens},
@@ -297,11 +366,11 @@ if op == 'admit' then
     refusal = {'tpm', int(used), f(math.max(0, frees_at - now))}
   end
   if refusal then
-    return answer(with_headers({'refused', refusal[1], refusal[2], refusal[3]}, n), flying)
+    local head = {'refused', refusal[1], refusal[2], refusal[3]}
+    return answer(with_headers(head, n, first[2] or ''), flying)
   end
-  local sn = f(now)
-  redis.call('ZADD', K_REQ, sn, rid)
-  redis.call('ZADD', K_CHG, sn, rid)
+  redis.call('ZADD', K_REQ, NOW, rid)
+  redis.call('ZADD', K_CHG, NOW, rid)
   redis.call('HSET', K_TOK, rid, tokens)
   redis.call('ZADD', K_FLY, f(now + lease), rid)
   if n == 0 then  -- the windows were empty: these keys did not exist (they hold the same ids)
@@ -318,7 +387,13 @@ if op == 'admit' then
   redis.call('HSET', hk, 'tokens', tokens, 'usd', f(usd), 'charge', tokens, 'reserved', '1',
     'released', '0', 'settled', 0)
   redis.call('EXPIRE', hk, HOLD_KEEP)
-  return answer(with_headers({'held', '', '', ''}, n + 1), flying + 1)
+  local oldest = first[2]  -- (a clock gone back leaves this one the oldest)
+  if first[1] == rid then  -- an id admitted again: its time moved (never, with the edges' ids)
+    oldest = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')[2]
+  elseif not oldest or now < tonumber(oldest) then
+    oldest = NOW
+  end
+  return answer(with_headers({'held', '', '', ''}, n + 1, oldest), flying + 1)
 end
 
 if op == 'settle' then
@@ -330,8 +405,7 @@ if op == 'release' then
 end
 
 if op == 'finish' then  -- a settle and the same request's release, posted one after the other
-  settle(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]))
-  return answer({release(ARGV[4], ARGV[8])})
+  return answer({finish(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8])})
 end
 
 if op == 'spend' then
@@ -354,7 +428,7 @@ if op == 'renew' then  -- the places still held get a new lease
 end
 
 if op == 'read' then
-  return answer({'read'}, advance())
+  return answer({'read'}, (advance()))
 end
 
 return redis.error_reply('unknown operation ' .. tostring(op))

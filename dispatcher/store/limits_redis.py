@@ -34,7 +34,12 @@ connection: two Trio task steps per command, where coredis took six and ~5x the 
   wait). A carried write whose admission fails is written again on its own.
 * What it costs (``nox -s bench -- store``): the script reads the tenant's hash once and
   writes it once, a settle or a release does not move the windows (only an admission and a
-  read need them moved), and an answer is one string of fields, not an array to parse.
+  read need them moved, and only while their oldest request is past the window: one
+  ``ZRANGE`` that also gives the headers their oldest request), a finish reads and writes
+  its hold once, and an answer is one string of fields, not an array to parse: 20 Redis
+  calls for an admission carrying its tenant's previous finish. An admission's command is
+  joined from parts encoded once (the script and the tenant's key, the limits, a carried
+  write when it was posted): only the request's own arguments are encoded on its path.
 * :meth:`~RedisLimits.spent` and :meth:`~RedisLimits.in_flight` are synchronous: they answer
   what the server last told this edge, plus this edge's writes not yet acknowledged. Other
   edges' spend shows from this edge's next operation on that tenant: eventually consistent.
@@ -65,6 +70,7 @@ from typing import Final, Literal, cast
 import attrs
 import trio
 
+from ..config import Limits
 from .limits import (
     CONCURRENCY_RETRY_AFTER,
     month_start,
@@ -80,7 +86,7 @@ from .redis_link import (
     Submitted,
     open_redis_link,
 )
-from .resp import Arg, Reply, ReplyError
+from .resp import Arg, EncodedArgs, Reply, ReplyError, encode_args, join_command
 from .seam import Hold, LimitName, RateHeaders, Refusal, Spent, StoreUnreachable, UsageLedger
 
 __all__ = [
@@ -109,6 +115,8 @@ WRITE_LINGER: Final = 0.005
 """Seconds the writer holds writes (settles, releases) for the next admission to carry: at
 one client, a request's end then costs the edge and the server no round trip and no script
 of its own (the client's next request is on the edge by then)."""
+_ENCODED_KEEP: Final = 1024
+"""Tenants' keys and limits kept encoded for admissions (beyond, the memory starts over)."""
 _ERRORS: Final = (RedisReplyError, RedisLinkError, OSError, trio.TooSlowError)
 _UNREACHABLE: Final = (RedisLinkError, OSError, trio.TooSlowError)
 """The errors that say the server is not answering (not that it refused one command)."""
@@ -190,6 +198,9 @@ class _Op:
     abandoned: bool = False
     """Its caller left before the answer: not run if it had not started, and a hold it got is
     released at once."""
+    carry: EncodedArgs | None = None
+    """A write an admission may carry (:meth:`RedisLimits._carriable`): its operation and
+    arguments, encoded when it was posted (not while an admission waits)."""
 
     def left(self) -> bool:
         """:attr:`abandoned`, read after an await (when it may have changed)."""
@@ -273,6 +284,10 @@ class RedisLimits:
     """Set while suspended (:meth:`suspend`): it also ends a retry's wait."""
     _parked: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
     _overflowed: bool = attrs.field(init=False, default=False)
+    _heads: dict[str, EncodedArgs] = attrs.field(init=False, factory=dict)
+    """Per tenant: ``EVALSHA``, the script's SHA1, 1, the tenant's key (encoded)."""
+    _limit_args: dict[Limits, EncodedArgs] = attrs.field(init=False, factory=dict)
+    """Per tenant's limits: their arguments of an admission (encoded)."""
 
     # -- the LimitStore ----------------------------------------------------------------
 
@@ -283,31 +298,18 @@ class RedisLimits:
         already holds everything posted before it) and takes its answer from the link:
         two scheduler turns, where the writer's way costs five. Otherwise, or when the
         script must be loaded, it goes through the writer in its turn."""
-        limits = hold.limits
-        args = [
-            hold.request_id,
-            str(hold.tokens),
-            repr(float(hold.usd)),
-            repr(float(self.hold_lease)),
-            _decimal(limits.rpm),
-            _decimal(limits.tpm),
-            _decimal(limits.max_concurrent),
-            _decimal(limits.budget_tokens_day),
-            _decimal(limits.budget_usd_day),
-            _decimal(limits.budget_tokens_month),
-            _decimal(limits.budget_usd_month),
-        ]
         answer: list[str] | None = None
         if not (self._running or self.suspended or self._closed):
             if not self._queue:
-                answer = await self._admit_now(hold, args)
+                answer = await self._admit_now(hold)
             elif self.client.connected:
                 carried = self._carriable(hold)
                 if carried is not None:
-                    answer = await self._admit_now(hold, args, carried)
+                    answer = await self._admit_now(hold, carried)
                 elif self._only_writes():
-                    answer = await self._admit_behind_writes(hold, args)
+                    answer = await self._admit_behind_writes(hold, self._admit_args(hold))
         if answer is None:
+            args = self._admit_args(hold)
             op = self._post("admit", hold.tenant_id, args, hold=hold, awaited=True)
             answer = await self._answer(op)
         decision = _decision(hold, answer)
@@ -346,8 +348,10 @@ class RedisLimits:
             last.seq = self._delta(hold.tenant_id, flying=-1)
             last.kind = "finish"
             last.args = [*last.args[:2], "finish", *last.args[3:], answered_arg]
+            last.carry = encode_args(*last.args[2:])
             return
-        self._post("release", hold.tenant_id, [hold.request_id, answered_arg], flying=-1)
+        op = self._post("release", hold.tenant_id, [hold.request_id, answered_arg], flying=-1)
+        op.carry = encode_args(*op.args[2:])
 
     def spend(self, tenant_id: str, tokens: int, usd: float) -> None:
         self._spend(tenant_id, tokens, usd, None)
@@ -544,9 +548,62 @@ class RedisLimits:
         assert strings is not None, answer
         return strings
 
-    async def _admit_now(
-        self, hold: Hold, args: list[str], carried: _Op | None = None
-    ) -> list[str] | None:
+    def _admit_args(self, hold: Hold) -> list[str]:
+        """An admission's arguments (after the clocks and the operation)."""
+        limits = hold.limits
+        return [
+            hold.request_id,
+            str(hold.tokens),
+            repr(float(hold.usd)),
+            repr(float(self.hold_lease)),
+            _decimal(limits.rpm),
+            _decimal(limits.tpm),
+            _decimal(limits.max_concurrent),
+            _decimal(limits.budget_tokens_day),
+            _decimal(limits.budget_usd_day),
+            _decimal(limits.budget_tokens_month),
+            _decimal(limits.budget_usd_month),
+        ]
+
+    def _admit_command(self, hold: Hold, carried: _Op | None) -> bytes:
+        """The EVALSHA of an admission (:meth:`_admit_args`; then ``carried``'s operation
+        and arguments), from parts encoded once: the script and the tenant's key, the
+        limits (a few per edge); only the request's own arguments are encoded per call."""
+        head = self._heads.get(hold.tenant_id)
+        if head is None:
+            if len(self._heads) >= _ENCODED_KEEP:
+                self._heads.clear()
+            sha = self.client.script_sha(_SCRIPT)
+            head = encode_args("EVALSHA", sha, 1, self._key_of(hold.tenant_id))
+            self._heads[hold.tenant_id] = head
+        limits = hold.limits
+        tail = self._limit_args.get(limits)
+        if tail is None:
+            if len(self._limit_args) >= _ENCODED_KEEP:
+                self._limit_args.clear()
+            tail = self._limit_args[limits] = encode_args(
+                _decimal(limits.rpm),
+                _decimal(limits.tpm),
+                _decimal(limits.max_concurrent),
+                _decimal(limits.budget_tokens_day),
+                _decimal(limits.budget_usd_day),
+                _decimal(limits.budget_tokens_month),
+                _decimal(limits.budget_usd_month),
+            )
+        own = encode_args(
+            *self._clocks(),
+            "admit",
+            hold.request_id,
+            str(hold.tokens),
+            repr(float(hold.usd)),
+            repr(float(self.hold_lease)),
+        )
+        if carried is None:
+            return join_command(head, own, tail)
+        carry = carried.carry if carried.carry is not None else encode_args(*carried.args[2:])
+        return join_command(head, own, tail, carry)
+
+    async def _admit_now(self, hold: Hold, carried: _Op | None = None) -> list[str] | None:
         """:meth:`admit`'s own way (see there): the script's answer, or None if the server
         lacks the script (the writer then loads it). ``carried``: the one write waiting
         (:meth:`_carriable`), taken off the queue and run first by the same script; written
@@ -555,27 +612,18 @@ class RedisLimits:
         request the server does not hold does nothing."""
         self._seq += 1
         seq = self._seq
-        command: list[Arg] = [
-            "EVALSHA",
-            self.client.script_sha(_SCRIPT),
-            1,
-            self._key_of(hold.tenant_id),
-            *self._clocks(),
-            "admit",
-            *args,
-        ]
+        command = self._admit_command(hold, carried)
         if carried is not None:
             self._queue.clear()
             self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
-            command += [carried.kind, *carried.args[3:]]
         try:
             if trio.current_effective_deadline() <= trio.current_time() + self.command_timeout:
                 # The caller's deadline comes first (the edge's guard's): a scope of our own
                 # would cost as much as the rest of sending the command.
-                reply = await self.client.call(*command)
+                reply = await self.client.call_encoded(command)
             else:
                 with trio.fail_after(self.command_timeout):
-                    reply = await self.client.call(*command)
+                    reply = await self.client.call_encoded(command)
         except RedisReplyError as error:
             self._again_alone(carried)
             if error.code == "NOSCRIPT":

@@ -342,6 +342,14 @@ class RedisLink:
             raise RedisReplyError(reply)
         return reply
 
+    async def call_encoded(self, command: bytes) -> Reply:
+        """:meth:`call` of a command already encoded (:func:`~.resp.join_command`: its parts
+        encoded once by the caller)."""
+        (reply,) = await self._send(command, 1)
+        if isinstance(reply, ReplyError):
+            raise RedisReplyError(reply)
+        return reply
+
     async def call_many(self, commands: Sequence[Sequence[Arg]]) -> list[Reply]:
         """Send the commands in one write; their replies in order, an error reply as a
         :class:`~.resp.ReplyError` value (not atomic: wrap them in MULTI/EXEC for that)."""

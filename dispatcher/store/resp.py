@@ -1,5 +1,6 @@
 """RESP2, the protocol Redis speaks by default, sans-IO: the bytes of commands
-(:func:`encode_command`, :func:`encode_commands`) and an incremental parser of replies
+(:func:`encode_command`, :func:`encode_commands`; a command's parts encoded once and kept:
+:func:`encode_args`, :func:`join_command`) and an incremental parser of replies
 (:class:`RespParser`: :meth:`~RespParser.feed` it what the socket gave,
 :meth:`~RespParser.next_reply` answers one reply or :data:`NEED_DATA`). No I/O, no clock, no
 Trio: :mod:`.redis_link` drives it on a socket, the tests drive it with random chunkings.
@@ -36,14 +37,17 @@ __all__ = [
     "MAX_RESP_LINE",
     "NEED_DATA",
     "Arg",
+    "EncodedArgs",
     "NeedData",
     "Reply",
     "ReplyError",
     "RespParser",
     "RespProtocolError",
+    "encode_args",
     "encode_command",
     "encode_commands",
     "encode_reply",
+    "join_command",
 ]
 
 MAX_RESP_BULK: Final = 512 * 1024 * 1024
@@ -115,6 +119,33 @@ def encode_command(*args: Arg) -> bytes:
 def encode_commands(commands: Iterable[Sequence[Arg]]) -> bytes:
     """Several commands in one write (a pipeline), in order."""
     return b"".join([encode_command(*command) for command in commands])
+
+
+@attrs.frozen
+class EncodedArgs:
+    """Some of a command's arguments as RESP2 sends them (:func:`encode_args`): a part that a
+    caller encodes once and keeps, to make commands of with :func:`join_command`."""
+
+    count: int
+    data: bytes
+
+
+def encode_args(*args: Arg) -> EncodedArgs:
+    """Arguments of a command (its name among them, if first), without the command's header."""
+    parts = []
+    for arg in args:
+        data = arg.encode() if type(arg) is str else _arg_bytes(arg)
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return EncodedArgs(len(args), b"".join(parts))
+
+
+def join_command(*parts: EncodedArgs) -> bytes:
+    """One command made of encoded parts, in order: the same bytes as :func:`encode_command`
+    of their arguments."""
+    count = sum(part.count for part in parts)
+    if not count:
+        raise ValueError("a Redis command needs at least its name")
+    return b"".join([b"*%d\r\n" % count, *[part.data for part in parts]])
 
 
 def encode_reply(reply: Reply) -> bytes:

@@ -25,9 +25,11 @@ from dispatcher.store.resp import (
     ReplyError,
     RespParser,
     RespProtocolError,
+    encode_args,
     encode_command,
     encode_commands,
     encode_reply,
+    join_command,
 )
 
 line_text = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]))
@@ -93,6 +95,19 @@ def test_commands_parse_back_to_their_arguments(commands: list[list[Arg]]) -> No
     expected = [[arg if isinstance(arg, bytes) else str(arg).encode() for arg in command]
                 for command in commands]  # fmt: skip
     assert parsed == expected  # a float as its repr (str), which reads back as it
+
+
+@given(st.lists(st.lists(args, max_size=4), min_size=1, max_size=4).filter(lambda p: any(p)))
+def test_a_command_joined_from_parts_is_the_command(parts: list[list[Arg]]) -> None:
+    """Parts encoded apart (as the Redis limits keep a script's SHA1 and a tenant's limits)
+    and joined make the bytes of the whole command."""
+    joined = join_command(*[encode_args(*part) for part in parts])
+    assert joined == encode_command(*[arg for part in parts for arg in part])
+
+
+def test_a_command_of_no_parts() -> None:
+    with pytest.raises(ValueError, match="its name"):
+        join_command(encode_args())
 
 
 def drain_garbage(chunks: list[bytes]) -> None:
