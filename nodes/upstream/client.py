@@ -647,8 +647,9 @@ async def finished(
     """
     try:
         yield iterator
-        with trio.move_on_after(REUSE_WAIT):
-            await _read_to_end(iterator)
+        if not (response.complete and not response._pieces):  # else nothing is left to read
+            with trio.move_on_after(REUSE_WAIT):
+                await _read_to_end(iterator)
     finally:
         await response.aclose()  # no checkpoint: runs when cancelled too
 
@@ -726,11 +727,15 @@ class UpstreamPool:
             raise RuntimeError("the pool is closed")
         proxy = _proxy_for(target, self._proxies)
         request, event = _request(method, target, headers, content, proxy)
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            with trio.fail_after(self._timeouts.connect):
-                await self._slots.acquire()
-        except trio.TooSlowError:
-            raise httpx.PoolTimeout("every connection to the provider stayed busy") from None
+            self._slots.acquire_nowait()  # a free slot: no deadline to set up
+        except trio.WouldBlock:
+            try:
+                with trio.fail_after(self._timeouts.connect):
+                    await self._slots.acquire()
+            except trio.TooSlowError:
+                raise httpx.PoolTimeout("every connection to the provider stayed busy") from None
         try:
             conn = self._take_idle(target.origin)
             if conn is None:
