@@ -171,8 +171,19 @@ class _Output:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         run.text_pushed = run.content_pushed = True
-        run.pieces.add_text(text)
-        self._runner._queue(run)
+        pieces, runner = run.pieces, self._runner
+        pieces.add_text(text)
+        if not run.queued:
+            runner._queue(run)
+        if (
+            runner._writing
+            and pieces.size <= MAX_PENDING_CHARS
+            and run.unyielded < MAX_UNYIELDED_PIECES
+        ):
+            # A send is in flight: the piece joins what waits behind it; no schedule point
+            # (:meth:`_wait_drained`'s last case, without a call per token).
+            run.unyielded += 1
+            return
         await self._wait_drained()
 
     async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
