@@ -284,6 +284,7 @@ async def _take_events(
     what it saw chunk by chunk, in the same order, with fewer deltas."""
     text: list[str] = []
     done = False
+    failure: AdapterError | None = None
     try:
         for data in events:
             try:
@@ -331,13 +332,10 @@ async def _take_events(
                 reason = choice.get("finish_reason")
                 if reason and type(reason) is str:
                     finish = reason
-    except AdapterError:
-        await _flush(text, out)
-        raise
-    await _flush(text, out)
-    return finish, done
-
-
-async def _flush(text: list[str], out: RunOutput) -> None:
+    except AdapterError as exc:
+        failure = exc  # raised once the text before it went out
     if text:
         await out.delta(text[0] if len(text) == 1 else "".join(text))
+    if failure is not None:
+        raise failure
+    return finish, done
