@@ -22,12 +22,14 @@ piles up behind a send in flight is merged.
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Callable
 from typing import Final
 
 import attrs
 
 from dispatcher import wire
+from dispatcher.shared.tokens import TokenEstimator
 
 MAX_DELTA_CHARS: Final = 64 * 1024
 """Most text in one coalesced ``run.delta`` frame (well under ``wire.MAX_FRAME_SIZE`` even
@@ -47,6 +49,9 @@ class RunPieces:
     """Characters pending: text, plus the size given with each event."""
     first_delta_usage: wire.Usage | None = None
     """A usage counted before any content: the next ``run.delta`` made carries it."""
+    generated: TokenEstimator = attrs.Factory(TokenEstimator)
+    """The text taken so far, estimated (fed a ``run.delta``'s text at a time: the estimate
+    is the same however the text is split)."""
     _pending: collections.deque[str | EventFactory] = attrs.Factory(collections.deque)
 
     def __bool__(self) -> bool:
@@ -85,12 +90,22 @@ class RunPieces:
 
     def _add_deltas(self, messages: list[wire.NodeMessage], text: list[str]) -> None:
         joined = text[0] if len(text) == 1 else "".join(text)
+        self.generated.add(joined)
         for start in range(0, len(joined), MAX_DELTA_CHARS):
             piece = joined[start : start + MAX_DELTA_CHARS]
             usage, self.first_delta_usage = self.first_delta_usage, None
             messages.append(
                 wire.RunDelta(run_id=self.run_id, seq=self._seq(), text=piece, usage=usage)
             )
+
+    def generated_tokens(self) -> int:
+        """The estimated tokens of all the text added, taken or not."""
+        pending = "".join(item for item in self._pending if isinstance(item, str))
+        if not pending:
+            return self.generated.tokens
+        estimator = copy.copy(self.generated)
+        estimator.add(pending)
+        return estimator.tokens
 
     def _seq(self) -> int:
         seq = self.next_seq

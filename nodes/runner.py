@@ -66,7 +66,6 @@ from nodes.adapters.base import (
     DropConnection,
     Embedder,
     RefusingAdapter,
-    TokenEstimator,
     estimate_prompt_tokens,
     open_adapters,
 )
@@ -118,19 +117,43 @@ class _Run:
     ignoring_cancel: bool = False
     terminal_sent: trio.Event = attrs.Factory(trio.Event)
     drained: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
-    reported_usage: wire.Usage | None = None
+    reported: tuple[int, int, bool, int, int, int] | None = None
+    """The adapter's last ``out.usage()``, as it gave it (made a :class:`~dispatcher.wire.
+    Usage` only when one is needed: :meth:`reported_usage`)."""
+    _reported_usage: wire.Usage | None = None
+    text_pushed: bool = False
+    """Text was pushed (what the runner's estimate counts)."""
     content_pushed: bool = False
     """A delta (text or tool calls) was pushed: a usage reported after it waits for the end."""
     finish_reason: str = "stop"
     stop_sequence: str | None = None
-    generated: TokenEstimator = attrs.Factory(TokenEstimator)
     vectors_expected: int = 0
     """An ``embeddings`` run's inputs: the vectors it must answer."""
     vectors_sent: int = 0
+    _reported_from: tuple[int, int, bool, int, int, int] | None = None
 
     @pieces.default
     def _pieces(self) -> RunPieces:
         return RunPieces(self.run_id)
+
+    def reported_usage(self) -> wire.Usage | None:
+        """The usage the adapter last reported, clamped (:func:`clamped_usage`)."""
+        reported = self.reported
+        if reported is None:
+            return None
+        usage = self._reported_usage
+        if usage is None or self._reported_from is not reported:
+            prompt, completion, estimated, cached, cache_write, reasoning = reported
+            usage = self._reported_usage = clamped_usage(
+                prompt,
+                completion,
+                estimated=estimated,
+                cached_tokens=cached,
+                cache_write_tokens=cache_write,
+                reasoning_tokens=reasoning,
+            )
+            self._reported_from = reported
+        return usage
 
 
 @attrs.define(eq=False)
@@ -147,9 +170,20 @@ class _Output:
         if not text:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        run.generated.add(text)
-        run.content_pushed = True
-        self._runner._push(run, text)
+        run.text_pushed = run.content_pushed = True
+        pieces, runner = run.pieces, self._runner
+        pieces.add_text(text)
+        if not run.queued:
+            runner._queue(run)
+        if (
+            runner._writing
+            and pieces.size <= MAX_PENDING_CHARS
+            and run.unyielded < MAX_UNYIELDED_PIECES
+        ):
+            # A send is in flight: the piece joins what waits behind it; no schedule point
+            # (:meth:`_wait_drained`'s last case, without a call per token).
+            run.unyielded += 1
+            return
         await self._wait_drained()
 
     async def tool_calls(self, calls: Sequence[Mapping[str, Any]]) -> None:
@@ -213,19 +247,20 @@ class _Output:
         reasoning_tokens: int = 0,
     ) -> None:
         run = self._run
-        usage = run.reported_usage = clamped_usage(
+        # Kept as given (an adapter may report at every token): made a Usage when needed.
+        run.reported = (
             prompt_tokens,
             completion_tokens,
-            estimated=estimated,
-            cached_tokens=cached_tokens,
-            cache_write_tokens=cache_write_tokens,
-            reasoning_tokens=reasoning_tokens,
+            estimated,
+            cached_tokens,
+            cache_write_tokens,
+            reasoning_tokens,
         )
         if not (estimated or run.content_pushed):
             # Counted before the first content: the first run.delta carries it (no frame of
             # its own), so the edge's answer can start with the run's own count (Anthropic's
             # message_start) rather than its estimate. The run's usage is still its last.
-            run.pieces.first_delta_usage = usage
+            run.pieces.first_delta_usage = run.reported_usage()
 
     def finish(self, reason: str, *, stop_sequence: str | None = None) -> None:
         self._run.finish_reason = reason
@@ -287,11 +322,12 @@ class Runner:
 
     # ----------------------------------------------------------------------- internals
 
-    def _push(self, run: _Run, item: str | _EventFactory, *, size: int = 0) -> None:
-        if isinstance(item, str):
-            run.pieces.add_text(item)
-        else:
-            run.pieces.add_event(item, size=size)
+    def _push(self, run: _Run, item: _EventFactory, *, size: int = 0) -> None:
+        run.pieces.add_event(item, size=size)
+        self._queue(run)
+
+    def _queue(self, run: _Run) -> None:
+        """``run`` has pieces for the writer."""
         if not run.queued:
             run.queued = True
             self._ready.append(run)
@@ -374,18 +410,19 @@ class Runner:
     def _usage(self, run: _Run, request: wire.RunRequest) -> wire.Usage:
         """What the adapter last reported (estimated only if it said so), else the runner's
         own estimate (``estimated=True``)."""
-        if run.reported_usage is not None:
-            return run.reported_usage
+        reported = run.reported_usage()
+        if reported is not None:
+            return reported
         return wire.Usage(
             prompt_tokens=estimate_prompt_tokens(request.body),
-            completion_tokens=run.generated.tokens,
+            completion_tokens=run.pieces.generated_tokens(),
             estimated=True,
         )
 
     def _usage_event(
         self, run: _Run, request: wire.RunRequest, *, required: bool
     ) -> _EventFactory | None:
-        if not required and run.reported_usage is None and not run.generated.chars:
+        if not required and run.reported is None and not run.text_pushed:
             return None
         usage = self._usage(run, request)
         return lambda seq: wire.RunUsage(run_id=run.run_id, seq=seq, usage=usage)

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
+import orjson
 
 from dispatcher import wire
 from nodes.adapters._http_adapter import HTTPAdapter, chat_url, parse_options
@@ -151,19 +152,15 @@ class OpenAIAdapter(HTTPAdapter):
         usage = StreamUsage()
         async with post_chunks(client, self.url, body, headers=headers) as chunks:
             async for piece in chunks:
-                for data in decoder.feed(piece):
-                    if data.strip() == b"[DONE]":
-                        done = True
+                events = decoder.feed(piece)
+                if events:
+                    finish, done = await _take_events(events, out, usage, finish)
+                    if done:
                         break
-                    finish = await _take_chunk(data, out, usage) or finish
-                if done:
-                    break
             else:
                 last = decoder.flush()
-                if last is not None and last.strip() == b"[DONE]":
-                    done = True
-                elif last is not None:
-                    finish = await _take_chunk(last, out, usage) or finish
+                if last is not None:
+                    finish, done = await _take_events([last], out, usage, finish)
         if finish is None and not done:
             raise AdapterError(
                 "upstream_disconnected",
@@ -276,35 +273,69 @@ class StreamUsage:
             )
 
 
-async def _take_chunk(data: bytes, out: RunOutput, usage: StreamUsage) -> str | None:
-    """Report one chunk; its finish reason, if it has one."""
-    chunk = loads_object(data, "an SSE event")
-    if "error" in chunk:
-        raise error_event_failure(chunk, "event")
-    if usage.take(chunk):
-        usage.report(out)
-    finish: str | None = None
-    choices = chunk.get("choices")
-    for choice in choices if isinstance(choices, list) else ():
-        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-            continue  # n > 1 is not supported: only the first choice is streamed
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            if delta.get("function_call"):
-                raise AdapterError(
-                    "unsupported_function_call",
-                    "the upstream answered with a legacy function_call, which normalized runs "
-                    "do not relay (use tools)",
-                )
-            content = delta.get("content")
-            if isinstance(content, str) and content:
-                await out.delta(content)
-            tool_calls = delta.get("tool_calls")
-            if isinstance(tool_calls, list):
-                calls = [call for call in tool_calls if isinstance(call, dict)]
-                if calls:
-                    await out.tool_calls(calls)
-        reason = choice.get("finish_reason")
-        if isinstance(reason, str) and reason:
-            finish = reason
-    return finish
+async def _take_events(
+    events: list[bytes], out: RunOutput, usage: StreamUsage, finish: str | None
+) -> tuple[str | None, bool]:
+    """Report the events of one read, in order: the finish reason so far (the last one a
+    chunk gave, else ``finish``), and whether ``[DONE]`` came (what follows it is not read).
+
+    The text of consecutive chunks goes out as one ``out.delta``: before anything else is
+    reported (a usage, tool calls, a failure) and at the end of the read, so the runner sees
+    what it saw chunk by chunk, in the same order, with fewer deltas."""
+    text: list[str] = []
+    done = False
+    failure: AdapterError | None = None
+    try:
+        for data in events:
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                if data.strip() == b"[DONE]":
+                    done = True
+                    break
+                chunk = loads_object(data, "an SSE event")  # raises unless the bytes were
+                # not UTF-8 and their text, malformed sequences replaced, is an object
+            if type(chunk) is not dict:
+                loads_object(data, "an SSE event")  # raises: not an object
+            if "error" in chunk:
+                raise error_event_failure(chunk, "event")
+            if ("usage" in chunk or "timings" in chunk) and usage.take(chunk):
+                if text:
+                    await out.delta("".join(text))
+                    text.clear()
+                usage.report(out)
+            choices = chunk.get("choices")
+            if type(choices) is not list:
+                continue
+            for choice in choices:
+                if type(choice) is not dict or choice.get("index", 0) != 0:
+                    continue  # n > 1 is not supported: only the first choice is streamed
+                delta = choice.get("delta")
+                if type(delta) is dict:
+                    if delta.get("function_call"):
+                        raise AdapterError(
+                            "unsupported_function_call",
+                            "the upstream answered with a legacy function_call, which "
+                            "normalized runs do not relay (use tools)",
+                        )
+                    content = delta.get("content")
+                    if content and type(content) is str:
+                        text.append(content)
+                    tool_calls = delta.get("tool_calls")
+                    if type(tool_calls) is list:
+                        calls = [call for call in tool_calls if type(call) is dict]
+                        if calls:
+                            if text:
+                                await out.delta("".join(text))
+                                text.clear()
+                            await out.tool_calls(calls)
+                reason = choice.get("finish_reason")
+                if reason and type(reason) is str:
+                    finish = reason
+    except AdapterError as exc:
+        failure = exc  # raised once the text before it went out
+    if text:
+        await out.delta(text[0] if len(text) == 1 else "".join(text))
+    if failure is not None:
+        raise failure
+    return finish, done

@@ -456,6 +456,8 @@ class Response:
 
 _CHUNK_HEADER: Final = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;[^\r\n]*)?[ \t]*")
 """A chunk's size line without its CRLF (h11's rule: 1 to 20 hex digits, extensions)."""
+_WHOLE_SIZE_LINE: Final = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;[^\r\n]*)?[ \t]*\r\n")
+""":data:`_CHUNK_HEADER` with its CRLF."""
 _TRAILER: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n\0]*")
 
 _IN_SIZE, _IN_DATA, _IN_DATA_END, _IN_TRAILERS, _IN_DONE = range(5)
@@ -497,6 +499,18 @@ class _ChunkedBody:
         buf = self._buffer + data if self._buffer else data
         pos, size = 0, len(buf)
         state, left = self._state, self._left
+        if state == _IN_SIZE:
+            # Whole chunks, one after the other (an SSE stream's events): each by one match
+            # of its size line. What is not one -- the last chunk, a chunk cut by the read,
+            # anything malformed -- is left to the loop below, from its start.
+            match = _WHOLE_SIZE_LINE.match
+            while (found := match(buf, pos)) is not None:
+                start = found.end()
+                end = start + int(found.group(1), 16)
+                if end == start or end + 2 > size or buf[end : end + 2] != b"\r\n":
+                    break
+                out.append(buf[start:end])
+                pos = end + 2
         while True:
             if state == _IN_DATA:
                 if pos >= size:
@@ -633,8 +647,9 @@ async def finished(
     """
     try:
         yield iterator
-        with trio.move_on_after(REUSE_WAIT):
-            await _read_to_end(iterator)
+        if not (response.complete and not response._pieces):  # else nothing is left to read
+            with trio.move_on_after(REUSE_WAIT):
+                await _read_to_end(iterator)
     finally:
         await response.aclose()  # no checkpoint: runs when cancelled too
 
@@ -712,11 +727,15 @@ class UpstreamPool:
             raise RuntimeError("the pool is closed")
         proxy = _proxy_for(target, self._proxies)
         request, event = _request(method, target, headers, content, proxy)
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            with trio.fail_after(self._timeouts.connect):
-                await self._slots.acquire()
-        except trio.TooSlowError:
-            raise httpx.PoolTimeout("every connection to the provider stayed busy") from None
+            self._slots.acquire_nowait()  # a free slot: no deadline to set up
+        except trio.WouldBlock:
+            try:
+                with trio.fail_after(self._timeouts.connect):
+                    await self._slots.acquire()
+            except trio.TooSlowError:
+                raise httpx.PoolTimeout("every connection to the provider stayed busy") from None
         try:
             conn = self._take_idle(target.origin)
             if conn is None:

@@ -48,6 +48,10 @@ class SSEDecoder:
         self._data: list[bytes] = []
 
     def feed(self, piece: bytes) -> list[bytes]:
+        if not self._data and not self._lines._rest and piece.endswith(b"\n\n"):
+            simple = _simple_events(piece)
+            if simple is not None:
+                return simple
         events: list[bytes] = []
         data = self._data
         for line in self._lines.feed(piece):
@@ -74,3 +78,16 @@ class SSEDecoder:
         data = b"\n".join(self._data)
         self._data.clear()
         return data
+
+
+def _simple_events(piece: bytes) -> list[bytes] | None:
+    """The events of ``piece`` when it is whole events of one ``data: `` line each (what
+    OpenAI-compatible servers send), found by a few scans of the whole piece rather than line
+    by line; None for anything else (the general path decodes it)."""
+    if not piece.startswith(b"data: ") or b"\r" in piece:
+        return None
+    parts = piece[:-2].split(b"\n\n")
+    # Every part one line (no other newline: two per part, its end) starting ``data: ``.
+    if piece.count(b"\n") != 2 * len(parts) or piece.count(b"\n\ndata: ") != len(parts) - 1:
+        return None
+    return [part[6:] for part in parts]

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import httpx
+import orjson
 import pytest
 import trio
 
 from dispatcher import wire
 from nodes.adapters import Adapter, build_adapters, validate_options
-from nodes.adapters.openai import OpenAIAdapter, OpenAIOptions, completions_url
+from nodes.adapters.base import AdapterError, RunOutput
+from nodes.adapters.openai import (
+    OpenAIAdapter,
+    OpenAIOptions,
+    StreamUsage,
+    _take_events,
+    completions_url,
+)
 from nodes.config import ModelConfig, NodeConfigError, OptionsError, ProviderConfig
 from nodes.runner import open_runner
 from tests.nodes._helpers import Recorder, assert_no_address, assert_well_formed
@@ -516,3 +524,69 @@ def test_options() -> None:
         with pytest.raises(OptionsError) as info:
             validate_options("openai", bad)
         assert info.value.key == key
+
+
+class _Calls:
+    """A RunOutput recording the calls an adapter makes, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    async def delta(self, text: str) -> None:
+        self.calls.append(("delta", text))
+
+    async def tool_calls(self, calls: Any) -> None:
+        self.calls.append(("tool_calls", calls))
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, **parts: int) -> None:
+        self.calls.append(("usage", (prompt_tokens, completion_tokens)))
+
+
+def _output(calls: _Calls) -> RunOutput:
+    return cast(RunOutput, calls)
+
+
+def _event(content: str | None = None, **more: Any) -> bytes:
+    delta = {} if content is None else {"content": content}
+    return orjson.dumps({"choices": [{"index": 0, "delta": delta}], **more})
+
+
+async def test_the_text_of_one_read_is_one_delta_in_order_with_the_rest() -> None:
+    """The chunks of one read: consecutive text joined into one delta, which goes out before
+    a usage or tool calls that follow it (as chunk by chunk), and at the read's end."""
+    out, usage = _Calls(), StreamUsage()
+    call = {"index": 0, "id": "c", "function": {"name": "f", "arguments": ""}}
+    tool = orjson.dumps(
+        {"choices": [{"index": 0, "delta": {"content": "c", "tool_calls": [call]}}]}
+    )
+    done_usage = {"prompt_tokens": 3, "completion_tokens": 4}
+    events = [
+        _event("a"),
+        _event("b"),
+        tool,
+        _event("d"),
+        _event(usage=done_usage),
+        _event("e"),
+        orjson.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+        b"[DONE]",
+        _event("never"),
+    ]
+    assert await _take_events(events, _output(out), usage, None) == ("stop", True)
+    assert out.calls == [
+        ("delta", "abc"),
+        ("tool_calls", [call]),
+        ("delta", "d"),
+        ("usage", (3, 4)),
+        ("delta", "e"),
+    ]
+
+
+async def test_the_text_before_a_failure_in_the_same_read_goes_out_first() -> None:
+    for failing in (orjson.dumps({"error": {"message": "boom"}}), b"{not json"):
+        out = _Calls()
+        with pytest.raises(AdapterError) as caught:
+            await _take_events(
+                [_event("a"), _event("b"), failing, _event("c")], _output(out), StreamUsage(), None
+            )
+        assert caught.value.code in ("upstream_error", "upstream_bad_response")
+        assert out.calls == [("delta", "ab")]

@@ -11,6 +11,8 @@ from functools import partial
 import httpx
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nodes.upstream import client as _client
 from nodes.upstream.client import Response, Target, UpstreamPool
@@ -423,6 +425,31 @@ def test_sse_flush_gives_an_unterminated_last_event() -> None:
     decoder = SSEDecoder()
     assert decoder.feed(b"data: a\n\ndata: b") == [b"a"]
     assert decoder.flush() == b"b"
+
+
+_SSE_TEXT = [b"data: ", b"data:", b"data", b"event: x", b": c", b"id: 1", b"{}", b"[DONE]", b"x"]
+_SSE_ENDS = [b" ", b"\n", b"\n\n", b"\r", b"\r\n", b"\n\ndata: ", b"data: a\n\n"]
+_SSE_PARTS = st.sampled_from([*_SSE_TEXT, *_SSE_ENDS])
+
+
+@given(st.lists(st.lists(_SSE_PARTS, max_size=12).map(b"".join), max_size=4))
+def test_sse_whole_reads_decode_as_byte_by_byte(pieces: list[bytes]) -> None:
+    """Reads of whole ``data:`` events take a shortcut (a few scans of the read); whatever
+    the reads, the events are those of the same bytes fed one at a time (the line-by-line
+    path)."""
+    whole, one_by_one = SSEDecoder(), SSEDecoder()
+    body = b"".join(pieces)
+    expected = [e for i in range(len(body)) for e in one_by_one.feed(body[i : i + 1])]
+    assert [e for piece in pieces for e in whole.feed(piece)] == expected
+    assert whole.flush() == one_by_one.flush()
+
+
+def test_sse_whole_events_in_one_read() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: {}\n\ndata:  b\n\ndata: [DONE]\n\n") == [b"{}", b" b", b"[DONE]"]
+    assert decoder.feed(b"data: a\n\n\ndata: b\n\n") == [b"a", b"b"]
+    assert decoder.feed(b"data: a\ndata: b\n\n") == [b"a\nb"]
+    assert decoder.flush() is None
 
 
 @pytest.mark.parametrize("split", range(12))

@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from dispatcher import wire
+from dispatcher.shared.tokens import estimate_tokens
 from nodes.adapters import RunOutput
 from nodes.coalesce import MAX_DELTA_CHARS, RunPieces, take_body
 from nodes.runner import MAX_UNYIELDED_PIECES, open_runner
@@ -367,3 +368,18 @@ async def test_tunnel_body_buffered_behind_a_send_in_flight_is_one_frame(
     assert isinstance(messages[-1], wire.TunnelEnd)
     assert messages[-1].error is None
     assert tunnels.statistics().frames_sent == 2
+
+
+def test_the_estimate_counts_the_text_taken_and_pending_as_one_text() -> None:
+    pieces = RunPieces("r")
+    pieces.add_text("x a")
+    pieces.take()
+    assert pieces.generated_tokens() == estimate_tokens("x a") == 2
+    pieces.add_text("b c d")
+    pieces.add_text(" e f g h i")
+    whole = "x ab c d e f g h i"
+    assert estimate_tokens(whole) == 9  # words, not characters: "a" + "b" is one word
+    assert pieces.generated_tokens() == 9
+    assert pieces.generated_tokens() == 9  # asking changes nothing
+    pieces.take()
+    assert pieces.generated_tokens() == 9

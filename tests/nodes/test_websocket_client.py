@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
@@ -26,7 +28,13 @@ from wsproto.events import (
 )
 
 from dispatcher.shared.transport import ConnectionClosed
-from nodes.websocket import UpgradeRejected, WebSocketClient, handshake, open_websocket
+from nodes.websocket import (
+    UpgradeRejected,
+    WebSocketClient,
+    client_frames,
+    handshake,
+    open_websocket,
+)
 
 
 class Recorded(trio.abc.Stream):
@@ -393,3 +401,44 @@ async def test_a_write_cancelled_part_way_on_tcp_keeps_the_connection_and_the_fr
         await ws.send("next")
         assert await whole_message(edge) == "next"
         await edge.send(CloseConnection(code=1000))
+
+
+_SIZES = st.sampled_from([0, 1, 3, 4, 5, 125, 126, 127, 65535, 65536, 70000])
+_FRAME = st.one_of(
+    _SIZES.flatmap(lambda n: st.just("\u00e9x" * (n // 3) + "y" * (n % 3))),  # 2-byte chars
+    st.text(max_size=40),
+    _SIZES.flatmap(lambda n: st.binary(min_size=n, max_size=n)),
+)
+
+
+@given(st.lists(_FRAME, max_size=5))
+def test_the_client_s_frames_are_read_by_a_server_as_the_messages_sent(
+    frames: list[str | bytes],
+) -> None:
+    """The frames the client builds itself (masked, one pass): a wsproto server reads each
+    as one whole message, text or binary as sent."""
+    server = WSConnection(ConnectionType.SERVER)
+    client = WSConnection(ConnectionType.CLIENT)
+    server.receive_data(client.send(Request(host="edge", target="/v1/nodes/connect")))
+    assert [type(e) for e in server.events()] == [Request]
+    client.receive_data(server.send(AcceptConnection()))
+    data = client_frames(frames)
+    masked = [data[i] & 0x80 for i in _frame_starts(data)]
+    assert masked == [0x80] * len(frames)
+    server.receive_data(data)
+    received = list(server.events())
+    assert all(isinstance(e, TextMessage | BytesMessage) and e.message_finished for e in received)
+    assert [e.data for e in received if isinstance(e, TextMessage | BytesMessage)] == frames
+
+
+def _frame_starts(data: bytes) -> list[int]:
+    """Where each frame's second byte (MASK and length) is."""
+    starts, at = [], 0
+    while at < len(data):
+        starts.append(at + 1)
+        size = data[at + 1] & 0x7F
+        header = 2 + {126: 2, 127: 8}.get(size, 0)
+        if size >= 126:
+            size = int.from_bytes(data[at + 2 : at + header], "big")
+        at += header + 4 + size
+    return starts
