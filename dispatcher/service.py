@@ -309,8 +309,9 @@ class Service:
     async def report_demands(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Tells each node what this edge wants of it (``demand``) whenever admission's
-        queues or slots change: one pass per change, however many came together."""
+        """Tells each node what this edge wants of it (``demand``) whenever that may have
+        changed (:meth:`Admission.wait_changed`: not for a slot taken or freed within its
+        grant): one pass per change, however many came together."""
         task_status.started()
         while True:
             await self.admission.wait_changed()
