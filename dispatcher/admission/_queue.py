@@ -159,10 +159,13 @@ class Admission:
         waiting, the waiter leaves the queue at once and never holds a slot. ``requeue`` is
         for a retry of a request that already held a slot, ``share`` says whose request it
         is for fair queueing (see ``AdmissionCore.submit``).
+
+        A cancel point; a schedule point only when the request waits (admitted at once, the
+        caller goes on to send it to a node, which is one).
         """
         if not self._running:
             raise RuntimeError("Admission.run() must be running to open slots")
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint_if_cancelled()
         waiter_id = next(self._ids)
         parked = self._parked[waiter_id] = _Parked()
         try:
