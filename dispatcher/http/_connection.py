@@ -842,7 +842,10 @@ class _Request:
         if self._started:
             await trio.lowlevel.checkpoint()
             raise RuntimeError("the body was already (partly) read with iter_body()")
-        await trio.lowlevel.checkpoint()
+        # A cancel point; a schedule point only when the body is still to come (the
+        # handler's answer is written with one: a request whose body came with its head
+        # does not pay for a second).
+        await trio.lowlevel.checkpoint_if_cancelled()
         chunks = []
         while (chunk := await self._next_chunk(checkpoint=False)) is not None:
             chunks.append(chunk)
