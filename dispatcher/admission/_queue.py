@@ -15,7 +15,8 @@ import itertools
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
 
 import attrs
 import trio
@@ -107,6 +108,37 @@ class Slot:
         return f"<Slot {self.slot_id} on {self.candidate.label} ({state})>"
 
 
+class _SlotBlock:
+    """The block of :meth:`Admission.open_slot`: entering waits for the slot, leaving gives
+    it back (released, or draining). A small class rather than a generator: one per
+    attempt."""
+
+    __slots__ = ("_admission", "_args", "_slot")
+
+    def __init__(
+        self, admission: Admission, model: str, needs: Needs, requeue: bool, share: Share
+    ) -> None:
+        self._admission = admission
+        self._args = (model, needs, requeue, share)
+        self._slot: Slot | None = None
+
+    async def __aenter__(self) -> Slot:
+        if self._slot is not None:
+            raise RuntimeError("open_slot's block is entered once")
+        self._slot = await self._admission._admit(*self._args)
+        return self._slot
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        slot = self._slot
+        assert slot is not None
+        slot._finish(drain=slot._drain)
+
+
 class Admission:
     """Admission queues for every model group, over one :class:`AdmissionCore`.
 
@@ -149,20 +181,24 @@ class Admission:
             self._running = False
             self._armed = math.inf
 
-    @asynccontextmanager
-    async def open_slot(
+    def open_slot(
         self, model: str, needs: Needs, *, requeue: bool = False, share: Share = DEFAULT_SHARE
-    ) -> AsyncIterator[Slot]:
+    ) -> AbstractAsyncContextManager[Slot]:
         """Wait for a slot of ``model`` (a group or an alias) that meets ``needs``.
 
         Raises an :class:`~._errors.AdmissionError` subclass when rejected. Cancelled while
         waiting, the waiter leaves the queue at once and never holds a slot. ``requeue`` is
         for a retry of a request that already held a slot, ``share`` says whose request it
-        is for fair queueing (see ``AdmissionCore.submit``).
+        is for fair queueing (see ``AdmissionCore.submit``). The slot is given back when the
+        block is left, however it is left.
 
-        A cancel point; a schedule point only when the request waits (admitted at once, the
-        caller goes on to send it to a node, which is one).
+        Entering is a cancel point; a schedule point only when the request waits (admitted
+        at once, the caller goes on to send it to a node, which is one).
         """
+        return _SlotBlock(self, model, needs, requeue, share)
+
+    async def _admit(self, model: str, needs: Needs, requeue: bool, share: Share) -> Slot:
+        """The waiting of :meth:`open_slot`'s block: the slot admitted, or the error."""
         if not self._running:
             raise RuntimeError("Admission.run() must be running to open slots")
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -192,11 +228,7 @@ class Admission:
         if not isinstance(decision, Admit):
             assert decision is not None
             raise error_for(decision)
-        slot = Slot(self, decision)
-        try:
-            yield slot
-        finally:
-            slot._finish(drain=slot._drain)
+        return Slot(self, decision)
 
     def confirm_drain(self, slot_id: SlotId) -> None:
         """The node confirmed the cancel of the run on this slot: it is free."""
