@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
+from types import TracebackType
 from typing import Final, TypeVar
 
 import attrs
@@ -114,6 +115,46 @@ class Work:
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     answered: bool = False
     """The response has started: from here only a stream's own scope can end it cleanly."""
+
+
+class _WorkBlock:
+    """The block of :meth:`Service.track_work` (a small class rather than a generator: one
+    per request)."""
+
+    __slots__ = ("_service", "_work")
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+        self._work: Work | None = None
+
+    def __enter__(self) -> Work:
+        service = self._service
+        if service.draining:
+            raise ShuttingDown("the dispatcher is shutting down; retry the request")
+        work = self._work = Work()
+        service._work.add(work)
+        if service._idle.is_set():
+            service._idle = trio.Event()
+        work.scope.__enter__()
+        if service.shutting_down:
+            work.scope.cancel(reason="dispatcher shut down")
+        return work
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        work = self._work
+        assert work is not None
+        service = self._service
+        try:
+            return work.scope.__exit__(exc_type, exc, tb)
+        finally:
+            service._work.discard(work)
+            if not service._work:
+                service._idle.set()
 
 
 @attrs.define(eq=False)
@@ -309,8 +350,9 @@ class Service:
     async def report_demands(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Tells each node what this edge wants of it (``demand``) whenever admission's
-        queues or slots change: one pass per change, however many came together."""
+        """Tells each node what this edge wants of it (``demand``) whenever that may have
+        changed (:meth:`Admission.wait_changed`: not for a slot taken or freed within its
+        grant): one pass per change, however many came together."""
         task_status.started()
         while True:
             await self.admission.wait_changed()
@@ -412,26 +454,11 @@ class Service:
 
     # -- draining ---------------------------------------------------------------------
 
-    @contextmanager
-    def track_work(self) -> Iterator[Work]:
+    def track_work(self) -> _WorkBlock:
         """Count one request as in flight: :meth:`drain` waits for it. Raises
         :class:`ShuttingDown` when draining. When the grace is over, a request that has not
         started its answer (``work.answered`` still False) has ``work.scope`` cancelled."""
-        if self.draining:
-            raise ShuttingDown("the dispatcher is shutting down; retry the request")
-        work = Work()
-        self._work.add(work)
-        if self._idle.is_set():
-            self._idle = trio.Event()
-        try:
-            with work.scope:
-                if self.shutting_down:
-                    work.scope.cancel(reason="dispatcher shut down")
-                yield work
-        finally:
-            self._work.discard(work)
-            if not self._work:
-                self._idle.set()
+        return _WorkBlock(self)
 
     def in_flight(self) -> int:
         """Requests being served now (those :meth:`drain` waits for)."""

@@ -15,7 +15,8 @@ import itertools
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
 
 import attrs
 import trio
@@ -93,13 +94,49 @@ class Slot:
                 self._admission._core.begin_drain(self.slot_id, trio.current_time())
             )
         else:
-            self._admission._carry_out(
-                self._admission._core.release(self.slot_id, trio.current_time())
+            admission = self._admission
+            decisions = admission._core.release(self.slot_id, trio.current_time())
+            # A release that admits nobody only frees a slot of this candidate: no change
+            # a node is told of, unless its slots held were beyond its grant.
+            admission._carry_out(
+                decisions,
+                reported=bool(decisions) or admission._beyond_grant(self.candidate.key, 1),
             )
 
     def __repr__(self) -> str:
         state = "released" if self._done else "held"
         return f"<Slot {self.slot_id} on {self.candidate.label} ({state})>"
+
+
+class _SlotBlock:
+    """The block of :meth:`Admission.open_slot`: entering waits for the slot, leaving gives
+    it back (released, or draining). A small class rather than a generator: one per
+    attempt."""
+
+    __slots__ = ("_admission", "_args", "_slot")
+
+    def __init__(
+        self, admission: Admission, model: str, needs: Needs, requeue: bool, share: Share
+    ) -> None:
+        self._admission = admission
+        self._args = (model, needs, requeue, share)
+        self._slot: Slot | None = None
+
+    async def __aenter__(self) -> Slot:
+        if self._slot is not None:
+            raise RuntimeError("open_slot's block is entered once")
+        self._slot = await self._admission._admit(*self._args)
+        return self._slot
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        slot = self._slot
+        assert slot is not None
+        slot._finish(drain=slot._drain)
 
 
 class Admission:
@@ -144,27 +181,41 @@ class Admission:
             self._running = False
             self._armed = math.inf
 
-    @asynccontextmanager
-    async def open_slot(
+    def open_slot(
         self, model: str, needs: Needs, *, requeue: bool = False, share: Share = DEFAULT_SHARE
-    ) -> AsyncIterator[Slot]:
+    ) -> AbstractAsyncContextManager[Slot]:
         """Wait for a slot of ``model`` (a group or an alias) that meets ``needs``.
 
         Raises an :class:`~._errors.AdmissionError` subclass when rejected. Cancelled while
         waiting, the waiter leaves the queue at once and never holds a slot. ``requeue`` is
         for a retry of a request that already held a slot, ``share`` says whose request it
-        is for fair queueing (see ``AdmissionCore.submit``).
+        is for fair queueing (see ``AdmissionCore.submit``). The slot is given back when the
+        block is left, however it is left.
+
+        Entering is a cancel point; a schedule point only when the request waits (admitted
+        at once, the caller goes on to send it to a node, which is one).
         """
+        return _SlotBlock(self, model, needs, requeue, share)
+
+    async def _admit(self, model: str, needs: Needs, requeue: bool, share: Share) -> Slot:
+        """The waiting of :meth:`open_slot`'s block: the slot admitted, or the error."""
         if not self._running:
             raise RuntimeError("Admission.run() must be running to open slots")
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint_if_cancelled()
         waiter_id = next(self._ids)
         parked = self._parked[waiter_id] = _Parked()
         try:
+            decisions = self._core.submit(
+                waiter_id, model, needs, trio.current_time(), requeue=requeue, share=share
+            )
+            # Admitted at once (never queued) and nothing else decided: only a slot of its
+            # candidate was taken -- no change a node is told of, within its grant.
             self._carry_out(
-                self._core.submit(
-                    waiter_id, model, needs, trio.current_time(), requeue=requeue, share=share
-                )
+                decisions,
+                reported=len(decisions) != 1
+                or decisions[0].waiter_id != waiter_id
+                or not isinstance(decisions[0], Admit)
+                or self._beyond_grant(decisions[0].candidate.key, 0),
             )
             if parked.decision is None:
                 await parked.event.wait()
@@ -177,11 +228,7 @@ class Admission:
         if not isinstance(decision, Admit):
             assert decision is not None
             raise error_for(decision)
-        slot = Slot(self, decision)
-        try:
-            yield slot
-        finally:
-            slot._finish(drain=slot._drain)
+        return Slot(self, decision)
 
     def confirm_drain(self, slot_id: SlotId) -> None:
         """The node confirmed the cancel of the run on this slot: it is free."""
@@ -204,7 +251,8 @@ class Admission:
     def report_success(self, key: CandidateKey) -> None:
         """An attempt on ``key`` worked (report it as soon as that is known, e.g. at the
         first token): the candidate is healthy again. See ``AdmissionCore.report_success``."""
-        self._carry_out(self._core.report_success(key, trio.current_time()))
+        decisions = self._core.report_success(key, trio.current_time())
+        self._carry_out(decisions, reported=bool(decisions))
 
     def report_failure(self, key: CandidateKey) -> None:
         """An attempt on ``key`` failed for a reason that is the candidate's (node lost,
@@ -212,7 +260,8 @@ class Admission:
         client's error. Report it before leaving the slot's block, so that a probe's
         failure is seen before another request may probe. See
         ``AdmissionCore.report_failure``."""
-        self._carry_out(self._core.report_failure(key, trio.current_time()))
+        decisions = self._core.report_failure(key, trio.current_time())
+        self._carry_out(decisions, reported=bool(decisions))
 
     def statistics(self) -> AdmissionStatistics:
         return self._core.statistics()
@@ -222,8 +271,12 @@ class Admission:
         return self._core.demand(key)
 
     async def wait_changed(self) -> None:
-        """Until the queues or the slots change after the call (a waiter comes or goes, a
-        slot is taken or freed, a capacity changes)."""
+        """Until what the nodes are told of this edge's demand (``demand``: the requests
+        queued, the slots held beyond a candidate's grant, its slots) may have changed after
+        the call: a waiter comes or goes, a capacity changes, a node joins or leaves, a slot
+        is taken or freed beyond its candidate's grant or back to it. A slot taken at once
+        or freed within the grant (every request's own, on an edge that does not queue)
+        wakes nobody."""
         await self._changed.wait()
 
     def knows_model(self, model: str) -> bool:
@@ -244,11 +297,19 @@ class Admission:
         elif isinstance(parked.decision, Admit):
             self._carry_out(self._core.release(parked.decision.slot_id, now))
 
-    def _carry_out(self, decisions: Sequence[Decision]) -> None:
+    def _beyond_grant(self, key: CandidateKey, freed: int) -> bool:
+        """Whether ``key``'s slots held (``freed`` more, before a release) are beyond its
+        slots now, or the candidate is gone: a change there is one its node is told of."""
+        demand = self._core.demand(key)
+        return demand is None or demand[1] + freed > demand[2]
+
+    def _carry_out(self, decisions: Sequence[Decision], *, reported: bool = True) -> None:
         """Hand each decision to its parked task; an admission for a task that is gone is
-        released at once (which may admit someone else). Wakes :meth:`wait_changed`."""
-        self._changed.set()
-        self._changed = trio.Event()
+        released at once (which may admit someone else). Wakes :meth:`wait_changed` unless
+        the caller knows the change is none a node is told of (``reported`` False)."""
+        if reported:
+            self._changed.set()
+            self._changed = trio.Event()
         pending = deque(decisions)
         while pending:
             decision = pending.popleft()

@@ -37,6 +37,7 @@ The gate's usage row of the attempt reads it from there.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -139,16 +140,29 @@ async def relay(
 _NO_USAGE: Final = wire.Usage(prompt_tokens=0, completion_tokens=0, estimated=True)
 
 
-async def _receive(tunnel: Tunnel, stall: float) -> bytes:
-    """The next piece of the body (``b""`` at the clean end); TunnelFailed when it broke
-    off, or when nothing came for ``stall`` seconds."""
-    with trio.move_on_after(stall):
-        return await tunnel.receive_some()
-    raise TunnelFailed(
-        f"no output from the provider behind {tunnel.candidate.label} for {stall:g} s",
-        code="stall_timeout",
-        retryable=False,
-    )
+class _Pieces:
+    """The rest of a tunnel's body, piece by piece (``b""`` at the clean end): TunnelFailed
+    when it broke off, or when nothing came for ``stall`` seconds. One cancel scope for the
+    whole relay, its deadline moved before each wait, rather than one per piece."""
+
+    __slots__ = ("_scope", "_stall", "_tunnel")
+
+    def __init__(self, tunnel: Tunnel, stall: float, scope: trio.CancelScope) -> None:
+        self._tunnel = tunnel
+        self._stall = stall
+        self._scope = scope
+
+    async def receive(self) -> bytes:
+        self._scope.deadline = trio.current_time() + self._stall
+        return await self._tunnel.receive_some()
+
+    def stalled(self) -> TunnelFailed:
+        return TunnelFailed(
+            f"no output from the provider behind {self._tunnel.candidate.label} for "
+            f"{self._stall:g} s",
+            code="stall_timeout",
+            retryable=False,
+        )
 
 
 async def _relay_sse(
@@ -172,15 +186,23 @@ async def _relay_sse(
                 if sse.done:
                     delivered()
             if not head.complete:
-                while data := await _receive(tunnel, stall):
-                    out = sse.feed(data)
-                    if out:
-                        await stream.send(out)
-                        if sse.done:
-                            delivered()
-                rest = sse.finish()
-                if rest:
-                    await stream.send(rest)
+                # the stall timeout applies to the waits for the provider, not to the
+                # writes to the client (the server's write timeout is theirs)
+                with trio.CancelScope() as waited:
+                    pieces = _Pieces(tunnel, stall, waited)
+                    while data := await pieces.receive():
+                        out = sse.feed(data)
+                        if out:
+                            waited.deadline = math.inf
+                            await stream.send(out)
+                            if sse.done:
+                                delivered()
+                    waited.deadline = math.inf
+                    rest = sse.finish()
+                    if rest:
+                        await stream.send(rest)
+                if waited.cancelled_caught:
+                    raise pieces.stalled()
         except TunnelFailed as exc:
             log.info("tunnel %s broke off mid-stream: %s", tunnel.tunnel_id, exc)
             # An unfinished event is dropped: our error event must not merge into it.
@@ -208,12 +230,16 @@ async def _relay_body(
     parts: list[bytes] = [head.data] if head.data else []
     size = len(head.data)
     if not head.complete:
-        while size <= BUFFER_LIMIT:
-            data = await _receive(tunnel, stall)
-            if not data:
-                break
-            parts.append(data)
-            size += len(data)
+        with trio.CancelScope() as waited:
+            pieces = _Pieces(tunnel, stall, waited)
+            while size <= BUFFER_LIMIT:
+                data = await pieces.receive()
+                if not data:
+                    break
+                parts.append(data)
+                size += len(data)
+        if waited.cancelled_caught:
+            raise pieces.stalled()
     rewrite = head.model_rewrite
     if size <= BUFFER_LIMIT:
         whole = b"".join(parts)
@@ -228,11 +254,16 @@ async def _relay_body(
     await stream.send(renamed.feed(first) if renamed else first)
     del parts, first
     try:
-        while data := await _receive(tunnel, stall):
-            tail = (tail + data)[-USAGE_TAIL:]
-            out = renamed.feed(data) if renamed else data
-            if out:
-                await stream.send(out)
+        with trio.CancelScope() as waited:
+            pieces = _Pieces(tunnel, stall, waited)
+            while data := await pieces.receive():
+                waited.deadline = math.inf
+                tail = (tail + data)[-USAGE_TAIL:]
+                out = renamed.feed(data) if renamed else data
+                if out:
+                    await stream.send(out)
+        if waited.cancelled_caught:
+            raise pieces.stalled()
     except TunnelFailed as exc:
         log.info("tunnel %s broke off mid-body, cutting the response: %s", tunnel.tunnel_id, exc)
         raise CutResponse(str(exc)) from exc

@@ -11,12 +11,16 @@ buffer without bound.
 
 Every write goes through :meth:`HTTPConnection.send_bytes`: a checkpoint, bounded by
 ``ServerLimits.write_timeout``; a failed or timed-out write cuts the connection off (the handler
-is cancelled) and raises :class:`PeerGone`.
+is cancelled) and raises :class:`PeerGone`. The write that ends an answer (or starts a stream)
+is :meth:`HTTPConnection.send_final`: on plain TCP, when the kernel takes it whole at once, a
+cancel point only (the connection's wait for the next request is its schedule point, and a
+request whose head was read already gets one before its handler runs).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 import struct
@@ -226,6 +230,7 @@ class HTTPConnection:
         "_expect_pending",
         "_h11",
         "_handler_scope",
+        "_head_waited",
         "_inbuf",
         "_main",
         "_method",
@@ -264,6 +269,8 @@ class HTTPConnection:
         self._ws: ServerWebSocket | None = None
         self._method = b""
         self._expect_pending = False
+        self._head_waited = False
+        """The connection waited for the head of the request being served."""
         self._served = 0
         self._opened_at = trio.current_time()
 
@@ -394,6 +401,32 @@ class HTTPConnection:
             raise
         finally:
             writing.discard(self)
+
+    async def send_final(self, data: bytes) -> None:
+        """Write the bytes that end a request's answer (or its head): like :meth:`send_bytes`,
+        but on a plain TCP connection whose kernel buffer takes ``data`` whole at once, a
+        cancel point and no schedule point -- the connection's wait for the next request is
+        one (a request whose head was here already gets one: :meth:`_serve`). Anything
+        else (TLS, a full buffer, an error) goes through :meth:`send_bytes`."""
+        if self._stream is self._raw and not self._aborted:
+            try:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                # as send_bytes: h11 has these bytes as sent, the client never gets them
+                self._abort("a write was interrupted")
+                raise
+            try:
+                written = os.write(self._raw.socket.fileno(), data)
+            except BlockingIOError:
+                written = 0
+            except OSError:
+                # a reset, or the socket closed: send_bytes's own write fails the same way
+                # and says so
+                written = 0
+            if written == len(data):
+                return
+            data = data[written:]
+        await self.send_bytes(data)
 
     def cut_off_slow_writer(self) -> None:
         """The write watchdog found a write older than the write timeout: close the socket
@@ -547,6 +580,7 @@ class HTTPConnection:
                         detail = f"no complete request head within {limits.header_timeout} s"
                         await self._reject(408, detail, linger=False)
                     return None
+                self._head_waited = True
                 with trio.move_on_at(deadline):
                     await self._main.wait()
                 continue
@@ -621,9 +655,14 @@ class HTTPConnection:
     async def _serve(self) -> None:
         while True:
             self._method = b""
+            self._head_waited = False
             received = await self._receive_request_head()
             if received is None:
                 return
+            if not self._head_waited:
+                # The head was here already (pipelined): a schedule point per request even
+                # if its handler has none (send_final, a body that came with the head).
+                await trio.lowlevel.checkpoint()
             if not await self._handle_request(*received):
                 return
             if self.server.shutting_down:
@@ -842,7 +881,10 @@ class _Request:
         if self._started:
             await trio.lowlevel.checkpoint()
             raise RuntimeError("the body was already (partly) read with iter_body()")
-        await trio.lowlevel.checkpoint()
+        # A cancel point; a schedule point only when the body is still to come (the
+        # handler's answer is written with one: a request whose body came with its head
+        # does not pay for a second).
+        await trio.lowlevel.checkpoint_if_cancelled()
         chunks = []
         while (chunk := await self._next_chunk(checkpoint=False)) is not None:
             chunks.append(chunk)
@@ -945,7 +987,7 @@ class _Responder:
             data += h.send(h11.Data(data=body))
         data += h.send(h11.EndOfMessage())
         self.state = _DONE
-        await conn.send_bytes(data)
+        await conn.send_final(data)
 
     async def start_stream(self, status: int, headers: Headers = ()) -> HTTPStream:
         await self._check()
@@ -964,7 +1006,7 @@ class _Responder:
         stream = _HTTPStream(conn, framing)
         self.state = _STREAMING
         self.stream = stream
-        await conn.send_bytes(data)
+        await conn.send_final(data)
         return stream
 
     async def accept_websocket(
@@ -1036,4 +1078,4 @@ class _HTTPStream:
             await trio.lowlevel.checkpoint()
             raise PeerGone("the client disconnected")
         self._ended = True
-        await conn.send_bytes(conn._h11.send(h11.EndOfMessage()))
+        await conn.send_final(conn._h11.send(h11.EndOfMessage()))

@@ -125,7 +125,8 @@ class Request(Protocol):
         """The body as it arrives; raises BodyTooLarge past the limit."""
 
     async def body(self) -> bytes:
-        """The whole body; raises BodyTooLarge past the limit. Reads once, then cached."""
+        """The whole body; raises BodyTooLarge past the limit. Reads once, then cached. A
+        cancel point; a schedule point when it waits for the body."""
 
 
 class HTTPStream(Protocol):

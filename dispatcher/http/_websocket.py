@@ -33,7 +33,8 @@ _MAX_QUEUED_MESSAGES = 64
 """The reader stops reading while this many received messages wait for ``receive``."""
 MAX_UNYIELDED_MESSAGES = 16
 """Messages ``receive`` may return in a row from its queue (they had arrived) before it is a
-schedule point again: a bound on how long a reader with everything ready runs on."""
+schedule point again: a bound on how long a reader with everything ready runs on; and
+messages ``send`` may write in a row without one (each taken by the kernel at once)."""
 
 
 def _nothing() -> bytes:
@@ -44,6 +45,7 @@ class Transport(Protocol):
     """What the websocket needs from its HTTP connection."""
 
     async def send_bytes(self, data: bytes) -> None: ...
+    async def send_final(self, data: bytes) -> None: ...
     def resume_reading(self) -> None: ...
 
 
@@ -68,6 +70,7 @@ class ServerWebSocket:
         "_subprotocol",
         "_transport",
         "_unyielded",
+        "_unyielded_sends",
     )
 
     def __init__(
@@ -97,6 +100,8 @@ class ServerWebSocket:
         self._receiver = Waiter()
         self._lock = trio.Lock()
         self._unyielded = 0
+        self._unyielded_sends = 0
+        """Messages sent since the last one sent with a schedule point."""
 
     # --- the handler's side -----------------------------------------------------------
 
@@ -121,7 +126,7 @@ class ServerWebSocket:
                 return None
             return self._proto.send(event)
 
-        await self._locked_send(build)
+        await self._locked_send(build, prompt=True)
 
     async def receive(self) -> str | bytes:
         """The next message. Always a cancel point (a cancelled task takes no message); a
@@ -222,11 +227,15 @@ class ServerWebSocket:
         return WebSocketClosed(code, self._close_reason)
 
     async def _locked_send(
-        self, build: Callable[[], bytes | None], *, with_pending: bool = True
+        self, build: Callable[[], bytes | None], *, with_pending: bool = True, prompt: bool = False
     ) -> None:
-        """Build frames under the write lock and send them (always a checkpoint).
+        """Build frames under the write lock and send them (always a cancel point, and a
+        schedule point unless ``prompt``).
 
         ``build`` returns None when the websocket is closed: WebSocketClosed is raised.
+        ``prompt`` (a message's send): a write the kernel takes whole at once is no schedule
+        point (``send_final``), except every :data:`MAX_UNYIELDED_MESSAGES` sends in a row --
+        the bound on how long a sender with everything ready runs on.
         """
         lock = self._lock
         try:
@@ -244,8 +253,14 @@ class ServerWebSocket:
             if not data:
                 await trio.lowlevel.checkpoint()
                 return
+            if prompt and self._unyielded_sends < MAX_UNYIELDED_MESSAGES:
+                self._unyielded_sends += 1
+                send = self._transport.send_final
+            else:
+                self._unyielded_sends = 0
+                send = self._transport.send_bytes
             try:
-                await self._transport.send_bytes(data)
+                await send(data)
             except PeerGone:
                 self.connection_lost()
                 raise

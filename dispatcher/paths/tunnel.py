@@ -235,7 +235,7 @@ class Tunnel(Lease):
             while route.start is None and route.end is None:
                 await route.wait()
         else:
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()  # once per tunnel: no schedule point
         if route.start is None:
             assert route.end is not None
             raise self._failure(route.end, "before the response started")
@@ -246,8 +246,10 @@ class Tunnel(Lease):
         none); ``b""`` at the clean end. At an abnormal end, what arrived before it is
         delivered first, then :class:`TunnelFailed` is raised.
 
-        One pass through the scheduler per piece: a wait for it, else a checkpoint; the
-        end that had arrived with the last piece is told without another."""
+        A schedule point only when it waits for a piece; a piece already here is returned
+        at a cancel point (the caller's write of it to the client is the schedule point;
+        and a loop of calls waits at least every other call, as each takes all there is);
+        the end that had arrived with the last piece is told without another."""
         route = self._route
         waited = not route.chunks and route.end is None
         while not route.chunks and route.end is None:
@@ -258,7 +260,7 @@ class Tunnel(Lease):
             self._end_told = route.end is not None  # (nothing can come after the end)
             return data
         if not (waited or self._end_told):
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
         end = route.end
         assert end is not None
         if end.error is not None:
@@ -278,11 +280,11 @@ class Tunnel(Lease):
 
     async def _consumed(self, size: int, *, checkpoint: bool = True) -> None:
         """``size`` bytes were taken: the node gets its credit back a step at a time. A
-        checkpoint unless ``checkpoint`` is False (the caller parked already)."""
+        cancel point unless ``checkpoint`` is False (the caller parked already)."""
         self._unreported += size
         if self._unreported < self._owner.credit_step or self.finished:
             if checkpoint:
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.checkpoint_if_cancelled()
             return
         grant, self._unreported = self._unreported, 0
         # Granted before the send: the node may answer with data before the send returns.
@@ -290,7 +292,7 @@ class Tunnel(Lease):
         # Posted: dropped if the session is over (the route is failed by the registry).
         self.session.post(wire.TunnelCredit(tunnel_id=self.tunnel_id, bytes=grant))
         if checkpoint:
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
 
     def _failure(self, end: wire.TunnelEnd, when: str) -> TunnelFailed:
         where = f"{self.candidate.label}"

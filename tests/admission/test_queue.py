@@ -377,3 +377,37 @@ async def test_a_failed_probe_ejects_again_for_twice_as_long(
         assert (stats.health, stats.ejected_until, stats.ejections) == ("ejected", 15, 2)
         async with admission.open_slot("m", Needs()) as slot:  # the only one: fallback
             assert slot.queue_reason == "immediate"
+
+
+async def test_wait_changed_wakes_for_what_a_node_is_told_not_for_a_slot_within_its_grant(
+    admission: Admission, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``wait_changed`` (what drives the ``demand`` reports) wakes when a request queues or
+    a slot beyond the grant is freed, not when a slot is taken at once or freed within it."""
+    wakes = 0
+
+    async def count_wakes() -> None:
+        nonlocal wakes
+        while True:
+            await admission.wait_changed()
+            wakes += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(count_wakes)
+        await trio.testing.wait_all_tasks_blocked()
+        async with admission.open_slot("m", Needs()):
+            await trio.testing.wait_all_tasks_blocked()
+            assert wakes == 0  # taken at once, within the grant of 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert wakes == 0  # freed within the grant
+        holder = await nursery.start(hold, admission)
+        nursery.start_soon(hold, admission)  # queues behind it
+        await trio.testing.wait_all_tasks_blocked()
+        assert depth(admission) == 1
+        assert wakes >= 1  # (the driver's tick for the new queue deadline may wake it too)
+        before = wakes
+        admission.capacity_changed(cand().key, 0, 0)  # the grant drops below the slot held
+        await trio.testing.wait_all_tasks_blocked()
+        assert wakes > before
+        assert holder.candidate.node_id == "node-a"
+        nursery.cancel_scope.cancel()

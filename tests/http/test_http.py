@@ -105,6 +105,42 @@ async def test_pipelined_requests_are_answered_in_order(nursery: trio.Nursery) -
     await assert_serves(server)
 
 
+async def test_pipelined_requests_each_pass_a_schedule_point(nursery: trio.Nursery) -> None:
+    """A pipelining client whose handlers never wait (the body came with the head, the
+    answer's write is taken at once) does not keep its connection's task running: each
+    request passes a schedule point, so the other tasks run as it is served."""
+    ticks = 0
+    seen: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await trio.lowlevel.checkpoint()
+            ticks += 1
+
+    async def handler(request: Request, responder: Responder) -> None:
+        await request.body()
+        seen.append(ticks)
+        await responder.respond(200, [], b"ok")
+
+    server = await start_server(nursery, handler)
+    stream = await connect(server)
+    count = 20
+    nursery.start_soon(ticker)
+    await stream.send_all(
+        b"".join(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: 1\r\n\r\nx" for _ in range(count))
+    )
+    reader = PipelineReader(stream)
+    for _ in range(count):
+        response, body = await reader.read_response("POST")
+        assert (response.status_code, body) == (200, b"ok")
+    assert len(seen) == count
+    # The ticker runs once per scheduler batch; each request takes one at least (without a
+    # schedule point per request, the connection serves them all in one step: no tick).
+    assert seen[-1] - seen[0] >= count // 2
+    await stream.aclose()
+
+
 async def test_chunked_request_and_response_bodies(nursery: trio.Nursery) -> None:
     server = await start_server(nursery, app)
     stream = await connect(server)
