@@ -44,7 +44,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASE_REQUESTS = 50
 WARMUP = 20
-JOIN_TIMEOUT = 300.0
+JOIN_TIMEOUT = 900.0
 NON_STREAM_TOKENS = 16
 STREAM_TOKENS = 64
 PATHS = ("echo", "tunnel", "openai")
