@@ -235,6 +235,19 @@ def _decimal(value: float | None) -> str:
     return "" if value is None else repr(value)
 
 
+def _limit_strings(limits: Limits) -> tuple[str, ...]:
+    """A key's limits as the admission script reads them (ARGV[8] to ARGV[14])."""
+    return (
+        _decimal(limits.rpm),
+        _decimal(limits.tpm),
+        _decimal(limits.max_concurrent),
+        _decimal(limits.budget_tokens_day),
+        _decimal(limits.budget_usd_day),
+        _decimal(limits.budget_tokens_month),
+        _decimal(limits.budget_usd_month),
+    )
+
+
 @attrs.define(eq=False)
 class RedisLimits:
     """Tenants' limits in Redis (see the module docstring). Open it with
@@ -548,22 +561,19 @@ class RedisLimits:
         assert strings is not None, answer
         return strings
 
-    def _admit_args(self, hold: Hold) -> list[str]:
-        """An admission's arguments (after the clocks and the operation)."""
-        limits = hold.limits
+    def _own_args(self, hold: Hold) -> list[str]:
+        """An admission's own arguments (after the clocks and the operation, before its
+        limits)."""
         return [
             hold.request_id,
             str(hold.tokens),
             repr(float(hold.usd)),
             repr(float(self.hold_lease)),
-            _decimal(limits.rpm),
-            _decimal(limits.tpm),
-            _decimal(limits.max_concurrent),
-            _decimal(limits.budget_tokens_day),
-            _decimal(limits.budget_usd_day),
-            _decimal(limits.budget_tokens_month),
-            _decimal(limits.budget_usd_month),
         ]
+
+    def _admit_args(self, hold: Hold) -> list[str]:
+        """An admission's arguments (after the clocks and the operation)."""
+        return [*self._own_args(hold), *_limit_strings(hold.limits)]
 
     def _admit_command(self, hold: Hold, carried: _Op | None) -> bytes:
         """The EVALSHA of an admission (:meth:`_admit_args`; then ``carried``'s operation
@@ -581,23 +591,8 @@ class RedisLimits:
         if tail is None:
             if len(self._limit_args) >= _ENCODED_KEEP:
                 self._limit_args.clear()
-            tail = self._limit_args[limits] = encode_args(
-                _decimal(limits.rpm),
-                _decimal(limits.tpm),
-                _decimal(limits.max_concurrent),
-                _decimal(limits.budget_tokens_day),
-                _decimal(limits.budget_usd_day),
-                _decimal(limits.budget_tokens_month),
-                _decimal(limits.budget_usd_month),
-            )
-        own = encode_args(
-            *self._clocks(),
-            "admit",
-            hold.request_id,
-            str(hold.tokens),
-            repr(float(hold.usd)),
-            repr(float(self.hold_lease)),
-        )
+            tail = self._limit_args[limits] = encode_args(*_limit_strings(limits))
+        own = encode_args(*self._clocks(), "admit", *self._own_args(hold))
         if carried is None:
             return join_command(head, own, tail)
         carry = carried.carry if carried.carry is not None else encode_args(*carried.args[2:])
