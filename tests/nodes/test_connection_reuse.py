@@ -27,6 +27,7 @@ from dispatcher import EdgeConfig, open_dispatcher, wire
 from nodes.adapters import HasLifetime, build_adapters, open_adapters
 from nodes.config import ModelConfig, NodeConfig, ProviderConfig
 from nodes.runner import Runner, open_runner
+from nodes.upstream import client as upstream_client
 from nodes.upstream.tls import tls_context
 from tests.nodes._helpers import Recorder, assert_well_formed
 from tests.nodes.fake_providers import (
@@ -121,6 +122,15 @@ async def start_upstream(nursery: trio.Nursery, kind: Kind) -> Upstream:
     assert fake.server is not None
     relay: CountingRelay = await nursery.start(serve_counting_relay, fake.server.address.port)
     return Upstream(kind, fake, relay)
+
+
+@pytest.fixture(autouse=True)
+def patient_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A response's body is always read to its end before its connection goes back to the
+    pool: the fake ends every body right after its last event, and on a loaded machine that
+    end can take longer than :data:`nodes.upstream.client.REUSE_WAIT` to be read (the
+    connection is then closed, not reused, and a test counting connections sees one more)."""
+    monkeypatch.setattr(upstream_client, "REUSE_WAIT", 30.0)
 
 
 @pytest.fixture(params=KINDS)

@@ -360,7 +360,9 @@ async def test_an_admission_whose_caller_left_before_it_ran_is_not_run(url: str)
         await store.client.call("DEL", broken)
         await store.client.call("SET", broken, "not a hash")
         store.settle(held, 1, 30, 0.0)  # retried at the head of the queue
-        await trio.sleep(0.02)  # the writer has it (alone: else one pipeline takes both)
+        with trio.fail_after(10):  # the writer has it, alone (else one pipeline takes both)
+            while store.statistics().retried == 0:
+                await trio.sleep(0.001)
         with trio.move_on_after(0.05):
             await store.admit(hold("gone", tenant="t2", rpm=1))
         await restore(store, broken, cast(list[bytes], state))
