@@ -153,6 +153,7 @@ class AttemptFailed(Exception):
         *,
         retryable: bool,
         candidate: CandidateKey | None = None,
+        sent: bool = True,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -160,6 +161,9 @@ class AttemptFailed(Exception):
         self.retryable = retryable
         self.candidate = candidate
         """The candidate the next attempts exclude (None: no attempt was made on one)."""
+        self.sent = sent
+        """The attempt's request reached the node's connection, so it has a usage row;
+        False: the node was lost before it went out (a tunnel's), and it has none."""
 
 
 def _is_content(event: wire.RunEvent) -> bool:
@@ -191,9 +195,13 @@ class Attempt:
     def where(self) -> str:
         return f"{self.result.node_id}/{self.result.provider_id}"
 
-    def failure(self, code: str, message: str, *, retryable: bool) -> AttemptFailed:
+    def failure(
+        self, code: str, message: str, *, retryable: bool, sent: bool = True
+    ) -> AttemptFailed:
         """This attempt failed before its commit: its candidate is excluded from the next."""
-        return AttemptFailed(code, message, retryable=retryable, candidate=self.result.candidate)
+        return AttemptFailed(
+            code, message, retryable=retryable, candidate=self.result.candidate, sent=sent
+        )
 
     def ending(self, ended: rules.Ended) -> _Ending:
         """What both paths' end records (:class:`~dispatcher.gate.rules.RunEnd`,
@@ -528,9 +536,10 @@ class Gate:
                         failed_before=True,
                     )
                     log.info(
-                        "request %s attempt %d failed before commit: %s (%s)",
+                        "request %s attempt %d %s: %s (%s)",
                         request.request_id,
                         number,
+                        "failed before commit" if failure.sent else "was not sent",
                         failure.message,
                         _STEP_WORDS[step],
                     )
@@ -555,6 +564,13 @@ class Gate:
                     self._count(f"attempt_failed:{exc.code}")
                     step = recover(
                         rules.Failure(exc.code, exc.retryable), tries=tries, failed_before=True
+                    )
+                    log.info(
+                        "request %s attempt %d was not sent: %s (%s)",
+                        request.request_id,
+                        number,
+                        exc.message,
+                        _STEP_WORDS[step],
                     )
             if step == "give_up":
                 break
@@ -755,7 +771,14 @@ class Gate:
             except TunnelFailed as exc:
                 raise attempt.failure(exc.code, exc.message, retryable=exc.retryable) from exc
             except NodeUnavailable as exc:
-                raise attempt.failure(exc.code, f"{where}: {exc.message}", retryable=True) from exc
+                # lost before the request went out: no row (see _RowWhenEnded); lost while
+                # its body was going out: the node may have begun it, the row is kept
+                raise attempt.failure(
+                    exc.code,
+                    f"{where}: {exc.message}",
+                    retryable=True,
+                    sent=attempt.tunnel.sent,
+                ) from exc
             status = head.start.status
             failure = rules.tunnel_status_failure(status)
             if failure is not None:

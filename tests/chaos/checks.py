@@ -205,7 +205,8 @@ def check_nodes_back(run: SoakRun) -> Check:
 def check_one_row_per_attempt(run: SoakRun) -> Check:
     """One row per dispatched attempt: attempt numbers within bounds; an answered request
     has a row for the attempt that answered (``x-dispatcher-attempts``) and none after it;
-    every attempt the edge logged as failed before the commit has its row; no other row
+    every attempt the edge logged as failed before the commit has its row, one it logged as
+    not sent (its node lost before the request went out) has none; no other row
     but one final (cancelled) row of a client that left; each request the fake upstream
     saw has at least as many rows on that provider; no row for a request nobody sent."""
     by = rows_by_request(run)
@@ -271,6 +272,14 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
             )
     for line in run.index.unmapped:
         evidence.append(f"the edge logged a failed attempt of a request with no row: {line}")
+    for key, unsent in sorted(log.not_sent.items()):
+        owner = run.index.edge_ids.get(key) or (key if key in known else None)
+        had = {r["attempt"] for r in by.get(owner, [])} if owner is not None else set()
+        for attempt in sorted(set(unsent) & had):
+            evidence.append(
+                f"{owner}: a row for attempt {attempt}, which the edge logged as never sent: "
+                f"{unsent[attempt].strip()}"
+            )
     if run.usage_truncated:
         evidence.insert(0, "GET /v1/usage was truncated: not every row was read")
     for line in log.text.splitlines():
@@ -281,7 +290,8 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
         not evidence,
         f"{len(run.rows)} rows for {len(by)} requests; "
         f"{sum(len(v) for v in log.failed_before_commit.values())} attempts logged as failed "
-        "before the commit" + (", rows keyed by the edge's own ids" if _edge_keyed(run) else ""),
+        f"before the commit, {sum(len(v) for v in log.not_sent.values())} as not sent"
+        + (", rows keyed by the edge's own ids" if _edge_keyed(run) else ""),
         evidence,
     )
 

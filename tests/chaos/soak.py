@@ -540,6 +540,7 @@ FAILED_BEFORE_COMMIT = re.compile(
     r"request (\S+) attempt (\d+) failed before commit: (.*) "
     r"\((retrying|giving up|not retryable)\)$"
 )
+NOT_SENT = re.compile(r"request (\S+) attempt (\d+) was not sent: (.*) \((retrying|giving up)\)$")
 
 
 @attrs.frozen
@@ -553,11 +554,14 @@ class EdgeLog:
     """(node, generation, reason, line)"""
     failed_before_commit: dict[str, dict[int, str]]
     """request id -> attempt -> the log line"""
+    not_sent: dict[str, dict[int, str]]
+    """request id -> attempt -> the log line of an attempt whose request never went out"""
 
     @classmethod
     def parse(cls, text: str) -> EdgeLog:
         joined, left = [], []
         failed: dict[str, dict[int, str]] = {}
+        not_sent: dict[str, dict[int, str]] = {}
         for line in text.splitlines():
             if "joined from" in line and (m := JOINED.search(line)):
                 joined.append((m.group(1), int(m.group(4)), line))
@@ -565,7 +569,9 @@ class EdgeLog:
                 left.append((m.group(1), int(m.group(2)), m.group(3), line))
             elif "failed before commit" in line and (m := FAILED_BEFORE_COMMIT.search(line)):
                 failed.setdefault(m.group(1), {})[int(m.group(2))] = line
-        return cls(text, joined, left, failed)
+            elif "was not sent" in line and (m := NOT_SENT.search(line)):
+                not_sent.setdefault(m.group(1), {})[int(m.group(2))] = line
+        return cls(text, joined, left, failed, not_sent)
 
     def generation(self, node_id: str) -> int | None:
         """The node's latest generation that joined."""

@@ -45,6 +45,7 @@ from .soak import (
 Row = dict[str, Any]
 
 FAILED_BEFORE_COMMIT = re.compile(r"request (\S+) attempt (\d+) failed before commit: (.*)$")
+NOT_SENT = re.compile(r"request (\S+) attempt (\d+) was not sent: (.*)$")
 ACCESS = re.compile(r"dispatcher\.access: .* request_id=(\S+) client_request_id=(\S+) ")
 
 SLACK = 1.0
@@ -254,7 +255,8 @@ def check_surviving_edge(run: SoakRun) -> Check:
 def check_one_row_per_attempt(run: SoakRun) -> Check:
     """Every dispatched attempt has exactly one PostgreSQL row: each attempt an engine saw
     has its row on that node and provider; each attempt an edge logged as failed before its
-    commit has its row; an answer's attempt (``x-dispatcher-attempts``) has its row, on the
+    commit has its row, and one it logged as not sent (its node lost before the request went
+    out) has none; an answer's attempt (``x-dispatcher-attempts``) has its row, on the
     node and provider that answered, and no row comes after it; a request's rows share one
     ledger key, attempts 1..max_attempts, each once; no row belongs to no client. The
     attempts in progress on the killed edge when it died are excused (listed in the
@@ -268,12 +270,15 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
     # the edges' ids -> the clients' (access log lines and rows)
     to_client = {str(r["request_id"]): str(r["client_request_id"]) for r in run.rows}
     failed: list[tuple[str, str, int, str]] = []
+    not_sent: list[tuple[str, str, int, str]] = []
     for name, text in edge_logs(run).items():
         for line in text.splitlines():
             if (m := ACCESS.search(line)) and m.group(2) != "-":
                 to_client.setdefault(m.group(1), m.group(2))
             elif m := FAILED_BEFORE_COMMIT.search(line):
                 failed.append((name, m.group(1), int(m.group(2)), line.strip()))
+            elif m := NOT_SENT.search(line):
+                not_sent.append((name, m.group(1), int(m.group(2)), line.strip()))
     for name, edge_id, attempt, line in failed:
         owner = to_client.get(edge_id)
         if owner is None:
@@ -284,6 +289,12 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
             continue
         if attempt not in {int(r["attempt"]) for r in by.get(owner, [])}:
             evidence.append(f"{owner}: no row for attempt {attempt}, which {name} logged: {line}")
+    for name, edge_id, attempt, line in not_sent:
+        owner = to_client.get(edge_id)
+        if owner is not None and attempt in {int(r["attempt"]) for r in by.get(owner, [])}:
+            evidence.append(
+                f"{owner}: a row for attempt {attempt}, which {name} never sent: {line}"
+            )
     for seen in run.seen:
         rid = seen.request_id
         rows = by.get(rid, [])
@@ -332,7 +343,8 @@ def check_one_row_per_attempt(run: SoakRun) -> Check:
         "exactly one PostgreSQL row per dispatched attempt",
         not evidence,
         f"{len(run.rows)} rows for {len(by)} requests; {sum(seen_by_engine.values())} engine "
-        f"requests, {len(failed)} attempts logged as failed before the commit; "
+        f"requests, {len(failed)} attempts logged as failed before the commit, "
+        f"{len(not_sent)} as not sent; "
         f"{len(excused)} requests in flight on the killed edge excused",
         evidence,
     )

@@ -599,6 +599,13 @@ class Event:
     """``time.time()`` once recovered (the node rejoined every live edge; the edge serving
     with every node; every edge deciding on Redis again); 0: never."""
     notes: list[str] = attrs.field(factory=list)
+    begun: trio.Event = attrs.field(factory=trio.Event, repr=False)
+    """Set with :attr:`started`: the load goes on from there, so requests run during it."""
+
+    def begin(self) -> None:
+        """The fault happens now (called just before the SIGKILL or Redis's stop)."""
+        self.started = time.time()
+        self.begun.set()
 
     @property
     def recovered(self) -> bool:
@@ -665,7 +672,7 @@ async def kill_node(topology: Topology, event: Event, client: httpx.AsyncClient)
     proc = topology.nodes[node]
     joins = {edge.name: _joins(edge, node) for edge in topology.live_edges()}
     lefts = {edge.name: _lefts(edge, node) for edge in topology.live_edges()}
-    event.started = time.time()
+    event.begin()
     topology.processes.kill(proc)
     # The engines must see every connection of the dead node closed before it restarts: the
     # count of what runs on an engine is the node's, not a dead incarnation's.
@@ -700,7 +707,7 @@ async def kill_edge(topology: Topology, event: Event, client: httpx.AsyncClient)
     edge = topology.edges[event.target]
     edge.up = False
     await trio.sleep(0.2)  # the load balancer's requests already sent reach it
-    event.started = time.time()
+    event.begin()
     topology.processes.kill(edge.proc)
     await trio.sleep(1.0)  # down for a while: the nodes' sessions to it end, its holds wait
     topology.start_edge(edge.name, edge.port)
@@ -712,7 +719,7 @@ async def kill_edge(topology: Topology, event: Event, client: httpx.AsyncClient)
 
 
 async def restart_redis(topology: Topology, event: Event, client: httpx.AsyncClient) -> None:
-    event.started = time.time()
+    event.begin()
     await trio.to_thread.run_sync(topology.redis.stop)
     await trio.sleep(1.0)
     await trio.to_thread.run_sync(topology.redis.start)
@@ -761,6 +768,7 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
                     await CONDUCT[event.kind](topology, event, client)
                 await trio.sleep(QUIET)
         finally:
+            event.begun.set()  # never leave the feeder waiting, however this ends
             done.set()
 
     async def worker(number: int, plans: trio.MemoryReceiveChannel[Plan]) -> None:
@@ -791,7 +799,12 @@ async def run_load(topology: Topology, run: SoakRun) -> None:
                         while pending and pending[0].at <= plan.index:
                             await previous.wait()
                             previous = trio.Event()
-                            nursery.start_soon(inject, pending.pop(0), previous)
+                            event = pending.pop(0)
+                            nursery.start_soon(inject, event, previous)
+                            # The plans up to the next event are sent from the fault on,
+                            # not before it (a cut may hold the conductor a while): on a
+                            # fast machine they were all over before it began.
+                            await event.begun.wait()
                         await send.send(plan)
             run.load_s = time.monotonic() - started
             with trio.move_on_after(REJOIN_BOUND + 30):
@@ -975,7 +988,10 @@ def dump(run: SoakRun, path: Path) -> None:
             }
             for seen in run.seen
         ],
-        "events": [attrs.asdict(event) for event in run.events],
+        "events": [
+            attrs.asdict(event, filter=lambda field, _: field.name != "begun")
+            for event in run.events
+        ],
         "rows": run.rows,
     }
     path.write_text(json.dumps(data, indent=1, default=str))
