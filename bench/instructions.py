@@ -1,7 +1,8 @@
 """CPU instructions per request on the real path, each process measured on its own, per path.
 
-``python -m bench.instructions [--requests N] [--cells CELL ...] [--process edge node] [TREE ...]``
-(default: this checkout, every cell, both processes). For each tree (a checkout of this
+``python -m bench.instructions [--requests N] [--cells CELL ...] [--process edge node]
+[--limits unlimited memory redis] [TREE ...]`` (default: this checkout, every cell, both
+processes, the open edge). For each tree (a checkout of this
 repository: compare a commit with ``git worktree add``) and each of the two processes of the
 real path -- the edge (``python -m bench._edge_server edge``) and a real node
 (``python -m dispatcher node`` over the websocket, a ``node.toml`` of three providers: ``echo``,
@@ -16,6 +17,14 @@ plan -- every cell's :data:`WARMUP` then :data:`BASE_REQUESTS` requests, in turn
 per cell with that plan plus ``N`` more requests of that cell at the end; the difference of
 the instructions counted, divided by N, is the process's instructions per request of that
 cell (start-up, joining, the other cells and shutting down cancel out).
+
+``--limits`` (issue #23) runs the edge as ``python -m dispatcher serve`` with the ``store``
+section's config instead (``bench.store_bench.edge_toml``: one ``[[keys]]`` tenant, whose key
+the client sends), once per mode given: ``unlimited`` (the tenant has no limits), ``memory``
+(``rpm``, ``tpm``, ``max_concurrent`` set, never reached, on the embedded limits) and
+``redis`` (the same on ``[store] redis_url``, a ``redis-server`` started for the run): the
+edge's instructions per request that the shared limits add, where wall-clock on loopback
+cannot separate them from the machine's noise.
 
 Wall-clock latency on a shared machine moves by +-15 % between runs; instruction counts
 repeat to about +-1 % (a little more for streams, whose frames coalesce by timing), so this is
@@ -41,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import attrs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BASE_REQUESTS = 50
 WARMUP = 20
@@ -51,6 +62,8 @@ PATHS = ("echo", "tunnel", "openai")
 MODES = ("plain", "stream")
 CELLS = tuple(f"{path}-{mode}" for path in PATHS for mode in MODES)
 KEY_ENV = "BENCH_INSTRUCTIONS_UPSTREAM_KEY"
+LIMITS = ("unlimited", "memory", "redis")
+BANNER = re.compile(r"listening on http://127\.0\.0\.1:(\d+)/v1")
 
 NODE_TOML = """\
 [node]
@@ -120,11 +133,14 @@ def _read_head(sock: socket.socket, data: bytes) -> tuple[bytes, bytes]:
     return head, rest
 
 
-def _exchange(sock: socket.socket, method: str, path: str, body: bytes = b"") -> bytes:
-    """One request on the keep-alive connection; the response body (de-chunked)."""
+def _exchange(
+    sock: socket.socket, method: str, path: str, body: bytes = b"", headers: str = ""
+) -> bytes:
+    """One request on the keep-alive connection (``headers``: extra header lines); the
+    response body (de-chunked)."""
     head = (
         f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
-        "Content-Type: application/json\r\n\r\n"
+        f"Content-Type: application/json\r\n{headers}\r\n"
     )
     sock.sendall(head.encode() + body)
     response_head, rest = _read_head(sock, b"")
@@ -170,16 +186,52 @@ def _check(cell: str, body: bytes) -> None:
         raise RuntimeError(f"{cell}: unexpected answer {body[-300:]!r}")
 
 
-def count(tree: Path, process: str, plan: Sequence[tuple[str, int]], upstream: int) -> int:
+@attrs.frozen
+class Variant:
+    """Which edge: the open one (``limits`` None), or the daemon with the store section's
+    tenant and ``limits`` (:data:`LIMITS`; ``redis_url`` for ``redis``)."""
+
+    limits: str | None = None
+    redis_url: str | None = None
+
+    def edge_command(self, tmp: str) -> list[str]:
+        if self.limits is None:
+            return [sys.executable, "-m", "bench._edge_server", "edge"]
+        from bench.store_bench import edge_toml
+
+        config = Path(tmp) / "edge.toml"
+        text = edge_toml(limited=self.limits != "unlimited", redis_url=self.redis_url)
+        config.write_text(text.replace("{tmp}", tmp))
+        argv = [sys.executable, "-m", "dispatcher", "--log-level", "WARNING", "serve"]
+        return [*argv, "--config", str(config), "--no-local-node", "--port", "0"]
+
+    @property
+    def headers(self) -> str:
+        if self.limits is None:
+            return ""
+        from bench.store_bench import AUTH_HEADER
+
+        return AUTH_HEADER
+
+
+OPEN_EDGE = Variant()
+
+
+def count(
+    tree: Path,
+    process: str,
+    plan: Sequence[tuple[str, int]],
+    upstream: int,
+    variant: Variant = OPEN_EDGE,
+) -> int:
     """Instructions ``process`` (``edge`` or ``node``) of ``tree`` ran in a whole run of
     ``plan``: (cell, requests) in order, each answer checked."""
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", KEY_ENV: "sk-bench"}
     grind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
-    edge_command = [sys.executable, "-m", "bench._edge_server", "edge"]
     with (
         tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp,
         subprocess.Popen(
-            [*(grind if process == "edge" else []), *edge_command],
+            [*(grind if process == "edge" else []), *variant.edge_command(tmp)],
             cwd=tree,
             env=env,
             stdout=subprocess.PIPE,
@@ -191,7 +243,7 @@ def count(tree: Path, process: str, plan: Sequence[tuple[str, int]], upstream: i
         port = next(
             int(found.group(1))
             for line in edge.stdout
-            if (found := re.search(r"BENCH-PORT (\d+)", line)) is not None
+            if (found := re.search(r"BENCH-PORT (\d+)", line) or BANNER.search(line)) is not None
         )
         node_toml = Path(tmp) / "node.toml"
         node_toml.write_text(NODE_TOML.format(edge_port=port, up=upstream, key_env=KEY_ENV))
@@ -206,7 +258,7 @@ def count(tree: Path, process: str, plan: Sequence[tuple[str, int]], upstream: i
             text=True,
         ) as node:
             try:
-                _drive(port, plan)
+                _drive(port, plan, variant.headers)
             except BaseException:
                 node.kill()
                 edge.kill()
@@ -222,13 +274,14 @@ def count(tree: Path, process: str, plan: Sequence[tuple[str, int]], upstream: i
     return int(collected.group(1))
 
 
-def _drive(port: int, plan: Sequence[tuple[str, int]]) -> None:
+def _drive(port: int, plan: Sequence[tuple[str, int]], headers: str = "") -> None:
     """Wait for the node to join (every model listed), then send the plan's requests."""
     wanted = set(PATHS)
     with socket.create_connection(("127.0.0.1", port)) as sock:
         joined_by = time.monotonic() + JOIN_TIMEOUT
         while not wanted <= {
-            model["id"] for model in json.loads(_exchange(sock, "GET", "/v1/models"))["data"]
+            model["id"]
+            for model in json.loads(_exchange(sock, "GET", "/v1/models", headers=headers))["data"]
         }:
             if time.monotonic() > joined_by:
                 raise RuntimeError("the node did not join the edge")
@@ -236,7 +289,7 @@ def _drive(port: int, plan: Sequence[tuple[str, int]]) -> None:
         for cell, requests in plan:
             body = request_body(cell)
             for _ in range(requests):
-                _check(cell, _exchange(sock, "POST", "/v1/chat/completions", body))
+                _check(cell, _exchange(sock, "POST", "/v1/chat/completions", body, headers))
 
 
 def base_plan(cells: Sequence[str]) -> list[tuple[str, int]]:
@@ -244,15 +297,20 @@ def base_plan(cells: Sequence[str]) -> list[tuple[str, int]]:
 
 
 def per_request(
-    tree: Path, process: str, cells: Sequence[str], requests: int, upstream: int
+    tree: Path,
+    process: str,
+    cells: Sequence[str],
+    requests: int,
+    upstream: int,
+    variant: Variant = OPEN_EDGE,
 ) -> dict[str, float]:
     """Each cell's instructions per request in ``process``: the base run and one run per
     cell, two at a time (one per core)."""
     base = base_plan(cells)
     with ThreadPoolExecutor(2) as pool:
-        base_count = pool.submit(count, tree, process, base, upstream)
+        base_count = pool.submit(count, tree, process, base, upstream, variant)
         more = {
-            cell: pool.submit(count, tree, process, [*base, (cell, requests)], upstream)
+            cell: pool.submit(count, tree, process, [*base, (cell, requests)], upstream, variant)
             for cell in cells
         }
         return {
@@ -292,28 +350,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200, metavar="N")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=CELLS)
     parser.add_argument("--process", nargs="+", default=["edge", "node"], choices=["edge", "node"])
+    parser.add_argument("--limits", nargs="+", choices=LIMITS, default=[])
     args = parser.parse_args(argv)
     print(
         f"instructions per chat completion ({args.requests} counted; plain: non-streaming, "
         f"{NON_STREAM_TOKENS} tokens from the upstream; stream: {STREAM_TOKENS} tokens)"
     )
     columns = [*args.process, *(["both"] if len(args.process) == 2 else [])]
-    print(f"{'tree':<32} {'cell':<14}" + "".join(f" {name:>12}" for name in columns))
-    with fake_upstream() as upstream:
+    print(f"{'tree':<32} {'cell':<24}" + "".join(f" {name:>12}" for name in columns))
+    with fake_upstream() as upstream, _redis(needed="redis" in args.limits) as redis_url:
+        variants = [Variant(mode, redis_url if mode == "redis" else None) for mode in args.limits]
         for tree in args.trees:
-            figures = {
-                process: per_request(tree, process, args.cells, args.requests, upstream)
-                for process in args.process
-            }
-            for cell in args.cells:
-                values = [figures[process][cell] for process in args.process]
-                if len(values) == 2:
-                    values.append(sum(values))
-                print(
-                    f"{str(tree)[-32:]:<32} {cell:<14}" + "".join(f" {v:>12,.0f}" for v in values),
-                    flush=True,
-                )
+            for variant in variants or [OPEN_EDGE]:
+                figures = {
+                    process: per_request(
+                        tree, process, args.cells, args.requests, upstream, variant
+                    )
+                    for process in args.process
+                }
+                for cell in args.cells:
+                    values = [figures[process][cell] for process in args.process]
+                    if len(values) == 2:
+                        values.append(sum(values))
+                    label = cell if variant.limits is None else f"{cell} ({variant.limits})"
+                    print(
+                        f"{str(tree)[-32:]:<32} {label:<24}"
+                        + "".join(f" {v:>12,.0f}" for v in values),
+                        flush=True,
+                    )
     return 0
+
+
+@contextmanager
+def _redis(*, needed: bool) -> Iterator[str | None]:
+    """A ``redis-server`` for the run (the tests' own fixture process), if ``needed``."""
+    if not needed:
+        yield None
+        return
+    from tests.store.redis_server import RedisServer  # as bench._stores does
+
+    server = RedisServer()
+    try:
+        yield server.start()
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":
