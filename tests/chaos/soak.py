@@ -540,7 +540,9 @@ FAILED_BEFORE_COMMIT = re.compile(
     r"request (\S+) attempt (\d+) failed before commit: (.*) "
     r"\((retrying|giving up|not retryable)\)$"
 )
-NOT_SENT = re.compile(r"request (\S+) attempt (\d+) was not sent: (.*) \((retrying|giving up)\)$")
+NOT_SENT = re.compile(
+    r"request (\S+) attempt (\d+) was not sent: (.*) \((retrying|falling back|giving up)\)$"
+)
 
 
 @attrs.frozen

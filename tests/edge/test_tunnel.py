@@ -1196,7 +1196,7 @@ def test_the_sse_filter_renames_the_events_it_passes_on_and_reads_usage_as_sent(
         assert sse.usage == wire.Usage(prompt_tokens=3, completion_tokens=2)
 
 
-def tunnel_hello(node_id: str = "scripted") -> wire.Hello:
+def tunnel_hello(node_id: str = "scripted", slots: int = 1) -> wire.Hello:
     return wire.Hello(
         protocol=wire.PROTOCOL_VERSION,
         node_id=node_id,
@@ -1206,7 +1206,7 @@ def tunnel_hello(node_id: str = "scripted") -> wire.Hello:
                 type="openai",
                 adapter="openai",
                 path="tunnel",
-                models=(wire.ModelInfo(name="t", served_name="t-served", slots=1),),
+                models=(wire.ModelInfo(name="t", served_name="t-served", slots=slots),),
             ),
         ),
     )

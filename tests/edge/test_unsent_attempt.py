@@ -20,22 +20,7 @@ from dispatcher.config import EdgeConfig, NodeSettings
 from dispatcher.shared.transport import memory_connection_pair
 
 from .fakes import ScriptedNode, ServedEdge, serve_edge, wait_until
-
-
-def hello(slots: int) -> wire.Hello:
-    return wire.Hello(
-        protocol=wire.PROTOCOL_VERSION,
-        node_id="scripted",
-        providers=(
-            wire.ProviderInfo(
-                id="p",
-                type="openai",
-                adapter="openai",
-                path="tunnel",
-                models=(wire.ModelInfo(name="t", served_name="t-served", slots=slots),),
-            ),
-        ),
-    )
+from .test_tunnel import tunnel_hello
 
 
 async def test_an_attempt_never_sent_has_no_row_and_says_so(
@@ -48,7 +33,7 @@ async def test_an_attempt_never_sent_has_no_row_and_says_so(
         edge_end, node_end = memory_connection_pair(buffer=0)
         await edge.dispatcher.attach_node(edge_end)
         node = ScriptedNode(node_end)
-        await node.send(hello(slots=3))
+        await node.send(tunnel_hello(slots=3))
         assert isinstance(await node.receive(), wire.Welcome)
 
         def sent() -> list[bool]:
