@@ -73,38 +73,50 @@ local function hold_key(rid) return base .. ':hold:' .. rid end
 
 -- The tenant's hash, read once per call into S and written back once (its fields that
 -- changed): one HMGET and at most one HSET, where each field's own command would cost a call
--- apiece. (An absent field reads as 0 or ''.)
-local FIELDS = {'day', 'day_tokens', 'day_usd', 'month', 'month_tokens', 'month_usd',
-  'rsv_tokens', 'rsv_usd', 'charged', 'kept'}
-local TEXT = {day = true, month = true}
-local WHOLE = {day_tokens = true, month_tokens = true, rsv_tokens = true, charged = true}
-local S, LOADED
+-- apiece. (An absent field reads as 0 or ''.) Tables are built whole by their constructors,
+-- and no loop runs over the field names: the script's own work costs as much as the calls.
+local S, L  -- the state, and the state as loaded
 local changed = false
 local function load()
-  local v = redis.call('HMGET', K_ST, unpack(FIELDS))
-  S, LOADED = {}, {}
-  for i, name in ipairs(FIELDS) do
-    local x
-    if TEXT[name] then x = v[i] or '' else x = num(v[i]) end
-    S[name], LOADED[name] = x, x
-  end
+  local v = redis.call('HMGET', K_ST, 'day', 'day_tokens', 'day_usd', 'month', 'month_tokens',
+    'month_usd', 'rsv_tokens', 'rsv_usd', 'charged', 'kept')
+  S = {day = v[1] or '', day_tokens = num(v[2]), day_usd = num(v[3]), month = v[4] or '',
+    month_tokens = num(v[5]), month_usd = num(v[6]), rsv_tokens = num(v[7]),
+    rsv_usd = num(v[8]), charged = num(v[9]), kept = num(v[10])}
+  L = {day = S.day, day_tokens = S.day_tokens, day_usd = S.day_usd, month = S.month,
+    month_tokens = S.month_tokens, month_usd = S.month_usd, rsv_tokens = S.rsv_tokens,
+    rsv_usd = S.rsv_usd, charged = S.charged, kept = S.kept}
 end
-local WRITTEN = {}  -- a number field as save() wrote it (answer() writes it the same)
+-- The spent fields as save() wrote them (answer() writes them the same).
+local W_DAY_TOKENS, W_DAY_USD, W_MONTH_TOKENS, W_MONTH_USD
 local function save()
   if not changed then return end
-  local out = {}
-  for _, name in ipairs(FIELDS) do
-    local x = S[name]
-    if x ~= LOADED[name] then
-      if not TEXT[name] then
-        if WHOLE[name] then x = int(x) else x = f(x) end
-        WRITTEN[name] = x
-      end
-      out[#out + 1] = name
-      out[#out + 1] = x
-    end
+  local out, n = {}, 0
+  if S.day ~= L.day then out[n + 1], out[n + 2], n = 'day', S.day, n + 2 end
+  if S.day_tokens ~= L.day_tokens then
+    W_DAY_TOKENS = int(S.day_tokens)
+    out[n + 1], out[n + 2], n = 'day_tokens', W_DAY_TOKENS, n + 2
   end
-  if #out > 0 then redis.call('HSET', K_ST, unpack(out)) end
+  if S.day_usd ~= L.day_usd then
+    W_DAY_USD = f(S.day_usd)
+    out[n + 1], out[n + 2], n = 'day_usd', W_DAY_USD, n + 2
+  end
+  if S.month ~= L.month then out[n + 1], out[n + 2], n = 'month', S.month, n + 2 end
+  if S.month_tokens ~= L.month_tokens then
+    W_MONTH_TOKENS = int(S.month_tokens)
+    out[n + 1], out[n + 2], n = 'month_tokens', W_MONTH_TOKENS, n + 2
+  end
+  if S.month_usd ~= L.month_usd then
+    W_MONTH_USD = f(S.month_usd)
+    out[n + 1], out[n + 2], n = 'month_usd', W_MONTH_USD, n + 2
+  end
+  if S.rsv_tokens ~= L.rsv_tokens then
+    out[n + 1], out[n + 2], n = 'rsv_tokens', int(S.rsv_tokens), n + 2
+  end
+  if S.rsv_usd ~= L.rsv_usd then out[n + 1], out[n + 2], n = 'rsv_usd', f(S.rsv_usd), n + 2 end
+  if S.charged ~= L.charged then out[n + 1], out[n + 2], n = 'charged', int(S.charged), n + 2 end
+  if S.kept ~= L.kept then out[n + 1], out[n + 2], n = 'kept', f(S.kept), n + 2 end
+  if n > 0 then redis.call('HSET', K_ST, unpack(out)) end
 end
 
 -- A hold's reservation (its fields reserved, tokens, usd) comes off the tenant's total;
@@ -145,8 +157,8 @@ local function spend(tokens, usd, at)
 end
 
 -- The windows move on, leases run out: what an admission (or a read) decides on. Answers
--- the places in flight, the oldest request left in the window ({id, score}; empty when the
--- window is) and the requests in it. (A settle or a release needs none of it: what it
+-- the places in flight, the requests in the window and the oldest one left in it (its id and
+-- score; nil when the window is empty). (A settle or a release needs none of it: what it
 -- changes is the same whether the windows moved first or not.) The two windows hold the same
 -- ids at the same times (an admission adds to both, both drop what is older than the
 -- window): while the oldest request is in the window, neither has anything to drop; when
@@ -154,18 +166,18 @@ end
 local function advance()
   local cutoff = now - WINDOW
   local head = redis.call('ZRANGE', K_REQ, 0, 1, 'WITHSCORES')
-  local first = {head[1], head[2]}
-  local gone = {}
+  local first_id, first_at, known = head[1], head[2], true
+  local gone = nil
   if head[2] and tonumber(head[2]) <= cutoff then
     if not head[4] or tonumber(head[4]) > cutoff then
       gone = {head[1]}
       redis.call('ZREM', K_REQ, head[1])
-      first = {head[3], head[4]}
+      first_id, first_at = head[3], head[4]
     else
       local c = f(cutoff)
       redis.call('ZREMRANGEBYSCORE', K_REQ, '-inf', c)
       gone = redis.call('ZRANGEBYSCORE', K_CHG, '-inf', c)
-      first = nil
+      known = false
     end
     if #gone > 0 then
       local sum = 0
@@ -177,8 +189,13 @@ local function advance()
     end
   end
   local requests = redis.call('ZCARD', K_REQ)
-  if #gone > 0 and requests == 0 then S.charged = 0 end  -- (the charges' window is empty)
-  if not first then first = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES') end
+  if gone and #gone > 0 and requests == 0 then
+    S.charged = 0  -- (the charges' window is empty)
+  end
+  if not known then
+    head = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')
+    first_id, first_at = head[1], head[2]
+  end
   -- Leases run out: the holds of an edge that died (or never released them) come back.
   local expired = redis.call('ZRANGEBYSCORE', K_FLY, '-inf', NOW)
   if #expired > 0 then
@@ -198,44 +215,40 @@ local function advance()
     changed = true
   end
   roll(periods(wall))
-  return flying, first, requests
+  return flying, requests, first_id, first_at
 end
 
 local function keep()
-  for _, key in ipairs({K_ST, K_REQ, K_CHG, K_TOK, K_FLY}) do redis.call('EXPIRE', key, KEEP) end
+  redis.call('EXPIRE', K_ST, KEEP)
+  redis.call('EXPIRE', K_REQ, KEEP)
+  redis.call('EXPIRE', K_CHG, KEEP)
+  redis.call('EXPIRE', K_TOK, KEEP)
+  redis.call('EXPIRE', K_FLY, KEEP)
   S.kept = wall
   changed = true
 end
 
--- Every answer: the clocks, the operation's own head, then the tenant's snapshot (in flight,
--- the day and month spent). `flying` is the places in flight if the caller knows them.
+-- Every answer: the clocks, the operation's own head (its fields joined), then the tenant's
+-- snapshot (in flight, the day and month spent). `flying` is the places in flight if the
+-- caller knows them.
 local function answer(head, flying)
   save()
   if not flying then flying = redis.call('ZCOUNT', K_FLY, '(' .. NOW, '+inf') end
-  local out = {NOW, WALL}
-  for _, v in ipairs(head) do out[#out + 1] = v end
-  out[#out + 1] = tostring(flying)
-  out[#out + 1] = S.day
-  out[#out + 1] = WRITTEN.day_tokens or int(S.day_tokens)
-  out[#out + 1] = WRITTEN.day_usd or f(S.day_usd)
-  out[#out + 1] = S.month
-  out[#out + 1] = WRITTEN.month_tokens or int(S.month_tokens)
-  out[#out + 1] = WRITTEN.month_usd or f(S.month_usd)
-  return table.concat(out, ' ')
+  return NOW .. ' ' .. WALL .. ' ' .. head .. ' ' .. tostring(flying) .. ' ' .. S.day .. ' '
+    .. (W_DAY_TOKENS or int(S.day_tokens)) .. ' ' .. (W_DAY_USD or f(S.day_usd)) .. ' '
+    .. S.month .. ' ' .. (W_MONTH_TOKENS or int(S.month_tokens)) .. ' '
+    .. (W_MONTH_USD or f(S.month_usd))
 end
 
--- What the x-ratelimit headers need: requests in the window (`requests`) and the oldest
--- one's time, tokens charged and the oldest charge's time -- the same time: the two windows
--- hold the same ids at the same times. `oldest`: the oldest request's score (advance's, or
--- the one just admitted if earlier). Left empty for a key with neither rpm nor tpm (no such
--- headers).
+-- What the x-ratelimit headers need, after an admission's head: requests in the window
+-- (`requests`) and the oldest one's time, tokens charged and the oldest charge's time -- the
+-- same time: the two windows hold the same ids at the same times. `oldest`: the oldest
+-- request's score (advance's, or the one just admitted if earlier). Left empty for a key with
+-- neither rpm nor tpm (no such headers).
 local function with_headers(head, requests, oldest)
   if ARGV[8] == '' and ARGV[9] == '' then oldest = '' end
-  head[#head + 1] = tostring(requests)
-  head[#head + 1] = oldest
-  head[#head + 1] = int(S.charged)
-  head[#head + 1] = oldest
-  return head
+  return head .. ' ' .. tostring(requests) .. ' ' .. oldest .. ' ' .. int(S.charged) .. ' '
+    .. oldest
 end
 
 local op = ARGV[3]
@@ -286,19 +299,17 @@ local function finish(rid, attempt, tokens, usd, answered)
   local h = redis.call('HMGET', hk, mark, 'settled', 'charge', 'tokens', 'reserved', 'usd',
     'released')
   local settled, reserved = num(h[2]), h[5]
-  local out, n = {}, 0
-  local function put(field, value) out[n + 1], out[n + 2], n = field, value, n + 2 end
+  local out, n = {}, 0  -- the hold's fields to write
   if not h[1] then  -- the settle: this (request, attempt) did not settle before
-    put(mark, '1')
+    out[1], out[2], n = mark, '1', 2
     if h[4] then  -- the hold is known (else only the spend counts)
       local charge = tokens
       if settled > 0 then charge = tokens + num(h[3]) end
       recharge(rid, charge)
       unreserve(reserved, h[4], h[6])
       settled, reserved = settled + 1, '0'
-      put('charge', charge)
-      put('settled', settled)
-      put('reserved', '0')
+      out[3], out[4], out[5], out[6], out[7], out[8], n =
+        'charge', charge, 'settled', settled, 'reserved', '0', 8
     end
     spend(tokens, usd, wall)
   end
@@ -307,11 +318,10 @@ local function finish(rid, attempt, tokens, usd, answered)
     outcome = 'released'
     redis.call('ZREM', K_FLY, rid)
     unreserve(reserved, h[4], h[6])
-    put('released', '1')
-    put('reserved', '0')
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4], n = 'released', '1', 'reserved', '0', n + 4
     if settled == 0 and answered ~= '1' then  -- it costs nothing
       recharge(rid, 0)
-      put('charge', 0)
+      out[n + 1], out[n + 2], n = 'charge', 0, n + 2
     end
   end
   if n > 0 then redis.call('HSET', hk, unpack(out)) end
@@ -328,7 +338,7 @@ if op == 'admit' then
   elseif carried == 'release' then
     release(ARGV[16], ARGV[17])
   end
-  local flying, first, n = advance()
+  local flying, n, first_id, first_at = advance()
   -- A tenant's keys are kept KEEP past its last admission or spend (within KEEP_EVERY: an
   -- admission renews them all only that often, and gives a key it creates its expiry):
   -- what else comes (a settle, a release, a renewal) follows an admission by at most
@@ -336,26 +346,34 @@ if op == 'admit' then
   if not (S.kept <= wall and wall < S.kept + KEEP_EVERY) then keep() end
   local rid, tokens, usd, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
   local rpm, tpm, conc = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-  local refusal = nil
-  local budgets = {
-    {'budget_tokens_day', ARGV[11], S.day_tokens + S.rsv_tokens},
-    {'budget_usd_day', ARGV[12], S.day_usd + S.rsv_usd},
-    {'budget_tokens_month', ARGV[13], S.month_tokens + S.rsv_tokens},
-    {'budget_usd_month', ARGV[14], S.month_usd + S.rsv_usd},
-  }
-  for _, b in ipairs(budgets) do
-    local cap = tonumber(b[2])
-    if cap and b[3] >= cap then refusal = {b[1], f(b[3]), '0'}; break end
+  -- The first limit reached refuses: the budgets (in this order), then the places in flight,
+  -- the minute's requests, its tokens. (limit, value, Retry-After)
+  local limit, value, retry
+  local cap = tonumber(ARGV[11])
+  if cap and S.day_tokens + S.rsv_tokens >= cap then
+    limit, value, retry = 'budget_tokens_day', f(S.day_tokens + S.rsv_tokens), '0'
   end
-  if not refusal and conc and flying >= conc then
-    refusal = {'max_concurrent', tostring(flying), '0'}
+  cap = tonumber(ARGV[12])
+  if not limit and cap and S.day_usd + S.rsv_usd >= cap then
+    limit, value, retry = 'budget_usd_day', f(S.day_usd + S.rsv_usd), '0'
   end
-  if not refusal and rpm and n >= rpm then
+  cap = tonumber(ARGV[13])
+  if not limit and cap and S.month_tokens + S.rsv_tokens >= cap then
+    limit, value, retry = 'budget_tokens_month', f(S.month_tokens + S.rsv_tokens), '0'
+  end
+  cap = tonumber(ARGV[14])
+  if not limit and cap and S.month_usd + S.rsv_usd >= cap then
+    limit, value, retry = 'budget_usd_month', f(S.month_usd + S.rsv_usd), '0'
+  end
+  if not limit and conc and flying >= conc then
+    limit, value, retry = 'max_concurrent', tostring(flying), '0'
+  end
+  if not limit and rpm and n >= rpm then
     local at = redis.call('ZRANGE', K_REQ, n - rpm, n - rpm, 'WITHSCORES')
-    refusal = {'rpm', tostring(n), f(math.max(0, tonumber(at[2]) + WINDOW - now))}
+    limit, value, retry = 'rpm', tostring(n), f(math.max(0, tonumber(at[2]) + WINDOW - now))
   end
   local used = S.charged
-  if not refusal and tpm and used + tokens > tpm and used > 0 then
+  if not limit and tpm and used + tokens > tpm and used > 0 then
     local charges = redis.call('ZRANGE', K_CHG, 0, -1, 'WITHSCORES')
     local left, frees_at = used, now
     for i = 1, #charges, 2 do
@@ -363,11 +381,11 @@ if op == 'admit' then
       frees_at = tonumber(charges[i + 1]) + WINDOW
       if left + tokens <= tpm or left <= 0 then break end
     end
-    refusal = {'tpm', int(used), f(math.max(0, frees_at - now))}
+    limit, value, retry = 'tpm', int(used), f(math.max(0, frees_at - now))
   end
-  if refusal then
-    local head = {'refused', refusal[1], refusal[2], refusal[3]}
-    return answer(with_headers(head, n, first[2] or ''), flying)
+  if limit then
+    local head = 'refused ' .. limit .. ' ' .. value .. ' ' .. retry
+    return answer(with_headers(head, n, first_at or ''), flying)
   end
   redis.call('ZADD', K_REQ, NOW, rid)
   redis.call('ZADD', K_CHG, NOW, rid)
@@ -387,25 +405,25 @@ if op == 'admit' then
   redis.call('HSET', hk, 'tokens', tokens, 'usd', f(usd), 'charge', tokens, 'reserved', '1',
     'released', '0', 'settled', 0)
   redis.call('EXPIRE', hk, HOLD_KEEP)
-  local oldest = first[2]  -- (a clock gone back leaves this one the oldest)
-  if first[1] == rid then  -- an id admitted again: its time moved (never, with the edges' ids)
+  local oldest = first_at  -- (a clock gone back leaves this one the oldest)
+  if first_id == rid then  -- an id admitted again: its time moved (never, with the edges' ids)
     oldest = redis.call('ZRANGE', K_REQ, 0, 0, 'WITHSCORES')[2]
   elseif not oldest or now < tonumber(oldest) then
     oldest = NOW
   end
-  return answer(with_headers({'held', '', '', ''}, n + 1, oldest), flying + 1)
+  return answer(with_headers('held   ', n + 1, oldest), flying + 1)
 end
 
 if op == 'settle' then
-  return answer({settle(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]))})
+  return answer(settle(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])))
 end
 
 if op == 'release' then
-  return answer({release(ARGV[4], ARGV[5])})
+  return answer(release(ARGV[4], ARGV[5]))
 end
 
 if op == 'finish' then  -- a settle and the same request's release, posted one after the other
-  return answer({finish(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8])})
+  return answer(finish(ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]))
 end
 
 if op == 'spend' then
@@ -416,19 +434,19 @@ if op == 'spend' then
   roll(periods(wall))
   if redis.call('SET', base .. ':op:' .. id, '1', 'NX', 'EX', HOLD_KEEP) then
     spend(tokens, usd, at)
-    return answer({'spent'})
+    return answer('spent')
   end
-  return answer({'again'})
+  return answer('again')
 end
 
 if op == 'renew' then  -- the places still held get a new lease
   local expiry = f(now + tonumber(ARGV[4]))
   for i = 5, #ARGV do redis.call('ZADD', K_FLY, 'XX', expiry, ARGV[i]) end
-  return answer({'renewed'})
+  return answer('renewed')
 end
 
 if op == 'read' then
-  return answer({'read'}, (advance()))
+  return answer('read', (advance()))
 end
 
 return redis.error_reply('unknown operation ' .. tostring(op))
