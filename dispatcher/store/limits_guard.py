@@ -125,6 +125,11 @@ class SharedLimitStore(LimitStore[Any], Protocol):
     on_unreachable: Callable[[str], None] | None
     """Told (what failed) when a write finds the server not answering."""
 
+    admit_bounded_by: float | None
+    """Seconds within which every :meth:`admit` is called under a deadline of its caller's
+    (the guard's :attr:`GuardedLimits.answer_within`; None: no such promise). A store may
+    then leave out a timeout of its own that would come later."""
+
 
 def store_place(url: str) -> str:
     """Where a store's URL points, for logs: ``redis://host:port/db`` without its user and
@@ -490,10 +495,12 @@ async def open_guarded_limits(
         raise ValueError(f"edge_count must be at least 1, got {edge_count}")
     guard = GuardedLimits(inner, name, mode, edge_count, answer_within, probe_every, warn_every)
     inner.on_unreachable = guard._fail  # a write that finds the store down starts an outage
+    inner.admit_bounded_by = answer_within  # GuardedLimits.admit's move_on_after
     async with trio.open_nursery() as nursery:
         nursery.start_soon(guard._watch)
         try:
             yield guard
         finally:
             inner.on_unreachable = None
+            inner.admit_bounded_by = None
             nursery.cancel_scope.cancel(reason="limit store closed")

@@ -268,6 +268,11 @@ class RedisLimits:
     """Told (what failed) when a write finds the server not answering: the edge's guard
     (:mod:`.limits_guard`) starts an outage, which suspends the store, so a write alone --
     no admission asking -- is enough for an outage to be seen."""
+    admit_bounded_by: float | None = None
+    """Seconds within which every :meth:`admit`'s caller has a deadline of its own (the
+    edge's guard sets it): when no more than :attr:`command_timeout`, an admission sent by its
+    caller opens no timeout scope of its own (it would cost as much as the rest of sending
+    the command)."""
     _queue: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
     _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
     _urgent: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -612,9 +617,9 @@ class RedisLimits:
             self._queue.clear()
             self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
         try:
-            if trio.current_effective_deadline() <= trio.current_time() + self.command_timeout:
-                # The caller's deadline comes first (the edge's guard's): a scope of our own
-                # would cost as much as the rest of sending the command.
+            bound = self.admit_bounded_by
+            if bound is not None and bound <= self.command_timeout:
+                # The caller's deadline comes first (the edge's guard's).
                 reply = await self.client.call_encoded(command)
             else:
                 with trio.fail_after(self.command_timeout):
