@@ -28,10 +28,12 @@ connection: two Trio task steps per command, where coredis took six and ~5x the 
   that write's arguments ride in the admission's own script, which runs it first; with
   other writes waiting, they and the admission go as one pipeline. The admit path is one
   round trip and two task steps, and a request's end costs no round trip, and at one client
-  no script, of its own. For that, the writer holds writes with no awaited operation behind
-  them up to :data:`WRITE_LINGER` seconds before it sends them itself: a release reaches the
-  server, and other edges, at most that much later (:meth:`RedisLimits.flush` does not
-  wait). A carried write whose admission fails is written again on its own.
+  no script and no task step, of its own. For that, the writer holds writes with no awaited
+  operation behind them up to :data:`WRITE_LINGER` seconds before it sends them itself: a
+  release reaches the server, and other edges, at most that much later
+  (:meth:`RedisLimits.flush` does not wait). Posting a write wakes no task: the idle
+  writer's scope gets the write's deadline, and an admission that carries it clears that.
+  A carried write whose admission fails is written again on its own.
 * What it costs (``nox -s bench -- store``): the script reads the tenant's hash once and
   writes it once, a settle or a release does not move the windows (only an admission and a
   read need them moved, and only while their oldest request is past the window: one
@@ -61,6 +63,7 @@ import collections
 import contextlib
 import importlib.resources
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -274,10 +277,15 @@ class RedisLimits:
     caller opens no timeout scope of its own (it would cost as much as the rest of sending
     the command)."""
     _queue: collections.deque[_Op] = attrs.field(init=False, factory=collections.deque)
-    _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
     _urgent: trio.Event = attrs.field(init=False, factory=trio.Event)
     """Set when something in the queue must not wait out :data:`WRITE_LINGER` (an awaited
-    operation, a suspension's change, closing): reset when the queue is empty."""
+    operation, a suspension's change, closing): reset when the writer goes idle."""
+    _flush_at: float = attrs.field(init=False, default=math.inf)
+    """When the writes waiting must go (``trio.current_time()``; inf: none waits): set by the
+    first write posted to an empty queue, a linger later, and back to inf when an admission
+    carries or takes them. Writes wake no task: the idle writer's scope has this deadline."""
+    _idle: trio.CancelScope | None = attrs.field(init=False, default=None)
+    """The writer's scope while it waits for :attr:`_urgent` or :attr:`_flush_at`."""
     linger: float = attrs.field(init=False, default=WRITE_LINGER)
     """Seconds the writer holds writes for an admission to carry (:data:`WRITE_LINGER`)."""
     _seq: int = attrs.field(init=False, default=0)
@@ -475,7 +483,6 @@ class RedisLimits:
         self._suspension = trio.Event()
         self._queue.extendleft(reversed(self._parked))
         self._parked.clear()
-        self._wake.set()
         self._urgent.set()
 
     @property
@@ -512,10 +519,25 @@ class RedisLimits:
             seq = self._seq
         op = _Op(seq, kind, tenant_id, args, hold, trio.Event() if awaited else None)
         self._queue.append(op)
-        self._wake.set()
         if awaited:
             self._urgent.set()
+        else:
+            self._arm()
         return op
+
+    def _arm(self) -> None:
+        """A write waits: the writer sends it a linger from now, unless an admission carries
+        it first (the first write waiting sets the time; no task is woken)."""
+        if self._flush_at == math.inf:
+            self._flush_at = trio.current_time() + self.linger
+            if self._idle is not None:
+                self._idle.deadline = self._flush_at
+
+    def _disarm(self) -> None:
+        """An admission took every write waiting: nothing for the writer to send."""
+        self._flush_at = math.inf
+        if self._idle is not None:
+            self._idle.deadline = math.inf
 
     def _delta(
         self,
@@ -615,7 +637,7 @@ class RedisLimits:
         command = self._admit_command(hold, carried)
         if carried is not None:
             self._queue.clear()
-            self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
+            self._disarm()  # the writer is not woken for it
         try:
             bound = self.admit_bounded_by
             if bound is not None and bound <= self.command_timeout:
@@ -680,7 +702,7 @@ class RedisLimits:
         op = _Op(self._seq, "admit", hold.tenant_id, args, hold, trio.Event())
         batch = [*self._queue, op]
         self._queue.clear()
-        self._urgent.set()  # the writer stops lingering now, not at a timer's wake-up
+        self._disarm()  # the writer is not woken for them
         sent = await self._submit(batch)
         self._flights.append((batch, sent))
         self._flown.set()
@@ -712,18 +734,20 @@ class RedisLimits:
         flight, then go one at a time; while suspended, writes are parked and awaited
         operations fail at once."""
         queue = self._queue
-        lingered: _Op | None = None
         while True:
             if not queue:
-                self._wake = trio.Event()
-                self._urgent = trio.Event()
-                await self._wake.wait()
-                continue
-            if not (queue[0] is lingered or self._urgent.is_set() or self._suspension.is_set()):
-                # Writes only: the next admission may carry them (see the module docstring).
-                lingered = queue[0]
-                with trio.move_on_after(self.linger):
+                self._flush_at = math.inf
+            if not queue or not (
+                self._urgent.is_set()
+                or self._suspension.is_set()
+                or trio.current_time() >= self._flush_at
+            ):
+                # Nothing, or writes only: the next admission may carry them (see the module
+                # docstring); they go when they have waited a linger (the scope's deadline).
+                self._urgent = trio.Event()  # (set only if nothing was queued: no hurry)
+                with trio.CancelScope(deadline=self._flush_at) as self._idle:
                     await self._urgent.wait()
+                self._idle = None
                 continue
             op = queue.popleft()
             if op.abandoned:
@@ -743,6 +767,8 @@ class RedisLimits:
                     if earlier:
                         queue.insert(earlier, op)
                         continue
+                    if not queue:
+                        self._flush_at = math.inf  # a write posted from here lingers anew
                     answer = await self._execute(op)
                     self._finish(op, answer)
                     continue
@@ -755,6 +781,8 @@ class RedisLimits:
                     follower = queue.popleft()
                     if not follower.abandoned:
                         batch.append(follower)
+                if not queue:
+                    self._flush_at = math.inf  # a write posted from here lingers anew
                 sent = await self._submit(batch)
             finally:
                 self._running = []
@@ -784,7 +812,7 @@ class RedisLimits:
                 op.alone = True
             self._queue.extendleft(reversed(again))  # first, in their order, one at a time
             if again:
-                self._wake.set()
+                self._arm()
             for op, answer in zip(batch, answers, strict=True):
                 if answer is not None:
                     self._finish(op, answer)
@@ -835,7 +863,6 @@ class RedisLimits:
             return
         write.alone = True
         self._queue.appendleft(write)
-        self._wake.set()
         self._urgent.set()
 
     def _park(self, op: _Op) -> None:
