@@ -24,7 +24,10 @@ the client sends), once per mode given: ``unlimited`` (the tenant has no limits)
 (``rpm``, ``tpm``, ``max_concurrent`` set, never reached, on the embedded limits) and
 ``redis`` (the same on ``[store] redis_url``, a ``redis-server`` started for the run): the
 edge's instructions per request that the shared limits add, where wall-clock on loopback
-cannot separate them from the machine's noise.
+cannot separate them from the machine's noise. ``--process redis`` (with ``--limits redis``)
+counts the third process of that path, ``redis-server`` itself (a server of its own for each
+run, under callgrind): what the limit script and the server's side of its round trip cost
+per request, a figure no machine's speed changes.
 
 Wall-clock latency on a shared machine moves by +-15 % between runs; instruction counts
 repeat to about +-1 % (a little more for streams, whose frames coalesce by timing), so this is
@@ -217,6 +220,9 @@ class Variant:
 OPEN_EDGE = Variant()
 
 
+GRIND = ("valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null")
+
+
 def count(
     tree: Path,
     process: str,
@@ -224,10 +230,44 @@ def count(
     upstream: int,
     variant: Variant = OPEN_EDGE,
 ) -> int:
-    """Instructions ``process`` (``edge`` or ``node``) of ``tree`` ran in a whole run of
-    ``plan``: (cell, requests) in order, each answer checked."""
+    """Instructions ``process`` (``edge``, ``node``, or ``redis``: the variant's
+    ``redis-server``) of ``tree`` ran in a whole run of ``plan``: (cell, requests) in order,
+    each answer checked."""
+    if process == "redis":
+        return _count_redis(tree, plan, upstream, variant)
+    return _count(tree, process, plan, upstream, variant)
+
+
+def _count_redis(
+    tree: Path, plan: Sequence[tuple[str, int]], upstream: int, variant: Variant
+) -> int:
+    """:func:`count` of a ``redis-server`` of the run's own, under callgrind."""
+    from tests.store.redis_server import RedisServer  # as bench._stores does
+
+    server = RedisServer(wrapper=GRIND, start_within=120.0)
+    try:
+        url = server.start()
+        _count(tree, "", plan, upstream, attrs.evolve(variant, redis_url=url))
+        server.stop()  # SIGTERM: redis-server shuts down, callgrind writes its summary
+        report = server.log.read_text(errors="replace")
+    finally:
+        server.close()
+    collected = re.search(r"Collected : (\d+)", report)
+    if collected is None:
+        raise RuntimeError(f"no callgrind summary from redis-server: {report[-1000:]}")
+    return int(collected.group(1))
+
+
+def _count(
+    tree: Path,
+    process: str,
+    plan: Sequence[tuple[str, int]],
+    upstream: int,
+    variant: Variant,
+) -> int:
+    """:func:`count` of the edge or the node (``process`` empty: neither is counted)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0", KEY_ENV: "sk-bench"}
-    grind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+    grind = list(GRIND)
     with (
         tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp,
         subprocess.Popen(
@@ -267,6 +307,8 @@ def count(
             _, node_err = node.communicate(timeout=JOIN_TIMEOUT)
         edge.send_signal(signal.SIGTERM)
         _, edge_err = edge.communicate(timeout=JOIN_TIMEOUT)
+    if not process:
+        return 0
     report = edge_err if process == "edge" else node_err
     collected = re.search(r"Collected : (\d+)", report)
     if collected is None:
@@ -349,14 +391,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trees", nargs="*", type=Path, default=[REPO_ROOT], metavar="TREE")
     parser.add_argument("--requests", type=int, default=200, metavar="N")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=CELLS)
-    parser.add_argument("--process", nargs="+", default=["edge", "node"], choices=["edge", "node"])
+    parser.add_argument(
+        "--process", nargs="+", default=["edge", "node"], choices=["edge", "node", "redis"]
+    )
     parser.add_argument("--limits", nargs="+", choices=LIMITS, default=[])
     args = parser.parse_args(argv)
+    if "redis" in args.process and "redis" not in args.limits:
+        parser.error("--process redis counts the redis-server of --limits redis")
     print(
         f"instructions per chat completion ({args.requests} counted; plain: non-streaming, "
         f"{NON_STREAM_TOKENS} tokens from the upstream; stream: {STREAM_TOKENS} tokens)"
     )
-    columns = [*args.process, *(["both"] if len(args.process) == 2 else [])]
+    both = "edge" in args.process and "node" in args.process
+    columns = [*args.process, *(["both"] if both else [])]
     print(f"{'tree':<32} {'cell':<24}" + "".join(f" {name:>12}" for name in columns))
     with fake_upstream() as upstream, _redis(needed="redis" in args.limits) as redis_url:
         variants = [Variant(mode, redis_url if mode == "redis" else None) for mode in args.limits]
@@ -367,15 +414,16 @@ def main(argv: list[str] | None = None) -> int:
                         tree, process, args.cells, args.requests, upstream, variant
                     )
                     for process in args.process
+                    if process != "redis" or variant.limits == "redis"
                 }
                 for cell in args.cells:
-                    values = [figures[process][cell] for process in args.process]
-                    if len(values) == 2:
-                        values.append(sum(values))
+                    values = [figures[p][cell] if p in figures else None for p in args.process]
+                    if both:
+                        values.append(figures["edge"][cell] + figures["node"][cell])
                     label = cell if variant.limits is None else f"{cell} ({variant.limits})"
                     print(
                         f"{str(tree)[-32:]:<32} {label:<24}"
-                        + "".join(f" {v:>12,.0f}" for v in values),
+                        + "".join(f" {'-' if v is None else f'{v:,.0f}':>12}" for v in values),
                         flush=True,
                     )
     return 0

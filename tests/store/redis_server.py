@@ -40,14 +40,29 @@ class RedisServer:
     """One ``redis-server`` process in its own temp dir; ``password``: it requires one
     (``--requirepass``, the ``default`` user's), and its :attr:`url` carries it."""
 
-    def __init__(self, *, password: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        password: str | None = None,
+        wrapper: tuple[str, ...] = (),
+        start_within: float = 10.0,
+    ) -> None:
         if BINARY is None:
             raise RuntimeError("redis-server is not installed: apt-get install redis-server")
         self.binary = BINARY
         self.password = password
+        self.wrapper = wrapper
+        """A command it runs under (``bench.instructions``: valgrind; its report goes to
+        :attr:`log`)."""
+        self.start_within = start_within
         self.place = tempfile.TemporaryDirectory(prefix="dispatcher-redis-")
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> Path:
+        """Where the server (and its :attr:`wrapper`) writes."""
+        return Path(self.place.name, "redis.log")
 
     @property
     def url(self) -> str:
@@ -58,13 +73,13 @@ class RedisServer:
         """Start it (on its former port if it ran before); its URL."""
         for _ in range(5):  # a free port may be taken between the probe and the bind
             port = self.port or _free_port()
-            command = [self.binary, "--port", str(port), "--bind", "127.0.0.1"]
+            command = [*self.wrapper, self.binary, "--port", str(port), "--bind", "127.0.0.1"]
             command += ["--dir", self.place.name, "--save", "", "--appendonly", "no"]
             if self.password is not None:
                 command += ["--requirepass", self.password]
-            with Path(self.place.name, "redis.log").open("ab") as log:
+            with self.log.open("ab") as log:
                 process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 10.0
+            deadline = time.monotonic() + self.start_within
             while process.poll() is None and time.monotonic() < deadline:
                 if _answers(port):
                     self.process, self.port = process, port
