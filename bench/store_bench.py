@@ -292,28 +292,73 @@ async def _pings(redis_url: str, client: Any, runs: int) -> tuple[float, float, 
     its scripts), on a bare Trio socket back to back (the floor: loopback and redis-server
     alone), and on the bare socket after :data:`IDLE_GAP` idle (what one client's requests
     see: a server, and a CPU, woken from idle)."""
-    host, _, rest = redis_url.removeprefix("redis://").partition(":")
-    port = int(rest.partition("/")[0])
+    through = await _through(client, runs)
+    bare, idle = await _bare(redis_url, [b"PING\r\n"] * (runs + IDLE_PINGS), runs, b"+PONG")
+    return through, bare, idle
+
+
+async def _through(client: Any, runs: int) -> float:
     perf = time.perf_counter
     through: list[float] = []
     for _ in range(runs):
         start = perf()
         await client.call("PING")
         through.append(perf() - start)
+    return percentile(through, 0.5)
+
+
+async def _bare(
+    redis_url: str, commands: Sequence[bytes], runs: int, expect: bytes
+) -> tuple[float, float]:
+    """p50 round trip of ``commands`` sent one at a time on a bare Trio socket (no RESP link,
+    no limit store): the first ``runs`` back to back, the rest each after :data:`IDLE_GAP`
+    idle; each reply must start with ``expect`` and fit one read."""
+    host, _, rest = redis_url.removeprefix("redis://").partition(":")
+    port = int(rest.partition("/")[0])
+    perf = time.perf_counter
     bare: list[float] = []
     idle: list[float] = []
     with trio.socket.socket() as sock:
         await sock.connect((host, port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(runs + IDLE_PINGS):
+        for i, command in enumerate(commands):
             if i >= runs:
                 await trio.sleep(IDLE_GAP)
             start = perf()
-            await sock.send(b"PING\r\n")
-            if not (await sock.recv(64)).startswith(b"+PONG"):
-                raise LoadError("redis-server did not answer PING with +PONG")
+            await sock.send(command)
+            reply = await sock.recv(4096)
+            while not reply.endswith(b"\r\n"):
+                reply += await sock.recv(4096)
+            if not reply.startswith(expect):
+                raise LoadError(f"redis-server answered {reply[:80]!r}, not {expect!r}...")
             (bare if i < runs else idle).append(perf() - start)
-    return percentile(through, 0.5), percentile(bare, 0.5), percentile(idle, 0.5)
+    return percentile(bare, 0.5), percentile(idle, 0.5)
+
+
+async def _scripts(redis_url: str, store: Any, limits: Any, runs: int) -> tuple[float, float]:
+    """:func:`_bare` of the admission script itself, as one client sends it: each admission
+    carrying its tenant's previous finish (the settle and release of the request before),
+    its command built by the store (``_admit_command``) but sent and read on the bare
+    socket: what the Redis path costs before any of the edge's own work."""
+    from dispatcher.store.seam import Hold
+
+    commands = []
+    for i in range(runs + IDLE_PINGS):
+        hold = Hold(f"floor-{i}", "bench-floor", limits, 100, 0.0)
+        carried = None
+        if i:
+            previous = f"floor-{i - 1}"
+            carried = _Carried(["", "", "finish", previous, "1", "90", "0.0", "1"])
+        commands.append(store._admit_command(hold, carried))
+    return await _bare(redis_url, commands, runs, b"$")
+
+
+@dataclass
+class _Carried:
+    """What ``_admit_command`` reads of a carried write: its arguments."""
+
+    args: list[str]
+    carry: bytes | None = None
 
 
 async def _micro(redis_url: str | None, runs: int, notes: list[str]) -> dict[str, float]:
@@ -332,11 +377,18 @@ async def _micro(redis_url: str | None, runs: int, notes: list[str]) -> dict[str
         async with open_redis_limits(redis_url, prefix="bench-micro:") as store:
             out[REDIS] = percentile(await _round_trips(store, limited, runs), 0.5)
             through, bare, idle = await _pings(redis_url, store.client, runs)
+            script, script_idle = await _scripts(redis_url, store, limited, runs)
         notes.append(
             f"a PING round trip to the same redis-server, p50: {through * 1e6:.0f} µs through "
             f"the store's RESP link, {bare * 1e6:.0f} µs on a bare socket, "
             f"{idle * 1e6:.0f} µs on it after {IDLE_GAP * 1e3:g} ms idle (one client's cadence: "
             "each request's admission wakes redis-server, and the edge, from idle)"
+        )
+        notes.append(
+            f"the floor of the redis column's added p50 on this machine: one admission's "
+            f"script (carrying the previous request's finish) on the bare socket, no edge "
+            f"code, p50 {script * 1e6:.0f} µs back to back, {script_idle * 1e6:.0f} µs after "
+            f"{IDLE_GAP * 1e3:g} ms idle"
         )
     return {name: value * 1e6 for name, value in out.items()}
 
