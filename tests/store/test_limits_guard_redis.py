@@ -36,7 +36,7 @@ from dispatcher.store.limits_guard import (
     store_place,
 )
 from dispatcher.store.limits_redis import RedisLimits, open_redis_limits
-from dispatcher.store.seam import Hold, Refusal
+from dispatcher.store.seam import Hold, Refusal, StoreUnreachable
 
 from .redis_server import BINARY, RedisServer, own_server
 
@@ -280,3 +280,20 @@ async def test_redis_down_at_start_is_an_outage_and_seeding_waits_for_it(
                     await trio.sleep(0.1)
             await guard.seed(ledger)
             assert isinstance(await guard.admit(hold("r2", rpm=5)), Guarded)
+
+
+async def test_the_store_times_out_on_its_own_once_the_guard_is_gone(server: RedisServer) -> None:
+    """While the guard is open it bounds every admission (the store opens no timeout of its
+    own); once it is closed, an admission to a server that does not answer fails on the
+    store's own deadline, not never."""
+    async with open_redis_limits(server.url, command_timeout=COMMAND_TIMEOUT) as redis:
+        async with open_guarded_limits(redis, "the limit store", answer_within=DEADLINE) as guard:
+            assert redis.admit_bounded_by == DEADLINE
+            assert isinstance(await guard.admit(hold("r1", rpm=10)), Guarded)
+        assert redis.admit_bounded_by is None
+        server.pause()
+        try:
+            with trio.fail_after(COMMAND_TIMEOUT + 5), pytest.raises(StoreUnreachable):
+                await redis.admit(hold("r2", rpm=10))
+        finally:
+            server.resume()
