@@ -27,7 +27,7 @@ async def test_an_attempt_never_sent_has_no_row_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="dispatcher.gate")
-    config = EdgeConfig(local_node=False, nodes=NodeSettings(heartbeat_interval=100))
+    config = EdgeConfig(port=0, local_node=False, nodes=NodeSettings(heartbeat_interval=100))
     async with serve_edge(config, ServedEdge) as edge:
         tunnels = edge.dispatcher.tunnels
         edge_end, node_end = memory_connection_pair(buffer=0)
