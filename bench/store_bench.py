@@ -338,27 +338,22 @@ async def _bare(
 async def _scripts(redis_url: str, store: Any, limits: Any, runs: int) -> tuple[float, float]:
     """:func:`_bare` of the admission script itself, as one client sends it: each admission
     carrying its tenant's previous finish (the settle and release of the request before),
-    its command built by the store (``_admit_command``) but sent and read on the bare
-    socket: what the Redis path costs before any of the edge's own work."""
+    its command built by the store (``_admit_command``, the write carried a store ``_Op``)
+    but sent and read on the bare socket: what the Redis path costs before any of the edge's
+    own work."""
+    from dispatcher.store.limits_redis import _Op
     from dispatcher.store.seam import Hold
 
+    tenant = "bench-floor"
     commands = []
     for i in range(runs + IDLE_PINGS):
-        hold = Hold(f"floor-{i}", "bench-floor", limits, 100, 0.0)
+        hold = Hold(f"floor-{i}", tenant, limits, 100, 0.0)
         carried = None
         if i:
-            previous = f"floor-{i - 1}"
-            carried = _Carried(["", "", "finish", previous, "1", "90", "0.0", "1"])
+            finish = ["", "", "finish", f"floor-{i - 1}", "1", "90", "0.0", "1"]
+            carried = _Op(0, "finish", tenant, finish)
         commands.append(store._admit_command(hold, carried))
     return await _bare(redis_url, commands, runs, b"$")
-
-
-@dataclass
-class _Carried:
-    """What ``_admit_command`` reads of a carried write: its arguments."""
-
-    args: list[str]
-    carry: bytes | None = None
 
 
 async def _micro(redis_url: str | None, runs: int, notes: list[str]) -> dict[str, float]:
