@@ -129,7 +129,8 @@ class WebSocketClient:
         """The close: ours if we closed first, else the peer's (or 1006); None while open."""
         self._close_reason = ""
         self._peer_closed = trio.Event()
-        """The closing handshake is over, or the connection is gone."""
+        """The closing handshake is over, the connection is gone, or the reader was
+        cancelled: nothing more will be read."""
         self._receiver = trio.lowlevel.ParkingLot()
         self._reader_wake = trio.lowlevel.ParkingLot()
         # writing
@@ -299,8 +300,12 @@ class WebSocketClient:
                 await self._process_events()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionClosed):
             pass
-        # Not when cancelled (the node is shutting down): the connection is still whole,
-        # and the session's close frame still goes out.
+        except trio.Cancelled:
+            # The node is stopping: the connection is still whole, and the session's close
+            # frame still goes out, but no answer can be read any more, so a close waiting
+            # for one (shielded, with seconds of budget) ends now rather than at its bound.
+            self._peer_closed.set()
+            raise
         self._lost("the connection to the edge was lost")
 
     async def _process_events(self) -> None:

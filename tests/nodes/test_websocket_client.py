@@ -283,6 +283,30 @@ async def test_leaving_the_block_closes_with_1000() -> None:
     assert [(event.code, event.reason) for event in seen] == [(1000, "")]
 
 
+async def test_a_close_under_way_ends_when_the_reader_is_cancelled(autojump_clock: object) -> None:
+    """A node's second signal: its session, drained, was closing -- shielded, waiting for the
+    edge's answer -- when everything was cancelled, the reader with it. No answer can be read
+    any more, so the close ends at once, not at its bound (the node once stayed 5 s, until
+    SIGKILL, after "stopping now")."""
+    start = trio.current_time()
+    sent: list[CloseConnection] = []
+    with trio.CancelScope() as everything:
+        async with connected() as (ws, edge, _):
+
+            async def close_as_the_session_does() -> None:
+                with trio.move_on_after(5.0, shield=True):
+                    await ws.aclose(1000, "node drained")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close_as_the_session_does)
+                event = await edge.next_event()  # the edge has it, and does not answer yet
+                assert isinstance(event, CloseConnection)
+                sent.append(event)
+                everything.cancel()
+    assert [(event.code, event.reason) for event in sent] == [(1000, "node drained")]
+    assert trio.current_time() - start < 0.1  # not the close's 1 s, nor the shield's 5 s
+
+
 async def test_a_full_queue_stops_the_reader() -> None:
     async with connected(queue_size=1) as (ws, edge, stream):
         await edge.send(TextMessage(data="one"))
