@@ -364,6 +364,12 @@ class HTTPConnection:
                     self._main.wake()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except trio.Cancelled:
+            # The connection is being cancelled (the server stopping at once): a handler's
+            # close frame may still go out, but its answer can no longer be read.
+            if self._ws is not None:
+                self._ws.reader_stopped()
+            raise
         self._eof = True
         self._main.wake()
         if self._ws is not None:

@@ -96,7 +96,8 @@ class ServerWebSocket:
         self._close_reason = ""
         self._broken = False
         self._closed = trio.Event()
-        """Set when the closing handshake is over or the connection is gone."""
+        """Set when the closing handshake is over, the connection is gone, or its reader was
+        cancelled: nothing more will be read."""
         self._receiver = Waiter()
         self._lock = trio.Lock()
         self._unyielded = 0
@@ -190,6 +191,12 @@ class ServerWebSocket:
             return data
 
         await self._locked_send(build, with_pending=False)
+
+    def reader_stopped(self) -> None:
+        """The reader was cancelled (the server stopping at once): the connection is still
+        whole, and a close frame still goes out, but nothing more will be read -- a close
+        waiting for the client's answer ends now, not at ``close_wait``."""
+        self._closed.set()
 
     def connection_lost(self) -> None:
         """The TCP connection is gone: wake everyone; later calls raise WebSocketClosed."""

@@ -223,3 +223,32 @@ async def test_messages_that_arrived_are_taken_with_a_schedule_point_every_max_u
     assert cancelled == [True]
     assert after == ["after"]
     await client.aclose()
+
+
+async def test_a_close_under_way_ends_when_the_server_is_cancelled() -> None:
+    """The edge's second signal: a handler closing its websocket (shielded, as a node's
+    session does) waits for the client's answer; the server cancelled, its reader with it, no
+    answer can be read any more, so the close ends then, not at ``close_wait`` (here an hour;
+    the edge once sat out its 2 s with every node connected)."""
+    waited_out: list[bool] = []
+    closing = trio.Event()
+
+    async def app(request: Request, responder: Responder) -> None:
+        ws = await responder.accept_websocket()
+        await ws.receive()  # the client's cue
+        with trio.move_on_after(20, shield=True) as bound:
+            closing.set()
+            await ws.aclose(1001, "edge shutting down")
+        waited_out.append(bound.cancelled_caught)
+
+    async with trio.open_nursery() as nursery:
+        server = await start_server(nursery, app, limits=ServerLimits(linger_timeout=3600))
+        client, _ = await WSClient.connect(server)
+        await client.send(TextMessage(data="close now"))
+        await closing.wait()
+        event = await client.next_event()  # the close frame, left unanswered
+        assert isinstance(event, CloseConnection)
+        assert (event.code, event.reason) == (1001, "edge shutting down")
+        nursery.cancel_scope.cancel()
+    await client.aclose()
+    assert waited_out == [False]
