@@ -252,10 +252,7 @@ def _count_redis(
         report = server.log.read_text(errors="replace")
     finally:
         server.close()
-    collected = re.search(r"Collected : (\d+)", report)
-    if collected is None:
-        raise RuntimeError(f"no callgrind summary from redis-server: {report[-1000:]}")
-    return int(collected.group(1))
+    return _collected(report, "redis-server")
 
 
 def _count(
@@ -309,10 +306,14 @@ def _count(
         _, edge_err = edge.communicate(timeout=JOIN_TIMEOUT)
     if not process:
         return 0
-    report = edge_err if process == "edge" else node_err
+    return _collected(edge_err if process == "edge" else node_err, f"the {process}")
+
+
+def _collected(report: str, who: str) -> int:
+    """The instruction count of callgrind's summary in ``report`` (``who`` ran under it)."""
     collected = re.search(r"Collected : (\d+)", report)
     if collected is None:
-        raise RuntimeError(f"no callgrind summary from the {process}: {report[-1000:]}")
+        raise RuntimeError(f"no callgrind summary from {who}: {report[-1000:]}")
     return int(collected.group(1))
 
 
